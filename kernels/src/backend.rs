@@ -1,0 +1,261 @@
+//! The device abstraction the engine's forward pass is written against.
+//!
+//! Ops are at the granularity a GPU backend would fuse them (RMSNorm, RoPE, the mHC
+//! mixing, a whole MoE block, one compressor branch, attention over window + compressed
+//! entries), so a CUDA backend can implement this trait without the engine changing.
+//! Activations are dense row-major f32 buffers whose shapes the caller tracks; every
+//! op documents the shapes it reads and writes.
+
+use crate::EntryDtype;
+use crate::kv_layout::{Branch, KvLayout};
+use crate::plan::BatchPlan;
+use crate::rope::RopeTable;
+
+/// A dense f32 matrix on the host, row-major `[rows, cols]` (torch `Linear` layout:
+/// `rows` = output features).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl HostMatrix {
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(rows * cols, data.len(), "HostMatrix data does not match {rows}x{cols}");
+        HostMatrix { rows, cols, data }
+    }
+}
+
+/// Parameters of one mHC site (attention or FFN side of a layer).
+pub struct HcWeights<B: Backend + ?Sized> {
+    /// `[(2 + hc) * hc, hc * hidden]`: rows are pre, post, then comb logits.
+    pub mix: B::Weight,
+    /// `(2 + hc) * hc` biases.
+    pub base: Vec<f32>,
+    /// Scales for pre, post and comb logits.
+    pub scale: [f32; 3],
+    pub hc: usize,
+    pub hidden: usize,
+    pub sinkhorn_iters: usize,
+    pub norm_eps: f32,
+    pub hc_eps: f32,
+}
+
+/// The final stream collapse before the output norm.
+pub struct HcHeadWeights<B: Backend + ?Sized> {
+    /// `[hc, hc * hidden]`.
+    pub mix: B::Weight,
+    pub base: Vec<f32>,
+    pub scale: f32,
+    pub hc: usize,
+    pub hidden: usize,
+    pub norm_eps: f32,
+    pub hc_eps: f32,
+}
+
+/// One SwiGLU expert: `w2 · (silu(min(w1·x, limit)) * clamp(w3·x, ±limit))`.
+pub struct ExpertWeights<B: Backend + ?Sized> {
+    pub w1: B::Weight,
+    pub w2: B::Weight,
+    pub w3: B::Weight,
+}
+
+/// How a MoE layer picks its experts.
+pub enum Routing {
+    /// Top-k of `score + bias`; the bias only selects, weights use the raw score.
+    TopK { bias: Vec<f32> },
+    /// Fixed table `tid2eid[token * k + j]`.
+    Hash { tid2eid: Vec<u32> },
+}
+
+/// A whole MoE block: router, routed experts and shared expert.
+pub struct MoeWeights<B: Backend + ?Sized> {
+    /// `[n_experts, hidden]` router.
+    pub gate: B::Weight,
+    pub routing: Routing,
+    pub experts: Vec<ExpertWeights<B>>,
+    pub shared: Option<ExpertWeights<B>>,
+    pub top_k: usize,
+    pub route_scale: f32,
+    pub swiglu_limit: f32,
+}
+
+/// Parameters of one compressor branch.
+pub struct CompressorParams<'a, B: Backend + ?Sized> {
+    /// Learned position bias `[ratio, width]`, added to the scores (`ape`).
+    pub ape: &'a B::Buf,
+    /// Weighted RMSNorm over the entry.
+    pub norm: &'a B::Buf,
+    pub eps: f32,
+    pub rope: &'a RopeTable,
+}
+
+/// The KV state of every sequence a backend serves: pages (compressed entries),
+/// window rings and compressor slots, indexed by page id and state slot.
+pub struct KvState<B: Backend + ?Sized> {
+    pub pages: B::Kv,
+    pub rings: B::Kv,
+    pub comp: B::Buf,
+}
+
+/// Selected compressed entries of a CSA layer: `[rows, top_k]` entry indices, -1 where
+/// fewer entries are visible than `top_k`.
+pub struct Selection<B: Backend + ?Sized> {
+    pub indices: B::Idx,
+    pub top_k: usize,
+}
+
+pub trait Backend: Send + Sync + 'static {
+    /// Dense f32 activations.
+    type Buf: Send + Sync;
+    /// A weight matrix.
+    type Weight: Send + Sync;
+    /// Entry storage (pages or window rings) in an [`EntryDtype`].
+    type Kv: Send + Sync;
+    /// Integer indices.
+    type Idx: Send + Sync;
+
+    /// One line naming the device, for logs.
+    fn describe(&self) -> String;
+
+    // ---- memory -------------------------------------------------------------------
+
+    fn zeros(&self, len: usize) -> Self::Buf;
+    fn upload(&self, data: &[f32]) -> Self::Buf;
+    fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    /// Copy `rows` rows of `width` from `src` (starting at row `src_row`) into a new buffer.
+    fn slice_rows(&self, src: &Self::Buf, width: usize, src_row: usize, rows: usize) -> Self::Buf;
+    fn weight(&self, m: HostMatrix) -> Self::Weight;
+    /// `(rows, cols)` of a weight.
+    fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
+
+    fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> Self::Kv;
+    /// Raw bytes of `elems` entry elements starting at element `offset`.
+    fn kv_read(&self, kv: &Self::Kv, offset: usize, elems: usize) -> Vec<u8>;
+    /// Overwrite entry elements starting at element `offset` with raw bytes.
+    fn kv_write(&self, kv: &mut Self::Kv, offset: usize, bytes: &[u8]);
+    /// Read `len` f32 values of an activation buffer starting at `offset`.
+    fn buf_read(&self, buf: &Self::Buf, offset: usize, len: usize) -> Vec<f32>;
+    fn buf_write(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);
+    fn idx_download(&self, idx: &Self::Idx) -> Vec<i32>;
+
+    // ---- row-wise ops ----------------------------------------------------------------
+
+    /// `out[r, :] = table[tokens[r], :]`.
+    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Self::Buf);
+    /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`.
+    fn matmul(&self, x: &Self::Buf, rows: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// Block-diagonal product: `x[rows, groups * w.cols]`, `w[groups * g_out, w.cols]`;
+    /// group `g` of the output is `x_g · w_gᵀ`.
+    fn grouped_matmul(&self, x: &Self::Buf, rows: usize, groups: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// RMSNorm over consecutive runs of `dim` values, optionally scaled by `weight[dim]`.
+    fn rms_norm(&self, x: &mut Self::Buf, dim: usize, weight: Option<&Self::Buf>, eps: f32);
+    /// Interleaved RoPE on the last `rope.dims()` values of each head:
+    /// `x[rows, heads, head_dim]`, row `r` at `positions[r]`. `inverse` rotates by the
+    /// conjugate (used on the attention output).
+    fn rope(
+        &self,
+        x: &mut Self::Buf,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        rope: &RopeTable,
+        inverse: bool,
+    );
+    /// Round values to what `dtype` can store (identity for f32), so that values used
+    /// straight from activations equal the ones later read back from storage.
+    fn round_to(&self, x: &mut Self::Buf, dtype: EntryDtype);
+
+    /// mHC mixing before a sub-block. `streams[rows, hc, hidden]` →
+    /// `collapsed[rows, hidden]` (input of the sub-block), `post[rows, hc]`,
+    /// `comb[rows, hc, hc]` (Sinkhorn-projected).
+    fn hc_pre(
+        &self,
+        streams: &Self::Buf,
+        rows: usize,
+        w: &HcWeights<Self>,
+        collapsed: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    );
+    /// `streams[k] ← post[k] · out + Σ_j comb[j, k] · streams[j]`, per row.
+    fn hc_post(
+        &self,
+        streams: &mut Self::Buf,
+        rows: usize,
+        hc: usize,
+        out: &Self::Buf,
+        post: &Self::Buf,
+        comb: &Self::Buf,
+    );
+    /// Final collapse: `out[rows, hidden] = Σ_j pre_j · streams[j]`.
+    fn hc_head(&self, streams: &Self::Buf, rows: usize, w: &HcHeadWeights<Self>, out: &mut Self::Buf);
+
+    /// A MoE block on `x[rows, hidden]` (already normed); `tokens[r]` feeds hash routing.
+    fn moe(&self, x: &Self::Buf, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut Self::Buf);
+
+    // ---- sequence-aware ops -------------------------------------------------------
+
+    /// Feed one compressor branch of `layer` with this batch's projections
+    /// (`kv`, `score` of `[rows, layout.comp_width]`), emitting every entry a window
+    /// completes into the sequence's page (normed, roped at position `ratio·i`).
+    #[allow(clippy::too_many_arguments)]
+    fn compress(
+        &self,
+        kv: &mut KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        branch: Branch,
+        plan: &BatchPlan,
+        proj_kv: &Self::Buf,
+        proj_score: &Self::Buf,
+        p: &CompressorParams<'_, Self>,
+    );
+
+    /// Lightning-indexer selection for a CSA layer: `q[rows, heads, index_dim]`
+    /// (roped), `weights[rows, heads]` (already scaled). Per row, scores every visible
+    /// indexer key `Σ_h w_h · relu(q_h · k)` and keeps the `top_k` best.
+    #[allow(clippy::too_many_arguments)]
+    fn index_topk(
+        &self,
+        kv: &KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &Self::Buf,
+        weights: &Self::Buf,
+        heads: usize,
+        top_k: usize,
+    ) -> Selection<Self>;
+
+    /// Attention of `q[rows, heads, head_dim]` over each row's window (ring entries
+    /// before this step, `new_kv[rows, head_dim]` for this step's tokens) and its
+    /// compressed entries (all visible ones for HCA, `selected` for CSA), with one
+    /// softmax whose denominator also holds `exp(sinks[h])`. Keys are values.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        kv: &KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &Self::Buf,
+        new_kv: &Self::Buf,
+        selected: Option<&Selection<Self>>,
+        sinks: &Self::Buf,
+        heads: usize,
+        scale: f32,
+        out: &mut Self::Buf,
+    );
+
+    /// Write this step's window entries into each sequence's ring.
+    fn store_window(
+        &self,
+        kv: &mut KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        new_kv: &Self::Buf,
+    );
+}

@@ -1,0 +1,276 @@
+//! The CPU backend: f32 activations in `Vec`s, weights dequantised to f32 at load,
+//! products through the `gemm` crate, everything else parallel over rows with rayon.
+//! Thread count follows rayon's global pool (`RAYON_NUM_THREADS`).
+
+mod attention;
+mod compress;
+mod hc;
+mod matmul;
+mod moe;
+mod rows;
+
+use crate::EntryDtype;
+use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection};
+use crate::kv_layout::{Branch, KvLayout};
+use crate::plan::BatchPlan;
+use crate::quant::{bf16_to_f32, f32_to_bf16};
+use crate::rope::RopeTable;
+
+/// A weight matrix in host memory, `[rows, cols]` row-major.
+pub type CpuMatrix = HostMatrix;
+
+/// Entry storage in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuKv {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl CpuKv {
+    pub fn dtype(&self) -> EntryDtype {
+        match self {
+            CpuKv::F32(_) => EntryDtype::F32,
+            CpuKv::Bf16(_) => EntryDtype::Bf16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuKv::F32(v) => v.len(),
+            CpuKv::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Read `out.len()` elements starting at element `offset`, widened to f32.
+    pub fn read(&self, offset: usize, out: &mut [f32]) {
+        match self {
+            CpuKv::F32(v) => out.copy_from_slice(&v[offset..offset + out.len()]),
+            CpuKv::Bf16(v) => {
+                let n = out.len();
+                out.iter_mut().zip(&v[offset..offset + n]).for_each(|(o, b)| *o = bf16_to_f32(*b))
+            }
+        }
+    }
+
+    /// Write f32 values starting at element `offset`, narrowed to the storage dtype.
+    pub fn write(&mut self, offset: usize, data: &[f32]) {
+        match self {
+            CpuKv::F32(v) => v[offset..offset + data.len()].copy_from_slice(data),
+            CpuKv::Bf16(v) => {
+                v[offset..offset + data.len()].iter_mut().zip(data).for_each(|(b, x)| *b = f32_to_bf16(*x))
+            }
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            CpuKv::F32(v) => bytemuck::cast_slice(v),
+            CpuKv::Bf16(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            CpuKv::F32(v) => bytemuck::cast_slice_mut(v),
+            CpuKv::Bf16(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        CpuBackend
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buf = Vec<f32>;
+    type Weight = CpuMatrix;
+    type Kv = CpuKv;
+    type Idx = Vec<i32>;
+
+    fn describe(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn zeros(&self, len: usize) -> Vec<f32> {
+        vec![0.0; len]
+    }
+
+    fn upload(&self, data: &[f32]) -> Vec<f32> {
+        data.to_vec()
+    }
+
+    fn download(&self, buf: &Vec<f32>) -> Vec<f32> {
+        buf.clone()
+    }
+
+    fn slice_rows(&self, src: &Vec<f32>, width: usize, src_row: usize, rows: usize) -> Vec<f32> {
+        src[src_row * width..(src_row + rows) * width].to_vec()
+    }
+
+    fn weight(&self, m: HostMatrix) -> CpuMatrix {
+        m
+    }
+
+    fn weight_shape(&self, w: &CpuMatrix) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> CpuKv {
+        match dtype {
+            EntryDtype::F32 => CpuKv::F32(vec![0.0; elems]),
+            EntryDtype::Bf16 => CpuKv::Bf16(vec![0; elems]),
+        }
+    }
+
+    fn kv_read(&self, kv: &CpuKv, offset: usize, elems: usize) -> Vec<u8> {
+        let sz = kv.dtype().size();
+        kv.bytes()[offset * sz..(offset + elems) * sz].to_vec()
+    }
+
+    fn kv_write(&self, kv: &mut CpuKv, offset: usize, bytes: &[u8]) {
+        let sz = kv.dtype().size();
+        assert_eq!(bytes.len() % sz, 0, "kv_write of a partial element");
+        kv.bytes_mut()[offset * sz..offset * sz + bytes.len()].copy_from_slice(bytes);
+    }
+
+    fn buf_read(&self, buf: &Vec<f32>, offset: usize, len: usize) -> Vec<f32> {
+        buf[offset..offset + len].to_vec()
+    }
+
+    fn buf_write(&self, buf: &mut Vec<f32>, offset: usize, data: &[f32]) {
+        buf[offset..offset + data.len()].copy_from_slice(data);
+    }
+
+    fn idx_download(&self, idx: &Vec<i32>) -> Vec<i32> {
+        idx.clone()
+    }
+
+    fn embed(&self, table: &CpuMatrix, tokens: &[u32], out: &mut Vec<f32>) {
+        rows::embed(table, tokens, out)
+    }
+
+    fn matmul(&self, x: &Vec<f32>, rows: usize, w: &CpuMatrix, out: &mut Vec<f32>) {
+        matmul::matmul(x, rows, w, out)
+    }
+
+    fn grouped_matmul(&self, x: &Vec<f32>, rows: usize, groups: usize, w: &CpuMatrix, out: &mut Vec<f32>) {
+        matmul::grouped_matmul(x, rows, groups, w, out)
+    }
+
+    fn rms_norm(&self, x: &mut Vec<f32>, dim: usize, weight: Option<&Vec<f32>>, eps: f32) {
+        rows::rms_norm(x, dim, weight.map(|w| w.as_slice()), eps)
+    }
+
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        rope: &RopeTable,
+        inverse: bool,
+    ) {
+        rows::rope(x, heads, head_dim, positions, rope, inverse)
+    }
+
+    fn round_to(&self, x: &mut Vec<f32>, dtype: EntryDtype) {
+        rows::round_to(x, dtype)
+    }
+
+    fn hc_pre(
+        &self,
+        streams: &Vec<f32>,
+        rows: usize,
+        w: &HcWeights<Self>,
+        collapsed: &mut Vec<f32>,
+        post: &mut Vec<f32>,
+        comb: &mut Vec<f32>,
+    ) {
+        hc::hc_pre(streams, rows, w, collapsed, post, comb)
+    }
+
+    fn hc_post(
+        &self,
+        streams: &mut Vec<f32>,
+        rows: usize,
+        hc: usize,
+        out: &Vec<f32>,
+        post: &Vec<f32>,
+        comb: &Vec<f32>,
+    ) {
+        hc::hc_post(streams, rows, hc, out, post, comb)
+    }
+
+    fn hc_head(&self, streams: &Vec<f32>, rows: usize, w: &HcHeadWeights<Self>, out: &mut Vec<f32>) {
+        hc::hc_head(streams, rows, w, out)
+    }
+
+    fn moe(&self, x: &Vec<f32>, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut Vec<f32>) {
+        moe::moe(x, rows, tokens, w, out)
+    }
+
+    fn compress(
+        &self,
+        kv: &mut KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        branch: Branch,
+        plan: &BatchPlan,
+        proj_kv: &Vec<f32>,
+        proj_score: &Vec<f32>,
+        p: &CompressorParams<'_, Self>,
+    ) {
+        compress::compress(kv, layout, layer, branch, plan, proj_kv, proj_score, p)
+    }
+
+    fn index_topk(
+        &self,
+        kv: &KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &Vec<f32>,
+        weights: &Vec<f32>,
+        heads: usize,
+        top_k: usize,
+    ) -> Selection<Self> {
+        Selection { indices: attention::index_topk(kv, layout, layer, plan, q, weights, heads, top_k), top_k }
+    }
+
+    fn attention(
+        &self,
+        kv: &KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &Vec<f32>,
+        new_kv: &Vec<f32>,
+        selected: Option<&Selection<Self>>,
+        sinks: &Vec<f32>,
+        heads: usize,
+        scale: f32,
+        out: &mut Vec<f32>,
+    ) {
+        attention::attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out)
+    }
+
+    fn store_window(
+        &self,
+        kv: &mut KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        new_kv: &Vec<f32>,
+    ) {
+        attention::store_window(kv, layout, layer, plan, new_kv)
+    }
+}

@@ -1,0 +1,258 @@
+//! Geometry of the hybrid KV state: where each layer's entries live inside a page
+//! (one 128-token block of one sequence, all layers) and inside a state-cache slot
+//! (one running sequence's window rings and compressor slots).
+//!
+//! The layout is plain data so every backend, the transfer layer and the kvstore
+//! agree on byte offsets without sharing code paths.
+
+use crate::EntryDtype;
+
+/// Which attention a layer runs; fixed by its compression ratio (0, 4 or 128 in V4).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttnKind {
+    /// Sliding window only (ratio 0).
+    Window,
+    /// Compressed sparse attention: overlapping compressor + lightning indexer top-k.
+    Csa,
+    /// Heavily compressed attention: non-overlapping compressor, every entry visible.
+    Hca,
+}
+
+impl AttnKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnKind::Window => "window",
+            AttnKind::Csa => "csa",
+            AttnKind::Hca => "hca",
+        }
+    }
+}
+
+/// What a layer needs stored, as the model config describes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub kind: AttnKind,
+    /// Raw tokens per compressed entry (0 for window-only layers).
+    pub ratio: usize,
+    /// Dimension of a KV entry (window and compressed entries alike).
+    pub head_dim: usize,
+    /// Dimension of an indexer key (CSA only; 0 otherwise).
+    pub index_dim: usize,
+}
+
+/// The two compressors a CSA layer runs (HCA layers only have `Main`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Branch {
+    Main,
+    Indexer,
+}
+
+/// One layer's offsets. Page offsets are in entry elements; compressor offsets are in
+/// f32 elements of the slot's compressor region.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerKv {
+    pub spec: LayerSpec,
+    pub page_main: usize,
+    pub page_index: usize,
+    pub ring: usize,
+    pub comp_main: usize,
+    pub comp_index: usize,
+}
+
+impl LayerKv {
+    pub fn kind(&self) -> AttnKind {
+        self.spec.kind
+    }
+
+    /// Compressed entries of this layer in one page (one block of raw tokens).
+    pub fn entries_per_page(&self, block: usize) -> usize {
+        match self.spec.kind {
+            AttnKind::Window => 0,
+            _ => block / self.spec.ratio,
+        }
+    }
+
+    /// Entry dimension of a compressor branch.
+    pub fn branch_dim(&self, branch: Branch) -> usize {
+        match branch {
+            Branch::Main => self.spec.head_dim,
+            Branch::Indexer => self.spec.index_dim,
+        }
+    }
+
+    /// Element offset of a branch's entries inside a page.
+    pub fn page_offset(&self, branch: Branch) -> usize {
+        match branch {
+            Branch::Main => self.page_main,
+            Branch::Indexer => self.page_index,
+        }
+    }
+
+    /// Raw-token slots the compressor keeps: the current window, plus the previous one
+    /// for CSA because entry i mixes windows i-1 and i.
+    pub fn comp_slots(&self) -> usize {
+        match self.spec.kind {
+            AttnKind::Window => 0,
+            AttnKind::Csa => 2 * self.spec.ratio,
+            AttnKind::Hca => self.spec.ratio,
+        }
+    }
+
+    /// Per-token width of what a compressor branch stores (kv, and the same again for
+    /// scores): CSA tokens carry two series (next window's and current window's).
+    pub fn comp_width(&self, branch: Branch) -> usize {
+        let dim = self.branch_dim(branch);
+        match self.spec.kind {
+            AttnKind::Csa => 2 * dim,
+            _ => dim,
+        }
+    }
+
+    /// f32 offset of a branch's compressor region (kv slots, then score slots).
+    pub fn comp_offset(&self, branch: Branch) -> usize {
+        match branch {
+            Branch::Main => self.comp_main,
+            Branch::Indexer => self.comp_index,
+        }
+    }
+}
+
+/// Byte sizes of one block's worth of KV, split by pool as operators see them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolBytes {
+    pub csa_main: usize,
+    pub csa_index: usize,
+    pub hca: usize,
+}
+
+/// The full layout table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// Raw tokens per page (lcm of the compression ratios; 128 for V4).
+    pub block: usize,
+    /// Sliding window length (current token and the ones before it).
+    pub window: usize,
+    pub dtype: EntryDtype,
+    /// Entry elements per page.
+    pub page_elems: usize,
+    /// Entry elements of window rings per state slot.
+    pub ring_elems: usize,
+    /// f32 elements of compressor slots per state slot.
+    pub comp_elems: usize,
+    pub layers: Vec<LayerKv>,
+}
+
+impl KvLayout {
+    pub fn new(block: usize, window: usize, dtype: EntryDtype, specs: &[LayerSpec]) -> Self {
+        let mut page = 0;
+        let mut ring = 0;
+        let mut comp = 0;
+        let mut layers = Vec::with_capacity(specs.len());
+        for spec in specs {
+            let mut lk = LayerKv { spec: *spec, page_main: 0, page_index: 0, ring, comp_main: 0, comp_index: 0 };
+            ring += window * spec.head_dim;
+            if spec.kind != AttnKind::Window {
+                let per_page = block / spec.ratio;
+                lk.page_main = page;
+                page += per_page * spec.head_dim;
+                lk.comp_main = comp;
+                comp += 2 * lk.comp_slots() * lk.comp_width(Branch::Main);
+            }
+            if spec.kind == AttnKind::Csa {
+                lk.page_index = page;
+                page += (block / spec.ratio) * spec.index_dim;
+                lk.comp_index = comp;
+                comp += 2 * lk.comp_slots() * lk.comp_width(Branch::Indexer);
+            }
+            layers.push(lk);
+        }
+        KvLayout { block, window, dtype, page_elems: page, ring_elems: ring, comp_elems: comp, layers }
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        self.page_elems * self.dtype.size()
+    }
+
+    /// Bytes of one state-cache slot: window rings in the entry dtype, compressor
+    /// slots in f32 (they accumulate softmax inputs; rounding them would make chunked
+    /// prefill drift from one-shot prefill).
+    pub fn state_bytes(&self) -> usize {
+        self.ring_elems * self.dtype.size() + self.comp_elems * 4
+    }
+
+    /// Page bytes split into the pools operators watch.
+    pub fn pool_bytes_per_block(&self) -> PoolBytes {
+        let mut p = PoolBytes::default();
+        let sz = self.dtype.size();
+        for l in &self.layers {
+            let n = l.entries_per_page(self.block);
+            match l.kind() {
+                AttnKind::Window => {}
+                AttnKind::Csa => {
+                    p.csa_main += n * l.spec.head_dim * sz;
+                    p.csa_index += n * l.spec.index_dim * sz;
+                }
+                AttnKind::Hca => p.hca += n * l.spec.head_dim * sz,
+            }
+        }
+        p
+    }
+
+    /// Window-ring bytes per state slot (the SWA state the kvstore policies are about).
+    pub fn window_bytes(&self) -> usize {
+        self.ring_elems * self.dtype.size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flash_like() -> Vec<LayerSpec> {
+        let w = LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 512, index_dim: 0 };
+        let c = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 512, index_dim: 128 };
+        let h = LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 512, index_dim: 0 };
+        let mut v = vec![w, w];
+        for _ in 0..20 {
+            v.push(c);
+            v.push(h);
+        }
+        v.push(c);
+        v
+    }
+
+    #[test]
+    fn flash_geometry_matches_design_numbers() {
+        let layout = KvLayout::new(128, 128, EntryDtype::Bf16, &flash_like());
+        let pools = layout.pool_bytes_per_block();
+        // 21 CSA layers x 32 entries x 512 dims x 2 bytes; indexer 128 dims; 20 HCA x 1 entry.
+        assert_eq!(pools.csa_main, 21 * 32 * 512 * 2);
+        assert_eq!(pools.csa_index, 21 * 32 * 128 * 2);
+        assert_eq!(pools.hca, 20 * 512 * 2);
+        assert_eq!(layout.page_bytes(), pools.csa_main + pools.csa_index + pools.hca);
+        // Window state: 43 layers x 128 entries x 512 dims: ~8x the compressed bytes per block.
+        assert_eq!(layout.window_bytes(), 43 * 128 * 512 * 2);
+        let ratio = layout.window_bytes() as f64 / layout.page_bytes() as f64;
+        assert!(ratio > 5.0 && ratio < 10.0, "window/compressed ratio {ratio}");
+    }
+
+    #[test]
+    fn offsets_do_not_overlap() {
+        let layout = KvLayout::new(128, 128, EntryDtype::F32, &flash_like());
+        let mut spans = Vec::new();
+        for l in &layout.layers {
+            let n = l.entries_per_page(128);
+            if l.kind() != AttnKind::Window {
+                spans.push((l.page_main, l.page_main + n * l.spec.head_dim));
+            }
+            if l.kind() == AttnKind::Csa {
+                spans.push((l.page_index, l.page_index + n * l.spec.index_dim));
+            }
+        }
+        spans.sort();
+        for w in spans.windows(2) {
+            assert!(w[0].1 <= w[1].0, "overlapping page spans {:?}", w);
+        }
+        assert_eq!(spans.last().unwrap().1, layout.page_elems);
+    }
+}
