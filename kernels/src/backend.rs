@@ -124,8 +124,8 @@ pub trait Backend: Send + Sync + 'static {
     fn zeros(&self, len: usize) -> Self::Buf;
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
-    /// Copy `rows` rows of `width` from `src` (starting at row `src_row`) into a new buffer.
-    fn slice_rows(&self, src: &Self::Buf, width: usize, src_row: usize, rows: usize) -> Self::Buf;
+    /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.
+    fn gather_rows(&self, src: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
     fn weight(&self, m: HostMatrix) -> Self::Weight;
     /// `(rows, cols)` of a weight.
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
@@ -163,6 +163,8 @@ pub trait Backend: Send + Sync + 'static {
         rope: &RopeTable,
         inverse: bool,
     );
+    /// `x *= factor`.
+    fn scale(&self, x: &mut Self::Buf, factor: f32);
     /// Round values to what `dtype` can store (identity for f32), so that values used
     /// straight from activations equal the ones later read back from storage.
     fn round_to(&self, x: &mut Self::Buf, dtype: EntryDtype);

@@ -10,10 +10,12 @@
 //! - [`plan`]: which rows of a batch belong to which sequence.
 //! - [`rope`]: rotary frequency tables (plain and YaRN) and the pair rotation.
 //! - [`quant`]: stored number formats (BF16, FP8 e4m3, FP4 e2m1, ue8m0 scales).
+//! - [`mapped`]: read-only memory maps of weight files.
 
 pub mod backend;
 pub mod cpu;
 pub mod kv_layout;
+pub mod mapped;
 pub mod plan;
 pub mod quant;
 pub mod reference;

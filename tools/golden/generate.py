@@ -577,8 +577,22 @@ def build(name, spec, out_root):
     model_dir.mkdir(parents=True)
 
     if spec["layout"] == "hf":
-        model.save_pretrained(model_dir)
-        (model_dir / "generation_config.json").unlink(missing_ok=True)
+        # HF module names (model.layers.L.self_attn.q_a_proj.weight, fused experts) with
+        # the config keys transformers writes...
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(sd, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+        cfg.to_json_file(str(model_dir / "config.json"))
+        # ...and what transformers' own save_pretrained writes (it maps names back
+        # towards the official ones under a `model.` prefix).
+        saved_dir = root / "model-saved"
+        model.save_pretrained(saved_dir)
+        (saved_dir / "generation_config.json").unlink(missing_ok=True)
+        for d in (model_dir, saved_dir):
+            reloaded = DeepseekV4ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+            probe = torch.arange(min(40, cfg.vocab_size))[None]
+            if not torch.equal(model(input_ids=probe, use_cache=False).logits,
+                               reloaded(input_ids=probe, use_cache=False).logits):
+                raise SystemExit(f"{name}: reload of {d.name} differs from the model that wrote it")
     else:
         tensors = official_state_dict(model, cfg)
         if spec["quant"] == "fp8-fp4":

@@ -112,8 +112,8 @@ impl Backend for CpuBackend {
         buf.clone()
     }
 
-    fn slice_rows(&self, src: &Vec<f32>, width: usize, src_row: usize, rows: usize) -> Vec<f32> {
-        src[src_row * width..(src_row + rows) * width].to_vec()
+    fn gather_rows(&self, src: &Vec<f32>, width: usize, rows: &[usize]) -> Vec<f32> {
+        rows.iter().flat_map(|&r| src[r * width..(r + 1) * width].iter().copied()).collect()
     }
 
     fn weight(&self, m: HostMatrix) -> CpuMatrix {
@@ -180,6 +180,10 @@ impl Backend for CpuBackend {
         inverse: bool,
     ) {
         rows::rope(x, heads, head_dim, positions, rope, inverse)
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, factor: f32) {
+        x.iter_mut().for_each(|v| *v *= factor);
     }
 
     fn round_to(&self, x: &mut Vec<f32>, dtype: EntryDtype) {

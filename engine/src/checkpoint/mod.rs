@@ -1,0 +1,191 @@
+//! Checkpoint reading: memory-mapped safetensors (single file or sharded), official or
+//! HF tensor names, every stored dtype decoded to f32 with its shape checked. Errors
+//! name the tensor and, for shapes, the expected and actual shape.
+
+mod decode;
+mod files;
+mod names;
+
+use std::path::{Path, PathBuf};
+
+use kernels::HostMatrix;
+use thiserror::Error;
+
+use crate::config::ConfigError;
+pub use files::{RawTensor, SafetensorsSet};
+pub use names::{Naming, hf_name};
+
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    #[error("cannot read {path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("no safetensors files in {dir} (expected model.safetensors or model.safetensors.index.json)")]
+    NoWeights { dir: String },
+    #[error(
+        "cannot tell the tensor naming of {dir}: neither `embed.weight` (official) nor `model.embed_tokens.weight` (HF) is present"
+    )]
+    UnknownNaming { dir: String },
+    #[error("checkpoint is missing tensor `{tensor}`{hint}")]
+    Missing { tensor: String, hint: String },
+    #[error("tensor `{tensor}` has shape {actual:?}, expected {expected:?}")]
+    Shape { tensor: String, expected: Vec<usize>, actual: Vec<usize> },
+    #[error("tensor `{tensor}` has dtype {dtype}, expected {expected}")]
+    Dtype { tensor: String, dtype: String, expected: String },
+    #[error("tensor `{tensor}`: {reason}")]
+    Quant { tensor: String, reason: String },
+    #[error("tensor `{tensor}` holds an invalid value: {reason}")]
+    Value { tensor: String, reason: String },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+/// Which expert projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertProj {
+    /// Gate (`w1`, HF `gate_proj`): `[inter, hidden]`.
+    W1,
+    /// Down (`w2`, HF `down_proj`): `[hidden, inter]`.
+    W2,
+    /// Up (`w3`, HF `up_proj`): `[inter, hidden]`.
+    W3,
+}
+
+pub struct Checkpoint {
+    dir: PathBuf,
+    set: SafetensorsSet,
+    naming: Naming,
+}
+
+impl Checkpoint {
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        let set = SafetensorsSet::open_dir(dir)?;
+        let naming =
+            Naming::detect(&set).ok_or_else(|| CheckpointError::UnknownNaming { dir: dir.display().to_string() })?;
+        Ok(Checkpoint { dir: dir.to_path_buf(), set, naming })
+    }
+
+    pub fn naming(&self) -> Naming {
+        self.naming
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn files(&self) -> &SafetensorsSet {
+        &self.set
+    }
+
+    fn stored_name(&self, official: &str) -> String {
+        self.naming.stored(official)
+    }
+
+    fn raw(&self, official: &str) -> Result<RawTensor<'_>, CheckpointError> {
+        let stored = self.stored_name(official);
+        self.set.get(&stored).ok_or_else(|| CheckpointError::Missing {
+            tensor: official.to_string(),
+            hint: if stored != official {
+                format!(" (looked for `{stored}`, {} naming)", self.naming.name())
+            } else {
+                String::new()
+            },
+        })
+    }
+
+    pub fn has(&self, official: &str) -> bool {
+        self.set.contains(&self.stored_name(official))
+    }
+
+    fn scale_of(&self, stored: &str) -> Option<RawTensor<'_>> {
+        names::scale_names(stored).iter().find_map(|n| self.set.get(n))
+    }
+
+    /// A `[rows, cols]` weight matrix in any stored format.
+    pub fn matrix(&self, official: &str, rows: usize, cols: usize) -> Result<HostMatrix, CheckpointError> {
+        let t = self.raw(official)?;
+        let scale = self.scale_of(t.name);
+        Ok(HostMatrix::new(rows, cols, decode::matrix(&t, scale.as_ref(), rows, cols)?))
+    }
+
+    /// A float tensor of the given shape, flattened.
+    pub fn floats(&self, official: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+        decode::floats(&self.raw(official)?, shape)
+    }
+
+    /// An integer tensor of the given shape, flattened.
+    pub fn ints(&self, official: &str, shape: &[usize]) -> Result<Vec<i64>, CheckpointError> {
+        decode::ints(&self.raw(official)?, shape)
+    }
+
+    /// All routed experts of a layer as `[w1, w2, w3]`, from per-expert tensors
+    /// (official names, or HF `experts.E.gate_proj`) or HF's fused
+    /// `experts.gate_up_proj` / `experts.down_proj`.
+    pub fn experts(
+        &self,
+        layer: usize,
+        n: usize,
+        inter: usize,
+        hidden: usize,
+    ) -> Result<Vec<[HostMatrix; 3]>, CheckpointError> {
+        let fused_gate_up = format!("model.layers.{layer}.mlp.experts.gate_up_proj");
+        if self.naming == Naming::Hf && self.set.contains(&fused_gate_up) {
+            let gu = decode::floats(&self.set.get(&fused_gate_up).expect("checked"), &[n, 2 * inter, hidden])?;
+            let down_name = format!("model.layers.{layer}.mlp.experts.down_proj");
+            let down_raw = self
+                .set
+                .get(&down_name)
+                .ok_or_else(|| CheckpointError::Missing { tensor: down_name, hint: String::new() })?;
+            let down = decode::floats(&down_raw, &[n, hidden, inter])?;
+            let per = inter * hidden;
+            return Ok((0..n)
+                .map(|e| {
+                    let base = e * 2 * per;
+                    [
+                        HostMatrix::new(inter, hidden, gu[base..base + per].to_vec()),
+                        HostMatrix::new(hidden, inter, down[e * per..(e + 1) * per].to_vec()),
+                        HostMatrix::new(inter, hidden, gu[base + per..base + 2 * per].to_vec()),
+                    ]
+                })
+                .collect());
+        }
+        (0..n)
+            .map(|e| {
+                Ok([
+                    self.expert(layer, e, ExpertProj::W1, inter, hidden)?,
+                    self.expert(layer, e, ExpertProj::W2, hidden, inter)?,
+                    self.expert(layer, e, ExpertProj::W3, inter, hidden)?,
+                ])
+            })
+            .collect()
+    }
+
+    fn expert(
+        &self,
+        layer: usize,
+        e: usize,
+        proj: ExpertProj,
+        rows: usize,
+        cols: usize,
+    ) -> Result<HostMatrix, CheckpointError> {
+        let (off, hf) = match proj {
+            ExpertProj::W1 => ("w1", "gate_proj"),
+            ExpertProj::W2 => ("w2", "down_proj"),
+            ExpertProj::W3 => ("w3", "up_proj"),
+        };
+        let official = format!("layers.{layer}.ffn.experts.{e}.{off}.weight");
+        let stored = match self.naming {
+            Naming::Hf => format!("model.layers.{layer}.mlp.experts.{e}.{hf}.weight"),
+            other => other.stored(&official),
+        };
+        let t = self.set.get(&stored).ok_or_else(|| CheckpointError::Missing {
+            tensor: official.clone(),
+            hint: if stored != official {
+                format!(" (looked for `{stored}` and fused `mlp.experts.gate_up_proj`)")
+            } else {
+                String::new()
+            },
+        })?;
+        let scale = self.scale_of(&stored);
+        Ok(HostMatrix::new(rows, cols, decode::matrix(&t, scale.as_ref(), rows, cols)?))
+    }
+}

@@ -1,0 +1,187 @@
+//! The engine: a model on a backend plus the KV memory of the sequences it serves.
+//! One [`Engine::step`] runs any mix of prefill chunks and decode tokens as one batch.
+
+use std::path::Path;
+
+use kernels::{Backend, BatchPlan, EntryDtype};
+
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::error::EngineError;
+use crate::fingerprint::Fingerprint;
+use crate::kv::{KvCache, PoolStats, Sequence};
+use crate::model::{Model, ModelWeights};
+
+#[derive(Clone, Debug)]
+pub struct EngineOptions {
+    pub kv_dtype: EntryDtype,
+    /// Pages (128-token blocks of compressed KV) in the pool.
+    pub max_pages: usize,
+    /// State-cache slots: sequences that can be open at once.
+    pub max_sequences: usize,
+    /// Longest prefill chunk one step runs (bounds activation memory).
+    pub max_chunk_tokens: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { kv_dtype: EntryDtype::F32, max_pages: 512, max_sequences: 16, max_chunk_tokens: 2048 }
+    }
+}
+
+/// Which logits a step returns for one sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    None,
+    /// The last token's (what sampling needs).
+    Last,
+    /// Every token's (conformance checks, scoring).
+    All,
+}
+
+/// One sequence's part of a step.
+pub struct StepInput<'a> {
+    pub seq: &'a mut Sequence,
+    pub tokens: &'a [u32],
+    pub logits: Logits,
+}
+
+pub struct Engine<B: Backend> {
+    pub model: Model<B>,
+    pub cache: KvCache<B>,
+    pub fingerprint: Fingerprint,
+    pub options: EngineOptions,
+}
+
+impl<B: Backend> Engine<B> {
+    /// Load a model directory (config.json + safetensors) onto `backend`.
+    pub fn load(dir: &Path, backend: B, options: EngineOptions) -> Result<Self, EngineError> {
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let ck = Checkpoint::open(dir)?;
+        let weights = ModelWeights::load(&ck, &config, &backend)?;
+        let fingerprint = Fingerprint::compute(&config, ck.files(), options.kv_dtype);
+        let model = Model::new(config, weights, backend, options.kv_dtype);
+        let cache = KvCache::new(&model.backend, model.layout.clone(), options.max_pages, options.max_sequences);
+        tracing::info!(
+            model = %dir.display(),
+            naming = ck.naming().name(),
+            fingerprint = %fingerprint.short(),
+            device = %model.backend.describe(),
+            "model loaded"
+        );
+        Ok(Engine { model, cache, fingerprint, options })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.model.config
+    }
+
+    pub fn open_sequence(&mut self) -> Result<Sequence, EngineError> {
+        Ok(self.cache.open()?)
+    }
+
+    pub fn release(&mut self, seq: Sequence) {
+        self.cache.release(seq);
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.cache.stats()
+    }
+
+    /// Check a request's tokens against the vocabulary and context limit.
+    pub fn validate(&self, already: usize, tokens: &[u32]) -> Result<(), EngineError> {
+        let c = &self.model.config;
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyInput);
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(EngineError::TokenOutOfRange { token: t, vocab: c.vocab_size });
+        }
+        let total = already + tokens.len();
+        if total > c.max_position {
+            return Err(EngineError::ContextTooLong { tokens: total, limit: c.max_position });
+        }
+        Ok(())
+    }
+
+    /// Run one batched step. Returns, per input, its requested logits flattened
+    /// (`[n, vocab]`). On error nothing has changed: no state, no pages.
+    pub fn step(&mut self, inputs: &mut [StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        for inp in inputs.iter() {
+            self.validate(inp.seq.len(), inp.tokens)?;
+        }
+        for i in 0..inputs.len() {
+            let target = inputs[i].seq.len() + inputs[i].tokens.len();
+            if let Err(e) = self.cache.reserve(inputs[i].seq, target) {
+                for done in inputs[..i].iter_mut() {
+                    let len = done.seq.len();
+                    self.cache.trim(done.seq, len);
+                }
+                return Err(e.into());
+            }
+        }
+        let plan = BatchPlan::new(
+            inputs.iter().map(|i| (i.seq.slot(), i.seq.pages().to_vec(), i.seq.len(), i.tokens)).collect(),
+        );
+        let mut logit_rows = Vec::new();
+        let mut counts = Vec::with_capacity(inputs.len());
+        for (inp, s) in inputs.iter().zip(&plan.seqs) {
+            let rows: Vec<usize> = match inp.logits {
+                Logits::None => vec![],
+                Logits::Last => vec![s.first_row + s.rows - 1],
+                Logits::All => s.row_range().collect(),
+            };
+            counts.push(rows.len());
+            logit_rows.extend(rows);
+        }
+        let logits = self.model.forward(&mut self.cache.state, &plan, &logit_rows);
+        for inp in inputs.iter_mut() {
+            inp.seq.len += inp.tokens.len();
+        }
+        let vocab = self.model.config.vocab_size;
+        let mut out = Vec::with_capacity(inputs.len());
+        let mut at = 0;
+        for n in counts {
+            out.push(logits[at * vocab..(at + n) * vocab].to_vec());
+            at += n;
+        }
+        Ok(out)
+    }
+
+    /// Prefill `tokens` into one sequence in chunks of at most `max_chunk_tokens`.
+    pub fn prefill(&mut self, seq: &mut Sequence, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, EngineError> {
+        self.validate(seq.len(), tokens)?;
+        let chunks: Vec<&[u32]> = tokens.chunks(self.options.max_chunk_tokens.max(1)).collect();
+        let mut out = Vec::new();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let want = match logits {
+                Logits::Last if i + 1 < chunks.len() => Logits::None,
+                other => other,
+            };
+            let mut r = self.step(&mut [StepInput { seq, tokens: chunk, logits: want }])?;
+            out.append(&mut r[0]);
+        }
+        Ok(out)
+    }
+
+    /// One decode token for each sequence, batched; returns each one's logits.
+    pub fn decode(&mut self, seqs: &mut [&mut Sequence], tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+        assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
+        let mut inputs: Vec<StepInput<'_>> = seqs
+            .iter_mut()
+            .zip(tokens.chunks(1))
+            .map(|(s, t)| StepInput { seq: s, tokens: t, logits: Logits::Last })
+            .collect();
+        self.step(&mut inputs)
+    }
+
+    /// A sequence's KV state as bytes (see [`crate::kv::ExportHeader`]).
+    pub fn export(&self, seq: &Sequence) -> Vec<u8> {
+        self.cache.export(&self.model.backend, seq, &self.fingerprint)
+    }
+
+    /// Recreate an exported sequence in this engine's memory.
+    pub fn import(&mut self, bytes: &[u8]) -> Result<Sequence, EngineError> {
+        Ok(self.cache.import(&self.model.backend, bytes, &self.fingerprint)?)
+    }
+}

@@ -1,0 +1,101 @@
+//! The KV memory of one engine and the sequences that hold parts of it.
+
+use kernels::{Backend, KvLayout, KvState};
+
+use super::pool::{PagePool, PoolError, SlotPool};
+
+/// One sequence's share of the KV memory. Dropping it without [`KvCache::release`]
+/// leaks its slot and pages, so it is not `Clone` and the engine owns releasing it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Sequence {
+    pub(crate) slot: usize,
+    pub(crate) pages: Vec<u32>,
+    pub(crate) len: usize,
+}
+
+impl Sequence {
+    /// Tokens already folded into the state.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Page ids in block order.
+    pub fn pages(&self) -> &[u32] {
+        &self.pages
+    }
+
+    pub fn slot(&self) -> usize {
+        self.slot
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolStats {
+    pub pages_total: usize,
+    pub pages_used: usize,
+    pub slots_total: usize,
+    pub slots_used: usize,
+}
+
+pub struct KvCache<B: Backend> {
+    pub layout: KvLayout,
+    pub state: KvState<B>,
+    pages: PagePool,
+    slots: SlotPool,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(backend: &B, layout: KvLayout, max_pages: usize, max_sequences: usize) -> Self {
+        let state = KvState {
+            pages: backend.kv_alloc(max_pages * layout.page_elems, layout.dtype),
+            rings: backend.kv_alloc(max_sequences * layout.ring_elems, layout.dtype),
+            comp: backend.zeros(max_sequences * layout.comp_elems),
+        };
+        KvCache { layout, state, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
+    }
+
+    /// A new empty sequence (takes a state slot).
+    pub fn open(&mut self) -> Result<Sequence, PoolError> {
+        Ok(Sequence { slot: self.slots.alloc()?, pages: Vec::new(), len: 0 })
+    }
+
+    /// Give a sequence enough pages to hold `len` tokens; nothing changes on failure.
+    pub fn reserve(&mut self, seq: &mut Sequence, len: usize) -> Result<(), PoolError> {
+        let need = len.div_ceil(self.layout.block).saturating_sub(seq.pages.len());
+        if need > 0 {
+            seq.pages.extend(self.pages.alloc(need)?);
+        }
+        Ok(())
+    }
+
+    /// Return pages reserved beyond what `len` tokens need (undo of a failed step).
+    pub fn trim(&mut self, seq: &mut Sequence, len: usize) {
+        let keep = len.div_ceil(self.layout.block);
+        if seq.pages.len() > keep {
+            let extra = seq.pages.split_off(keep);
+            self.pages.release(&extra);
+        }
+    }
+
+    pub fn release(&mut self, seq: Sequence) {
+        self.pages.release(&seq.pages);
+        self.slots.release(seq.slot);
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        PoolStats {
+            pages_total: self.pages.total(),
+            pages_used: self.pages.used(),
+            slots_total: self.slots.total(),
+            slots_used: self.slots.used(),
+        }
+    }
+
+    pub(crate) fn pool_mut(&mut self) -> (&mut PagePool, &mut SlotPool) {
+        (&mut self.pages, &mut self.slots)
+    }
+}

@@ -1,0 +1,151 @@
+//! One forward step of the whole model over a batch (prefill chunks and decode tokens
+//! of any number of sequences), written against the `kernels` backend.
+//!
+//! Per layer: mHC pre-mix → attention (q low-rank path, shared K=V head, compressor and
+//! indexer for CSA/HCA layers, one softmax over window + compressed entries with a
+//! sink, inverse RoPE, grouped output projection) → mHC post-mix, then the same around
+//! the MoE block. After the last layer the `hc_head` collapse, final norm and LM head
+//! run only on the rows whose logits the caller wants.
+
+use kernels::backend::{CompressorParams, Selection};
+use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
+
+use super::Model;
+use super::weights::{CompressorWeights, LayerWeights};
+
+impl<B: Backend> Model<B> {
+    /// Run `plan` through the model, updating the KV state, and return the logits of
+    /// `logit_rows` (batch row indices) as `[logit_rows.len(), vocab]`.
+    pub fn forward(&self, kv: &mut KvState<B>, plan: &BatchPlan, logit_rows: &[usize]) -> Vec<f32> {
+        let b = &self.backend;
+        let c = &self.config;
+        let rows = plan.rows();
+        let (d, hc) = (c.hidden_size, c.hc_mult);
+        let mut x = b.zeros(rows * d);
+        b.embed(&self.weights.embed, &plan.tokens, &mut x);
+        // Every residual stream starts as the embedding: `[rows, hc, d]`.
+        let copies: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
+        let mut streams = b.gather_rows(&x, d, &copies);
+
+        for (l, lw) in self.weights.layers.iter().enumerate() {
+            self.layer(l, lw, &mut streams, kv, plan);
+        }
+
+        if logit_rows.is_empty() {
+            return Vec::new();
+        }
+        let picked = b.gather_rows(&streams, hc * d, logit_rows);
+        let mut h = b.zeros(logit_rows.len() * d);
+        b.hc_head(&picked, logit_rows.len(), &self.weights.hc_head, &mut h);
+        b.rms_norm(&mut h, d, Some(&self.weights.norm), c.rms_norm_eps as f32);
+        let mut logits = b.zeros(logit_rows.len() * c.vocab_size);
+        b.matmul(&h, logit_rows.len(), &self.weights.head, &mut logits);
+        b.download(&logits)
+    }
+
+    fn layer(&self, l: usize, lw: &LayerWeights<B>, streams: &mut B::Buf, kv: &mut KvState<B>, plan: &BatchPlan) {
+        let b = &self.backend;
+        let c = &self.config;
+        let rows = plan.rows();
+        let (d, hc, eps) = (c.hidden_size, c.hc_mult, c.rms_norm_eps as f32);
+        let mut x = b.zeros(rows * d);
+        let mut post = b.zeros(rows * hc);
+        let mut comb = b.zeros(rows * hc * hc);
+
+        b.hc_pre(streams, rows, &lw.hc_attn, &mut x, &mut post, &mut comb);
+        b.rms_norm(&mut x, d, Some(&lw.attn_norm), eps);
+        let attn = self.attention(l, lw, &x, kv, plan);
+        b.hc_post(streams, rows, hc, &attn, &post, &comb);
+
+        b.hc_pre(streams, rows, &lw.hc_ffn, &mut x, &mut post, &mut comb);
+        b.rms_norm(&mut x, d, Some(&lw.ffn_norm), eps);
+        let mut y = b.zeros(rows * d);
+        b.moe(&x, rows, &plan.tokens, &lw.moe, &mut y);
+        b.hc_post(streams, rows, hc, &y, &post, &comb);
+    }
+
+    fn project(&self, x: &B::Buf, rows: usize, w: &B::Weight) -> B::Buf {
+        let mut out = self.backend.zeros(rows * self.backend.weight_shape(w).0);
+        self.backend.matmul(x, rows, w, &mut out);
+        out
+    }
+
+    fn run_compressor(
+        &self,
+        l: usize,
+        branch: Branch,
+        cw: &CompressorWeights<B>,
+        x: &B::Buf,
+        kv: &mut KvState<B>,
+        plan: &BatchPlan,
+    ) {
+        let rows = plan.rows();
+        let proj_kv = self.project(x, rows, &cw.wkv);
+        let proj_score = self.project(x, rows, &cw.wgate);
+        let p = CompressorParams {
+            ape: &cw.ape,
+            norm: &cw.norm,
+            eps: self.config.rms_norm_eps as f32,
+            rope: &self.compress_rope,
+        };
+        self.backend.compress(kv, &self.layout, l, branch, plan, &proj_kv, &proj_score, &p);
+    }
+
+    fn attention(&self, l: usize, lw: &LayerWeights<B>, x: &B::Buf, kv: &mut KvState<B>, plan: &BatchPlan) -> B::Buf {
+        let b = &self.backend;
+        let c = &self.config;
+        let a = &lw.attn;
+        let rows = plan.rows();
+        let (h, hd, eps) = (c.num_heads, c.head_dim, c.rms_norm_eps as f32);
+        let kind = c.attn_kinds[l];
+        let rope = if kind == AttnKind::Window { &self.main_rope } else { &self.compress_rope };
+        let pos = &plan.positions;
+
+        let mut qr = self.project(x, rows, &a.wq_a);
+        b.rms_norm(&mut qr, c.q_lora_rank, Some(&a.q_norm), eps);
+        let mut q = self.project(&qr, rows, &a.wq_b);
+        b.rms_norm(&mut q, hd, None, eps);
+        b.rope(&mut q, h, hd, pos, rope, false);
+
+        let mut new_kv = self.project(x, rows, &a.wkv);
+        b.rms_norm(&mut new_kv, hd, Some(&a.kv_norm), eps);
+        b.rope(&mut new_kv, 1, hd, pos, rope, false);
+        // Use exactly what the window ring will hold, so a token attends to the same
+        // values whether it is in this chunk or a later one.
+        b.round_to(&mut new_kv, self.layout.dtype);
+
+        if let Some(cw) = &a.compressor {
+            self.run_compressor(l, Branch::Main, cw, x, kv, plan);
+        }
+        let selection: Option<Selection<B>> = a.indexer.as_ref().map(|ix| {
+            self.run_compressor(l, Branch::Indexer, &ix.compressor, x, kv, plan);
+            let mut iq = self.project(&qr, rows, &ix.wq_b);
+            b.rope(&mut iq, c.index_heads, c.index_head_dim, pos, &self.compress_rope, false);
+            let mut iw = self.project(x, rows, &ix.weights_proj);
+            b.scale(&mut iw, c.index_weight_scale());
+            b.index_topk(kv, &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
+        });
+
+        let mut out = b.zeros(rows * h * hd);
+        b.attention(
+            kv,
+            &self.layout,
+            l,
+            plan,
+            &q,
+            &new_kv,
+            selection.as_ref(),
+            &a.sinks,
+            h,
+            c.attention_scale(),
+            &mut out,
+        );
+        b.store_window(kv, &self.layout, l, plan, &new_kv);
+        // K = V carried the rope rotation into the output; rotate it back at the query position.
+        b.rope(&mut out, h, hd, pos, rope, true);
+
+        let mut grouped = b.zeros(rows * c.o_groups * c.o_lora_rank);
+        b.grouped_matmul(&out, rows, c.o_groups, &a.wo_a, &mut grouped);
+        self.project(&grouped, rows, &a.wo_b)
+    }
+}
