@@ -22,6 +22,8 @@ pub enum EngineError {
     ContextTooLong { tokens: usize, limit: usize },
     #[error("a step needs at least one token for every sequence in it")]
     EmptyInput,
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
 }
 
 impl EngineError {
@@ -30,7 +32,10 @@ impl EngineError {
     pub fn is_invalid_input(&self) -> bool {
         matches!(
             self,
-            EngineError::TokenOutOfRange { .. } | EngineError::ContextTooLong { .. } | EngineError::EmptyInput
+            EngineError::TokenOutOfRange { .. }
+                | EngineError::ContextTooLong { .. }
+                | EngineError::EmptyInput
+                | EngineError::InvalidRequest(_)
         )
     }
 }

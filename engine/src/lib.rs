@@ -19,8 +19,12 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
+pub mod generate;
+pub mod init;
+pub mod inspect;
 pub mod kv;
 pub mod model;
+pub mod sampling;
 
 pub use engine::{Engine, EngineOptions, Logits, StepInput};
 pub use error::EngineError;

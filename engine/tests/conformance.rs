@@ -132,3 +132,8 @@ fn tiny_transformers_save_pretrained_layout() {
 fn tiny_quantised_fp8_fp4_sharded() {
     run_fixture("tiny-quant", "model");
 }
+
+#[test]
+fn tiny_preset_written_by_sluice_model_init() {
+    run_fixture("tiny-init", "model");
+}

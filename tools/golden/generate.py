@@ -15,13 +15,14 @@ argmax). A fixture whose scores sit within rounding distance of a selection boun
 would make the comparison depend on summation order, so every run is watched and a
 prompt whose scores come near a tie is rejected and drawn again.
 
-Usage: python tools/golden/generate.py --out engine/tests/golden
+Usage: python tools/golden/generate.py --out engine/tests/golden --sluice target/release/sluice
 """
 
 import argparse
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -131,6 +132,11 @@ CONFIGS = {
         ),
     },
 }
+
+# A checkpoint written by `sluice model init` (not by this script), so the reference
+# also vouches for the checkpoints sluice generates itself.
+INIT_FIXTURE = {"name": "tiny-init", "preset": "tiny", "seed": 11, "dtype": "bf16",
+                "prompt_lengths": [7, 150], "decode_steps": 16}
 
 CHUNK_PATTERN = [1, 7, 60, 129, 3, 50, 2, 90]
 
@@ -562,6 +568,61 @@ def run_case(model, cfg, prompt, chunks, decode_steps):
     return one_shot, torch.stack(rows), tokens, ties
 
 
+def record_cases(name, model, cfg, root, seed, prompt_lengths, decode_steps, extra_meta):
+    expected, cases = {}, []
+    prompt_gen = torch.Generator().manual_seed(1000 + seed)
+    redraws = 0
+    for i, length in enumerate(prompt_lengths):
+        for attempt in range(200):
+            prompt = torch.randint(0, cfg.vocab_size, (length,), generator=prompt_gen).tolist()
+            chunks = chunk_schedule(length)
+            rows_before = WATCH.selection_rows
+            one_shot, decode, tokens, ties = run_case(model, cfg, prompt, chunks, decode_steps)
+            if not ties:
+                break
+            WATCH.selection_rows = rows_before
+            redraws += 1
+        else:
+            raise SystemExit(f"{name}: no tie-free prompt of length {length} after 200 draws")
+        expected[f"case{i}.prefill"] = one_shot.contiguous()
+        expected[f"case{i}.decode"] = decode.contiguous()
+        cases.append({"prompt": prompt, "chunks": chunks, "greedy_tokens": tokens})
+        print(f"  {name} case{i}: length {length}, chunks {chunks}, tokens {tokens[:6]}…")
+
+    save_file(expected, str(root / "expected.safetensors"))
+    meta = {
+        "generator": "tools/golden/generate.py",
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "seed": seed,
+        **extra_meta,
+        "tie_eps": TIE_EPS,
+        "prompt_redraws": redraws,
+        "indexer_rows_with_selection": WATCH.selection_rows,
+        "swiglu_clamped_fraction": WATCH.clamped / max(1, WATCH.activations),
+        "cases": cases,
+    }
+    (root / "cases.json").write_text(json.dumps(meta) + "\n")
+    print(f"{name}: {len(cases)} cases, {redraws} redraws, {WATCH.selection_rows} indexer rows with real selection, "
+          f"{meta['swiglu_clamped_fraction']:.1%} of routed SwiGLU inputs clamped")
+    WATCH.selection_rows = WATCH.clamped = WATCH.activations = 0
+
+
+def build_from_init(sluice, out_root):
+    spec = INIT_FIXTURE
+    root = out_root / spec["name"]
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    model_dir = root / "model"
+    subprocess.run([sluice, "model", "init", "--preset", spec["preset"], "--seed", str(spec["seed"]),
+                    "--dtype", spec["dtype"], "--out", str(model_dir)], check=True)
+    model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    record_cases(spec["name"], model, model.config, root, spec["seed"], spec["prompt_lengths"], spec["decode_steps"],
+                 {"layout": "official", "quant": None, "written_by": f"sluice model init --preset {spec['preset']} "
+                  f"--seed {spec['seed']} --dtype {spec['dtype']}"})
+
+
 def build(name, spec, out_root):
     torch.manual_seed(spec["seed"])
     gen = torch.Generator().manual_seed(spec["seed"])
@@ -616,50 +677,16 @@ def build(name, spec, out_root):
             if not torch.equal(a, b):
                 raise SystemExit(f"{name}: official-layout reload differs from the model that wrote it")
 
-    expected, cases = {}, []
-    prompt_gen = torch.Generator().manual_seed(1000 + spec["seed"])
-    redraws = 0
-    for i, length in enumerate(spec["prompt_lengths"]):
-        for attempt in range(200):
-            prompt = torch.randint(0, cfg.vocab_size, (length,), generator=prompt_gen).tolist()
-            chunks = chunk_schedule(length)
-            rows_before = WATCH.selection_rows
-            one_shot, decode, tokens, ties = run_case(model, cfg, prompt, chunks, spec["decode_steps"])
-            if not ties:
-                break
-            WATCH.selection_rows = rows_before
-            redraws += 1
-        else:
-            raise SystemExit(f"{name}: no tie-free prompt of length {length} after 200 draws")
-        expected[f"case{i}.prefill"] = one_shot.contiguous()
-        expected[f"case{i}.decode"] = decode.contiguous()
-        cases.append({"prompt": prompt, "chunks": chunks, "greedy_tokens": tokens})
-        print(f"  {name} case{i}: length {length}, chunks {chunks}, tokens {tokens[:6]}…")
-
-    save_file(expected, str(root / "expected.safetensors"))
-    meta = {
-        "generator": "tools/golden/generate.py",
-        "transformers": transformers.__version__,
-        "torch": torch.__version__,
-        "seed": spec["seed"],
-        "layout": spec["layout"],
-        "quant": spec["quant"],
-        "tie_eps": TIE_EPS,
-        "prompt_redraws": redraws,
-        "indexer_rows_with_selection": WATCH.selection_rows,
-        "swiglu_clamped_fraction": WATCH.clamped / max(1, WATCH.activations),
-        "cases": cases,
-    }
-    (root / "cases.json").write_text(json.dumps(meta) + "\n")
-    print(f"{name}: {len(cases)} cases, {redraws} redraws, {WATCH.selection_rows} indexer rows with real selection, "
-          f"{meta['swiglu_clamped_fraction']:.1%} of routed SwiGLU inputs clamped")
-    WATCH.selection_rows = WATCH.clamped = WATCH.activations = 0
+    record_cases(name, model, cfg, root, spec["seed"], spec["prompt_lengths"], spec["decode_steps"],
+                 {"layout": spec["layout"], "quant": spec["quant"]})
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("engine/tests/golden"))
     ap.add_argument("--only", nargs="*", help="config names to (re)build")
+    ap.add_argument("--sluice", help="path to a built `sluice` binary; adds the tiny-init fixture "
+                                     "(a checkpoint written by `sluice model init`)")
     args = ap.parse_args()
     if transformers.__version__ != PINNED_TRANSFORMERS:
         raise SystemExit(f"transformers {transformers.__version__} found; fixtures are pinned to {PINNED_TRANSFORMERS}")
@@ -669,6 +696,8 @@ def main():
         if args.only and name not in args.only:
             continue
         build(name, spec, args.out)
+    if args.sluice and (not args.only or INIT_FIXTURE["name"] in args.only):
+        build_from_init(args.sluice, args.out)
 
 
 if __name__ == "__main__":

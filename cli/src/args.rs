@@ -1,0 +1,40 @@
+//! Parsers for argument values clap cannot express directly.
+
+use engine::EntryDtype;
+
+/// A comma-separated list of token ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenIds(pub Vec<u32>);
+
+/// `1,2,3` → token ids; the error names the offending item.
+pub fn token_ids(s: &str) -> Result<TokenIds, String> {
+    if s.trim().is_empty() {
+        return Err("the prompt is empty; give at least one token id".into());
+    }
+    s.split(',')
+        .enumerate()
+        .map(|(i, part)| {
+            part.trim()
+                .parse::<u32>()
+                .map_err(|_| format!("item {} (`{}`) is not a token id (a non-negative integer)", i + 1, part.trim()))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(TokenIds)
+}
+
+pub fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
+    EntryDtype::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use f32 or bf16"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ids_and_names_bad_items() {
+        assert_eq!(token_ids("1, 2,3").unwrap(), TokenIds(vec![1, 2, 3]));
+        assert!(token_ids("1,x").unwrap_err().contains("item 2 (`x`)"));
+        assert!(token_ids("").is_err());
+        assert!(kv_dtype("fp16").is_err());
+    }
+}

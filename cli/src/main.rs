@@ -1,0 +1,62 @@
+//! `sluice`: model tooling, in-process generation and benchmarks (and, as the serving
+//! crates land, the local cluster and its client).
+//!
+//! Module map:
+//! - `model_cmd`: `sluice model init|inspect`.
+//! - `generate_cmd`: `sluice generate` (in-process).
+//! - `bench_cmd`: `sluice bench engine`.
+//! - `args`: shared argument parsing helpers.
+
+mod args;
+mod bench_cmd;
+mod generate_cmd;
+mod model_cmd;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "sluice", version, about = "Disaggregated DeepSeek-V4 serving: tools and local cluster")]
+struct Cli {
+    /// Worker threads for CPU compute (default: one per core).
+    #[arg(long, global = true, env = "SLUICE_THREADS")]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or describe model checkpoints.
+    #[command(subcommand)]
+    Model(model_cmd::ModelCmd),
+    /// Generate tokens from a prompt with an in-process engine.
+    Generate(generate_cmd::GenerateArgs),
+    /// Measure performance.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCmd),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,engine=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Some(n) = cli.threads
+        && let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n).build_global()
+    {
+        eprintln!("error: cannot set {n} threads: {e}");
+        std::process::exit(2);
+    }
+    let result = match cli.command {
+        Command::Model(cmd) => model_cmd::run(cmd),
+        Command::Generate(args) => generate_cmd::run(args),
+        Command::Bench(cmd) => bench_cmd::run(cmd),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

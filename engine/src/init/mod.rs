@@ -1,0 +1,205 @@
+//! `sluice model init`: a deterministic random checkpoint in the official DeepSeek
+//! layout (config.json + model.safetensors) for a preset shape. The same seed gives the
+//! same bytes on every machine: each tensor draws from its own ChaCha stream keyed by
+//! the seed and the tensor's name, so generation order and thread count do not matter.
+
+mod manifest;
+mod presets;
+
+use std::borrow::Cow;
+use std::path::Path;
+
+use kernels::quant;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use safetensors::{Dtype, View};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use thiserror::Error;
+
+pub use manifest::{Class, Fill, TensorSpec, manifest};
+pub use presets::Preset;
+
+use crate::checkpoint::CheckpointError;
+use crate::config::{ConfigError, ModelConfig, parse_hf};
+
+/// How `model init` stores weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightDtype {
+    F32,
+    Bf16,
+    /// As DeepSeek ships V4: FP8 attention/shared-expert projections with ue8m0
+    /// 128x128 block scales, FP4 routed experts with ue8m0 per-32 scales, BF16 rest.
+    Fp8,
+}
+
+impl WeightDtype {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "f32" => Some(WeightDtype::F32),
+            "bf16" => Some(WeightDtype::Bf16),
+            "fp8" => Some(WeightDtype::Fp8),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct InitOptions {
+    pub preset: Preset,
+    pub seed: u64,
+    pub dtype: WeightDtype,
+}
+
+#[derive(Debug, Error)]
+pub enum InitError {
+    #[error("cannot write {path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("{path} already holds a checkpoint; choose an empty directory")]
+    NotEmpty { path: String },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+}
+
+struct Stored {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl View for &Stored {
+    fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.data)
+    }
+    fn data_len(&self) -> usize {
+        self.data.len()
+    }
+}
+
+fn rng_for(seed: u64, name: &str) -> ChaCha8Rng {
+    let digest = Sha256::digest([seed.to_le_bytes().as_slice(), name.as_bytes()].concat());
+    ChaCha8Rng::from_seed(digest.into())
+}
+
+fn normal(rng: &mut ChaCha8Rng) -> f32 {
+    // Box-Muller; u1 in (0, 1] keeps the log finite.
+    let u1 = 1.0 - rng.random::<f64>();
+    let u2 = rng.random::<f64>();
+    ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+}
+
+fn values(spec: &TensorSpec, seed: u64) -> Vec<f32> {
+    let mut rng = rng_for(seed, &spec.name);
+    let n: usize = spec.shape.iter().product();
+    match spec.fill {
+        Fill::Linear { gain } => {
+            let bound = gain * (3.0 / *spec.shape.last().unwrap() as f32).sqrt();
+            (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * bound).collect()
+        }
+        Fill::Norm => (0..n).map(|_| 1.0 + 0.1 * normal(&mut rng)).collect(),
+        Fill::Normal { std } => (0..n).map(|_| std * normal(&mut rng)).collect(),
+        Fill::Scale => (0..n).map(|_| 0.5 + rng.random::<f32>()).collect(),
+        Fill::Tid2eid { experts } => {
+            let (rows, k) = (spec.shape[0], spec.shape[1]);
+            let mut out = Vec::with_capacity(n);
+            for _ in 0..rows {
+                let mut pool: Vec<u32> = (0..experts as u32).collect();
+                for j in 0..k {
+                    let pick = rng.random_range(j..experts);
+                    pool.swap(j, pick);
+                    out.push(pool[j] as f32);
+                }
+            }
+            out
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn bf16_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|&x| quant::f32_to_bf16(x).to_le_bytes()).collect()
+}
+
+/// The stored tensors (one, or a weight and its scale) of one spec.
+fn encode(spec: &TensorSpec, seed: u64, dtype: WeightDtype) -> Vec<(String, Stored)> {
+    let v = values(spec, seed);
+    let one = |dtype, data| vec![(spec.name.clone(), Stored { dtype, shape: spec.shape.clone(), data })];
+    let scale_name = spec.name.strip_suffix(".weight").map(|b| format!("{b}.scale")).unwrap_or_default();
+    match (spec.class, dtype) {
+        (Class::Int, _) => one(Dtype::I32, v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect()),
+        (Class::F32, _) | (_, WeightDtype::F32) => one(Dtype::F32, f32_bytes(&v)),
+        (_, WeightDtype::Bf16) | (Class::Dense, WeightDtype::Fp8) => one(Dtype::BF16, bf16_bytes(&v)),
+        (Class::Fp8, WeightDtype::Fp8) => {
+            let (rows, cols) = (spec.shape[0], spec.shape[1]);
+            let (q, s) = quant::quantize_fp8_blocks(&v, rows, cols, (128, 128));
+            let grid = vec![rows.div_ceil(128), cols.div_ceil(128)];
+            vec![
+                (spec.name.clone(), Stored { dtype: Dtype::F8_E4M3, shape: spec.shape.clone(), data: q }),
+                (scale_name, Stored { dtype: Dtype::F8_E8M0, shape: grid, data: s }),
+            ]
+        }
+        (Class::Fp4, WeightDtype::Fp8) => {
+            let (rows, cols) = (spec.shape[0], spec.shape[1]);
+            let (q, s) = quant::quantize_fp4_groups(&v, rows, cols, 32);
+            vec![
+                (spec.name.clone(), Stored { dtype: Dtype::I8, shape: vec![rows, cols / 2], data: q }),
+                (scale_name, Stored { dtype: Dtype::F8_E8M0, shape: vec![rows, cols.div_ceil(32)], data: s }),
+            ]
+        }
+    }
+}
+
+fn io(path: &Path, e: impl std::fmt::Display) -> InitError {
+    InitError::Io { path: path.display().to_string(), reason: e.to_string() }
+}
+
+/// Write the checkpoint and return its parsed config.
+pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, InitError> {
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    if dir.join("config.json").exists() || dir.join("model.safetensors").exists() {
+        return Err(InitError::NotEmpty { path: dir.display().to_string() });
+    }
+    let mut conf = opts.preset.config_json();
+    let m = conf.as_object_mut().expect("object");
+    match opts.dtype {
+        WeightDtype::F32 => drop(m.insert("torch_dtype".into(), json!("float32"))),
+        WeightDtype::Bf16 => drop(m.insert("torch_dtype".into(), json!("bfloat16"))),
+        WeightDtype::Fp8 => {
+            m.insert("torch_dtype".into(), json!("bfloat16"));
+            m.insert("expert_dtype".into(), json!("fp4"));
+            m.insert(
+                "quantization_config".into(),
+                json!({"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}),
+            );
+        }
+    }
+    let cfg = parse_hf(&conf)?;
+    let tensors: Vec<(String, Stored)> =
+        manifest(&cfg).par_iter().flat_map_iter(|spec| encode(spec, opts.seed, opts.dtype)).collect();
+    let weights = dir.join("model.safetensors");
+    // Write to a temporary name first so an interrupted init never leaves a
+    // half-written checkpoint that looks complete.
+    let partial = dir.join("model.safetensors.partial");
+    // One metadata key only: safetensors writes the metadata map in hash order, and
+    // the same seed must give the same bytes.
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(tensors.iter().map(|(n, s)| (n.as_str(), s)), Some(meta), &partial)
+        .map_err(|e| io(&partial, e))?;
+    std::fs::rename(&partial, &weights).map_err(|e| io(&weights, e))?;
+    let text = serde_json::to_string_pretty(&conf).expect("json") + "\n";
+    std::fs::write(dir.join("config.json"), text).map_err(|e| io(&dir.join("config.json"), e))?;
+    Ok(cfg)
+}

@@ -1,0 +1,94 @@
+//! Built-in model shapes for `sluice model init`. Both keep V4's structure (all three
+//! attention kinds, hash and top-k MoE layers, 128-token window, YaRN on compressor
+//! layers, 4 residual streams) at sizes a CPU runs comfortably.
+
+use serde_json::{Value, json};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Preset {
+    /// A few hundred thousand parameters: tests and quick demos.
+    Tiny,
+    /// ~70M parameters: the local cluster's default model and the CPU benchmark.
+    Small,
+}
+
+impl Preset {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "tiny" => Some(Preset::Tiny),
+            "small" => Some(Preset::Small),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+        }
+    }
+
+    /// `config.json` in the form DeepSeek ships (legacy HF keys, MTP entry included).
+    pub fn config_json(self) -> Value {
+        let (shape, ratios, hash_layers, max_pos) = match self {
+            Preset::Tiny => (
+                json!({
+                    "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+                    "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32,
+                    "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "index_n_heads": 8, "index_head_dim": 32, "index_topk": 8
+                }),
+                vec![0, 4, 128, 4, 0],
+                1,
+                4096,
+            ),
+            Preset::Small => (
+                json!({
+                    "vocab_size": 8192, "hidden_size": 512, "moe_intermediate_size": 256, "num_hidden_layers": 8,
+                    "num_attention_heads": 8, "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 256,
+                    "o_groups": 4, "o_lora_rank": 128, "n_routed_experts": 16, "num_experts_per_tok": 4,
+                    "index_n_heads": 8, "index_head_dim": 64, "index_topk": 64
+                }),
+                vec![0, 4, 128, 4, 128, 4, 128, 4, 0],
+                2,
+                32768,
+            ),
+        };
+        let mut v = shape;
+        let m = v.as_object_mut().expect("object");
+        for (k, val) in [
+            ("architectures", json!(["DeepseekV4ForCausalLM"])),
+            ("model_type", json!("deepseek_v4")),
+            ("num_key_value_heads", json!(1)),
+            ("n_shared_experts", json!(1)),
+            ("norm_topk_prob", json!(true)),
+            ("routed_scaling_factor", json!(1.5)),
+            ("scoring_func", json!("sqrtsoftplus")),
+            ("topk_method", json!("noaux_tc")),
+            ("swiglu_limit", json!(10.0)),
+            ("hc_mult", json!(4)),
+            ("hc_sinkhorn_iters", json!(20)),
+            ("hc_eps", json!(1e-6)),
+            ("rms_norm_eps", json!(1e-6)),
+            ("sliding_window", json!(128)),
+            ("max_position_embeddings", json!(max_pos)),
+            ("rope_theta", json!(10000)),
+            ("compress_rope_theta", json!(160000)),
+            (
+                "rope_scaling",
+                json!({"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                       "beta_fast": 32, "beta_slow": 1}),
+            ),
+            ("compress_ratios", json!(ratios)),
+            ("num_hash_layers", json!(hash_layers)),
+            ("num_nextn_predict_layers", json!(1)),
+            ("hidden_act", json!("silu")),
+            ("tie_word_embeddings", json!(false)),
+            ("bos_token_id", json!(0)),
+            ("eos_token_id", json!(1)),
+        ] {
+            m.insert(k.to_string(), val);
+        }
+        v
+    }
+}
