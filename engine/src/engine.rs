@@ -134,7 +134,8 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
-        let logits = self.model.forward(&mut self.cache.state, &plan, &logit_rows);
+        let (model, state) = (&self.model, &mut self.cache.state);
+        let logits = model.backend.enter(|| model.forward(state, &plan, &logit_rows));
         for inp in inputs.iter_mut() {
             inp.seq.len += inp.tokens.len();
         }

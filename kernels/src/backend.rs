@@ -119,6 +119,13 @@ pub trait Backend: Send + Sync + 'static {
     /// One line naming the device, for logs.
     fn describe(&self) -> String;
 
+    /// Run a whole forward step "on the device". The CPU backend moves it onto its
+    /// worker pool so the many small parallel ops inside run there instead of each
+    /// handing work across threads from outside.
+    fn enter<R: Send, F: FnOnce() -> R + Send>(&self, f: F) -> R {
+        f()
+    }
+
     // ---- memory -------------------------------------------------------------------
 
     fn zeros(&self, len: usize) -> Self::Buf;

@@ -61,6 +61,11 @@ impl RopeTable {
         let (s, c) = angle.sin_cos();
         (c * self.attention_factor, s * self.attention_factor)
     }
+
+    /// `(cos, sin)` of every pair at `position`.
+    pub fn angles(&self, position: u32) -> (Vec<f32>, Vec<f32>) {
+        (0..self.inv_freq.len()).map(|j| self.cos_sin(position, j)).unzip()
+    }
 }
 
 fn base_freqs(theta: f64, dims: usize) -> Vec<f64> {
@@ -70,9 +75,15 @@ fn base_freqs(theta: f64, dims: usize) -> Vec<f64> {
 /// Rotate one head's rope slice in place (`x.len() == table.dims()`).
 #[inline]
 pub fn rotate(x: &mut [f32], position: u32, table: &RopeTable, inverse: bool) {
-    for j in 0..table.inv_freq.len() {
-        let (c, s) = table.cos_sin(position, j);
-        let s = if inverse { -s } else { s };
+    let (cos, sin) = table.angles(position);
+    rotate_with(x, &cos, &sin, inverse);
+}
+
+/// Rotate by precomputed `(cos, sin)` per pair (shared by all heads of a row).
+#[inline]
+pub fn rotate_with(x: &mut [f32], cos: &[f32], sin: &[f32], inverse: bool) {
+    for j in 0..cos.len() {
+        let (c, s) = (cos[j], if inverse { -sin[j] } else { sin[j] });
         let (a, b) = (x[2 * j], x[2 * j + 1]);
         x[2 * j] = a * c - b * s;
         x[2 * j + 1] = b * c + a * s;

@@ -51,13 +51,18 @@ fn poisoned<B: Backend>(b: &B, len: usize) -> B::Buf {
 
 fn check_row_ops<B: Backend>(b: &B, tol: &Tolerances) {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    for rows in [1, 2, 5, 33] {
-        let w = rand_matrix(&mut rng, 70, 45, 0.2);
+    for (rows, bf16_exact) in [1, 2, 5, 33].into_iter().flat_map(|r| [(r, false), (r, true)]) {
+        // Backends may store bf16-exact weights compactly; cover both kinds, with
+        // more output rows than one widening block.
+        let mut w = rand_matrix(&mut rng, 300, 45, 0.2);
+        if bf16_exact {
+            w.data.iter_mut().for_each(|v| *v = bf16_to_f32(f32_to_bf16(*v)));
+        }
         let x = rand_vec(&mut rng, rows * 45, 1.0);
         let want = refr::matmul(&x, rows, &w);
-        let mut out = poisoned(b, rows * 70);
+        let mut out = poisoned(b, rows * 300);
         b.matmul(&b.upload(&x), rows, &b.weight(w), &mut out);
-        assert_close(&format!("matmul rows={rows}"), &b.download(&out), &want, tol.matmul);
+        assert_close(&format!("matmul rows={rows} bf16_exact={bf16_exact}"), &b.download(&out), &want, tol.matmul);
 
         let gw = rand_matrix(&mut rng, 3 * 7, 11, 0.3);
         let gx = rand_vec(&mut rng, rows * 3 * 11, 1.0);

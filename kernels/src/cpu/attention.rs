@@ -3,7 +3,8 @@
 
 use rayon::prelude::*;
 
-use super::{CpuBackend, matmul::dot};
+use super::CpuBackend;
+use super::simd::{axpy, dot};
 use crate::backend::{KvState, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::{BatchPlan, SeqSlice};
@@ -96,8 +97,7 @@ pub(crate) fn attention(
             let den = weights.iter().sum::<f32>() + (sinks[h] - m).exp();
             oh.fill(0.0);
             for (j, w) in weights.iter().enumerate() {
-                let p = w / den;
-                oh.iter_mut().zip(&keys[j * hd..(j + 1) * hd]).for_each(|(o, k)| *o += p * k);
+                axpy(oh, w / den, &keys[j * hd..(j + 1) * hd]);
             }
         });
     });

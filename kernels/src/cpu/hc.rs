@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::axpy;
 use super::{CpuBackend, matmul::matmul, rows::rms_norm};
 use crate::backend::{HcHeadWeights, HcWeights};
 
@@ -78,8 +79,8 @@ pub(crate) fn hc_pre(
             sinkhorn(comb, hc, w.sinkhorn_iters, w.hc_eps);
             let s = &streams[r * hc * d..(r + 1) * hc * d];
             col.fill(0.0);
-            for (j, p) in pre.iter().enumerate() {
-                col.iter_mut().zip(&s[j * d..(j + 1) * d]).for_each(|(c, x)| *c += p * x);
+            for (j, &p) in pre.iter().enumerate() {
+                axpy(col, p, &s[j * d..(j + 1) * d]);
             }
         },
     );
@@ -97,8 +98,7 @@ pub(crate) fn hc_post(streams: &mut [f32], rows: usize, hc: usize, out: &[f32], 
             let dst = &mut s[k * d..(k + 1) * d];
             dst.iter_mut().zip(o).for_each(|(v, o)| *v = p * o);
             for j in 0..hc {
-                let cjk = c[j * hc + k];
-                dst.iter_mut().zip(&old[j * d..(j + 1) * d]).for_each(|(v, x)| *v += cjk * x);
+                axpy(dst, c[j * hc + k], &old[j * d..(j + 1) * d]);
             }
         }
     });
@@ -113,7 +113,7 @@ pub(crate) fn hc_head(streams: &[f32], rows: usize, w: &HcHeadWeights<CpuBackend
         let s = &streams[r * hc * d..(r + 1) * hc * d];
         for j in 0..hc {
             let p = sigmoid(mix[r * hc + j] * w.scale + w.base[j]) + w.hc_eps;
-            o.iter_mut().zip(&s[j * d..(j + 1) * d]).for_each(|(o, x)| *o += p * x);
+            axpy(o, p, &s[j * d..(j + 1) * d]);
         }
     });
 }

@@ -6,8 +6,10 @@ mod attention;
 mod compress;
 mod hc;
 mod matmul;
+mod matrix;
 mod moe;
 mod rows;
+mod simd;
 
 use crate::EntryDtype;
 use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection};
@@ -16,8 +18,7 @@ use crate::plan::BatchPlan;
 use crate::quant::{bf16_to_f32, f32_to_bf16};
 use crate::rope::RopeTable;
 
-/// A weight matrix in host memory, `[rows, cols]` row-major.
-pub type CpuMatrix = HostMatrix;
+pub use matrix::{CpuMatrix, WeightData};
 
 /// Entry storage in host memory.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,6 +101,10 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn enter<R: Send, F: FnOnce() -> R + Send>(&self, f: F) -> R {
+        rayon::scope(|_| f())
+    }
+
     fn zeros(&self, len: usize) -> Vec<f32> {
         vec![0.0; len]
     }
@@ -117,7 +122,7 @@ impl Backend for CpuBackend {
     }
 
     fn weight(&self, m: HostMatrix) -> CpuMatrix {
-        m
+        CpuMatrix::from_host(m)
     }
 
     fn weight_shape(&self, w: &CpuMatrix) -> (usize, usize) {

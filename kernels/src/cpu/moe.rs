@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::simd::axpy;
 use super::{CpuBackend, CpuMatrix, matmul::matmul};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
 
@@ -100,7 +101,7 @@ pub(crate) fn moe(x: &[f32], rows: usize, tokens: &[u32], w: &MoeWeights<CpuBack
     // Accumulate in expert order so results do not depend on thread scheduling.
     for (e, y) in results {
         for (i, &(r, wt)) in assigned[e].iter().enumerate() {
-            out[r * d..(r + 1) * d].iter_mut().zip(&y[i * d..(i + 1) * d]).for_each(|(o, v)| *o += v * wt);
+            axpy(&mut out[r * d..(r + 1) * d], wt, &y[i * d..(i + 1) * d]);
         }
     }
     if let Some(shared) = &w.shared {

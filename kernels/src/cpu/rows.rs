@@ -5,7 +5,7 @@ use rayon::prelude::*;
 use super::CpuMatrix;
 use crate::EntryDtype;
 use crate::quant::{bf16_to_f32, f32_to_bf16};
-use crate::rope::{RopeTable, rotate};
+use crate::rope::{RopeTable, rotate_with};
 
 /// Rows per rayon task for cheap per-row work.
 const ROW_CHUNK: usize = 16;
@@ -16,7 +16,7 @@ pub(crate) fn embed(table: &CpuMatrix, tokens: &[u32], out: &mut [f32]) {
     for (row, &t) in out.chunks_exact_mut(d).zip(tokens) {
         let t = t as usize;
         assert!(t < table.rows, "token id {t} outside the embedding table ({} rows)", table.rows);
-        row.copy_from_slice(&table.data[t * d..(t + 1) * d]);
+        table.row_into(t, row);
     }
 }
 
@@ -48,10 +48,11 @@ pub(crate) fn rope(x: &mut [f32], heads: usize, head_dim: usize, positions: &[u3
     assert_eq!(x.len(), positions.len() * width, "rope input is not [rows, heads, head_dim]");
     let rd = table.dims();
     assert!(rd <= head_dim, "rope dims {rd} exceed head_dim {head_dim}");
-    x.par_chunks_mut(width).zip(positions.par_iter()).for_each(|(row, &pos)| {
+    x.par_chunks_mut(width).zip(positions.par_iter()).with_min_len(ROW_CHUNK).for_each(|(row, &pos)| {
+        let (cos, sin) = table.angles(pos);
         for h in 0..heads {
             let head = &mut row[h * head_dim..(h + 1) * head_dim];
-            rotate(&mut head[head_dim - rd..], pos, table, inverse);
+            rotate_with(&mut head[head_dim - rd..], &cos, &sin, inverse);
         }
     });
 }
