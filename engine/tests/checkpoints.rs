@@ -1,61 +1,35 @@
 //! Checkpoint loading errors name what is wrong, and `model init` writes
 //! deterministic checkpoints the loader accepts.
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use engine::checkpoint::{OwnedTensor, write_safetensors};
 use engine::generate::{GenerateRequest, generate};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::sampling::SamplingParams;
 use engine::{CpuBackend, Engine, EngineOptions};
-use safetensors::{Dtype, SafeTensors, View};
+use safetensors::{Dtype, SafeTensors};
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-official/model")
 }
 
-struct Owned {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-impl View for &Owned {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
-}
-
 /// A copy of the fixture model with its tensors edited by `edit`.
-fn edited(edit: impl FnOnce(&mut HashMap<String, Owned>)) -> tempfile::TempDir {
+fn edited(edit: impl FnOnce(&mut HashMap<String, OwnedTensor>)) -> tempfile::TempDir {
     let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut tensors: HashMap<String, Owned> = st
+    let mut tensors: HashMap<String, OwnedTensor> = st
         .tensors()
         .into_iter()
-        .map(|(n, v)| (n, Owned { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
+        .map(|(n, v)| (n, OwnedTensor { dtype: v.dtype(), shape: v.shape().to_vec(), data: v.data().to_vec() }))
         .collect();
     edit(&mut tensors);
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(fixture().join("config.json"), dir.path().join("config.json")).unwrap();
-    let mut names: Vec<&String> = tensors.keys().collect();
-    names.sort();
-    safetensors::serialize_to_file(
-        names.into_iter().map(|n| (n.as_str(), &tensors[n])),
-        None,
-        &dir.path().join("model.safetensors"),
-    )
-    .unwrap();
+    let mut tensors: Vec<(String, OwnedTensor)> = tensors.into_iter().collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    write_safetensors(&dir.path().join("model.safetensors"), &tensors).unwrap();
     dir
 }
 

@@ -5,6 +5,7 @@
 mod decode;
 mod files;
 mod names;
+mod writer;
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +15,7 @@ use thiserror::Error;
 use crate::config::ConfigError;
 pub use files::{RawTensor, SafetensorsSet};
 pub use names::{Naming, hf_name};
+pub use writer::{OwnedTensor, write_safetensors};
 
 #[derive(Debug, Error)]
 pub enum CheckpointError {

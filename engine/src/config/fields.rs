@@ -61,38 +61,30 @@ impl<'a> Fields<'a> {
         }
     }
 
-    pub(crate) fn opt_usize_list(&self, name: &str) -> Result<Option<Vec<usize>>, ConfigError> {
+    fn opt_list<T>(
+        &self,
+        name: &str,
+        want: &str,
+        item: impl Fn(&Value) -> Option<T>,
+    ) -> Result<Option<Vec<T>>, ConfigError> {
         match self.get(name) {
             None => Ok(None),
             Some(Value::Array(items)) => items
                 .iter()
                 .enumerate()
-                .map(|(i, v)| {
-                    v.as_u64()
-                        .map(|n| n as usize)
-                        .ok_or_else(|| bad(&format!("{}[{i}]", self.path(name)), "an integer", v))
-                })
+                .map(|(i, v)| item(v).ok_or_else(|| bad(&format!("{}[{i}]", self.path(name)), want, v)))
                 .collect::<Result<Vec<_>, _>>()
                 .map(Some),
-            Some(v) => Err(bad(&self.path(name), "a list of integers", v)),
+            Some(v) => Err(bad(&self.path(name), &format!("a list of {want}s"), v)),
         }
     }
 
+    pub(crate) fn opt_usize_list(&self, name: &str) -> Result<Option<Vec<usize>>, ConfigError> {
+        self.opt_list(name, "integer", |v| v.as_u64().map(|n| n as usize))
+    }
+
     pub(crate) fn opt_str_list(&self, name: &str) -> Result<Option<Vec<String>>, ConfigError> {
-        match self.get(name) {
-            None => Ok(None),
-            Some(Value::Array(items)) => items
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    v.as_str()
-                        .map(str::to_string)
-                        .ok_or_else(|| bad(&format!("{}[{i}]", self.path(name)), "a string", v))
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .map(Some),
-            Some(v) => Err(bad(&self.path(name), "a list of strings", v)),
-        }
+        self.opt_list(name, "string", |v| v.as_str().map(str::to_string))
     }
 
     pub(crate) fn object(&self, name: &str) -> Result<Option<Fields<'a>>, ConfigError> {

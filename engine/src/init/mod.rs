@@ -6,14 +6,13 @@
 mod manifest;
 mod presets;
 
-use std::borrow::Cow;
 use std::path::Path;
 
 use kernels::quant;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
-use safetensors::{Dtype, View};
+use safetensors::Dtype;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use thiserror::Error;
@@ -21,7 +20,7 @@ use thiserror::Error;
 pub use manifest::{Class, Fill, TensorSpec, manifest};
 pub use presets::Preset;
 
-use crate::checkpoint::CheckpointError;
+use crate::checkpoint::{CheckpointError, OwnedTensor, write_safetensors};
 use crate::config::{ConfigError, ModelConfig, parse_hf};
 
 /// How `model init` stores weights.
@@ -62,27 +61,6 @@ pub enum InitError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-}
-
-struct Stored {
-    dtype: Dtype,
-    shape: Vec<usize>,
-    data: Vec<u8>,
-}
-
-impl View for &Stored {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.data)
-    }
-    fn data_len(&self) -> usize {
-        self.data.len()
-    }
 }
 
 fn rng_for(seed: u64, name: &str) -> ChaCha8Rng {
@@ -133,9 +111,9 @@ fn bf16_bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// The stored tensors (one, or a weight and its scale) of one spec.
-fn encode(spec: &TensorSpec, seed: u64, dtype: WeightDtype) -> Vec<(String, Stored)> {
+fn encode(spec: &TensorSpec, seed: u64, dtype: WeightDtype) -> Vec<(String, OwnedTensor)> {
     let v = values(spec, seed);
-    let one = |dtype, data| vec![(spec.name.clone(), Stored { dtype, shape: spec.shape.clone(), data })];
+    let one = |dtype, data| vec![(spec.name.clone(), OwnedTensor { dtype, shape: spec.shape.clone(), data })];
     let scale_name = spec.name.strip_suffix(".weight").map(|b| format!("{b}.scale")).unwrap_or_default();
     match (spec.class, dtype) {
         (Class::Int, _) => one(Dtype::I32, v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect()),
@@ -146,16 +124,16 @@ fn encode(spec: &TensorSpec, seed: u64, dtype: WeightDtype) -> Vec<(String, Stor
             let (q, s) = quant::quantize_fp8_blocks(&v, rows, cols, (128, 128));
             let grid = vec![rows.div_ceil(128), cols.div_ceil(128)];
             vec![
-                (spec.name.clone(), Stored { dtype: Dtype::F8_E4M3, shape: spec.shape.clone(), data: q }),
-                (scale_name, Stored { dtype: Dtype::F8_E8M0, shape: grid, data: s }),
+                (spec.name.clone(), OwnedTensor { dtype: Dtype::F8_E4M3, shape: spec.shape.clone(), data: q }),
+                (scale_name, OwnedTensor { dtype: Dtype::F8_E8M0, shape: grid, data: s }),
             ]
         }
         (Class::Fp4, WeightDtype::Fp8) => {
             let (rows, cols) = (spec.shape[0], spec.shape[1]);
             let (q, s) = quant::quantize_fp4_groups(&v, rows, cols, 32);
             vec![
-                (spec.name.clone(), Stored { dtype: Dtype::I8, shape: vec![rows, cols / 2], data: q }),
-                (scale_name, Stored { dtype: Dtype::F8_E8M0, shape: vec![rows, cols.div_ceil(32)], data: s }),
+                (spec.name.clone(), OwnedTensor { dtype: Dtype::I8, shape: vec![rows, cols / 2], data: q }),
+                (scale_name, OwnedTensor { dtype: Dtype::F8_E8M0, shape: vec![rows, cols.div_ceil(32)], data: s }),
             ]
         }
     }
@@ -187,18 +165,9 @@ pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, I
         }
     }
     let cfg = parse_hf(&conf)?;
-    let tensors: Vec<(String, Stored)> =
+    let tensors: Vec<(String, OwnedTensor)> =
         manifest(&cfg).par_iter().flat_map_iter(|spec| encode(spec, opts.seed, opts.dtype)).collect();
-    let weights = dir.join("model.safetensors");
-    // Write to a temporary name first so an interrupted init never leaves a
-    // half-written checkpoint that looks complete.
-    let partial = dir.join("model.safetensors.partial");
-    // One metadata key only: safetensors writes the metadata map in hash order, and
-    // the same seed must give the same bytes.
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize_to_file(tensors.iter().map(|(n, s)| (n.as_str(), s)), Some(meta), &partial)
-        .map_err(|e| io(&partial, e))?;
-    std::fs::rename(&partial, &weights).map_err(|e| io(&weights, e))?;
+    write_safetensors(&dir.join("model.safetensors"), &tensors)?;
     let text = serde_json::to_string_pretty(&conf).expect("json") + "\n";
     std::fs::write(dir.join("config.json"), text).map_err(|e| io(&dir.join("config.json"), e))?;
     Ok(cfg)

@@ -102,36 +102,62 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// `Σ a[i]·b(i)` over `n` values: `load(i)` gives eight values of `b` from `i`,
+    /// `at(i)` one. Four accumulators hide the FMA latency.
+    ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    /// The CPU must support AVX2 and FMA; `load(i)` must be valid for `i + 8 <= n`.
+    #[inline(always)]
+    unsafe fn dot_by(a: &[f32], load: impl Fn(usize) -> __m256, at: impl Fn(usize) -> f32) -> f32 {
         let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let pa = a.as_ptr();
+        let mut acc = [unsafe { _mm256_setzero_ps() }; 4];
         let mut i = 0;
         // SAFETY (all loads): i + 32 <= n, resp. i + 8 <= n, bound every access.
         while i + 32 <= n {
             for (k, acc) in acc.iter_mut().enumerate() {
                 let x = unsafe { _mm256_loadu_ps(pa.add(i + 8 * k)) };
-                let y = unsafe { _mm256_loadu_ps(pb.add(i + 8 * k)) };
-                *acc = _mm256_fmadd_ps(x, y, *acc);
+                *acc = unsafe { _mm256_fmadd_ps(x, load(i + 8 * k), *acc) };
             }
             i += 32;
         }
         while i + 8 <= n {
             let x = unsafe { _mm256_loadu_ps(pa.add(i)) };
-            let y = unsafe { _mm256_loadu_ps(pb.add(i)) };
-            acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
+            acc[0] = unsafe { _mm256_fmadd_ps(x, load(i), acc[0]) };
             i += 8;
         }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let s = unsafe { _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])) };
         let mut total = unsafe { hsum(s) };
         while i < n {
-            total += a[i] * b[i];
+            total += a[i] * at(i);
             i += 1;
         }
         total
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let pb = b.as_ptr();
+        // SAFETY: b has a.len() values, so every load dot_by asks for is in bounds.
+        unsafe { dot_by(a, |i| _mm256_loadu_ps(pb.add(i)), |i| b[i]) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn widen8(p: *const u16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable u16 at p.
+        let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
+        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
+        let pb = b.as_ptr();
+        // SAFETY: b has a.len() values, so every load dot_by asks for is in bounds.
+        unsafe { dot_by(a, |i| widen8(pb.add(i)), |i| f32::from_bits((b[i] as u32) << 16)) }
     }
 
     /// # Safety
@@ -154,45 +180,6 @@ mod x86 {
             y[i] += a * x[i];
             i += 1;
         }
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn widen8(p: *const u16) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable u16 at p.
-        let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
-        _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn dot_bf16(a: &[f32], b: &[u16]) -> f32 {
-        let n = a.len();
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        // SAFETY (all loads): i + 32 <= n, resp. i + 8 <= n, bound every access.
-        while i + 32 <= n {
-            for (k, acc) in acc.iter_mut().enumerate() {
-                let x = unsafe { _mm256_loadu_ps(pa.add(i + 8 * k)) };
-                let y = unsafe { widen8(pb.add(i + 8 * k)) };
-                *acc = _mm256_fmadd_ps(x, y, *acc);
-            }
-            i += 32;
-        }
-        while i + 8 <= n {
-            let x = unsafe { _mm256_loadu_ps(pa.add(i)) };
-            let y = unsafe { widen8(pb.add(i)) };
-            acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
-            i += 8;
-        }
-        let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut total = unsafe { hsum(s) };
-        while i < n {
-            total += a[i] * f32::from_bits((b[i] as u32) << 16);
-            i += 1;
-        }
-        total
     }
 }
 
