@@ -2,7 +2,7 @@
 //! `model.safetensors`, or shards listed by `model.safetensors.index.json` (any other
 //! `*.safetensors` files are used when there is neither).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -31,7 +31,6 @@ pub struct RawTensor<'a> {
 }
 
 pub struct SafetensorsSet {
-    paths: Vec<PathBuf>,
     maps: Vec<Mmap>,
     /// Header bytes of each file, kept for fingerprinting.
     headers: Vec<Vec<u8>>,
@@ -75,8 +74,7 @@ impl SafetensorsSet {
     }
 
     pub fn open_files(files: &[PathBuf]) -> Result<Self, CheckpointError> {
-        let mut set =
-            SafetensorsSet { paths: Vec::new(), maps: Vec::new(), headers: Vec::new(), tensors: HashMap::new() };
+        let mut set = SafetensorsSet { maps: Vec::new(), headers: Vec::new(), tensors: HashMap::new() };
         for path in files {
             let file = File::open(path).map_err(|e| io_err(path, e))?;
             let map = kernels::mapped::map_readonly(&file).map_err(|e| io_err(path, e))?;
@@ -100,7 +98,6 @@ impl SafetensorsSet {
                 );
             }
             set.headers.push(map[..data_start].to_vec());
-            set.paths.push(path.clone());
             set.maps.push(map);
         }
         Ok(set)
@@ -117,19 +114,6 @@ impl SafetensorsSet {
 
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
-    }
-
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.tensors.keys().map(String::as_str)
-    }
-
-    /// Tensor names grouped by file, for diagnostics.
-    pub fn by_file(&self) -> BTreeMap<String, usize> {
-        let mut m = BTreeMap::new();
-        for e in self.tensors.values() {
-            *m.entry(self.paths[e.file].display().to_string()).or_insert(0) += 1;
-        }
-        m
     }
 
     /// `(header bytes, file length, whole mapping)` of every file, for fingerprinting.

@@ -7,7 +7,7 @@ mod files;
 mod names;
 mod writer;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use kernels::HostMatrix;
 use thiserror::Error;
@@ -53,7 +53,6 @@ pub enum ExpertProj {
 }
 
 pub struct Checkpoint {
-    dir: PathBuf,
     set: SafetensorsSet,
     naming: Naming,
 }
@@ -63,15 +62,11 @@ impl Checkpoint {
         let set = SafetensorsSet::open_dir(dir)?;
         let naming =
             Naming::detect(&set).ok_or_else(|| CheckpointError::UnknownNaming { dir: dir.display().to_string() })?;
-        Ok(Checkpoint { dir: dir.to_path_buf(), set, naming })
+        Ok(Checkpoint { set, naming })
     }
 
     pub fn naming(&self) -> Naming {
         self.naming
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     pub fn files(&self) -> &SafetensorsSet {

@@ -3,11 +3,8 @@
 mod forward;
 pub mod weights;
 
-use std::path::Path;
-
 use kernels::{Backend, EntryDtype, KvLayout, RopeTable};
 
-use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::ModelConfig;
 pub use weights::ModelWeights;
 
@@ -30,13 +27,5 @@ impl<B: Backend> Model<B> {
             weights,
             backend,
         }
-    }
-
-    /// Read `config.json` and the weights of a model directory.
-    pub fn load(dir: &Path, backend: B, kv_dtype: EntryDtype) -> Result<Self, CheckpointError> {
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
-        let ck = Checkpoint::open(dir)?;
-        let weights = ModelWeights::load(&ck, &config, &backend)?;
-        Ok(Model::new(config, weights, backend, kv_dtype))
     }
 }
