@@ -59,7 +59,7 @@ impl<B: Backend> Engine<B> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ck, &config, &backend)?;
-        let fingerprint = Fingerprint::compute(&config, ck.files(), options.kv_dtype);
+        let fingerprint = crate::fingerprint::compute(&config, ck.files(), options.kv_dtype);
         let model = Model::new(config, weights, backend, options.kv_dtype);
         let cache = KvCache::new(&model.backend, model.layout.clone(), options.max_pages, options.max_sequences);
         tracing::info!(

@@ -9,56 +9,38 @@
 //! layout or in retrained weights.
 
 use kernels::EntryDtype;
+pub use model_spec::Fingerprint;
+use model_spec::ModelConfig;
 use sha2::{Digest, Sha256};
 
 use crate::checkpoint::SafetensorsSet;
-use crate::config::ModelConfig;
-
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Fingerprint(pub [u8; 32]);
 
 const SAMPLES: usize = 16;
 const SAMPLE_BYTES: usize = 4096;
 
-impl Fingerprint {
-    pub fn compute(config: &ModelConfig, files: &SafetensorsSet, kv_dtype: EntryDtype) -> Self {
-        let mut h = Sha256::new();
-        h.update(b"sluice-model-fingerprint-v1\0");
-        h.update(format!("{config:?}").as_bytes());
-        h.update(kv_dtype.name().as_bytes());
-        let mut per_file: Vec<[u8; 32]> = files
-            .files()
-            .map(|(header, data)| {
-                let mut f = Sha256::new();
-                f.update(header);
-                f.update((data.len() as u64).to_le_bytes());
-                for i in 0..SAMPLES {
-                    let at = (data.len().saturating_sub(SAMPLE_BYTES)) * i / (SAMPLES - 1);
-                    f.update(&data[at..(at + SAMPLE_BYTES).min(data.len())]);
-                }
-                f.finalize().into()
-            })
-            .collect();
-        // Shard order on disk must not matter.
-        per_file.sort();
-        for f in per_file {
-            h.update(f);
-        }
-        Fingerprint(h.finalize().into())
+/// The fingerprint of a loaded checkpoint for a KV entry dtype.
+pub fn compute(config: &ModelConfig, files: &SafetensorsSet, kv_dtype: EntryDtype) -> Fingerprint {
+    let mut h = Sha256::new();
+    h.update(b"sluice-model-fingerprint-v1\0");
+    h.update(format!("{config:?}").as_bytes());
+    h.update(kv_dtype.name().as_bytes());
+    let mut per_file: Vec<[u8; 32]> = files
+        .files()
+        .map(|(header, data)| {
+            let mut f = Sha256::new();
+            f.update(header);
+            f.update((data.len() as u64).to_le_bytes());
+            for i in 0..SAMPLES {
+                let at = (data.len().saturating_sub(SAMPLE_BYTES)) * i / (SAMPLES - 1);
+                f.update(&data[at..(at + SAMPLE_BYTES).min(data.len())]);
+            }
+            f.finalize().into()
+        })
+        .collect();
+    // Shard order on disk must not matter.
+    per_file.sort();
+    for f in per_file {
+        h.update(f);
     }
-
-    pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
-    }
-
-    /// First 12 hex digits, for logs and error messages.
-    pub fn short(&self) -> String {
-        self.hex()[..12].to_string()
-    }
-}
-
-impl std::fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Fingerprint({})", self.short())
-    }
+    Fingerprint(h.finalize().into())
 }

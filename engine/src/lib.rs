@@ -1,7 +1,7 @@
 //! DeepSeek-V4 model runtime.
 //!
 //! Module map:
-//! - [`config`]: the model description, parsed from HF or reference config files.
+//! - [`config`], [`block_hash`]: re-exported from `model-spec` (no compute needed).
 //! - [`checkpoint`]: safetensors reading (sharded, official/HF names, BF16/FP8/FP4).
 //! - [`model`]: weights on a `kernels` backend and the forward pass.
 //! - [`kv`]: page pool, state-cache slots, sequences and their byte export/import.
@@ -10,12 +10,10 @@
 //! - [`generate`]: in-process generation loop.
 //! - [`init`]: deterministic random checkpoints (`sluice model init`) and presets.
 //! - [`inspect`]: layer table and KV bytes per token per pool.
-//! - [`fingerprint`], [`block_hash`]: identity of a model and of token prefixes.
+//! - [`fingerprint`]: computing a model's fingerprint from its checkpoint.
 #![forbid(unsafe_code)]
 
-pub mod block_hash;
 pub mod checkpoint;
-pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
@@ -29,3 +27,4 @@ pub mod sampling;
 pub use engine::{Engine, EngineOptions, Logits, StepInput};
 pub use error::EngineError;
 pub use kernels::{CpuBackend, EntryDtype};
+pub use model_spec::{Fingerprint, block_hash, config};

@@ -2,14 +2,7 @@
 //! interleaved pairs `(2j, 2j+1)` by angle `position · inv_freq[j]`; window-only layers
 //! use plain frequencies, layers with a compressor use YaRN-scaled ones.
 
-/// YaRN parameters (as in the config's `rope_scaling`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Yarn {
-    pub factor: f64,
-    pub original_max_position: f64,
-    pub beta_fast: f64,
-    pub beta_slow: f64,
-}
+pub use model_spec::Yarn;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeTable {

@@ -21,11 +21,24 @@ impl<B: Backend> Model<B> {
     pub fn new(config: ModelConfig, weights: ModelWeights<B>, backend: B, kv_dtype: EntryDtype) -> Self {
         Model {
             layout: config.kv_layout(kv_dtype),
-            main_rope: config.main_rope(),
-            compress_rope: config.compress_rope(),
+            main_rope: main_rope(&config),
+            compress_rope: compress_rope(&config),
             config,
             weights,
             backend,
         }
+    }
+}
+
+/// RoPE table of window-only layers.
+pub fn main_rope(c: &ModelConfig) -> RopeTable {
+    RopeTable::plain(c.rope_theta, c.rope_head_dim)
+}
+
+/// RoPE table of compressor layers (queries, window KV, entries, indexer).
+pub fn compress_rope(c: &ModelConfig) -> RopeTable {
+    match c.yarn {
+        Some(y) => RopeTable::yarn(c.compress_rope_theta, c.rope_head_dim, y, c.yarn_attention_factor),
+        None => RopeTable::plain(c.compress_rope_theta, c.rope_head_dim),
     }
 }

@@ -1,4 +1,4 @@
-use kernels::AttnKind;
+use crate::layout::AttnKind;
 use serde_json::{Value, json};
 
 use super::*;

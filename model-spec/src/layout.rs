@@ -5,7 +5,36 @@
 //! The layout is plain data so every backend, the transfer layer and the kvstore
 //! agree on byte offsets without sharing code paths.
 
-use crate::EntryDtype;
+/// How KV entries (pages and window rings) are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EntryDtype {
+    F32,
+    Bf16,
+}
+
+impl EntryDtype {
+    pub fn size(self) -> usize {
+        match self {
+            EntryDtype::F32 => 4,
+            EntryDtype::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            EntryDtype::F32 => "f32",
+            EntryDtype::Bf16 => "bf16",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "f32" | "float32" => Some(EntryDtype::F32),
+            "bf16" | "bfloat16" => Some(EntryDtype::Bf16),
+            _ => None,
+        }
+    }
+}
 
 /// Which attention a layer runs; fixed by its compression ratio (0, 4 or 128 in V4).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -4,8 +4,8 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::Fingerprint;
 use crate::config::BLOCK_TOKENS;
-use crate::fingerprint::Fingerprint;
 
 pub type BlockHash = [u8; 32];
 

@@ -4,8 +4,8 @@
 //! `compress_rates`, `mlp_layer_types`, `partial_rotary_factor`, nested
 //! `rope_parameters`).
 
-use kernels::AttnKind;
-use kernels::rope::Yarn;
+use crate::Yarn;
+use crate::layout::AttnKind;
 use serde_json::Value;
 
 use super::fields::Fields;

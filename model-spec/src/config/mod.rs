@@ -10,9 +10,10 @@ mod reference;
 
 use std::path::Path;
 
-use kernels::rope::{RopeTable, Yarn};
-use kernels::{AttnKind, EntryDtype, KvLayout, LayerSpec};
 use thiserror::Error;
+
+use crate::Yarn;
+use crate::layout::{AttnKind, EntryDtype, KvLayout, LayerSpec};
 
 pub use hf::parse_hf;
 pub use reference::parse_reference;
@@ -149,19 +150,6 @@ impl ModelConfig {
     /// Number of layers of each attention kind.
     pub fn count(&self, kind: AttnKind) -> usize {
         self.attn_kinds.iter().filter(|&&k| k == kind).count()
-    }
-
-    /// RoPE table of window-only layers.
-    pub fn main_rope(&self) -> RopeTable {
-        RopeTable::plain(self.rope_theta, self.rope_head_dim)
-    }
-
-    /// RoPE table of compressor layers (queries, window KV, entries, indexer).
-    pub fn compress_rope(&self) -> RopeTable {
-        match self.yarn {
-            Some(y) => RopeTable::yarn(self.compress_rope_theta, self.rope_head_dim, y, self.yarn_attention_factor),
-            None => RopeTable::plain(self.compress_rope_theta, self.rope_head_dim),
-        }
     }
 
     pub fn layer_specs(&self) -> Vec<LayerSpec> {

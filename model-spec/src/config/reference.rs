@@ -3,7 +3,7 @@
 //! the reference's defaults; the context limit is the YaRN-extended length
 //! `original_seq_len · rope_factor`.
 
-use kernels::rope::Yarn;
+use crate::Yarn;
 use serde_json::Value;
 
 use super::fields::Fields;
