@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use kernels::{Backend, BatchPlan, EntryDtype};
+use kernels::{Backend, BatchPlan, EntryDtype, KvState};
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -56,12 +56,27 @@ pub struct Engine<B: Backend> {
 impl<B: Backend> Engine<B> {
     /// Load a model directory (config.json + safetensors) onto `backend`.
     pub fn load(dir: &Path, backend: B, options: EngineOptions) -> Result<Self, EngineError> {
+        Self::load_with_state(dir, backend, options, None)
+    }
+
+    /// Like [`Self::load`], with the KV memory provided by the caller (sized by
+    /// [`KvCache::region_elems`] for the model's layout), e.g. regions a transport
+    /// registered so that peers can write pages straight into them.
+    pub fn load_with_state(
+        dir: &Path,
+        backend: B,
+        options: EngineOptions,
+        state: Option<KvState<B>>,
+    ) -> Result<Self, EngineError> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ck, &config, &backend)?;
         let fingerprint = crate::fingerprint::compute(&config, ck.files(), options.kv_dtype);
         let model = Model::new(config, weights, backend, options.kv_dtype);
-        let cache = KvCache::new(&model.backend, model.layout.clone(), options.max_pages, options.max_sequences);
+        let cache = match state {
+            Some(state) => KvCache::with_state(model.layout.clone(), state, options.max_pages, options.max_sequences),
+            None => KvCache::new(&model.backend, model.layout.clone(), options.max_pages, options.max_sequences),
+        };
         tracing::info!(
             model = %dir.display(),
             naming = ck.naming().name(),

@@ -92,11 +92,26 @@ pub struct CompressorParams<'a, B: Backend + ?Sized> {
 }
 
 /// The KV state of every sequence a backend serves: pages (compressed entries),
-/// window rings and compressor slots, indexed by page id and state slot.
+/// window rings and compressor slots (always f32), indexed by page id and state slot.
 pub struct KvState<B: Backend + ?Sized> {
     pub pages: B::Kv,
     pub rings: B::Kv,
-    pub comp: B::Buf,
+    pub comp: B::Kv,
+}
+
+/// Host memory owned by someone else, e.g. a transport-allocated region that remote
+/// peers write KV pages into.
+///
+/// # Safety
+/// Implementors guarantee that `as_ptr()..as_ptr() + len()` is valid, writable,
+/// 8-byte-aligned memory that does not move for as long as the object lives, and that
+/// nothing else in this process creates Rust references to it.
+pub unsafe trait ExternalMemory: Send + Sync {
+    fn as_ptr(&self) -> *mut u8;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Selected compressed entries of a CSA layer: `[rows, top_k]` entry indices, -1 where
@@ -138,6 +153,18 @@ pub trait Backend: Send + Sync + 'static {
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 
     fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> Self::Kv;
+    /// Entry storage in memory someone else allocated (host memory a transport
+    /// registered for remote writes). Backends that cannot use host memory say why.
+    fn kv_adopt(&self, mem: Box<dyn ExternalMemory>, elems: usize, dtype: EntryDtype) -> Result<Self::Kv, String> {
+        let _ = (mem, elems, dtype);
+        Err(format!("the {} backend cannot use host memory for KV storage", self.describe()))
+    }
+    /// The storage's bytes when they live in host memory (so a transport can send
+    /// them without a staging copy); `None` for device memory.
+    fn kv_host_bytes<'a>(&self, kv: &'a Self::Kv) -> Option<&'a [u8]> {
+        let _ = kv;
+        None
+    }
     /// Raw bytes of `elems` entry elements starting at element `offset`.
     fn kv_read(&self, kv: &Self::Kv, offset: usize, elems: usize) -> Vec<u8>;
     /// Overwrite entry elements starting at element `offset` with raw bytes.

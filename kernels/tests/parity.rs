@@ -317,7 +317,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
     let mut kv = KvState::<B> {
         pages: b.kv_alloc(6 * layout.page_elems, dtype),
         rings: b.kv_alloc(2 * layout.ring_elems, dtype),
-        comp: b.zeros(2 * layout.comp_elems),
+        comp: b.kv_alloc(2 * layout.comp_elems, EntryDtype::F32),
     };
     let ape: Vec<[B::Buf; 4]> =
         params.iter().map(|p| [b.upload(&p[0]), b.upload(&p[1]), b.upload(&p[2]), b.upload(&p[3])]).collect();

@@ -1,6 +1,6 @@
 //! The KV memory of one engine and the sequences that hold parts of it.
 
-use kernels::{Backend, KvLayout, KvState};
+use kernels::{Backend, EntryDtype, KvLayout, KvState};
 
 use super::pool::{PagePool, PoolError, SlotPool};
 
@@ -53,8 +53,20 @@ impl<B: Backend> KvCache<B> {
         let state = KvState {
             pages: backend.kv_alloc(max_pages * layout.page_elems, layout.dtype),
             rings: backend.kv_alloc(max_sequences * layout.ring_elems, layout.dtype),
-            comp: backend.zeros(max_sequences * layout.comp_elems),
+            comp: backend.kv_alloc(max_sequences * layout.comp_elems, EntryDtype::F32),
         };
+        KvCache { layout, state, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
+    }
+
+    /// Element counts of the three regions a state for these pools needs:
+    /// `(pages, rings, comp)`; comp is always f32.
+    pub fn region_elems(layout: &KvLayout, max_pages: usize, max_sequences: usize) -> (usize, usize, usize) {
+        (max_pages * layout.page_elems, max_sequences * layout.ring_elems, max_sequences * layout.comp_elems)
+    }
+
+    /// Use memory the caller provided (e.g. regions a transport registered for remote
+    /// writes), sized by [`Self::region_elems`].
+    pub fn with_state(layout: KvLayout, state: KvState<B>, max_pages: usize, max_sequences: usize) -> Self {
         KvCache { layout, state, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
     }
 

@@ -131,9 +131,7 @@ impl<B: Backend> KvCache<B> {
             out.extend_from_slice(&b.kv_read(&self.state.pages, page as usize * l.page_elems, l.page_elems));
         }
         out.extend_from_slice(&b.kv_read(&self.state.rings, seq.slot * l.ring_elems, l.ring_elems));
-        for v in b.buf_read(&self.state.comp, seq.slot * l.comp_elems, l.comp_elems) {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
+        out.extend_from_slice(&b.kv_read(&self.state.comp, seq.slot * l.comp_elems, l.comp_elems));
         out
     }
 
@@ -168,8 +166,7 @@ impl<B: Backend> KvCache<B> {
         }
         b.kv_write(&mut self.state.rings, slot * l.ring_elems, &bytes[at..at + h.ring_bytes as usize]);
         at += h.ring_bytes as usize;
-        let comp: Vec<f32> = bytes[at..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        b.buf_write(&mut self.state.comp, slot * l.comp_elems, &comp);
+        b.kv_write(&mut self.state.comp, slot * l.comp_elems, &bytes[at..]);
         Ok(Sequence { slot, pages: page_ids, len: h.tokens as usize })
     }
 }

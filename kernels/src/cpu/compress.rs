@@ -34,6 +34,7 @@ pub(crate) fn compress(
     assert_eq!(proj_score.len(), plan.rows() * width, "compressor score projection width");
     assert_eq!(p.ape.len(), ratio * width, "compressor position bias shape");
 
+    let comp = kv.comp.f32s_mut();
     for seq in &plan.seqs {
         let base = seq.slot * layout.comp_elems + lk.comp_offset(branch);
         for j in 0..seq.rows {
@@ -42,14 +43,14 @@ pub(crate) fn compress(
             let s = t % slots;
             let kv_dst = base + s * width;
             let sc_dst = base + (slots + s) * width;
-            kv.comp[kv_dst..kv_dst + width].copy_from_slice(&proj_kv[row * width..(row + 1) * width]);
+            comp[kv_dst..kv_dst + width].copy_from_slice(&proj_kv[row * width..(row + 1) * width]);
             let bias = &p.ape[(t % ratio) * width..(t % ratio + 1) * width];
             for c in 0..width {
-                kv.comp[sc_dst + c] = proj_score[row * width + c] + bias[c];
+                comp[sc_dst + c] = proj_score[row * width + c] + bias[c];
             }
             if (t + 1) % ratio == 0 {
                 let entry_idx = (t + 1) / ratio - 1;
-                let entry = pool_window(&kv.comp[base..base + 2 * slots * width], lk.kind(), ratio, width, entry_idx);
+                let entry = pool_window(&comp[base..base + 2 * slots * width], lk.kind(), ratio, width, entry_idx);
                 write_entry(&mut kv.pages, layout, layer, branch, &seq.pages, entry_idx, entry, p);
             }
         }

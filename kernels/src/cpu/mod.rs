@@ -5,6 +5,7 @@
 mod attention;
 mod compress;
 mod hc;
+mod kvmem;
 mod matmul;
 mod matrix;
 mod moe;
@@ -12,75 +13,15 @@ mod rows;
 mod simd;
 
 use crate::EntryDtype;
-use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection};
+use crate::backend::{
+    Backend, CompressorParams, ExternalMemory, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection,
+};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
-use crate::quant::{bf16_to_f32, f32_to_bf16};
 use crate::rope::RopeTable;
 
+pub use kvmem::CpuKv;
 pub use matrix::{CpuMatrix, WeightData};
-
-/// Entry storage in host memory.
-#[derive(Clone, Debug, PartialEq)]
-pub enum CpuKv {
-    F32(Vec<f32>),
-    Bf16(Vec<u16>),
-}
-
-impl CpuKv {
-    pub fn dtype(&self) -> EntryDtype {
-        match self {
-            CpuKv::F32(_) => EntryDtype::F32,
-            CpuKv::Bf16(_) => EntryDtype::Bf16,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            CpuKv::F32(v) => v.len(),
-            CpuKv::Bf16(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Read `out.len()` elements starting at element `offset`, widened to f32.
-    pub fn read(&self, offset: usize, out: &mut [f32]) {
-        match self {
-            CpuKv::F32(v) => out.copy_from_slice(&v[offset..offset + out.len()]),
-            CpuKv::Bf16(v) => {
-                let n = out.len();
-                out.iter_mut().zip(&v[offset..offset + n]).for_each(|(o, b)| *o = bf16_to_f32(*b))
-            }
-        }
-    }
-
-    /// Write f32 values starting at element `offset`, narrowed to the storage dtype.
-    pub fn write(&mut self, offset: usize, data: &[f32]) {
-        match self {
-            CpuKv::F32(v) => v[offset..offset + data.len()].copy_from_slice(data),
-            CpuKv::Bf16(v) => {
-                v[offset..offset + data.len()].iter_mut().zip(data).for_each(|(b, x)| *b = f32_to_bf16(*x))
-            }
-        }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        match self {
-            CpuKv::F32(v) => bytemuck::cast_slice(v),
-            CpuKv::Bf16(v) => bytemuck::cast_slice(v),
-        }
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            CpuKv::F32(v) => bytemuck::cast_slice_mut(v),
-            CpuKv::Bf16(v) => bytemuck::cast_slice_mut(v),
-        }
-    }
-}
 
 #[derive(Clone, Debug, Default)]
 pub struct CpuBackend;
@@ -130,10 +71,15 @@ impl Backend for CpuBackend {
     }
 
     fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> CpuKv {
-        match dtype {
-            EntryDtype::F32 => CpuKv::F32(vec![0.0; elems]),
-            EntryDtype::Bf16 => CpuKv::Bf16(vec![0; elems]),
-        }
+        CpuKv::zeroed(elems, dtype)
+    }
+
+    fn kv_adopt(&self, mem: Box<dyn ExternalMemory>, elems: usize, dtype: EntryDtype) -> Result<CpuKv, String> {
+        CpuKv::adopt(mem, elems, dtype)
+    }
+
+    fn kv_host_bytes<'a>(&self, kv: &'a CpuKv) -> Option<&'a [u8]> {
+        Some(kv.bytes())
     }
 
     fn kv_read(&self, kv: &CpuKv, offset: usize, elems: usize) -> Vec<u8> {
