@@ -93,7 +93,7 @@ fn bad_input_gets_a_clear_error() {
     init_tiny(&model);
     let m = model.to_str().unwrap();
     let cases: [(&[&str], &str); 5] = [
-        (&["generate", "--model", m, "--prompt-ids", "1,999"], "token id 999 is outside the vocabulary (size 256)"),
+        (&["generate", "--model", m, "--prompt-ids", "1,999"], "token id 999 is outside the vocabulary (size 320)"),
         (&["generate", "--model", m, "--prompt-ids", "1,x"], "item 2 (`x`) is not a token id"),
         (&["generate", "--model", m, "--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens must be at least 1"),
         (&["generate", "--model", m, "--prompt-ids", "1", "--top-p", "1.5"], "top_p must be in (0, 1]"),

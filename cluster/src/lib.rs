@@ -1,1 +1,14 @@
-//! (being written)
+//! What every sluice service shares about being part of a cluster.
+//!
+//! Module map:
+//! - [`discovery`]: who is in the cluster. Workers announce themselves with a
+//!   [`discovery::Registration`] (an etcd key under a kept-alive lease); the router follows
+//!   membership through a [`discovery::Membership`], fed either by [`discovery::watch`] (etcd) or
+//!   by [`discovery::Membership::fixed`] (a static `--peers` list on one machine).
+//! - `testing` (cargo feature `testing`): a real etcd server per test, for this crate's tests and
+//!   for other crates' end-to-end tests.
+#![forbid(unsafe_code)]
+
+pub mod discovery;
+#[cfg(feature = "testing")]
+pub mod testing;

@@ -139,7 +139,7 @@ fn init_still_writes_the_checkpoint_the_reference_was_run_on() {
     let dir = root.path().join("m");
     init(&dir, Preset::Tiny, 11, WeightDtype::Bf16);
     let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/tiny-init/model");
-    for f in ["model.safetensors", "config.json"] {
+    for f in ["model.safetensors", "config.json", "tokenizer.json"] {
         let (a, b) = (std::fs::read(dir.join(f)).unwrap(), std::fs::read(golden.join(f)).unwrap());
         assert!(
             a == b,

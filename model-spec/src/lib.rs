@@ -6,12 +6,14 @@
 //! - [`config`]: the model description, parsed from HF or reference config files.
 //! - [`layout`]: byte geometry of KV pages and state-cache slots, entry dtypes.
 //! - [`block_hash`]: chained hashes of 128-token prefix blocks, salted per model.
+//! - [`text`]: tokenizer.json encode/decode and streaming detokenisation.
 //! - [`Fingerprint`]: identity of a model's weights + KV dtype.
 #![forbid(unsafe_code)]
 
 pub mod block_hash;
 pub mod config;
 pub mod layout;
+pub mod text;
 
 pub use config::{BLOCK_TOKENS, ConfigError, MlpKind, ModelConfig, StoredDtype};
 pub use layout::{AttnKind, Branch, EntryDtype, KvLayout, LayerKv, LayerSpec, PoolBytes};

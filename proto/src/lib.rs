@@ -1,7 +1,8 @@
 //! sluice's gRPC API, generated from `proto/sluice/v1/*.proto`.
 //!
 //! Module map:
-//! - [`v1`]: package `sluice.v1` — the client-facing `Generation` service.
+//! - [`v1`]: package `sluice.v1` — the client-facing `Generation` service and the
+//!   internal `Prefill` / `Decode` services (KV handshake, commit, decode stream).
 
 /// Package `sluice.v1`.
 pub mod v1 {

@@ -1,10 +1,11 @@
 //! `sluice model init`: a deterministic random checkpoint in the official DeepSeek
-//! layout (config.json + model.safetensors) for a preset shape. The same seed gives the
+//! layout (config.json + model.safetensors + tokenizer.json) for a preset shape. The same seed gives the
 //! same bytes on every machine: each tensor draws from its own ChaCha stream keyed by
 //! the seed and the tensor's name, so generation order and thread count do not matter.
 
 mod manifest;
 mod presets;
+mod tokenizer;
 
 use std::path::Path;
 
@@ -19,6 +20,7 @@ use thiserror::Error;
 
 pub use manifest::{Class, Fill, TensorSpec, manifest};
 pub use presets::Preset;
+pub use tokenizer::{BOS, EOS, tokenizer_json};
 
 use crate::checkpoint::{CheckpointError, OwnedTensor, write_safetensors};
 use crate::config::{ConfigError, ModelConfig, parse_hf};
@@ -168,6 +170,8 @@ pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, I
     let tensors: Vec<(String, OwnedTensor)> =
         manifest(&cfg).par_iter().flat_map_iter(|spec| encode(spec, opts.seed, opts.dtype)).collect();
     write_safetensors(&dir.join("model.safetensors"), &tensors)?;
+    let tok = tokenizer_json(cfg.vocab_size).map_err(|e| io(&dir.join("tokenizer.json"), e))?;
+    std::fs::write(dir.join("tokenizer.json"), tok).map_err(|e| io(&dir.join("tokenizer.json"), e))?;
     let text = serde_json::to_string_pretty(&conf).expect("json") + "\n";
     std::fs::write(dir.join("config.json"), text).map_err(|e| io(&dir.join("config.json"), e))?;
     Ok(cfg)

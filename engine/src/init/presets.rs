@@ -33,7 +33,7 @@ impl Preset {
         let (shape, ratios, hash_layers, max_pos) = match self {
             Preset::Tiny => (
                 json!({
-                    "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
+                    "vocab_size": 320, "hidden_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 4,
                     "num_attention_heads": 4, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32,
                     "o_groups": 2, "o_lora_rank": 16, "n_routed_experts": 8, "num_experts_per_tok": 2,
                     "index_n_heads": 8, "index_head_dim": 32, "index_topk": 8

@@ -1,0 +1,140 @@
+//! One-sided puts and gets.
+//!
+//! The safe calls ([`Worker::put_all`], [`Worker::put_blocking`],
+//! [`Worker::get_blocking`]) borrow their buffers for the whole call and return only
+//! once UCX is done with them. The `unsafe` [`Endpoint::put`]/[`Endpoint::get`] return a
+//! [`Pending`] and leave the buffer's lifetime to the caller.
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use crate::endpoint::Endpoint;
+use crate::raw;
+use crate::request::Pending;
+use crate::rkey::RemoteKey;
+use crate::status::UcxError;
+use crate::worker::Worker;
+
+impl Endpoint {
+    /// Starts writing `local` to `remote_addr` in the peer region of `rkey`.
+    ///
+    /// Completion of the returned request means `local` may be reused; the bytes are
+    /// guaranteed to be at the peer only after a flush ([`Endpoint::flush`]).
+    ///
+    /// # Safety
+    /// `local` must stay valid and unmodified until the returned [`Pending`] has been
+    /// waited for or dropped. Leaking the `Pending` (e.g. `mem::forget`) leaves UCX free
+    /// to read `local` at any later time.
+    pub unsafe fn put(&self, local: &[u8], remote_addr: u64, rkey: &RemoteKey) -> Result<Pending, UcxError> {
+        let ep = self.inner.live()?;
+        let handle = rkey.handle_for(self, remote_addr, local.len())?;
+        let param = raw::ucp_request_param_t::empty();
+        // SAFETY: ep and the rkey are live and belong together (checked above); the remote
+        // range lies inside the region; the caller keeps `local` valid until the request
+        // finishes.
+        let ptr =
+            unsafe { raw::ucp_put_nbx(ep, local.as_ptr().cast::<c_void>(), local.len(), remote_addr, handle, &param) };
+        Pending::issued_rma(ptr, &rkey.inner, "ucp_put_nbx")
+    }
+
+    /// Starts reading `local.len()` bytes at `remote_addr` in the peer region of `rkey`
+    /// into `local`. The data is in `local` once the returned request completes.
+    ///
+    /// # Safety
+    /// `local` must stay valid, and must be neither read nor written, until the returned
+    /// [`Pending`] has been waited for or dropped. Leaking the `Pending` leaves UCX free
+    /// to write `local` at any later time.
+    pub unsafe fn get(&self, local: &mut [u8], remote_addr: u64, rkey: &RemoteKey) -> Result<Pending, UcxError> {
+        let ep = self.inner.live()?;
+        let handle = rkey.handle_for(self, remote_addr, local.len())?;
+        let param = raw::ucp_request_param_t::empty();
+        // SAFETY: as for put; the caller keeps `local` valid and untouched until the
+        // request finishes.
+        let ptr = unsafe {
+            raw::ucp_get_nbx(ep, local.as_mut_ptr().cast::<c_void>(), local.len(), remote_addr, handle, &param)
+        };
+        Pending::issued_rma(ptr, &rkey.inner, "ucp_get_nbx")
+    }
+}
+
+impl Worker {
+    /// Writes every `(local, remote_addr)` pair into the region of `rkey`, then flushes
+    /// `ep`: when this returns `Ok`, all bytes are at the peer. All puts are issued before
+    /// waiting, so they overlap on the wire; ordering between them is not guaranteed, only
+    /// that all precede the flush.
+    ///
+    /// Every range is checked against the region before anything is sent. On timeout
+    /// the endpoint is closed, by force with [`ErrorMode::Peer`](crate::ErrorMode::Peer)
+    /// (outstanding puts are cancelled, so the buffers are free again); connect again to
+    /// retry.
+    pub fn put_all(
+        &self,
+        ep: &Endpoint,
+        puts: &[(&[u8], u64)],
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        self.owns(&ep.inner.worker)?;
+        for (local, remote_addr) in puts {
+            rkey.handle_for(ep, *remote_addr, local.len())?;
+        }
+        let deadline = Instant::now() + timeout;
+        let mut issued = Vec::with_capacity(puts.len());
+        let mut result = Ok(());
+        for (local, remote_addr) in puts.iter().filter(|(local, _)| !local.is_empty()) {
+            // SAFETY: `puts` borrows every buffer for the whole call, and every Pending is
+            // finished (waited for, or given up after closing the endpoint) before we
+            // return: below, or by its Drop if we return early.
+            match unsafe { ep.put(local, *remote_addr, rkey) } {
+                Ok(pending) => issued.push(pending),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        if result.is_ok() {
+            result = ep.flush_pending("ucp_ep_flush_nbx (after puts)").and_then(|f| f.wait_until(deadline));
+        }
+        if result.as_ref().is_err_and(UcxError::is_timeout) {
+            // Cancels the puts still in flight, so the loop below ends at once.
+            ep.inner.force_close();
+        }
+        // After a successful flush every put has completed.
+        for pending in issued {
+            let status = pending.wait_until(deadline);
+            result = result.and(status);
+        }
+        result
+    }
+
+    /// [`Worker::put_all`] for a single buffer: returns once the bytes are at the peer.
+    pub fn put_blocking(
+        &self,
+        ep: &Endpoint,
+        local: &[u8],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        self.put_all(ep, &[(local, remote_addr)], rkey, timeout)
+    }
+
+    /// Reads `local.len()` bytes at `remote_addr` in the region of `rkey` into `local`.
+    /// On timeout the endpoint is closed, as for [`Worker::put_all`].
+    pub fn get_blocking(
+        &self,
+        ep: &Endpoint,
+        local: &mut [u8],
+        remote_addr: u64,
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        self.owns(&ep.inner.worker)?;
+        let deadline = Instant::now() + timeout;
+        // SAFETY: `local` is borrowed mutably for the whole call and the Pending is
+        // finished (or given up after closing the endpoint) before we return.
+        let pending = unsafe { ep.get(local, remote_addr, rkey) }?;
+        pending.wait_until(deadline)
+    }
+}
