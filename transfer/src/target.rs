@@ -1,0 +1,73 @@
+//! Where one sequence's KV goes: the receiver's worker address, its four registered
+//! regions (pages, window rings, compressor slots, logits), the destination page ids
+//! and state slot.
+
+use sluice_proto::v1 as pb;
+
+use crate::wire::{WIRE_VERSION, WireError, WireGeometry};
+
+/// A registered region as a peer sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionSpec {
+    pub base: u64,
+    pub len: u64,
+    pub rkey: Vec<u8>,
+}
+
+impl RegionSpec {
+    fn to_proto(&self) -> pb::RemoteRegion {
+        pb::RemoteRegion { base: self.base, len: self.len, rkey: self.rkey.clone() }
+    }
+
+    fn from_proto(r: Option<&pb::RemoteRegion>, name: &str) -> Result<Self, WireError> {
+        let r = r.ok_or_else(|| WireError::Malformed(format!("missing {name} region")))?;
+        Ok(RegionSpec { base: r.base, len: r.len, rkey: r.rkey.clone() })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub geometry: WireGeometry,
+    pub ucx_address: Vec<u8>,
+    pub pages: RegionSpec,
+    pub rings: RegionSpec,
+    pub comp: RegionSpec,
+    pub logits: RegionSpec,
+    pub page_ids: Vec<u32>,
+    pub slot: u32,
+}
+
+impl Target {
+    pub fn to_proto(&self) -> pb::KvTarget {
+        pb::KvTarget {
+            wire_version: WIRE_VERSION,
+            geometry: Some(self.geometry.to_proto()),
+            ucx_address: self.ucx_address.clone(),
+            pages: Some(self.pages.to_proto()),
+            rings: Some(self.rings.to_proto()),
+            comp: Some(self.comp.to_proto()),
+            logits: Some(self.logits.to_proto()),
+            page_ids: self.page_ids.clone(),
+            slot: self.slot,
+        }
+    }
+
+    pub fn from_proto(t: &pb::KvTarget) -> Result<Self, WireError> {
+        if t.wire_version != WIRE_VERSION {
+            return Err(WireError::Version { theirs: t.wire_version });
+        }
+        let geometry = WireGeometry::from_proto(
+            t.geometry.as_ref().ok_or_else(|| WireError::Malformed("missing geometry".into()))?,
+        )?;
+        Ok(Target {
+            geometry,
+            ucx_address: t.ucx_address.clone(),
+            pages: RegionSpec::from_proto(t.pages.as_ref(), "pages")?,
+            rings: RegionSpec::from_proto(t.rings.as_ref(), "rings")?,
+            comp: RegionSpec::from_proto(t.comp.as_ref(), "comp")?,
+            logits: RegionSpec::from_proto(t.logits.as_ref(), "logits")?,
+            page_ids: t.page_ids.clone(),
+            slot: t.slot,
+        })
+    }
+}
