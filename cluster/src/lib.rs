@@ -5,10 +5,16 @@
 //!   [`discovery::Registration`] (an etcd key under a kept-alive lease); the router follows
 //!   membership through a [`discovery::Membership`], fed either by [`discovery::watch`] (etcd) or
 //!   by [`discovery::Membership::fixed`] (a static `--peers` list on one machine).
+//! - [`peers`]: the static `--peers` list.
+//! - [`net`]: listeners and advertised addresses.
+//! - [`shutdown`]: a cancellation token for SIGINT/SIGTERM.
 //! - `testing` (cargo feature `testing`): a real etcd server per test, for this crate's tests and
 //!   for other crates' end-to-end tests.
 #![forbid(unsafe_code)]
 
 pub mod discovery;
+pub mod net;
+pub mod peers;
+pub mod shutdown;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -46,6 +46,13 @@ pub struct StepInput<'a> {
     pub logits: Logits,
 }
 
+/// KV memory the caller allocated (see [`Engine::load_with_state`]).
+pub struct ProvidedKv<B: Backend> {
+    pub state: KvState<B>,
+    /// f32 × vocab per state slot, for logits written by another process.
+    pub slot_logits: Option<B::Kv>,
+}
+
 pub struct Engine<B: Backend> {
     pub model: Model<B>,
     pub cache: KvCache<B>,
@@ -66,15 +73,21 @@ impl<B: Backend> Engine<B> {
         dir: &Path,
         backend: B,
         options: EngineOptions,
-        state: Option<KvState<B>>,
+        provided: Option<ProvidedKv<B>>,
     ) -> Result<Self, EngineError> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&ck, &config, &backend)?;
         let fingerprint = crate::fingerprint::compute(&config, ck.files(), options.kv_dtype);
         let model = Model::new(config, weights, backend, options.kv_dtype);
-        let cache = match state {
-            Some(state) => KvCache::with_state(model.layout.clone(), state, options.max_pages, options.max_sequences),
+        let cache = match provided {
+            Some(p) => KvCache::with_state(
+                model.layout.clone(),
+                p.state,
+                p.slot_logits,
+                options.max_pages,
+                options.max_sequences,
+            ),
             None => KvCache::new(&model.backend, model.layout.clone(), options.max_pages, options.max_sequences),
         };
         tracing::info!(

@@ -6,6 +6,7 @@
 //! - [`model`]: weights on a `kernels` backend and the forward pass.
 //! - [`kv`]: page pool, state-cache slots, sequences and their byte export/import.
 //! - [`engine`]: model + KV memory; batched steps of prefill chunks and decode tokens.
+//! - [`handoff`]: sequences filled or read by another process (disaggregated serving).
 //! - [`sampling`]: greedy / temperature / top-k / top-p sampling with logprobs.
 //! - [`generate`]: in-process generation loop.
 //! - [`init`]: deterministic random checkpoints (`sluice model init`) and presets.
@@ -18,13 +19,19 @@ pub mod engine;
 pub mod error;
 pub mod fingerprint;
 pub mod generate;
+pub mod handoff;
 pub mod init;
 pub mod inspect;
 pub mod kv;
 pub mod model;
 pub mod sampling;
 
-pub use engine::{Engine, EngineOptions, Logits, StepInput};
+pub use engine::{Engine, EngineOptions, Logits, ProvidedKv, StepInput};
 pub use error::EngineError;
 pub use kernels::{CpuBackend, EntryDtype};
 pub use model_spec::{Fingerprint, block_hash, config};
+
+/// Set how many threads CPU compute uses (once per process, before any model runs).
+pub fn set_compute_threads(n: usize) -> Result<(), String> {
+    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| format!("cannot use {n} threads: {e}"))
+}

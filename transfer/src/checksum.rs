@@ -31,9 +31,13 @@ impl Checksums {
         if let Some(i) = self.pages.iter().zip(&landed.pages).position(|(a, b)| a != b) {
             return Some(format!("page {i}"));
         }
-        [("window rings", self.rings, landed.rings), ("compressor slots", self.comp, landed.comp), ("logits", self.logits, landed.logits)]
-            .into_iter()
-            .find(|(_, a, b)| a != b)
-            .map(|(what, _, _)| what.to_string())
+        [
+            ("window rings", self.rings, landed.rings),
+            ("compressor slots", self.comp, landed.comp),
+            ("logits", self.logits, landed.logits),
+        ]
+        .into_iter()
+        .find(|(_, a, b)| a != b)
+        .map(|(what, _, _)| what.to_string())
     }
 }

@@ -46,7 +46,8 @@ impl Receiver {
                 move || progress_loop(&ctx, &stop, tx)
             })
             .map_err(|e| TransferError::Thread(e.to_string()))?;
-        let address = rx.recv().map_err(|_| TransferError::Thread("progress thread exited before starting".into()))??;
+        let address =
+            rx.recv().map_err(|_| TransferError::Thread("progress thread exited before starting".into()))??;
         Ok(Receiver { ctx, address, stop, thread: Some(thread) })
     }
 

@@ -26,7 +26,8 @@ pub struct SendParts<'a> {
 
 impl SendParts<'_> {
     pub fn bytes(&self) -> u64 {
-        (self.pages.iter().map(|p| p.len()).sum::<usize>() + self.rings.len() + self.comp.len() + self.logits.len()) as u64
+        (self.pages.iter().map(|p| p.len()).sum::<usize>() + self.rings.len() + self.comp.len() + self.logits.len())
+            as u64
     }
 }
 

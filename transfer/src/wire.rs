@@ -87,7 +87,12 @@ impl WireGeometry {
                     "hca" => AttnKind::Hca,
                     other => return Err(bad(&format!("layer kind `{other}`"))),
                 };
-                Ok(LayerSpec { kind, ratio: l.ratio as usize, head_dim: l.head_dim as usize, index_dim: l.index_dim as usize })
+                Ok(LayerSpec {
+                    kind,
+                    ratio: l.ratio as usize,
+                    head_dim: l.head_dim as usize,
+                    index_dim: l.index_dim as usize,
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(WireGeometry {
@@ -105,7 +110,8 @@ impl WireGeometry {
 
     /// `Ok` when bytes written by one side mean the same to the other.
     pub fn check_compatible(&self, theirs: &WireGeometry) -> Result<(), WireError> {
-        let differ = |field: &str, t: String, o: String| Err(WireError::Mismatch { field: field.into(), theirs: t, ours: o });
+        let differ =
+            |field: &str, t: String, o: String| Err(WireError::Mismatch { field: field.into(), theirs: t, ours: o });
         if theirs.fingerprint != self.fingerprint {
             return differ("model fingerprint", theirs.fingerprint.short(), self.fingerprint.short());
         }

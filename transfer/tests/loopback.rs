@@ -44,7 +44,8 @@ fn pages_state_and_logits_land_where_the_target_says() {
     let target = Target::from_proto(&target.to_proto()).unwrap();
 
     let src_pages: Vec<Vec<u8>> = (0..3).map(|i| pattern(g.page_bytes, i)).collect();
-    let (src_rings, src_comp, src_logits) = (pattern(g.ring_bytes, 9), pattern(g.comp_bytes, 10), pattern(g.logits_bytes, 11));
+    let (src_rings, src_comp, src_logits) =
+        (pattern(g.ring_bytes, 9), pattern(g.comp_bytes, 10), pattern(g.logits_bytes, 11));
     let parts = SendParts {
         pages: src_pages.iter().map(|p| p.as_slice()).collect(),
         rings: &src_rings,
@@ -57,7 +58,8 @@ fn pages_state_and_logits_land_where_the_target_says() {
 
     // Read the landed bytes the way a decode worker does: through its engine's KV storage.
     let cpu = CpuBackend::new();
-    let kv = |r: transfer::RegisteredRegion, len: usize| cpu.kv_adopt(Box::new(r.region), len, EntryDtype::F32).unwrap();
+    let kv =
+        |r: transfer::RegisteredRegion, len: usize| cpu.kv_adopt(Box::new(r.region), len, EntryDtype::F32).unwrap();
     let (pk, rk, ck, lk) = (
         kv(pages, pages_total * g.page_bytes / 4),
         kv(rings, slots * g.ring_bytes / 4),

@@ -44,6 +44,9 @@ pub struct PoolStats {
 pub struct KvCache<B: Backend> {
     pub layout: KvLayout,
     pub state: KvState<B>,
+    /// Last-token logits per state slot (f32 × vocab), where a prefill worker leaves
+    /// them for the decode worker that continues the sequence; absent otherwise.
+    pub slot_logits: Option<B::Kv>,
     pages: PagePool,
     slots: SlotPool,
 }
@@ -55,7 +58,13 @@ impl<B: Backend> KvCache<B> {
             rings: backend.kv_alloc(max_sequences * layout.ring_elems, layout.dtype),
             comp: backend.kv_alloc(max_sequences * layout.comp_elems, EntryDtype::F32),
         };
-        KvCache { layout, state, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
+        KvCache {
+            layout,
+            state,
+            slot_logits: None,
+            pages: PagePool::new(max_pages),
+            slots: SlotPool::new(max_sequences),
+        }
     }
 
     /// Element counts of the three regions a state for these pools needs:
@@ -66,8 +75,14 @@ impl<B: Backend> KvCache<B> {
 
     /// Use memory the caller provided (e.g. regions a transport registered for remote
     /// writes), sized by [`Self::region_elems`].
-    pub fn with_state(layout: KvLayout, state: KvState<B>, max_pages: usize, max_sequences: usize) -> Self {
-        KvCache { layout, state, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
+    pub fn with_state(
+        layout: KvLayout,
+        state: KvState<B>,
+        slot_logits: Option<B::Kv>,
+        max_pages: usize,
+        max_sequences: usize,
+    ) -> Self {
+        KvCache { layout, state, slot_logits, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
     }
 
     /// A new empty sequence (takes a state slot).

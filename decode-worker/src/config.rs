@@ -1,0 +1,85 @@
+//! The decode worker's configuration: flags with environment fallbacks, validated once.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use kernels::EntryDtype;
+
+fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
+    EntryDtype::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use bf16 or f32"))
+}
+
+#[derive(Parser, Clone, Debug)]
+#[command(
+    name = "decode-worker",
+    version,
+    about = "sluice decode worker: receives KV over UCX, decodes, streams tokens"
+)]
+pub struct DecodeConfig {
+    /// Model directory (config.json, safetensors).
+    #[arg(long, env = "SLUICE_MODEL")]
+    pub model: PathBuf,
+    /// Name the model is served as (default: the directory name).
+    #[arg(long, env = "SLUICE_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// gRPC listen address.
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Address other hosts use to reach this worker (default: the bound address).
+    #[arg(long, env = "SLUICE_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// KV entry storage (must match the prefill workers').
+    #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = kv_dtype)]
+    pub kv_dtype: EntryDtype,
+    /// KV pages (128-token blocks) in the pool.
+    #[arg(long, env = "SLUICE_MAX_PAGES", default_value_t = 1024)]
+    pub max_pages: usize,
+    /// State-cache slots: reserved plus running sequences.
+    #[arg(long, env = "SLUICE_MAX_SEQUENCES", default_value_t = 64)]
+    pub max_sequences: usize,
+    /// Most sequences decoded per step.
+    #[arg(long, env = "SLUICE_MAX_BATCH", default_value_t = 32)]
+    pub max_batch: usize,
+    /// How long a reservation waits for its prefill worker, and a commit for its
+    /// decode request, before the pages are reclaimed (ms).
+    #[arg(long, env = "SLUICE_LEASE_MS", default_value_t = 30_000)]
+    pub lease_ms: u64,
+    /// etcd endpoints (comma-separated); without them the worker only serves whoever
+    /// was told its address (static peers).
+    #[arg(long, env = "SLUICE_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name (etcd key prefix).
+    #[arg(long, env = "SLUICE_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// CPU threads for compute (default: all cores).
+    #[arg(long, env = "SLUICE_THREADS")]
+    pub threads: Option<usize>,
+    /// Serve test hooks (DumpKv).
+    #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
+    pub debug_hooks: bool,
+}
+
+impl DecodeConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.model.join("config.json").is_file() {
+            return Err(format!("--model {}: no config.json there", self.model.display()));
+        }
+        for (flag, v) in
+            [("--max-pages", self.max_pages), ("--max-sequences", self.max_sequences), ("--max-batch", self.max_batch)]
+        {
+            if v == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        if self.lease_ms < 100 {
+            return Err(format!("--lease-ms {} is too short to prefill anything; use at least 100", self.lease_ms));
+        }
+        Ok(())
+    }
+
+    pub fn model_name(&self) -> String {
+        self.model_name.clone().unwrap_or_else(|| {
+            self.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        })
+    }
+}

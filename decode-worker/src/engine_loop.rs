@@ -1,0 +1,359 @@
+//! The decode worker's engine thread. It owns the engine (whose KV memory prefill
+//! workers write into), the reservation table and the running batch, and serves
+//! commands from the gRPC side between decode steps.
+//!
+//! Continuous batching: each step decodes one token for every running request;
+//! requests join (after their commit) and leave (finished, cancelled, client gone)
+//! between steps. When the batch is full, committed requests wait in arrival order.
+
+use std::collections::VecDeque;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use engine::kv::Sequence;
+use engine::sampling::{Sampled, Sampler, SamplingParams};
+use engine::{CpuBackend, Engine, EngineError};
+use sluice_proto::v1 as pb;
+use tokio::sync::{mpsc, oneshot};
+use tonic::Status;
+use transfer::{Checksums, SendParts};
+
+use crate::reservations::{Table, TableError};
+
+pub type EventTx = mpsc::UnboundedSender<Result<pb::DecodeEvent, Status>>;
+
+pub enum Command {
+    Reserve {
+        request_id: String,
+        prompt_tokens: usize,
+        max_tokens: usize,
+        reply: oneshot::Sender<Result<Reserved, Status>>,
+    },
+    Commit {
+        req: pb::CommitRequest,
+        reply: oneshot::Sender<Result<(), Status>>,
+    },
+    Release {
+        id: String,
+        writer_done: bool,
+        reply: oneshot::Sender<Result<(), Status>>,
+    },
+    Decode {
+        req: pb::DecodeRequest,
+        events: EventTx,
+    },
+    Load {
+        reply: oneshot::Sender<pb::DecodeLoad>,
+    },
+    Dump {
+        id: String,
+        reply: oneshot::Sender<Result<pb::KvDump, Status>>,
+    },
+}
+
+pub struct Reserved {
+    pub id: String,
+    pub page_ids: Vec<u32>,
+    pub slot: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct LoopConfig {
+    pub max_batch: usize,
+    pub lease: Duration,
+}
+
+struct Running {
+    request_id: String,
+    seq: Sequence,
+    sampler: Sampler,
+    /// Token to feed next (the last one sampled).
+    next: u32,
+    generated: usize,
+    max_tokens: usize,
+    stops: Vec<u32>,
+    events: EventTx,
+}
+
+struct State {
+    engine: Engine<CpuBackend>,
+    table: Table<Sequence>,
+    running: Vec<Running>,
+    waiting: VecDeque<Running>,
+    cfg: LoopConfig,
+}
+
+/// Start the engine thread; it runs until every sender of the returned channel is gone,
+/// then frees everything it holds.
+pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
+    let (tx, rx) = std_mpsc::channel();
+    std::thread::Builder::new().name("decode-engine".into()).spawn(move || {
+        let mut s = State { table: Table::new(cfg.lease), engine, running: Vec::new(), waiting: VecDeque::new(), cfg };
+        s.run(rx);
+    })?;
+    Ok(tx)
+}
+
+fn table_status(e: TableError) -> Status {
+    match e {
+        TableError::Unknown(_) => Status::not_found(e.to_string()),
+        TableError::WrongState { .. } => Status::failed_precondition(e.to_string()),
+    }
+}
+
+fn engine_status(e: EngineError) -> Status {
+    match e {
+        EngineError::Pool(p) => Status::resource_exhausted(format!("decode worker is full: {p}")),
+        e if e.is_invalid_input() => Status::invalid_argument(e.to_string()),
+        e => Status::internal(e.to_string()),
+    }
+}
+
+impl State {
+    fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
+        loop {
+            let busy = !self.running.is_empty();
+            // Idle: sleep until a command arrives or the next lease ends.
+            let wait = if busy {
+                Duration::ZERO
+            } else {
+                self.table
+                    .next_deadline()
+                    .map_or(Duration::from_millis(500), |d| d.saturating_duration_since(Instant::now()))
+            };
+            match rx.recv_timeout(wait) {
+                Ok(cmd) => self.handle(cmd),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.expire();
+            self.admit();
+            if !self.running.is_empty() {
+                self.step();
+            }
+        }
+        for r in self.running.drain(..).chain(self.waiting.drain(..)) {
+            let _ = r.events.send(Err(Status::unavailable("decode worker shutting down")));
+            self.engine.release(r.seq);
+        }
+        for (_, e) in self.table.expire(Instant::now() + Duration::from_secs(365 * 86400)) {
+            self.engine.release(e.seq);
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Reserve { request_id, prompt_tokens, max_tokens, reply } => {
+                let _ = reply.send(self.reserve(&request_id, prompt_tokens, max_tokens));
+            }
+            Command::Commit { req, reply } => {
+                let _ = reply.send(self.commit(req));
+            }
+            Command::Release { id, writer_done, reply } => {
+                let r = self.table.release(&id, writer_done).map_err(table_status).map(|seq| {
+                    if let Some(seq) = seq {
+                        self.engine.release(seq);
+                    }
+                });
+                let _ = reply.send(r);
+            }
+            Command::Decode { req, events } => self.start_decode(req, events),
+            Command::Load { reply } => {
+                let s = self.engine.pool_stats();
+                let _ = reply.send(pb::DecodeLoad {
+                    free_pages: (s.pages_total - s.pages_used) as u32,
+                    total_pages: s.pages_total as u32,
+                    free_slots: (s.slots_total - s.slots_used) as u32,
+                    running: self.running.len() as u32,
+                    waiting: self.waiting.len() as u32,
+                });
+            }
+            Command::Dump { id, reply } => {
+                let _ = reply.send(self.dump(&id));
+            }
+        }
+    }
+
+    fn reserve(&mut self, request_id: &str, prompt_tokens: usize, max_tokens: usize) -> Result<Reserved, Status> {
+        // The state holds prompt + max_tokens - 1 tokens at most; reserve it all now so a
+        // running request never runs out of pages mid-stream.
+        let seq = self.engine.reserve(prompt_tokens + max_tokens).map_err(engine_status)?;
+        let (page_ids, slot) = (seq.pages().to_vec(), seq.slot() as u32);
+        let id = self.table.insert(seq, request_id, prompt_tokens, max_tokens, Instant::now());
+        tracing::debug!(reservation = %id, pages = page_ids.len(), slot, "reserved");
+        Ok(Reserved { id, page_ids, slot })
+    }
+
+    fn landed(&self, seq: &Sequence, tokens: usize) -> Option<Checksums> {
+        let bytes = self.engine.sequence_bytes(seq, tokens)?;
+        let logits = self.engine.slot_logits_bytes(seq)?;
+        Some(Checksums::of(&SendParts { pages: bytes.pages, rings: bytes.rings, comp: bytes.comp, logits }))
+    }
+
+    fn commit(&mut self, req: pb::CommitRequest) -> Result<(), Status> {
+        let tokens = req.tokens as usize;
+        let e = self.table.get(&req.reservation_id).map_err(table_status)?;
+        if tokens != e.prompt_tokens {
+            return Err(Status::invalid_argument(format!(
+                "commit of {tokens} tokens for a reservation of {} prompt tokens",
+                e.prompt_tokens
+            )));
+        }
+        let landed = self.landed(&e.seq, tokens).ok_or_else(|| Status::internal("KV memory is not readable"))?;
+        let sent = Checksums {
+            pages: req.page_checksums.clone(),
+            rings: req.rings_checksum,
+            comp: req.comp_checksum,
+            logits: req.logits_checksum,
+        };
+        if let Some(part) = sent.first_mismatch(&landed) {
+            // The writer says it is done, so the pages can go back at once.
+            if let Ok(Some(seq)) = self.table.release(&req.reservation_id, true) {
+                self.engine.release(seq);
+            }
+            return Err(Status::data_loss(format!(
+                "KV bytes that landed differ from those sent ({part}); not decoding them"
+            )));
+        }
+        let e = self.table.commit(&req.reservation_id, tokens, Instant::now()).map_err(table_status)?;
+        self.engine.mark_filled(&mut e.seq, tokens).map_err(engine_status)?;
+        Ok(())
+    }
+
+    fn start_decode(&mut self, req: pb::DecodeRequest, events: EventTx) {
+        let (entry, _tokens) = match self.table.take_committed(&req.reservation_id) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = events.send(Err(table_status(e)));
+                return;
+            }
+        };
+        let max_tokens = (req.max_tokens as usize).min(entry.max_tokens);
+        let sampling = req.sampling.unwrap_or_default();
+        let params = SamplingParams {
+            temperature: sampling.temperature,
+            top_p: if sampling.top_p == 0.0 { 1.0 } else { sampling.top_p },
+            top_k: sampling.top_k as usize,
+            seed: sampling.seed.unwrap_or(0),
+            top_logprobs: sampling.top_logprobs as usize,
+        };
+        if let Err(e) = params.validate() {
+            let _ = events.send(Err(Status::invalid_argument(e.to_string())));
+            self.engine.release(entry.seq);
+            return;
+        }
+        let mut r = Running {
+            request_id: req.request_id,
+            seq: entry.seq,
+            sampler: Sampler::new(params),
+            next: 0,
+            generated: 0,
+            max_tokens,
+            stops: req.stop_token_ids,
+            events,
+        };
+        // The first token comes from the logits the prefill worker left in the slot.
+        let Some(logits) = self.engine.slot_logits(&r.seq) else {
+            let _ = r.events.send(Err(Status::internal("no logits region")));
+            self.engine.release(r.seq);
+            return;
+        };
+        let s = r.sampler.sample(&logits);
+        if emit(&mut r, s) {
+            self.engine.release(r.seq);
+        } else {
+            self.waiting.push_back(r);
+        }
+    }
+
+    fn admit(&mut self) {
+        while self.running.len() < self.cfg.max_batch {
+            match self.waiting.pop_front() {
+                Some(r) => self.running.push(r),
+                None => break,
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
+        let mut seqs: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.seq).collect();
+        let logits = match self.engine.decode(&mut seqs, &tokens) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "decode step failed; failing the batch");
+                for r in self.running.drain(..) {
+                    let _ = r.events.send(Err(Status::internal(format!("decode step failed: {e}"))));
+                    self.engine.release(r.seq);
+                }
+                return;
+            }
+        };
+        let mut keep = Vec::with_capacity(self.running.len());
+        for (mut r, l) in self.running.drain(..).zip(logits) {
+            let s = r.sampler.sample(&l);
+            if emit(&mut r, s) {
+                self.engine.release(r.seq);
+            } else {
+                keep.push(r);
+            }
+        }
+        self.running = keep;
+    }
+
+    fn expire(&mut self) {
+        for (id, e) in self.table.expire(Instant::now()) {
+            tracing::warn!(reservation = %id, request = %e.request_id, state = ?e.state, "reservation lease ended; pages reclaimed");
+            self.engine.release(e.seq);
+        }
+    }
+
+    fn dump(&self, id: &str) -> Result<pb::KvDump, Status> {
+        let e = self.table.get(id).map_err(table_status)?;
+        let tokens = match e.state {
+            crate::reservations::State::Committed { tokens } => tokens,
+            other => return Err(Status::failed_precondition(format!("reservation {id} is {other:?}"))),
+        };
+        let b =
+            self.engine.sequence_bytes(&e.seq, tokens).ok_or_else(|| Status::internal("KV memory is not readable"))?;
+        Ok(pb::KvDump {
+            pages: b.pages.iter().map(|p| p.to_vec()).collect(),
+            rings: b.rings.to_vec(),
+            comp: b.comp.to_vec(),
+            logits: self.engine.slot_logits_bytes(&e.seq).unwrap_or_default().to_vec(),
+        })
+    }
+}
+
+/// Send one sampled token; returns whether the request is finished (done, or the
+/// client went away).
+fn emit(r: &mut Running, s: Sampled) -> bool {
+    r.generated += 1;
+    let finish = if r.stops.contains(&s.token) {
+        pb::FinishReason::Stop
+    } else if r.generated >= r.max_tokens {
+        pb::FinishReason::Length
+    } else {
+        pb::FinishReason::Unspecified
+    };
+    let event = pb::DecodeEvent {
+        index: (r.generated - 1) as u32,
+        token_id: s.token,
+        logprob: s.logprob,
+        top_logprobs: s
+            .top
+            .iter()
+            .map(|&(t, lp)| pb::TopLogprob { token_id: t, logprob: lp, text: String::new() })
+            .collect(),
+        finish: finish as i32,
+    };
+    if r.events.send(Ok(event)).is_err() {
+        tracing::info!(request = %r.request_id, "client went away; freeing its pages");
+        return true;
+    }
+    r.next = s.token;
+    finish != pb::FinishReason::Unspecified
+}

@@ -1,0 +1,101 @@
+//! The decode worker: owns a page pool registered with UCX, reserves pages for
+//! requests (the KV handshake), verifies what prefill workers write into them, and
+//! decodes committed requests with continuous batching, streaming each token.
+//!
+//! Module map:
+//! - [`config`]: flags and environment, validated once.
+//! - `memory`: UCX regions handed to the engine as KV memory.
+//! - `reservations`: reservation lifecycle and leases (pure logic).
+//! - `engine_loop`: the engine thread (commands, batching, sampling).
+//! - `service`: the gRPC adapter.
+
+pub mod config;
+mod engine_loop;
+mod memory;
+mod reservations;
+mod service;
+
+use std::time::Duration;
+
+use base64::Engine as _;
+use cluster::discovery::{EtcdConfig, Member, Registration, Role, new_member_id};
+use sluice_proto::v1::decode_server::DecodeServer;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use config::DecodeConfig;
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    ModelConfig(#[from] model_spec::ConfigError),
+    #[error(transparent)]
+    Engine(#[from] engine::EngineError),
+    #[error(transparent)]
+    Transfer(#[from] transfer::TransferError),
+    #[error("KV memory: {0}")]
+    Memory(String),
+    #[error(transparent)]
+    Discovery(#[from] cluster::discovery::DiscoveryError),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Serve until `shutdown` is cancelled.
+pub async fn run(cfg: DecodeConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    cfg.validate().map_err(WorkerError::Config)?;
+    let bound = listener.local_addr()?;
+    let receiver = transfer::Receiver::start()?;
+    let (engine, template) = {
+        let cfg = cfg.clone();
+        // Loading weights is blocking work.
+        tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?
+    };
+    let max_position = engine.config().max_position;
+    let fingerprint = engine.fingerprint.hex();
+    let lease = Duration::from_millis(cfg.lease_ms);
+    let tx = engine_loop::spawn(engine, engine_loop::LoopConfig { max_batch: cfg.max_batch, lease })?;
+    let service = service::DecodeService {
+        engine: tx,
+        template: template.clone(),
+        lease,
+        debug_hooks: cfg.debug_hooks,
+        max_position,
+    };
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<DecodeServer<service::DecodeService>>().await;
+    let url = cluster::net::advertised_url(bound, cfg.advertise.as_deref());
+    let registration = if cfg.etcd.is_empty() {
+        None
+    } else {
+        let member = Member {
+            id: new_member_id(Role::Decode),
+            role: Role::Decode,
+            grpc_addr: url.clone(),
+            ucx_address: Some(base64::engine::general_purpose::STANDARD.encode(&template.ucx_address)),
+            model: cfg.model_name(),
+            fingerprint: fingerprint.clone(),
+            capacity: serde_json::json!({"pages": cfg.max_pages, "sequences": cfg.max_sequences, "batch": cfg.max_batch}),
+        };
+        let etcd = EtcdConfig::new(cfg.etcd.clone(), EtcdConfig::members_prefix(&cfg.cluster));
+        Some(Registration::start(etcd, member).await?)
+    };
+    tracing::info!(%url, model = %cfg.model_name(), fingerprint = %&fingerprint[..12], "decode worker serving");
+
+    let result = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(DecodeServer::new(service))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled())
+        .await;
+    if let Some(r) = registration {
+        r.shutdown().await;
+    }
+    drop(receiver);
+    result.map_err(WorkerError::from)
+}

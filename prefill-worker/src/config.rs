@@ -1,0 +1,82 @@
+//! The prefill worker's configuration: flags with environment fallbacks, validated once.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use kernels::EntryDtype;
+
+fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
+    EntryDtype::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use bf16 or f32"))
+}
+
+#[derive(Parser, Clone, Debug)]
+#[command(
+    name = "prefill-worker",
+    version,
+    about = "sluice prefill worker: computes prompt KV and writes it into decode workers"
+)]
+pub struct PrefillConfig {
+    /// Model directory (config.json, safetensors).
+    #[arg(long, env = "SLUICE_MODEL")]
+    pub model: PathBuf,
+    /// Name the model is served as (default: the directory name).
+    #[arg(long, env = "SLUICE_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// gRPC listen address.
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: String,
+    /// Address other hosts use to reach this worker (default: the bound address).
+    #[arg(long, env = "SLUICE_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// KV entry storage (must match the decode workers').
+    #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = kv_dtype)]
+    pub kv_dtype: EntryDtype,
+    /// KV pages for prompts in flight.
+    #[arg(long, env = "SLUICE_MAX_PAGES", default_value_t = 512)]
+    pub max_pages: usize,
+    /// Prompts prefilled at once.
+    #[arg(long, env = "SLUICE_MAX_SEQUENCES", default_value_t = 16)]
+    pub max_sequences: usize,
+    /// Tokens computed per step, across the prompts in it (longer prompts are chunked).
+    #[arg(long, env = "SLUICE_TOKEN_BUDGET", default_value_t = 2048)]
+    pub token_budget: usize,
+    /// Longest a KV transfer may take (ms).
+    #[arg(long, env = "SLUICE_TRANSFER_TIMEOUT_MS", default_value_t = 20_000)]
+    pub transfer_timeout_ms: u64,
+    /// etcd endpoints (comma-separated).
+    #[arg(long, env = "SLUICE_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name (etcd key prefix).
+    #[arg(long, env = "SLUICE_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// CPU threads for compute (default: all cores).
+    #[arg(long, env = "SLUICE_THREADS")]
+    pub threads: Option<usize>,
+    /// Serve test hooks (DumpKv).
+    #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
+    pub debug_hooks: bool,
+}
+
+impl PrefillConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.model.join("config.json").is_file() {
+            return Err(format!("--model {}: no config.json there", self.model.display()));
+        }
+        for (flag, v) in [
+            ("--max-pages", self.max_pages),
+            ("--max-sequences", self.max_sequences),
+            ("--token-budget", self.token_budget),
+        ] {
+            if v == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn model_name(&self) -> String {
+        self.model_name.clone().unwrap_or_else(|| {
+            self.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        })
+    }
+}

@@ -1,0 +1,282 @@
+//! The prefill worker's engine thread: queued prompts are batched into steps of at most
+//! `token_budget` tokens (long prompts are prefilled in chunks across steps, from the
+//! state the previous chunk left); a prompt whose last chunk is done has its pages,
+//! state slot and last-token logits written into its decode worker's reservation with
+//! UCX, straight out of the engine's memory.
+//!
+//! The UCX sender lives on this thread (it is `!Send`) next to the memory it sends from.
+
+use std::collections::VecDeque;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use engine::kv::Sequence;
+use engine::{CpuBackend, Engine, Logits, StepInput};
+use sluice_proto::v1 as pb;
+use tokio::sync::oneshot;
+use tonic::Status;
+use transfer::{Checksums, SendParts, Sender, Target, WireGeometry};
+
+pub struct Job {
+    pub request_id: String,
+    pub reservation_id: String,
+    pub tokens: Vec<u32>,
+    pub target: Target,
+    /// The reservation's lease end: no byte may be written after it.
+    pub deadline: Instant,
+    pub enqueued: Instant,
+    pub reply: oneshot::Sender<Result<Done, Status>>,
+}
+
+pub struct Done {
+    pub checksums: Checksums,
+    pub tokens: usize,
+    pub queue: Duration,
+    pub compute: Duration,
+    pub transfer: Duration,
+    pub bytes: u64,
+}
+
+pub enum Command {
+    Prefill(Box<Job>),
+    /// Replies `true` once the job will not write any more, `false` if it already did.
+    Cancel {
+        reservation_id: String,
+        reply: oneshot::Sender<bool>,
+    },
+    Load {
+        reply: oneshot::Sender<pb::PrefillLoad>,
+    },
+    Dump {
+        reservation_id: String,
+        reply: oneshot::Sender<Option<pb::KvDump>>,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct LoopConfig {
+    pub token_budget: usize,
+    pub transfer_timeout: Duration,
+    pub keep_dumps: bool,
+}
+
+struct Active {
+    job: Job,
+    seq: Sequence,
+    started: Instant,
+    compute: Duration,
+}
+
+struct State {
+    engine: Engine<CpuBackend>,
+    sender: Sender,
+    geometry: WireGeometry,
+    queue: VecDeque<Job>,
+    active: Vec<Active>,
+    cfg: LoopConfig,
+    /// What the last prefills sent, for the test hook (bounded).
+    dumps: VecDeque<(String, pb::KvDump)>,
+}
+
+const KEPT_DUMPS: usize = 16;
+
+pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
+    let (tx, rx) = std_mpsc::channel();
+    let (ready_tx, ready_rx) = std_mpsc::channel();
+    std::thread::Builder::new().name("prefill-engine".into()).spawn(move || {
+        let sender = match Sender::new() {
+            Ok(s) => {
+                let _ = ready_tx.send(Ok(()));
+                s
+            }
+            Err(e) => {
+                let _ = ready_tx.send(Err(e.to_string()));
+                return;
+            }
+        };
+        let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
+        let mut s =
+            State { engine, sender, geometry, queue: VecDeque::new(), active: Vec::new(), cfg, dumps: VecDeque::new() };
+        s.run(rx);
+    })?;
+    ready_rx
+        .recv()
+        .map_err(|_| std::io::Error::other("prefill engine thread exited"))?
+        .map_err(|e| std::io::Error::other(format!("UCX sender: {e}")))?;
+    Ok(tx)
+}
+
+impl State {
+    fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
+        loop {
+            let idle = self.queue.is_empty() && self.active.is_empty();
+            let first = if idle { rx.recv().ok() } else { rx.try_recv().ok() };
+            if idle && first.is_none() {
+                break; // every sender is gone
+            }
+            for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                self.handle(cmd);
+            }
+            self.admit();
+            if !self.active.is_empty() {
+                self.step();
+            }
+        }
+        for a in self.active.drain(..) {
+            let _ = a.job.reply.send(Err(Status::unavailable("prefill worker shutting down")));
+            self.engine.release(a.seq);
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Prefill(job) => self.queue.push_back(*job),
+            Command::Cancel { reservation_id, reply } => {
+                let cancelled = if let Some(i) = self.queue.iter().position(|j| j.reservation_id == reservation_id) {
+                    let job = self.queue.remove(i).expect("present");
+                    let _ = job.reply.send(Err(Status::cancelled("prefill cancelled")));
+                    true
+                } else if let Some(i) = self.active.iter().position(|a| a.job.reservation_id == reservation_id) {
+                    let a = self.active.remove(i);
+                    let _ = a.job.reply.send(Err(Status::cancelled("prefill cancelled")));
+                    self.engine.release(a.seq);
+                    true
+                } else {
+                    false
+                };
+                let _ = reply.send(cancelled);
+            }
+            Command::Load { reply } => {
+                let queued: usize = self.queue.iter().map(|j| j.tokens.len()).sum::<usize>()
+                    + self.active.iter().map(|a| a.job.tokens.len() - a.seq.len()).sum::<usize>();
+                let _ = reply.send(pb::PrefillLoad {
+                    queued_tokens: queued as u64,
+                    queued_requests: (self.queue.len() + self.active.len()) as u32,
+                });
+            }
+            Command::Dump { reservation_id, reply } => {
+                let _ = reply.send(self.dumps.iter().find(|(id, _)| *id == reservation_id).map(|(_, d)| d.clone()));
+            }
+        }
+    }
+
+    /// Start queued prompts while there are slots and pages for them.
+    fn admit(&mut self) {
+        while let Some(job) = self.queue.front() {
+            let stats = self.engine.pool_stats();
+            let pages = job.tokens.len().div_ceil(self.engine.cache.layout.block);
+            let block = self.engine.cache.layout.block;
+            let reserved: usize =
+                self.active.iter().map(|a| a.job.tokens.len().div_ceil(block) - a.seq.pages().len()).sum();
+            if stats.slots_used == stats.slots_total || stats.pages_total - stats.pages_used < pages + reserved {
+                break;
+            }
+            let job = self.queue.pop_front().expect("front");
+            match self.engine.open_sequence() {
+                Ok(seq) => self.active.push(Active { job, seq, started: Instant::now(), compute: Duration::ZERO }),
+                Err(e) => {
+                    let _ = job.reply.send(Err(Status::resource_exhausted(e.to_string())));
+                }
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let mut budget = self.cfg.token_budget;
+        let mut chunks: Vec<(usize, usize, usize)> = Vec::new(); // (active index, from, to)
+        for (i, a) in self.active.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            let from = a.seq.len();
+            let to = (from + budget).min(a.job.tokens.len());
+            budget -= to - from;
+            chunks.push((i, from, to));
+        }
+        let t = Instant::now();
+        let result = {
+            let mut refs: Vec<Option<&mut Active>> = self.active.iter_mut().map(Some).collect();
+            let mut inputs: Vec<StepInput<'_>> = Vec::with_capacity(chunks.len());
+            for &(i, from, to) in &chunks {
+                let a = refs[i].take().expect("each active once");
+                let last = to == a.job.tokens.len();
+                inputs.push(StepInput {
+                    seq: &mut a.seq,
+                    tokens: &a.job.tokens[from..to],
+                    logits: if last { Logits::Last } else { Logits::None },
+                });
+            }
+            self.engine.step(&mut inputs)
+        };
+        let elapsed = t.elapsed();
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "prefill step failed; failing its prompts");
+                for &(i, _, _) in chunks.iter().rev() {
+                    let a = self.active.remove(i);
+                    let _ = a.job.reply.send(Err(Status::internal(format!("prefill failed: {e}"))));
+                    self.engine.release(a.seq);
+                }
+                return;
+            }
+        };
+        let mut finished = Vec::new();
+        for (&(i, _, to), l) in chunks.iter().zip(logits) {
+            self.active[i].compute += elapsed;
+            if to == self.active[i].job.tokens.len() {
+                finished.push((i, l));
+            }
+        }
+        for (i, l) in finished.into_iter().rev() {
+            let a = self.active.remove(i);
+            self.finish(a, l);
+        }
+    }
+
+    /// Write a finished prompt's KV into its reservation, then free it here.
+    fn finish(&mut self, a: Active, logits: Vec<f32>) {
+        let reply = self.send(&a, &logits);
+        self.engine.release(a.seq);
+        let _ = a.job.reply.send(reply);
+    }
+
+    fn send(&mut self, a: &Active, logits: &[f32]) -> Result<Done, Status> {
+        let now = Instant::now();
+        if now >= a.job.deadline {
+            return Err(Status::deadline_exceeded("the reservation's lease ended before its prefill finished"));
+        }
+        let n = a.job.tokens.len();
+        let bytes =
+            self.engine.sequence_bytes(&a.seq, n).ok_or_else(|| Status::internal("KV memory is not readable"))?;
+        let logit_bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let parts = SendParts { pages: bytes.pages, rings: bytes.rings, comp: bytes.comp, logits: &logit_bytes };
+        let checksums = Checksums::of(&parts);
+        let timeout = self.cfg.transfer_timeout.min(a.job.deadline - now);
+        let stats = self
+            .sender
+            .send(&a.job.target, &self.geometry, &parts, timeout)
+            .map_err(|e| Status::unavailable(format!("KV transfer to the decode worker failed: {e}")))?;
+        if self.cfg.keep_dumps {
+            let dump = pb::KvDump {
+                pages: parts.pages.iter().map(|p| p.to_vec()).collect(),
+                rings: parts.rings.to_vec(),
+                comp: parts.comp.to_vec(),
+                logits: logit_bytes.clone(),
+            };
+            self.dumps.push_back((a.job.reservation_id.clone(), dump));
+            if self.dumps.len() > KEPT_DUMPS {
+                self.dumps.pop_front();
+            }
+        }
+        tracing::debug!(request = %a.job.request_id, tokens = n, bytes = stats.bytes, ms = stats.elapsed.as_secs_f64() * 1e3, "KV sent");
+        Ok(Done {
+            checksums,
+            tokens: n,
+            queue: a.started - a.job.enqueued,
+            compute: a.compute,
+            transfer: stats.elapsed,
+            bytes: stats.bytes,
+        })
+    }
+}

@@ -1,0 +1,103 @@
+//! The prefill worker: batches queued prompts into steps under a token budget,
+//! prefills long prompts in chunks, writes each finished prompt's KV (pages, state
+//! slot, last-token logits) into the decode worker's reservation over UCX, and commits
+//! it there with checksums.
+//!
+//! Module map:
+//! - [`config`]: flags and environment, validated once.
+//! - `engine_loop`: the engine thread (queue, batching, transfer).
+//! - `service`: the gRPC adapter (validation, commit on the decode worker).
+
+pub mod config;
+mod engine_loop;
+mod service;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use cluster::discovery::{EtcdConfig, Member, Registration, Role, new_member_id};
+use engine::{CpuBackend, Engine, EngineOptions};
+use sluice_proto::v1::prefill_server::PrefillServer;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use transfer::WireGeometry;
+
+pub use config::PrefillConfig;
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Engine(#[from] engine::EngineError),
+    #[error(transparent)]
+    Discovery(#[from] cluster::discovery::DiscoveryError),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Serve until `shutdown` is cancelled.
+pub async fn run(cfg: PrefillConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<(), WorkerError> {
+    cfg.validate().map_err(WorkerError::Config)?;
+    let bound = listener.local_addr()?;
+    let opts = EngineOptions {
+        kv_dtype: cfg.kv_dtype,
+        max_pages: cfg.max_pages,
+        max_sequences: cfg.max_sequences,
+        max_chunk_tokens: cfg.token_budget,
+    };
+    let engine = tokio::task::block_in_place(|| Engine::load(&cfg.model, CpuBackend::new(), opts))?;
+    let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
+    let (vocab, max_position) = (engine.config().vocab_size, engine.config().max_position);
+    let fingerprint = engine.fingerprint.hex();
+    let tx = engine_loop::spawn(
+        engine,
+        engine_loop::LoopConfig {
+            token_budget: cfg.token_budget,
+            transfer_timeout: Duration::from_millis(cfg.transfer_timeout_ms),
+            keep_dumps: cfg.debug_hooks,
+        },
+    )?;
+    let service = service::PrefillService {
+        engine: tx,
+        geometry,
+        vocab,
+        max_position,
+        debug_hooks: cfg.debug_hooks,
+        decode_clients: Mutex::new(HashMap::new()),
+    };
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<PrefillServer<service::PrefillService>>().await;
+    let url = cluster::net::advertised_url(bound, cfg.advertise.as_deref());
+    let registration = if cfg.etcd.is_empty() {
+        None
+    } else {
+        let member = Member {
+            id: new_member_id(Role::Prefill),
+            role: Role::Prefill,
+            grpc_addr: url.clone(),
+            ucx_address: None,
+            model: cfg.model_name(),
+            fingerprint: fingerprint.clone(),
+            capacity: serde_json::json!({"token_budget": cfg.token_budget, "sequences": cfg.max_sequences}),
+        };
+        let etcd = EtcdConfig::new(cfg.etcd.clone(), EtcdConfig::members_prefix(&cfg.cluster));
+        Some(Registration::start(etcd, member).await?)
+    };
+    tracing::info!(%url, model = %cfg.model_name(), fingerprint = %&fingerprint[..12], "prefill worker serving");
+
+    let result = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(PrefillServer::new(service))
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled())
+        .await;
+    if let Some(r) = registration {
+        r.shutdown().await;
+    }
+    result.map_err(WorkerError::from)
+}

@@ -1,0 +1,70 @@
+//! The router's configuration: flags with environment fallbacks, validated once.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+#[derive(Parser, Clone, Debug)]
+#[command(name = "router", version, about = "sluice router: client API, placement, prefill/decode orchestration")]
+pub struct RouterConfig {
+    /// Model directory (config.json for limits, tokenizer.json for text prompts).
+    #[arg(long, env = "SLUICE_MODEL")]
+    pub model: PathBuf,
+    /// Name the model is served as (default: the directory name).
+    #[arg(long, env = "SLUICE_MODEL_NAME")]
+    pub model_name: Option<String>,
+    /// gRPC listen address (sluice.v1.Generation, grpc.health.v1).
+    #[arg(long, env = "SLUICE_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: String,
+    /// HTTP listen address (OpenAI-style /v1/completions, /v1/models, /health).
+    #[arg(long, env = "SLUICE_HTTP_LISTEN", default_value = "127.0.0.1:8080")]
+    pub http_listen: String,
+    /// Static workers: `prefill=http://host:port,decode=http://host:port,…`.
+    #[arg(long, env = "SLUICE_PEERS")]
+    pub peers: Option<String>,
+    /// etcd endpoints (comma-separated); workers registered there are discovered.
+    #[arg(long, env = "SLUICE_ETCD", value_delimiter = ',')]
+    pub etcd: Vec<String>,
+    /// Cluster name (etcd key prefix).
+    #[arg(long, env = "SLUICE_CLUSTER", default_value = "default")]
+    pub cluster: String,
+    /// Requests in flight at once; beyond it new ones get RESOURCE_EXHAUSTED at once.
+    #[arg(long, env = "SLUICE_MAX_CONCURRENCY", default_value_t = 256)]
+    pub max_concurrency: usize,
+    /// Longest one request may take, from arrival to its last token (seconds).
+    #[arg(long, env = "SLUICE_REQUEST_TIMEOUT_S", default_value_t = 600)]
+    pub request_timeout_s: u64,
+    /// Largest max_tokens a request may ask for.
+    #[arg(long, env = "SLUICE_MAX_TOKENS_LIMIT", default_value_t = 4096)]
+    pub max_tokens_limit: u32,
+    /// Prefill attempts on other workers after one fails.
+    #[arg(long, env = "SLUICE_PREFILL_RETRIES", default_value_t = 2)]
+    pub prefill_retries: u32,
+    /// How often workers are asked for their load (ms).
+    #[arg(long, env = "SLUICE_LOAD_POLL_MS", default_value_t = 200)]
+    pub load_poll_ms: u64,
+}
+
+impl RouterConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.model.join("config.json").is_file() {
+            return Err(format!("--model {}: no config.json there", self.model.display()));
+        }
+        if self.peers.is_none() && self.etcd.is_empty() {
+            return Err("no workers to route to: give --peers (single machine) or --etcd (cluster)".into());
+        }
+        if let Some(p) = &self.peers {
+            cluster::peers::parse_peers(p).map_err(|e| format!("--peers: {e}"))?;
+        }
+        if self.max_concurrency == 0 || self.max_tokens_limit == 0 || self.request_timeout_s == 0 {
+            return Err("--max-concurrency, --max-tokens-limit and --request-timeout-s must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    pub fn model_name(&self) -> String {
+        self.model_name.clone().unwrap_or_else(|| {
+            self.model.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        })
+    }
+}

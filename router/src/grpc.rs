@@ -1,0 +1,70 @@
+//! The `sluice.v1.Generation` gRPC service.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::Stream;
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::generation_server::Generation;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status};
+
+use crate::orchestrate::{self, Event, RouterCtx};
+use crate::validate::{self, Limits};
+
+pub struct GenerationService {
+    pub ctx: Arc<RouterCtx>,
+    pub limits: Limits,
+}
+
+/// The request id: the client's, else the one the request-id layer put in the headers.
+pub fn request_id<T>(given: &str, req: &Request<T>) -> String {
+    if !given.is_empty() {
+        return given.to_string();
+    }
+    req.metadata().get("x-request-id").and_then(|v| v.to_str().ok()).unwrap_or("unset").to_string()
+}
+
+pub fn to_proto(e: Event) -> pb::GenerateEvent {
+    let event = match e {
+        Event::Token(t) => pb::generate_event::Event::Token(pb::TokenEvent {
+            index: t.index,
+            token_id: t.token_id,
+            text_delta: t.text,
+            logprob: t.logprob,
+            top_logprobs: t
+                .top
+                .into_iter()
+                .map(|(id, lp, text)| pb::TopLogprob { token_id: id, logprob: lp, text })
+                .collect(),
+        }),
+        Event::Final { finish, prompt_tokens, cached_tokens, completion_tokens, timings } => {
+            pb::generate_event::Event::Final(pb::FinalEvent {
+                finish_reason: finish as i32,
+                usage: Some(pb::Usage { prompt_tokens, cached_tokens, completion_tokens }),
+                timings: Some(pb::Timings {
+                    queue_ms: timings.queue_ms,
+                    prefill_ms: timings.prefill_ms,
+                    kv_transfer_ms: timings.kv_transfer_ms,
+                    time_to_first_token_ms: timings.ttft_ms,
+                    total_ms: timings.total_ms,
+                }),
+            })
+        }
+    };
+    pb::GenerateEvent { event: Some(event) }
+}
+
+#[tonic::async_trait]
+impl Generation for GenerationService {
+    type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
+
+    async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let id = request_id(&request.get_ref().request_id, &request);
+        let r = request.into_inner();
+        let v = validate::from_proto(&self.ctx.model, &self.limits, r, id).map_err(Status::invalid_argument)?;
+        let events = orchestrate::start(self.ctx.clone(), v)?;
+        let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|e| e.map(to_proto));
+        Ok(Response::new(Box::pin(stream)))
+    }
+}

@@ -1,0 +1,105 @@
+//! The router: the client-facing front door. It validates requests, picks a decode
+//! worker (most free pages, smallest batch) and a prefill worker (shortest queue),
+//! runs the KV handshake and prefill (retrying another prefill worker on failure), and
+//! streams the decoded tokens back over gRPC (`sluice.v1.Generation`) or OpenAI-style
+//! HTTP (`/v1/completions`).
+//!
+//! Module map:
+//! - [`config`]: flags and environment, validated once.
+//! - `model`: name, vocabulary, context limit and tokenizer of the served model.
+//! - `validate`: request checks (INVALID_ARGUMENT messages that say what to change).
+//! - `placement`: worker ranking (pure).
+//! - `workers`: gRPC channels per worker, membership, load polling.
+//! - `orchestrate`: one request from admission to its last token.
+//! - `stops`: stop strings over streamed text.
+//! - `grpc`, `http`: the two APIs; `request_id`: ids for both.
+
+pub mod config;
+mod grpc;
+mod http;
+mod model;
+mod orchestrate;
+mod placement;
+mod request_id;
+mod stops;
+mod validate;
+mod workers;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cluster::discovery::{EtcdConfig, Membership};
+use sluice_proto::v1::generation_server::GenerationServer;
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tower_http::request_id::{PropagateRequestIdLayer, SetRequestIdLayer};
+
+pub use config::RouterConfig;
+
+#[derive(Debug, Error)]
+pub enum RouterError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Discovery(#[from] cluster::discovery::DiscoveryError),
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Serve gRPC on `grpc` and HTTP on `http` until `shutdown` is cancelled.
+pub async fn run(
+    cfg: RouterConfig,
+    grpc: TcpListener,
+    http: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), RouterError> {
+    cfg.validate().map_err(RouterError::Config)?;
+    let model = model::ModelInfo::load(&cfg.model, cfg.model_name()).map_err(RouterError::Config)?;
+    let membership = match &cfg.peers {
+        Some(p) => Membership::fixed(cluster::peers::parse_peers(p).map_err(RouterError::Config)?),
+        None => {
+            cluster::discovery::watch(EtcdConfig::new(cfg.etcd.clone(), EtcdConfig::members_prefix(&cfg.cluster)))
+                .await?
+        }
+    };
+    let workers = Arc::new(workers::WorkerSet::default());
+    workers::spawn_maintenance(workers.clone(), membership, Duration::from_millis(cfg.load_poll_ms), shutdown.clone());
+    let ctx = Arc::new(orchestrate::RouterCtx {
+        model,
+        workers,
+        admission: Arc::new(Semaphore::new(cfg.max_concurrency)),
+        max_concurrency: cfg.max_concurrency,
+        request_timeout: Duration::from_secs(cfg.request_timeout_s),
+        prefill_retries: cfg.prefill_retries,
+        block_tokens: model_spec::BLOCK_TOKENS as u64,
+    });
+    let limits = || validate::Limits { max_tokens_limit: cfg.max_tokens_limit };
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<GenerationServer<grpc::GenerationService>>().await;
+    let ids = request_id::RequestIds::new();
+    let grpc_addr = grpc.local_addr()?;
+    let http_addr = http.local_addr()?;
+    let grpc_server = tonic::transport::Server::builder()
+        .layer(SetRequestIdLayer::x_request_id(ids.clone()))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .add_service(health)
+        .add_service(GenerationServer::new(grpc::GenerationService { ctx: ctx.clone(), limits: limits() }))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(grpc),
+            shutdown.clone().cancelled_owned(),
+        );
+    let app = http::router(Arc::new(http::HttpState { ctx, limits: limits() }))
+        .layer(PropagateRequestIdLayer::x_request_id())
+        .layer(SetRequestIdLayer::x_request_id(ids));
+    let http_server = axum::serve(http, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
+    tracing::info!(grpc = %grpc_addr, http = %http_addr, model = %cfg.model_name(), "router serving");
+    let (g, h) = tokio::join!(grpc_server, http_server);
+    g?;
+    h?;
+    Ok(())
+}

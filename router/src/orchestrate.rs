@@ -1,0 +1,325 @@
+//! One request from admission to its last token:
+//!
+//! 1. reserve pages on a decode worker (most room, smallest batch first);
+//! 2. prefill on a prefill worker (shortest queue first), which writes the KV into
+//!    the reservation and commits it; a failed prefill is retried on another worker
+//!    with a fresh reservation (bounded), the old one given back safely;
+//! 3. stream the decode worker's tokens to the client, as text deltas (stop strings
+//!    held back and cut) with logprobs, then a final event with usage and timings.
+//!
+//! A client that goes away, or a request past its deadline, drops the task: the
+//! cleanup guard cancels the prefill and gives the reservation back, and a dropped
+//! decode stream makes the decode worker free the request's pages.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use model_spec::text::Detokenizer;
+use sluice_proto::v1 as pb;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tonic::{Code, Status};
+
+use crate::model::ModelInfo;
+use crate::stops::{Release, StopMatcher};
+use crate::validate::Validated;
+use crate::workers::{Worker, WorkerSet};
+
+pub struct RouterCtx {
+    pub model: ModelInfo,
+    pub workers: Arc<WorkerSet>,
+    pub admission: Arc<Semaphore>,
+    pub max_concurrency: usize,
+    pub request_timeout: Duration,
+    pub prefill_retries: u32,
+    /// Tokens per KV page (to size reservations).
+    pub block_tokens: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenOut {
+    pub index: u32,
+    pub token_id: u32,
+    pub text: String,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32, String)>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    pub kv_transfer_ms: f64,
+    pub ttft_ms: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    Token(TokenOut),
+    Final { finish: pb::FinishReason, prompt_tokens: u32, cached_tokens: u32, completion_tokens: u32, timings: Timings },
+}
+
+pub type Events = mpsc::Receiver<Result<Event, Status>>;
+
+/// Admit a request and start it; fails fast with RESOURCE_EXHAUSTED when the router is
+/// at its concurrency limit.
+pub fn start(ctx: Arc<RouterCtx>, req: Validated) -> Result<Events, Status> {
+    let permit = ctx.admission.clone().try_acquire_owned().map_err(|_| {
+        Status::resource_exhausted(format!(
+            "the router is serving its limit of {} concurrent requests; retry shortly",
+            ctx.max_concurrency
+        ))
+    })?;
+    let (tx, rx) = mpsc::channel(64);
+    tokio::spawn(drive(ctx, req, tx, permit));
+    Ok(rx)
+}
+
+async fn drive(
+    ctx: Arc<RouterCtx>,
+    req: Validated,
+    tx: mpsc::Sender<Result<Event, Status>>,
+    _permit: OwnedSemaphorePermit,
+) {
+    let id = req.request_id.clone();
+    let timeout = ctx.request_timeout;
+    let result = tokio::select! {
+        r = tokio::time::timeout(timeout, run(&ctx, req, &tx)) => match r {
+            Ok(r) => r,
+            Err(_) => Err(Status::deadline_exceeded(format!("request did not finish within {}s", timeout.as_secs()))),
+        },
+        _ = tx.closed() => {
+            tracing::info!(request = %id, "client went away; cancelling");
+            return;
+        }
+    };
+    if let Err(status) = result {
+        tracing::info!(request = %id, code = ?status.code(), message = status.message(), "request failed");
+        let _ = tx.send(Err(status)).await;
+    }
+}
+
+/// Errors after which another prefill worker may succeed.
+fn retryable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::DataLoss | Code::Internal | Code::Cancelled
+    )
+}
+
+/// Gives a reservation back unless disarmed: cancels its prefill first, so the pages
+/// are freed at once when the prefill worker confirms it will not write any more.
+struct Cleanup {
+    decode: Arc<Worker>,
+    reservation_id: String,
+    prefill: Option<Arc<Worker>>,
+    armed: bool,
+}
+
+impl Cleanup {
+    async fn give_back(decode: Arc<Worker>, reservation_id: String, prefill: Option<Arc<Worker>>) {
+        let writer_done = match &prefill {
+            None => true,
+            Some(p) => {
+                let mut client = p.prefill();
+                let cancel = client.cancel(pb::CancelRequest { reservation_id: reservation_id.clone() });
+                // `cancelled == false`: already committed (freed at once anyway) or the
+                // worker never saw it; an unreachable worker might still write.
+                matches!(tokio::time::timeout(Duration::from_secs(2), cancel).await, Ok(Ok(r)) if r.get_ref().cancelled)
+            }
+        };
+        let mut client = decode.decode();
+        let release = client.release(pb::ReleaseRequest { reservation_id: reservation_id.clone(), writer_done });
+        if let Err(e) = tokio::time::timeout(Duration::from_secs(2), release)
+            .await
+            .map_err(|_| Status::deadline_exceeded("timeout"))
+            .and_then(|r| r)
+        {
+            tracing::warn!(reservation = %reservation_id, error = %e, "could not release a reservation; its lease will reclaim it");
+        }
+    }
+
+    async fn now(mut self) {
+        self.armed = false;
+        Self::give_back(self.decode.clone(), std::mem::take(&mut self.reservation_id), self.prefill.take()).await;
+    }
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if self.armed {
+            let (d, id, p) = (self.decode.clone(), std::mem::take(&mut self.reservation_id), self.prefill.take());
+            tokio::spawn(Self::give_back(d, id, p));
+        }
+    }
+}
+
+async fn reserve(ctx: &RouterCtx, req: &Validated) -> Result<(Arc<Worker>, pb::Reservation), Status> {
+    let need = (req.prompt.len() as u64 + req.max_tokens as u64).div_ceil(ctx.block_tokens);
+    let candidates = ctx.workers.decode_ranked(need, &[]);
+    if candidates.is_empty() {
+        return Err(Status::unavailable("no decode worker is available"));
+    }
+    let mut last = None;
+    for d in candidates {
+        let r = pb::ReserveRequest {
+            request_id: req.request_id.clone(),
+            prompt_tokens: req.prompt.len() as u32,
+            max_tokens: req.max_tokens,
+            fingerprint: String::new(),
+        };
+        match d.decode().reserve(r).await {
+            Ok(res) => {
+                d.add_reserved_pages(need);
+                return Ok((d, res.into_inner()));
+            }
+            Err(s) if s.code() == Code::InvalidArgument => return Err(s),
+            Err(s) => {
+                if s.code() != Code::ResourceExhausted {
+                    d.mark_failed();
+                }
+                last = Some(s);
+            }
+        }
+    }
+    let s = last.expect("at least one candidate");
+    Err(match s.code() {
+        Code::ResourceExhausted => Status::resource_exhausted(format!("every decode worker is full: {}", s.message())),
+        _ => Status::unavailable(format!("no decode worker could take the request: {}", s.message())),
+    })
+}
+
+async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, Status>>) -> Result<(), Status> {
+    let t0 = Instant::now();
+    let prompt_len = req.prompt.len() as u64;
+    let (mut d, mut res) = reserve(ctx, &req).await?;
+    let mut guard =
+        Cleanup { decode: d.clone(), reservation_id: res.reservation_id.clone(), prefill: None, armed: true };
+    let mut failed: Vec<String> = Vec::new();
+    let mut attempts = 0;
+    let prefill = loop {
+        let p = ctx
+            .workers
+            .prefill_ranked(&failed)
+            .into_iter()
+            .next()
+            .ok_or_else(|| Status::unavailable("no prefill worker is available"))?;
+        guard.prefill = Some(p.clone());
+        p.add_sent_tokens(prompt_len);
+        let r = p
+            .prefill()
+            .prefill(pb::PrefillRequest {
+                request_id: req.request_id.clone(),
+                reservation_id: res.reservation_id.clone(),
+                tokens: req.prompt.clone(),
+                target: res.target.clone(),
+                decode_addr: d.addr.clone(),
+                lease_ms: res.lease_ms,
+            })
+            .await;
+        match r {
+            Ok(reply) => break reply.into_inner(),
+            Err(s) if retryable(&s) && attempts < ctx.prefill_retries => {
+                attempts += 1;
+                tracing::warn!(request = %req.request_id, worker = %p.id, code = ?s.code(), message = s.message(), "prefill failed; retrying elsewhere");
+                if s.code() == Code::Unavailable {
+                    p.mark_failed();
+                }
+                failed.push(p.id.clone());
+                guard.now().await;
+                (d, res) = reserve(ctx, &req).await?;
+                guard = Cleanup {
+                    decode: d.clone(),
+                    reservation_id: res.reservation_id.clone(),
+                    prefill: None,
+                    armed: true,
+                };
+            }
+            Err(s) => return Err(Status::new(s.code(), format!("prefill failed: {}", s.message()))),
+        }
+    };
+    // Committed: from here the decode worker owns the pages and frees them when the
+    // decode stream ends or is dropped.
+    guard.prefill = None;
+    let sampling = pb::SamplingParams {
+        temperature: req.sampling.temperature,
+        top_p: req.sampling.top_p,
+        top_k: req.sampling.top_k,
+        seed: req.sampling.seed,
+        logprobs: req.sampling.logprobs,
+        top_logprobs: req.sampling.top_logprobs,
+    };
+    let mut client = d.decode();
+    let decode = client.decode(pb::DecodeRequest {
+        reservation_id: res.reservation_id.clone(),
+        request_id: req.request_id.clone(),
+        max_tokens: req.max_tokens,
+        sampling: Some(sampling),
+        stop_token_ids: req.stop_ids.clone(),
+    });
+    let mut stream = match decode.await {
+        Ok(s) => s.into_inner(),
+        Err(s) => return Err(Status::unavailable(format!("decode worker failed: {}", s.message()))),
+    };
+    guard.armed = false;
+
+    let codec = ctx.model.codec.as_ref();
+    let mut detok = Detokenizer::new();
+    let mut stops = StopMatcher::new(req.stop_strings.clone());
+    let mut ttft = None;
+    let mut count = 0u32;
+    loop {
+        let ev = match stream.message().await {
+            Ok(Some(ev)) => ev,
+            Ok(None) => return Err(Status::unavailable("the decode worker ended the stream early")),
+            Err(s) if s.code() == Code::InvalidArgument => return Err(s),
+            Err(s) => return Err(Status::unavailable(format!("decode worker failed mid-stream: {}", s.message()))),
+        };
+        ttft.get_or_insert_with(|| t0.elapsed());
+        count += 1;
+        let finished = pb::FinishReason::try_from(ev.finish).unwrap_or(pb::FinishReason::Unspecified);
+        let mut text = match codec {
+            Some(c) => detok.push(c, ev.token_id).map_err(|e| Status::internal(e.to_string()))?,
+            None => String::new(),
+        };
+        if finished != pb::FinishReason::Unspecified
+            && let Some(c) = codec
+        {
+            text.push_str(&detok.flush(c).map_err(|e| Status::internal(e.to_string()))?);
+        }
+        let (text, stopped) = match stops.push(&text) {
+            Release::Text(t) => (t, false),
+            Release::Stop(t) => (t, true),
+        };
+        let text = if finished != pb::FinishReason::Unspecified && !stopped { text + &stops.finish() } else { text };
+        let top = if req.sampling.logprobs {
+            ev.top_logprobs
+                .iter()
+                .map(|t| (t.token_id, t.logprob, codec.map(|c| c.token_text(t.token_id)).unwrap_or_default()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let token = TokenOut { index: ev.index, token_id: ev.token_id, text, logprob: ev.logprob, top };
+        tx.send(Ok(Event::Token(token))).await.map_err(|_| Status::cancelled("client went away"))?;
+        if stopped || finished != pb::FinishReason::Unspecified {
+            let finish = if stopped { pb::FinishReason::Stop } else { finished };
+            let timings = Timings {
+                queue_ms: prefill.queue_ms,
+                prefill_ms: prefill.compute_ms,
+                kv_transfer_ms: prefill.transfer_ms,
+                ttft_ms: ttft.unwrap_or_default().as_secs_f64() * 1e3,
+                total_ms: t0.elapsed().as_secs_f64() * 1e3,
+            };
+            let fin = Event::Final {
+                finish,
+                prompt_tokens: prompt_len as u32,
+                cached_tokens: 0,
+                completion_tokens: count,
+                timings,
+            };
+            let _ = tx.send(Ok(fin)).await;
+            return Ok(());
+        }
+    }
+}
