@@ -1,4 +1,5 @@
-//! `sluice generate`: load a model in this process and generate from token ids.
+//! `sluice generate`: generate from a prompt, either with a model loaded in this
+//! process (`--model`) or through a running cluster's router (`--router`).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -14,12 +15,18 @@ use crate::args::{self, TokenIds};
 
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// Model directory (config.json + safetensors).
+    /// Model directory (config.json + safetensors) to run in this process.
+    #[arg(long, required_unless_present = "router", conflicts_with = "router")]
+    model: Option<PathBuf>,
+    /// Router gRPC address of a running cluster, e.g. http://127.0.0.1:50051.
     #[arg(long)]
-    model: PathBuf,
+    router: Option<String>,
+    /// Prompt text (tokenised with the model's tokenizer.json).
+    #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
     /// Prompt as comma-separated token ids, e.g. 1,2,3.
     #[arg(long, value_parser = args::token_ids)]
-    prompt_ids: TokenIds,
+    prompt_ids: Option<TokenIds>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     max_tokens: usize,
@@ -53,6 +60,19 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    if let Some(router) = a.router.clone() {
+        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+        return rt.block_on(through_router(&router, a));
+    }
+    let model = a.model.clone().expect("clap requires --model without --router");
+    let prompt_ids = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => ids.0.clone(),
+        (None, Some(text)) => {
+            let codec = model_spec_text(&model)?;
+            codec.encode(text)?
+        }
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
     let sampling = SamplingParams {
         temperature: a.temperature,
         top_p: a.top_p,
@@ -61,12 +81,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         top_logprobs: a.top_logprobs,
     };
     sampling.validate()?;
-    let needed_pages = (a.prompt_ids.0.len() + a.max_tokens).div_ceil(128) + 1;
+    let needed_pages = (prompt_ids.len() + a.max_tokens).div_ceil(128) + 1;
     let opts = EngineOptions { kv_dtype: a.kv_dtype, max_pages: needed_pages, max_sequences: 1, ..Default::default() };
-    let mut engine = Engine::load(&a.model, CpuBackend::new(), opts)
-        .with_context(|| format!("loading model from {}", a.model.display()))?;
+    let mut engine = Engine::load(&model, CpuBackend::new(), opts)
+        .with_context(|| format!("loading model from {}", model.display()))?;
     let req = GenerateRequest {
-        prompt: a.prompt_ids.0.clone(),
+        prompt: prompt_ids,
         max_tokens: a.max_tokens,
         sampling,
         stop_tokens: a.stop_ids.map(|s| s.0).unwrap_or_default(),
@@ -104,6 +124,67 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             generation.tokens.len(),
             generation.decode_time.as_secs_f64() * 1e3
         )?;
+    }
+    Ok(())
+}
+
+fn model_spec_text(dir: &std::path::Path) -> Result<model_spec::text::TextCodec> {
+    model_spec::text::TextCodec::load(dir)?
+        .ok_or_else(|| anyhow::anyhow!("{} has no tokenizer.json; use --prompt-ids", dir.display()))
+}
+
+/// Stream from a running cluster, printing text as it arrives.
+async fn through_router(router: &str, a: GenerateArgs) -> Result<()> {
+    use sluice_proto::v1 as pb;
+    let prompt = match (a.prompt_ids, a.prompt) {
+        (Some(ids), _) => pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: ids.0 }),
+        (None, Some(text)) => pb::generate_request::Prompt::Text(text),
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    let req = pb::GenerateRequest {
+        prompt: Some(prompt),
+        max_tokens: a.max_tokens as u32,
+        sampling: Some(pb::SamplingParams {
+            temperature: a.temperature,
+            top_p: a.top_p,
+            top_k: a.top_k as u32,
+            seed: Some(a.seed),
+            logprobs: true,
+            top_logprobs: a.top_logprobs as u32,
+        }),
+        stop: a.stop_ids.map(|s| pb::StopCriteria { token_ids: s.0, strings: vec![] }),
+        ..Default::default()
+    };
+    let mut tokens = Vec::new();
+    let json = a.json;
+    let fin = crate::client::stream(router, req, |ev| {
+        if let Some(pb::generate_event::Event::Token(t)) = &ev.event {
+            if !json {
+                print!("{}", t.text_delta);
+                let _ = std::io::stdout().flush();
+            }
+            tokens.push(t.clone());
+        }
+    })
+    .await?;
+    let (u, t) = (fin.usage.unwrap_or_default(), fin.timings.unwrap_or_default());
+    let finish = if fin.finish_reason == pb::FinishReason::Stop as i32 { "stop" } else { "length" };
+    if json {
+        let v = json!({
+            "tokens": tokens.iter().map(|t| t.token_id).collect::<Vec<_>>(),
+            "logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+            "text": tokens.iter().map(|t| t.text_delta.as_str()).collect::<String>(),
+            "finish_reason": finish,
+            "usage": {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens},
+            "timings": {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "kv_transfer_ms": t.kv_transfer_ms,
+                        "time_to_first_token_ms": t.time_to_first_token_ms, "total_ms": t.total_ms},
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "\n[finish: {finish}; {} prompt + {} generated tokens; time to first token {:.1} ms, total {:.1} ms]",
+            u.prompt_tokens, u.completion_tokens, t.time_to_first_token_ms, t.total_ms
+        );
     }
     Ok(())
 }

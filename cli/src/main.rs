@@ -3,14 +3,18 @@
 //!
 //! Module map:
 //! - `model_cmd`: `sluice model init|inspect`.
-//! - `generate_cmd`: `sluice generate` (in-process).
+//! - `generate_cmd`: `sluice generate` (in-process, or through a router).
+//! - `up_cmd`: `sluice up`, a local cluster of child processes.
+//! - `client`: the gRPC client of the router.
 //! - `bench_cmd`: `sluice bench engine`.
 //! - `args`: shared argument parsing helpers.
 
 mod args;
 mod bench_cmd;
+mod client;
 mod generate_cmd;
 mod model_cmd;
+mod up_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -29,7 +33,9 @@ enum Command {
     /// Create or describe model checkpoints.
     #[command(subcommand)]
     Model(model_cmd::ModelCmd),
-    /// Generate tokens from a prompt with an in-process engine.
+    /// Start a local cluster (router, prefill and decode workers) and keep it running.
+    Up(up_cmd::UpArgs),
+    /// Generate tokens from a prompt, in this process or through a router.
     Generate(generate_cmd::GenerateArgs),
     /// Measure performance.
     #[command(subcommand)]
@@ -52,6 +58,7 @@ fn main() {
     }
     let result = match cli.command {
         Command::Model(cmd) => model_cmd::run(cmd),
+        Command::Up(args) => up_cmd::run(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::Bench(cmd) => bench_cmd::run(cmd),
     };

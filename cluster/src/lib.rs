@@ -5,6 +5,7 @@
 //!   [`discovery::Registration`] (an etcd key under a kept-alive lease); the router follows
 //!   membership through a [`discovery::Membership`], fed either by [`discovery::watch`] (etcd) or
 //!   by [`discovery::Membership::fixed`] (a static `--peers` list on one machine).
+//! - [`launch`]: services as child processes with bounded health waits (`sluice up`, e2e tests).
 //! - [`peers`]: the static `--peers` list.
 //! - [`net`]: listeners and advertised addresses.
 //! - [`shutdown`]: a cancellation token for SIGINT/SIGTERM.
@@ -13,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod discovery;
+pub mod launch;
 pub mod net;
 pub mod peers;
 pub mod shutdown;

@@ -57,6 +57,9 @@ pub struct DecodeConfig {
     /// Serve test hooks (DumpKv).
     #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
     pub debug_hooks: bool,
+    /// Test hook: sleep this long before every decode step (needs --debug-hooks).
+    #[arg(long, default_value_t = 0)]
+    pub debug_step_delay_ms: u64,
 }
 
 impl DecodeConfig {
@@ -70,6 +73,9 @@ impl DecodeConfig {
             if v == 0 {
                 return Err(format!("{flag} must be at least 1"));
             }
+        }
+        if self.debug_step_delay_ms > 0 && !self.debug_hooks {
+            return Err("--debug-step-delay-ms is a test hook; it needs --debug-hooks".into());
         }
         if self.lease_ms < 100 {
             return Err(format!("--lease-ms {} is too short to prefill anything; use at least 100", self.lease_ms));

@@ -61,6 +61,8 @@ pub struct Reserved {
 pub struct LoopConfig {
     pub max_batch: usize,
     pub lease: Duration,
+    /// Test hook: a pause before every decode step.
+    pub step_delay: Duration,
 }
 
 struct Running {
@@ -279,6 +281,9 @@ impl State {
     }
 
     fn step(&mut self) {
+        if !self.cfg.step_delay.is_zero() {
+            std::thread::sleep(self.cfg.step_delay);
+        }
         let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
         let mut seqs: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.seq).collect();
         let logits = match self.engine.decode(&mut seqs, &tokens) {

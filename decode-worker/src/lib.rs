@@ -59,7 +59,14 @@ pub async fn run(cfg: DecodeConfig, listener: TcpListener, shutdown: Cancellatio
     let max_position = engine.config().max_position;
     let fingerprint = engine.fingerprint.hex();
     let lease = Duration::from_millis(cfg.lease_ms);
-    let tx = engine_loop::spawn(engine, engine_loop::LoopConfig { max_batch: cfg.max_batch, lease })?;
+    let tx = engine_loop::spawn(
+        engine,
+        engine_loop::LoopConfig {
+            max_batch: cfg.max_batch,
+            lease,
+            step_delay: Duration::from_millis(cfg.debug_step_delay_ms),
+        },
+    )?;
     let service = service::DecodeService {
         engine: tx,
         template: template.clone(),

@@ -55,6 +55,9 @@ pub struct PrefillConfig {
     /// Serve test hooks (DumpKv).
     #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
     pub debug_hooks: bool,
+    /// Test hook: sleep this long before writing a prompt's KV (needs --debug-hooks).
+    #[arg(long, default_value_t = 0)]
+    pub debug_transfer_delay_ms: u64,
 }
 
 impl PrefillConfig {
@@ -70,6 +73,9 @@ impl PrefillConfig {
             if v == 0 {
                 return Err(format!("{flag} must be at least 1"));
             }
+        }
+        if self.debug_transfer_delay_ms > 0 && !self.debug_hooks {
+            return Err("--debug-transfer-delay-ms is a test hook; it needs --debug-hooks".into());
         }
         Ok(())
     }

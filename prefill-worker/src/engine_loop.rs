@@ -39,10 +39,10 @@ pub struct Done {
 
 pub enum Command {
     Prefill(Box<Job>),
-    /// Replies `true` once the job will not write any more, `false` if it already did.
+    /// Replies once the job will not write any more (see [`CancelOutcome`]).
     Cancel {
         reservation_id: String,
-        reply: oneshot::Sender<bool>,
+        reply: oneshot::Sender<CancelOutcome>,
     },
     Load {
         reply: oneshot::Sender<pb::PrefillLoad>,
@@ -53,11 +53,21 @@ pub enum Command {
     },
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// Stopped before writing anything, or not arrived yet and now refused if it does.
+    Cancelled,
+    /// Already wrote everything.
+    Finished,
+}
+
 #[derive(Clone, Debug)]
 pub struct LoopConfig {
     pub token_budget: usize,
     pub transfer_timeout: Duration,
     pub keep_dumps: bool,
+    /// Test hook: a pause after a step computes, before finished prompts are written.
+    pub transfer_delay: Duration,
 }
 
 struct Active {
@@ -76,7 +86,20 @@ struct State {
     cfg: LoopConfig,
     /// What the last prefills sent, for the test hook (bounded).
     dumps: VecDeque<(String, pb::KvDump)>,
+    /// Reservations whose KV was fully written recently (bounded), so a late cancel
+    /// can say nothing more will be written.
+    finished: VecDeque<String>,
+    /// Reservations cancelled before their prompt arrived here (bounded). A prompt that
+    /// arrives after its cancel (the router gave up while the call was in flight) is
+    /// refused, so a `Cancelled` reply is a promise that nothing will be written.
+    tombstones: VecDeque<String>,
 }
+
+const KEPT_FINISHED: usize = 4096;
+
+/// Far more cancels than can race their own prompt; a prompt older than this many
+/// cancels is refused by its lease deadline anyway.
+const KEPT_TOMBSTONES: usize = 4096;
 
 const KEPT_DUMPS: usize = 16;
 
@@ -95,8 +118,17 @@ pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std
             }
         };
         let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
-        let mut s =
-            State { engine, sender, geometry, queue: VecDeque::new(), active: Vec::new(), cfg, dumps: VecDeque::new() };
+        let mut s = State {
+            engine,
+            sender,
+            geometry,
+            queue: VecDeque::new(),
+            active: Vec::new(),
+            cfg,
+            dumps: VecDeque::new(),
+            finished: VecDeque::new(),
+            tombstones: VecDeque::new(),
+        };
         s.run(rx);
     })?;
     ready_rx
@@ -108,6 +140,7 @@ pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std
 
 impl State {
     fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
+        let rx = &rx;
         loop {
             let idle = self.queue.is_empty() && self.active.is_empty();
             let first = if idle { rx.recv().ok() } else { rx.try_recv().ok() };
@@ -119,7 +152,7 @@ impl State {
             }
             self.admit();
             if !self.active.is_empty() {
-                self.step();
+                self.step(rx);
             }
         }
         for a in self.active.drain(..) {
@@ -130,21 +163,34 @@ impl State {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Prefill(job) => self.queue.push_back(*job),
+            Command::Prefill(job) => {
+                if let Some(i) = self.tombstones.iter().position(|id| *id == job.reservation_id) {
+                    self.tombstones.remove(i);
+                    let _ = job.reply.send(Err(Status::cancelled("prefill cancelled before it arrived")));
+                } else {
+                    self.queue.push_back(*job);
+                }
+            }
             Command::Cancel { reservation_id, reply } => {
-                let cancelled = if let Some(i) = self.queue.iter().position(|j| j.reservation_id == reservation_id) {
+                let outcome = if let Some(i) = self.queue.iter().position(|j| j.reservation_id == reservation_id) {
                     let job = self.queue.remove(i).expect("present");
                     let _ = job.reply.send(Err(Status::cancelled("prefill cancelled")));
-                    true
+                    CancelOutcome::Cancelled
                 } else if let Some(i) = self.active.iter().position(|a| a.job.reservation_id == reservation_id) {
                     let a = self.active.remove(i);
                     let _ = a.job.reply.send(Err(Status::cancelled("prefill cancelled")));
                     self.engine.release(a.seq);
-                    true
+                    CancelOutcome::Cancelled
+                } else if self.finished.contains(&reservation_id) {
+                    CancelOutcome::Finished
                 } else {
-                    false
+                    self.tombstones.push_back(reservation_id);
+                    if self.tombstones.len() > KEPT_TOMBSTONES {
+                        self.tombstones.pop_front();
+                    }
+                    CancelOutcome::Cancelled
                 };
-                let _ = reply.send(cancelled);
+                let _ = reply.send(outcome);
             }
             Command::Load { reply } => {
                 let queued: usize = self.queue.iter().map(|j| j.tokens.len()).sum::<usize>()
@@ -181,7 +227,7 @@ impl State {
         }
     }
 
-    fn step(&mut self) {
+    fn step(&mut self, rx: &std_mpsc::Receiver<Command>) {
         let mut budget = self.cfg.token_budget;
         let mut chunks: Vec<(usize, usize, usize)> = Vec::new(); // (active index, from, to)
         for (i, a) in self.active.iter().enumerate() {
@@ -225,18 +271,32 @@ impl State {
         for (&(i, _, to), l) in chunks.iter().zip(logits) {
             self.active[i].compute += elapsed;
             if to == self.active[i].job.tokens.len() {
-                finished.push((i, l));
+                finished.push((self.active[i].job.reservation_id.clone(), l));
             }
         }
-        for (i, l) in finished.into_iter().rev() {
-            let a = self.active.remove(i);
-            self.finish(a, l);
+        if !self.cfg.transfer_delay.is_zero() {
+            std::thread::sleep(self.cfg.transfer_delay);
+        }
+        // A cancel that arrived while this step computed must win over the write.
+        while let Ok(cmd) = rx.try_recv() {
+            self.handle(cmd);
+        }
+        for (id, l) in finished {
+            if let Some(i) = self.active.iter().position(|a| a.job.reservation_id == id) {
+                let a = self.active.remove(i);
+                self.finish(a, l);
+            }
         }
     }
 
     /// Write a finished prompt's KV into its reservation, then free it here.
     fn finish(&mut self, a: Active, logits: Vec<f32>) {
         let reply = self.send(&a, &logits);
+        // Written or failed part way: either way nothing more will be written.
+        self.finished.push_back(a.job.reservation_id.clone());
+        if self.finished.len() > KEPT_FINISHED {
+            self.finished.pop_front();
+        }
         self.engine.release(a.seq);
         let _ = a.job.reply.send(reply);
     }

@@ -60,6 +60,7 @@ pub async fn run(cfg: PrefillConfig, listener: TcpListener, shutdown: Cancellati
             token_budget: cfg.token_budget,
             transfer_timeout: Duration::from_millis(cfg.transfer_timeout_ms),
             keep_dumps: cfg.debug_hooks,
+            transfer_delay: Duration::from_millis(cfg.debug_transfer_delay_ms),
         },
     )?;
     let service = service::PrefillService {

@@ -14,7 +14,7 @@ use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 use transfer::{Target, WireGeometry};
 
-use crate::engine_loop::{Command, Job};
+use crate::engine_loop::{CancelOutcome, Command, Job};
 
 /// Time left for the commit after the transfer, out of the lease.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -140,8 +140,11 @@ impl Prefill for PrefillService {
         self.engine
             .send(Command::Cancel { reservation_id, reply: tx })
             .map_err(|_| Status::unavailable("prefill engine stopped"))?;
-        let cancelled = rx.await.map_err(|_| Status::unavailable("prefill engine stopped"))?;
-        Ok(Response::new(pb::CancelReply { cancelled }))
+        let outcome = rx.await.map_err(|_| Status::unavailable("prefill engine stopped"))?;
+        Ok(Response::new(pb::CancelReply {
+            cancelled: outcome == CancelOutcome::Cancelled,
+            finished: outcome == CancelOutcome::Finished,
+        }))
     }
 
     async fn load(&self, _: Request<pb::LoadRequest>) -> Result<Response<pb::PrefillLoad>, Status> {

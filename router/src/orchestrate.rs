@@ -123,9 +123,11 @@ impl Cleanup {
             Some(p) => {
                 let mut client = p.prefill();
                 let cancel = client.cancel(pb::CancelRequest { reservation_id: reservation_id.clone() });
-                // `cancelled == false`: already committed (freed at once anyway) or the
-                // worker never saw it; an unreachable worker might still write.
-                matches!(tokio::time::timeout(Duration::from_secs(2), cancel).await, Ok(Ok(r)) if r.get_ref().cancelled)
+                // No answer (the worker is unreachable): it cannot be ruled out that
+                // it still writes, so the decode worker quarantines the pages until
+                // the lease ends.
+                matches!(tokio::time::timeout(Duration::from_secs(2), cancel).await,
+                         Ok(Ok(r)) if r.get_ref().cancelled || r.get_ref().finished)
             }
         };
         let mut client = decode.decode();

@@ -1,0 +1,165 @@
+//! Starting sluice services as child processes and waiting until they answer: what
+//! `sluice up` does, and what end-to-end tests do to build a real cluster.
+//!
+//! Every child writes its log to a file; a child that exits while we wait for it
+//! fails the wait at once with the end of its log, and every wait is bounded.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::process::{Child, Command};
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+
+#[derive(Debug, Error)]
+pub enum LaunchError {
+    #[error("cannot start {name} ({program}): {reason}")]
+    Spawn { name: String, program: String, reason: String },
+    #[error("{name} exited ({status}) before it was ready; last log lines:\n{log}")]
+    Exited { name: String, status: String, log: String },
+    #[error("{name} was not ready after {secs}s; last log lines:\n{log}")]
+    Timeout { name: String, secs: u64, log: String },
+    #[error(
+        "cannot find the `{0}` binary next to this program; build it (cargo build --release --workspace) or set SLUICE_BIN_DIR"
+    )]
+    NoBinary(String),
+}
+
+/// A free loopback TCP port (bound and released; another process could take it, but
+/// only in the short window before the child binds it).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+}
+
+/// Path of a sibling binary: `$SLUICE_BIN_DIR/<name>`, else next to the running
+/// executable, else (for test executables in `target/<profile>/deps`) one level up.
+pub fn find_binary(name: &str) -> Result<PathBuf, LaunchError> {
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("SLUICE_BIN_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        dirs.push(dir.to_path_buf());
+        if let Some(up) = dir.parent() {
+            dirs.push(up.to_path_buf());
+        }
+    }
+    dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file()).ok_or_else(|| LaunchError::NoBinary(name.into()))
+}
+
+pub struct ServiceProcess {
+    pub name: String,
+    /// The gRPC URL the service listens on.
+    pub grpc_url: String,
+    pub log: PathBuf,
+    child: Child,
+}
+
+impl ServiceProcess {
+    /// Start `program args…` with `env`, logging to `log_dir/<name>.log`.
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        grpc_url: String,
+        log_dir: &Path,
+    ) -> Result<Self, LaunchError> {
+        let err =
+            |reason: String| LaunchError::Spawn { name: name.into(), program: program.display().to_string(), reason };
+        std::fs::create_dir_all(log_dir).map_err(|e| err(e.to_string()))?;
+        let log = log_dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).map_err(|e| err(e.to_string()))?;
+        let errf = out.try_clone().map_err(|e| err(e.to_string()))?;
+        let child = Command::new(program)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(errf))
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| err(e.to_string()))?;
+        Ok(ServiceProcess { name: name.into(), grpc_url, log, child })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// The last `n` lines of the service's log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
+    /// Whether the process has exited (and how), without waiting.
+    pub fn exited(&mut self) -> Option<String> {
+        self.child.try_wait().ok().flatten().map(|s| s.to_string())
+    }
+
+    /// Wait until the service reports SERVING on gRPC health (bounded).
+    pub async fn wait_healthy(&mut self, timeout: Duration) -> Result<(), LaunchError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.exited() {
+                return Err(LaunchError::Exited { name: self.name.clone(), status, log: self.log_tail(20) });
+            }
+            if serving(&self.grpc_url).await {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(LaunchError::Timeout {
+                    name: self.name.clone(),
+                    secs: timeout.as_secs(),
+                    log: self.log_tail(20),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGKILL, as a crash would.
+    pub async fn kill(&mut self) {
+        let _ = self.child.kill().await;
+    }
+
+    /// SIGTERM, then SIGKILL after `grace`.
+    pub async fn terminate(&mut self, grace: Duration) {
+        if self.exited().is_some() {
+            return;
+        }
+        if let Some(pid) = self.pid() {
+            let _ = Command::new("kill").arg("-TERM").arg(pid.to_string()).status().await;
+        }
+        if tokio::time::timeout(grace, self.child.wait()).await.is_err() {
+            self.kill().await;
+        }
+    }
+
+    /// Wait for the process to exit on its own.
+    pub async fn wait(&mut self) -> String {
+        self.child.wait().await.map(|s| s.to_string()).unwrap_or_else(|e| e.to_string())
+    }
+}
+
+/// Whether the gRPC service at `url` answers health checks with SERVING.
+pub async fn serving(url: &str) -> bool {
+    let Ok(ep) = tonic::transport::Endpoint::from_shared(url.to_string()) else { return false };
+    let ep = ep.connect_timeout(Duration::from_millis(500));
+    let connect = ep.connect();
+    let Ok(Ok(ch)) = tokio::time::timeout(Duration::from_secs(1), connect).await else { return false };
+    let mut client = HealthClient::new(ch);
+    let check = client.check(HealthCheckRequest { service: String::new() });
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), check).await,
+        Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32
+    )
+}

@@ -1,0 +1,312 @@
+//! Harness for end-to-end tests: a real cluster (router, prefill and decode worker
+//! processes built from this workspace) serving the `tiny` preset on loopback ports,
+//! and clients for its gRPC and HTTP APIs. Processes are killed when the cluster is
+//! dropped; every wait is bounded.
+//!
+//! The service binaries are looked up next to the test executable (`target/<profile>`);
+//! `cargo build --workspace --bins` (the README's test command does it) builds them.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cluster::launch::{ServiceProcess, find_binary, free_port};
+use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
+use http_body_util::{BodyExt, Full};
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::decode_client::DecodeClient;
+use sluice_proto::v1::generation_client::GenerationClient;
+use sluice_proto::v1::prefill_client::PrefillClient;
+use tonic::Status;
+use tonic::transport::Channel;
+
+/// Longest a service may take to become healthy.
+pub const READY: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Default)]
+pub struct Spec {
+    pub prefill: usize,
+    pub decode: usize,
+    /// etcd endpoint; static peers when `None`.
+    pub etcd: Option<String>,
+    /// `UCX_TLS` for the workers.
+    pub ucx_tls: Option<String>,
+    /// Extra arguments per prefill worker (index) and for every decode worker.
+    pub prefill_args: Vec<Vec<String>>,
+    pub decode_args: Vec<String>,
+    pub router_args: Vec<String>,
+    /// Start the workers with `--debug-hooks`.
+    pub debug_hooks: bool,
+}
+
+impl Spec {
+    pub fn new(prefill: usize, decode: usize) -> Self {
+        Spec { prefill, decode, ..Default::default() }
+    }
+}
+
+pub struct TestCluster {
+    pub dir: tempfile::TempDir,
+    pub model: PathBuf,
+    pub workers: Vec<ServiceProcess>,
+    pub router: Option<ServiceProcess>,
+    /// Router gRPC URL.
+    pub grpc: String,
+    /// Router HTTP `host:port`.
+    pub http: String,
+    spec: Spec,
+}
+
+/// The `tiny` preset (seed 3), the model every test cluster serves.
+pub fn write_model(dir: &std::path::Path) -> PathBuf {
+    let model = dir.join("tiny");
+    write_checkpoint(&model, &InitOptions { preset: Preset::Tiny, seed: 3, dtype: WeightDtype::Bf16 })
+        .expect("write model");
+    model
+}
+
+impl TestCluster {
+    pub async fn start(spec: Spec) -> TestCluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = write_model(dir.path());
+        let mut c = TestCluster {
+            dir,
+            model,
+            workers: Vec::new(),
+            router: None,
+            grpc: String::new(),
+            http: String::new(),
+            spec,
+        };
+        for i in 0..c.spec.decode {
+            c.add_worker("decode", i, vec![]).await;
+        }
+        for i in 0..c.spec.prefill {
+            let extra = c.spec.prefill_args.get(i).cloned().unwrap_or_default();
+            c.add_worker("prefill", i, extra).await;
+        }
+        c.start_router().await;
+        c
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        let mut env = vec![("RUST_LOG".to_string(), "info,engine=warn".to_string())];
+        if let Some(tls) = &self.spec.ucx_tls {
+            env.push(("UCX_TLS".into(), tls.clone()));
+        }
+        env
+    }
+
+    /// Start another worker (`role` = "prefill" | "decode"), named `<role>-<index>`.
+    pub async fn add_worker(&mut self, role: &str, index: usize, extra: Vec<String>) -> String {
+        let bin = find_binary(&format!("{role}-worker")).expect("worker binary");
+        let port = free_port();
+        let mut args =
+            vec!["--model".into(), self.model.display().to_string(), "--listen".into(), format!("127.0.0.1:{port}")];
+        if let Some(e) = &self.spec.etcd {
+            args.extend(["--etcd".into(), e.clone()]);
+        }
+        if self.spec.debug_hooks {
+            args.push("--debug-hooks".into());
+        }
+        if role == "decode" {
+            args.extend(self.spec.decode_args.clone());
+        }
+        args.extend(extra);
+        let name = format!("{role}-{index}");
+        let mut p = ServiceProcess::spawn(
+            &name,
+            &bin,
+            &args,
+            &self.env(),
+            format!("http://127.0.0.1:{port}"),
+            &self.dir.path().join("logs"),
+        )
+        .expect("spawn worker");
+        p.wait_healthy(READY).await.expect("worker healthy");
+        self.workers.push(p);
+        name
+    }
+
+    async fn start_router(&mut self) {
+        let bin = find_binary("router").expect("router binary");
+        let (gp, hp) = (free_port(), free_port());
+        let mut args = vec![
+            "--model".into(),
+            self.model.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{gp}"),
+            "--http-listen".into(),
+            format!("127.0.0.1:{hp}"),
+            "--load-poll-ms".into(),
+            "100".into(),
+        ];
+        match &self.spec.etcd {
+            Some(e) => args.extend(["--etcd".into(), e.clone()]),
+            None => {
+                let peers: Vec<String> = self
+                    .workers
+                    .iter()
+                    .map(|w| format!("{}={}", w.name.split('-').next().unwrap_or(""), w.grpc_url))
+                    .collect();
+                args.extend(["--peers".into(), peers.join(",")]);
+            }
+        }
+        args.extend(self.spec.router_args.clone());
+        let url = format!("http://127.0.0.1:{gp}");
+        let mut r =
+            ServiceProcess::spawn("router", &bin, &args, &self.env(), url.clone(), &self.dir.path().join("logs"))
+                .expect("spawn router");
+        r.wait_healthy(READY).await.expect("router healthy");
+        self.grpc = url;
+        self.http = format!("127.0.0.1:{hp}");
+        self.router = Some(r);
+        self.wait_for_workers(self.spec.prefill, self.spec.decode).await;
+    }
+
+    /// Wait until the router sees at least this many healthy workers of each role.
+    pub async fn wait_for_workers(&self, prefill: usize, decode: usize) {
+        let deadline = std::time::Instant::now() + READY;
+        loop {
+            if let Ok((200, body)) = self.http_get("/health").await {
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                if v["prefill_workers"].as_u64().unwrap_or(0) >= prefill as u64
+                    && v["decode_workers"].as_u64().unwrap_or(0) >= decode as u64
+                {
+                    return;
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "router never saw {prefill} prefill + {decode} decode workers"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn worker(&mut self, name: &str) -> &mut ServiceProcess {
+        self.workers.iter_mut().find(|w| w.name == name).unwrap_or_else(|| panic!("no worker {name}"))
+    }
+
+    pub fn worker_url(&self, name: &str) -> String {
+        self.workers.iter().find(|w| w.name == name).unwrap_or_else(|| panic!("no worker {name}")).grpc_url.clone()
+    }
+
+    pub async fn client(&self) -> GenerationClient<Channel> {
+        GenerationClient::connect(self.grpc.clone()).await.expect("connect router")
+    }
+
+    pub async fn decode_client(&self, name: &str) -> DecodeClient<Channel> {
+        DecodeClient::connect(self.worker_url(name)).await.expect("connect decode worker")
+    }
+
+    pub async fn prefill_client(&self, name: &str) -> PrefillClient<Channel> {
+        PrefillClient::connect(self.worker_url(name)).await.expect("connect prefill worker")
+    }
+
+    /// Run a request to completion (bounded), returning its tokens and final event.
+    pub async fn generate(&self, req: pb::GenerateRequest) -> Result<Generated, Status> {
+        let fut = async {
+            let mut stream = self.client().await.generate(req).await?.into_inner();
+            let mut tokens = Vec::new();
+            while let Some(ev) = stream.message().await? {
+                match ev.event {
+                    Some(pb::generate_event::Event::Token(t)) => tokens.push(t),
+                    Some(pb::generate_event::Event::Final(f)) => return Ok(Generated { tokens, fin: f }),
+                    None => {}
+                }
+            }
+            Err(Status::unknown("stream ended without a final event"))
+        };
+        tokio::time::timeout(Duration::from_secs(60), fut)
+            .await
+            .unwrap_or_else(|_| Err(Status::deadline_exceeded("test timeout")))
+    }
+
+    pub async fn decode_load(&self, name: &str) -> pb::DecodeLoad {
+        self.decode_client(name).await.load(pb::LoadRequest {}).await.expect("load").into_inner()
+    }
+
+    /// Poll until every page and slot of every decode worker is free again (bounded).
+    pub async fn assert_pages_return(&self, within: Duration) {
+        let deadline = std::time::Instant::now() + within;
+        for w in self.workers.iter().filter(|w| w.name.starts_with("decode")) {
+            loop {
+                let l = self.decode_load(&w.name).await;
+                if l.free_pages == l.total_pages && l.running == 0 && l.waiting == 0 {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "{}: pages not returned: {l:?}", w.name);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    pub async fn http_get(&self, path: &str) -> Result<(u16, String), String> {
+        http(&self.http, "GET", path, None).await
+    }
+
+    pub async fn http_post(&self, path: &str, body: &str) -> Result<(u16, String), String> {
+        http(&self.http, "POST", path, Some(body)).await
+    }
+}
+
+pub struct Generated {
+    pub tokens: Vec<pb::TokenEvent>,
+    pub fin: pb::FinalEvent,
+}
+
+impl Generated {
+    pub fn ids(&self) -> Vec<u32> {
+        self.tokens.iter().map(|t| t.token_id).collect()
+    }
+    pub fn logprobs(&self) -> Vec<f32> {
+        self.tokens.iter().map(|t| t.logprob).collect()
+    }
+}
+
+/// One HTTP/1.1 request with a bounded wait; returns status and body.
+pub async fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), String> {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Full<bytes::Bytes>>();
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(body.unwrap_or("").to_string())))
+        .map_err(|e| e.to_string())?;
+    let fut = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(60), fut).await.map_err(|_| "HTTP request timed out".to_string())?
+}
+
+/// A greedy token-id request.
+pub fn ids_request(prompt: Vec<u32>, max_tokens: u32) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: prompt })),
+        max_tokens,
+        sampling: Some(pb::SamplingParams { logprobs: true, ..Default::default() }),
+        ..Default::default()
+    }
+}
+
+/// A deterministic prompt of `len` ids below `vocab`.
+pub fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2654435761).wrapping_add(salt.wrapping_mul(40503)) >> 9) % (vocab - 2) + 2)
+        .collect()
+}
+
+impl Drop for TestCluster {
+    /// A failing test prints the tail of every service's log, so CI output says why.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for p in self.workers.iter().chain(self.router.iter()) {
+                eprintln!("----- {} log (tail) -----\n{}", p.name, p.log_tail(40));
+            }
+        }
+    }
+}
