@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# Build sluice, write the `small` preset model (once), describe it, and generate
-# from a sample prompt with the in-process engine.
+# Build sluice and bring up a local cluster (router + one prefill + one decode worker)
+# serving the `small` preset model (written to target/models/small once), send a
+# sample request that streams tokens, and keep serving until Ctrl-C.
+# Extra arguments go to `sluice up` (e.g. --once to stop after the sample request,
+# --model DIR, --etcd URL, --prefill N --decode N).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
-cargo build --release --locked -p sluice
-sluice=target/release/sluice
-model=${SLUICE_MODEL:-target/models/small}
-[ -f "$model/config.json" ] || "$sluice" model init --preset small --seed 0 --out "$model"
-"$sluice" model inspect "$model"
-echo
-"$sluice" generate --model "$model" --prompt-ids 1,2,3,4,5,6,7,8 --max-tokens 16 --top-logprobs 2
+cargo build --release --locked --workspace --bins
+exec target/release/sluice up "$@"

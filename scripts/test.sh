@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The whole test suite: formatting, lints, and every test in the workspace
-# (unit, kernel parity, reference conformance, CLI). Installs what it needs.
+# The whole test suite: formatting, lints, and every test in the workspace (unit,
+# kernel parity, reference conformance, CLI, UCX transfer, real etcd, and end-to-end
+# clusters of real router/prefill/decode processes). Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/deps.sh
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# End-to-end tests start the service binaries, so build them first (same profile).
+cargo build --workspace --bins --locked
 cargo test --workspace --locked

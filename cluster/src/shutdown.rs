@@ -1,5 +1,8 @@
 //! Graceful shutdown: one token every task of a service watches, cancelled on SIGINT
-//! or SIGTERM (what Kubernetes sends before killing a pod).
+//! or SIGTERM (what Kubernetes sends before killing a pod), and a bounded drain.
+
+use std::future::Future;
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
@@ -24,4 +27,64 @@ pub fn on_signals() -> CancellationToken {
         t.cancel();
     });
     token
+}
+
+/// Run a server until it ends or `shutdown` fires; then run `on_stop` (deregister,
+/// report NOT_SERVING) so no new work is placed here, and give in-flight requests up to
+/// `grace` to finish before returning. `server` must itself stop accepting on
+/// `shutdown` (e.g. tonic's `serve_with_incoming_shutdown`). `on_stop` also runs when
+/// the server ends on its own, so a registration never outlives its server.
+pub async fn drain<E>(
+    server: impl Future<Output = Result<(), E>>,
+    shutdown: &CancellationToken,
+    grace: Duration,
+    on_stop: impl Future<Output = ()>,
+) -> Result<(), E> {
+    tokio::pin!(server);
+    let early = tokio::select! {
+        r = &mut server => Some(r),
+        _ = shutdown.cancelled() => None,
+    };
+    on_stop.await;
+    match early {
+        Some(r) => r,
+        None => match tokio::time::timeout(grace, server).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::warn!(
+                    grace_s = grace.as_secs_f64(),
+                    "in-flight requests did not finish in time; stopping anyway"
+                );
+                Ok(())
+            }
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn drain_bounds_the_wait_and_always_runs_on_stop() {
+        let token = CancellationToken::new();
+        token.cancel();
+        let stopped = std::sync::atomic::AtomicBool::new(false);
+        let never = std::future::pending::<Result<(), ()>>();
+        let r = drain(never, &token, Duration::from_millis(50), async {
+            stopped.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+        .await;
+        assert_eq!(r, Ok(()));
+        assert!(stopped.load(std::sync::atomic::Ordering::SeqCst));
+
+        let stopped = std::sync::atomic::AtomicBool::new(false);
+        let failed = async { Err::<(), &str>("bind failed") };
+        let r = drain(failed, &CancellationToken::new(), Duration::from_secs(60), async {
+            stopped.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+        .await;
+        assert_eq!(r, Err("bind failed"));
+        assert!(stopped.load(std::sync::atomic::Ordering::SeqCst), "deregisters when the server fails");
+    }
 }

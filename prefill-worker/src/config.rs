@@ -50,6 +50,9 @@ pub struct PrefillConfig {
     #[arg(long, env = "SLUICE_CLUSTER", default_value = "default")]
     pub cluster: String,
     /// CPU threads for compute (default: all cores).
+    /// On SIGTERM, how long running requests may take to finish before the worker exits.
+    #[arg(long, env = "SLUICE_DRAIN_TIMEOUT_S", default_value_t = 30)]
+    pub drain_timeout_s: u64,
     #[arg(long, env = "SLUICE_THREADS")]
     pub threads: Option<usize>,
     /// Serve test hooks (DumpKv).

@@ -92,13 +92,18 @@ pub async fn run(cfg: PrefillConfig, listener: TcpListener, shutdown: Cancellati
     };
     tracing::info!(%url, model = %cfg.model_name(), fingerprint = %&fingerprint[..12], "prefill worker serving");
 
-    let result = tonic::transport::Server::builder()
+    let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(PrefillServer::new(service))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled())
-        .await;
-    if let Some(r) = registration {
-        r.shutdown().await;
-    }
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled());
+    // On SIGTERM: leave discovery and report NOT_SERVING first, so routers stop placing
+    // work here, then let running requests finish (bounded by --drain-timeout-s).
+    let on_stop = async {
+        reporter.set_not_serving::<PrefillServer<service::PrefillService>>().await;
+        if let Some(r) = registration {
+            r.shutdown().await;
+        }
+    };
+    let result = cluster::shutdown::drain(server, &shutdown, Duration::from_secs(cfg.drain_timeout_s), on_stop).await;
     result.map_err(WorkerError::from)
 }

@@ -54,6 +54,8 @@ pub struct TestCluster {
     /// Router HTTP `host:port`.
     pub http: String,
     spec: Spec,
+    /// Workers killed by [`TestCluster::kill_worker`].
+    killed: Vec<String>,
 }
 
 /// The `tiny` preset (seed 3), the model every test cluster serves.
@@ -76,6 +78,7 @@ impl TestCluster {
             grpc: String::new(),
             http: String::new(),
             spec,
+            killed: Vec::new(),
         };
         for i in 0..c.spec.decode {
             c.add_worker("decode", i, vec![]).await;
@@ -187,6 +190,12 @@ impl TestCluster {
         self.workers.iter_mut().find(|w| w.name == name).unwrap_or_else(|| panic!("no worker {name}"))
     }
 
+    /// `kill -9` a worker, as a crash would; later page checks skip it.
+    pub async fn kill_worker(&mut self, name: &str) {
+        self.worker(name).kill().await;
+        self.killed.push(name.to_string());
+    }
+
     pub fn worker_url(&self, name: &str) -> String {
         self.workers.iter().find(|w| w.name == name).unwrap_or_else(|| panic!("no worker {name}")).grpc_url.clone()
     }
@@ -226,10 +235,10 @@ impl TestCluster {
         self.decode_client(name).await.load(pb::LoadRequest {}).await.expect("load").into_inner()
     }
 
-    /// Poll until every page and slot of every decode worker is free again (bounded).
+    /// Poll until every page and slot of every live decode worker is free again (bounded).
     pub async fn assert_pages_return(&self, within: Duration) {
         let deadline = std::time::Instant::now() + within;
-        for w in self.workers.iter().filter(|w| w.name.starts_with("decode")) {
+        for w in self.workers.iter().filter(|w| w.name.starts_with("decode") && !self.killed.contains(&w.name)) {
             loop {
                 let l = self.decode_load(&w.name).await;
                 if l.free_pages == l.total_pages && l.running == 0 && l.waiting == 0 {
@@ -250,6 +259,7 @@ impl TestCluster {
     }
 }
 
+#[derive(Debug)]
 pub struct Generated {
     pub tokens: Vec<pb::TokenEvent>,
     pub fin: pb::FinalEvent,
