@@ -20,3 +20,37 @@ pub fn advertised_url(bound: SocketAddr, advertise: Option<&str>) -> String {
         None => format!("http://{bound}"),
     }
 }
+
+/// Check a listen address (`host:port`, `[v6]:port`) without binding it.
+pub fn check_listen(flag: &str, addr: &str) -> Result<(), String> {
+    let port = addr.rsplit_once(':').map(|(_, p)| p);
+    match port.map(str::parse::<u16>) {
+        Some(Ok(_)) if !addr.starts_with(':') => Ok(()),
+        _ => Err(format!("{flag} {addr:?}: expected host:port, e.g. 0.0.0.0:50051")),
+    }
+}
+
+/// Check service endpoints (`http://host:port` or `host:port`), e.g. etcd's.
+pub fn check_endpoints(flag: &str, endpoints: &[String]) -> Result<(), String> {
+    for e in endpoints {
+        let rest = e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or(e);
+        check_listen(flag, rest.trim_end_matches('/'))
+            .map_err(|_| format!("{flag} {e:?}: expected http://host:port, e.g. http://etcd:2379"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod check_tests {
+    use super::*;
+
+    #[test]
+    fn addresses_and_endpoints_are_checked_without_binding() {
+        assert!(check_listen("--listen", "0.0.0.0:50051").is_ok());
+        assert!(check_listen("--listen", "[::]:8080").is_ok());
+        assert!(check_listen("--listen", "localhost").unwrap_err().contains("--listen"));
+        assert!(check_listen("--listen", "host:99999").is_err());
+        assert!(check_endpoints("--etcd", &["http://etcd-0.etcd:2379".into(), "10.0.0.1:2379".into()]).is_ok());
+        assert!(check_endpoints("--etcd", &["http://etcd".into()]).unwrap_err().contains("--etcd"));
+    }
+}

@@ -16,6 +16,9 @@ fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
     about = "sluice decode worker: receives KV over UCX, decodes, streams tokens"
 )]
 pub struct DecodeConfig {
+    /// Check the arguments and exit (0 when valid) without loading anything.
+    #[arg(long)]
+    pub check_config: bool,
     /// Model directory (config.json, safetensors).
     #[arg(long, env = "SLUICE_MODEL")]
     pub model: PathBuf,
@@ -66,10 +69,18 @@ pub struct DecodeConfig {
 }
 
 impl DecodeConfig {
+    /// Everything, including that the model directory holds a config.
     pub fn validate(&self) -> Result<(), String> {
         if !self.model.join("config.json").is_file() {
             return Err(format!("--model {}: no config.json there", self.model.display()));
         }
+        self.validate_args()
+    }
+
+    /// The arguments alone, touching no files or ports (`--check-config`).
+    pub fn validate_args(&self) -> Result<(), String> {
+        cluster::net::check_listen("--listen", &self.listen)?;
+        cluster::net::check_endpoints("--etcd", &self.etcd)?;
         for (flag, v) in
             [("--max-pages", self.max_pages), ("--max-sequences", self.max_sequences), ("--max-batch", self.max_batch)]
         {

@@ -16,6 +16,9 @@ fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
     about = "sluice prefill worker: computes prompt KV and writes it into decode workers"
 )]
 pub struct PrefillConfig {
+    /// Check the arguments and exit (0 when valid) without loading anything.
+    #[arg(long)]
+    pub check_config: bool,
     /// Model directory (config.json, safetensors).
     #[arg(long, env = "SLUICE_MODEL")]
     pub model: PathBuf,
@@ -64,10 +67,18 @@ pub struct PrefillConfig {
 }
 
 impl PrefillConfig {
+    /// Everything, including that the model directory holds a config.
     pub fn validate(&self) -> Result<(), String> {
         if !self.model.join("config.json").is_file() {
             return Err(format!("--model {}: no config.json there", self.model.display()));
         }
+        self.validate_args()
+    }
+
+    /// The arguments alone, touching no files or ports (`--check-config`).
+    pub fn validate_args(&self) -> Result<(), String> {
+        cluster::net::check_listen("--listen", &self.listen)?;
+        cluster::net::check_endpoints("--etcd", &self.etcd)?;
         for (flag, v) in [
             ("--max-pages", self.max_pages),
             ("--max-sequences", self.max_sequences),

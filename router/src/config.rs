@@ -7,6 +7,9 @@ use clap::Parser;
 #[derive(Parser, Clone, Debug)]
 #[command(name = "router", version, about = "sluice router: client API, placement, prefill/decode orchestration")]
 pub struct RouterConfig {
+    /// Check the arguments and exit (0 when valid) without loading anything.
+    #[arg(long)]
+    pub check_config: bool,
     /// Model directory (config.json for limits, tokenizer.json for text prompts).
     #[arg(long, env = "SLUICE_MODEL")]
     pub model: PathBuf,
@@ -46,10 +49,19 @@ pub struct RouterConfig {
 }
 
 impl RouterConfig {
+    /// Everything, including that the model directory holds a config.
     pub fn validate(&self) -> Result<(), String> {
         if !self.model.join("config.json").is_file() {
             return Err(format!("--model {}: no config.json there", self.model.display()));
         }
+        self.validate_args()
+    }
+
+    /// The arguments alone, touching no files or ports (`--check-config`).
+    pub fn validate_args(&self) -> Result<(), String> {
+        cluster::net::check_listen("--listen", &self.listen)?;
+        cluster::net::check_listen("--http-listen", &self.http_listen)?;
+        cluster::net::check_endpoints("--etcd", &self.etcd)?;
         if self.peers.is_none() && self.etcd.is_empty() {
             return Err("no workers to route to: give --peers (single machine) or --etcd (cluster)".into());
         }
