@@ -242,3 +242,42 @@ async fn client_cancellation_frees_pages_everywhere_within_a_second() {
     let load = c.prefill_client("prefill-0").await.load(pb::LoadRequest {}).await.unwrap().into_inner();
     assert_eq!(load.queued_requests, 0, "the prefill worker dropped the cancelled prompt");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_concurrency_limit_are_shed_at_once() {
+    let spec = Spec {
+        debug_hooks: true,
+        decode_args: vec!["--debug-step-delay-ms".into(), "50".into()],
+        router_args: vec!["--max-concurrency".into(), "2".into()],
+        ..Spec::new(1, 1)
+    };
+    let c = TestCluster::start(spec).await;
+    let mut held = Vec::new();
+    for salt in 0..2 {
+        let mut client = c.client().await;
+        let mut stream = client.generate(ids_request(prompt(20, salt, VOCAB), 200)).await.unwrap().into_inner();
+        stream.message().await.unwrap().expect("a token");
+        held.push(stream);
+    }
+    let t = Instant::now();
+    let shed = c.generate(ids_request(prompt(20, 7, VOCAB), 4)).await.expect_err("over the limit");
+    assert_eq!(shed.code(), Code::ResourceExhausted, "{shed:?}");
+    assert!(shed.message().contains("limit of 2"), "{}", shed.message());
+    eprintln!("shed in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+    let (status, body) = c.http_post("/v1/completions", r#"{"prompt": [5, 6, 7], "max_tokens": 2}"#).await.unwrap();
+    assert_eq!(status, 429, "{body}");
+
+    // Capacity comes back as soon as the held streams go away.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match c.generate(ids_request(prompt(20, 8, VOCAB), 4)).await {
+            Ok(g) => break assert_eq!(g.tokens.len(), 4),
+            Err(e) if e.code() == Code::ResourceExhausted && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("capacity did not come back: {e:?}"),
+        }
+    }
+    c.assert_pages_return(Duration::from_secs(2)).await;
+}
