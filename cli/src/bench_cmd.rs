@@ -1,6 +1,7 @@
 //! `sluice bench engine`: prefill throughput and decode step time of the CPU engine,
 //! measured the same way tools/bench/transformers_cpu.py measures transformers so the
-//! two can be put side by side.
+//! two can be put side by side. Also dispatches `sluice bench transfer`
+//! (`bench_transfer`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,12 +12,14 @@ use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::{CpuBackend, Engine, EngineOptions, EntryDtype, Logits};
 use serde_json::json;
 
-use crate::args;
+use crate::{args, bench_transfer};
 
 #[derive(Subcommand)]
 pub enum BenchCmd {
     /// Prefill tokens/s and decode ms/step of the in-process engine.
     Engine(EngineArgs),
+    /// GB/s of the KV sender between two processes, next to ucx_perftest.
+    Transfer(bench_transfer::TransferArgs),
 }
 
 #[derive(Args)]
@@ -61,7 +64,13 @@ pub fn bench_prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
 }
 
 pub fn run(cmd: BenchCmd) -> Result<()> {
-    let BenchCmd::Engine(a) = cmd;
+    match cmd {
+        BenchCmd::Engine(a) => engine(a),
+        BenchCmd::Transfer(a) => bench_transfer::run(a),
+    }
+}
+
+fn engine(a: EngineArgs) -> Result<()> {
     let _tmp;
     let dir = match &a.model {
         Some(d) => d.clone(),

@@ -6,11 +6,13 @@
 //! - `generate_cmd`: `sluice generate` (in-process, or through a router).
 //! - `up_cmd`: `sluice up`, a local cluster of child processes.
 //! - `client`: the gRPC client of the router.
-//! - `bench_cmd`: `sluice bench engine`.
+//! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
+//! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest).
 //! - `args`: shared argument parsing helpers.
 
 mod args;
 mod bench_cmd;
+mod bench_transfer;
 mod client;
 mod generate_cmd;
 mod model_cmd;

@@ -1,7 +1,9 @@
 //! `sluice up`: a local cluster (router, prefill and decode workers) as child
 //! processes on loopback ports, static discovery by default or etcd with `--etcd`.
-//! Waits until everything is healthy, prints how to use it, optionally streams a sample
-//! request, and stops everything on Ctrl-C (or right after the sample with `--once`).
+//! Waits until everything is healthy, prints how to use it (and where each service
+//! serves Prometheus metrics), optionally streams a sample request, and stops everything
+//! on Ctrl-C (or right after the sample with `--once`). OTEL_* variables in the
+//! environment reach every service, so `OTEL_EXPORTER_OTLP_ENDPOINT=… sluice up` traces.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -93,6 +95,7 @@ async fn up(a: UpArgs) -> Result<()> {
     if let Some(e) = &a.etcd {
         common.extend(["--etcd".into(), e.clone()]);
     }
+    // Children inherit the rest of the environment (OTEL_*, SLUICE_LOG_FORMAT, UCX_*).
     let env = vec![("RUST_LOG".to_string(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))];
 
     let mut procs: Vec<ServiceProcess> = Vec::new();
@@ -100,12 +103,14 @@ async fn up(a: UpArgs) -> Result<()> {
     let roles =
         std::iter::repeat_n(("decode", &bins.2), a.decode).chain(std::iter::repeat_n(("prefill", &bins.1), a.prefill));
     for (i, (role, bin)) in roles.enumerate() {
-        let port = free_port();
+        let (port, metrics_port) = (free_port(), free_port());
         let mut args = common.clone();
         args.extend(["--listen".into(), format!("127.0.0.1:{port}")]);
+        args.extend(["--metrics-listen".into(), format!("127.0.0.1:{metrics_port}")]);
         let url = format!("http://127.0.0.1:{port}");
         peers.push(format!("{role}={url}"));
-        procs.push(ServiceProcess::spawn(&format!("{role}-{i}"), bin, &args, &env, url, &log_dir)?);
+        let p = ServiceProcess::spawn(&format!("{role}-{i}"), bin, &args, &env, url, &log_dir)?;
+        procs.push(p.with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics")));
     }
     eprintln!(
         "starting {} prefill and {} decode worker(s) on {} (logs in {}) ...",
@@ -130,7 +135,8 @@ async fn up(a: UpArgs) -> Result<()> {
         None => router_args.extend(["--peers".into(), peers.join(",")]),
     }
     let router_url = format!("http://{}", a.grpc);
-    let mut router = ServiceProcess::spawn("router", &bins.0, &router_args, &env, router_url.clone(), &log_dir)?;
+    let mut router = ServiceProcess::spawn("router", &bins.0, &router_args, &env, router_url.clone(), &log_dir)?
+        .with_metrics_url(format!("http://{}/metrics", a.http));
     router.wait_healthy(timeout).await?;
     wait_for_workers(&a.http, timeout).await?;
     procs.push(router);
@@ -138,6 +144,12 @@ async fn up(a: UpArgs) -> Result<()> {
     println!("sluice is up:");
     println!("  gRPC  {router_url}   (sluice.v1.Generation)");
     println!("  HTTP  http://{}   (POST /v1/completions, GET /v1/models, GET /health)", a.http);
+    println!("metrics (Prometheus):");
+    for p in &procs {
+        if let Some(url) = &p.metrics_url {
+            println!("  {:<10} {url}", p.name);
+        }
+    }
     println!("try:");
     println!("  sluice generate --router {router_url} --prompt \"Once upon a time\" --max-tokens 32");
     println!(

@@ -57,6 +57,8 @@ pub struct ServiceProcess {
     pub name: String,
     /// The gRPC URL the service listens on.
     pub grpc_url: String,
+    /// Where it serves Prometheus metrics (`http://host:port/metrics`), when it does.
+    pub metrics_url: Option<String>,
     pub log: PathBuf,
     child: Child,
 }
@@ -86,7 +88,13 @@ impl ServiceProcess {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| err(e.to_string()))?;
-        Ok(ServiceProcess { name: name.into(), grpc_url, log, child })
+        Ok(ServiceProcess { name: name.into(), grpc_url, metrics_url: None, log, child })
+    }
+
+    /// Note where the service serves its metrics.
+    pub fn with_metrics_url(mut self, url: impl Into<String>) -> Self {
+        self.metrics_url = Some(url.into());
+        self
     }
 
     pub fn pid(&self) -> Option<u32> {

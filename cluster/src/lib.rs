@@ -9,6 +9,8 @@
 //! - [`peers`]: the static `--peers` list.
 //! - [`net`]: listeners and advertised addresses.
 //! - [`shutdown`]: a cancellation token for SIGINT/SIGTERM.
+//! - [`telemetry`]: Prometheus metrics and their `/metrics` endpoint, logs, OTLP traces and
+//!   W3C trace context across gRPC calls.
 //! - `testing` (cargo feature `testing`): a real etcd server per test, for this crate's tests and
 //!   for other crates' end-to-end tests.
 #![forbid(unsafe_code)]
@@ -18,5 +20,6 @@ pub mod launch;
 pub mod net;
 pub mod peers;
 pub mod shutdown;
+pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;

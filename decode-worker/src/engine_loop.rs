@@ -5,17 +5,22 @@
 //! Continuous batching: each step decodes one token for every running request;
 //! requests join (after their commit) and leave (finished, cancelled, client gone)
 //! between steps. When the batch is full, committed requests wait in arrival order.
+//!
+//! Telemetry: each request's `decode` span lives as long as it does here; gauges are
+//! set at the end of every pass of the loop, after every change of state.
 
 use std::collections::VecDeque;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use cluster::telemetry::DecodeMetrics;
 use engine::kv::Sequence;
 use engine::sampling::{Sampled, Sampler, SamplingParams};
 use engine::{CpuBackend, Engine, EngineError};
 use sluice_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
+use tracing::Span;
 use transfer::{Checksums, SendParts};
 
 use crate::reservations::{Table, TableError};
@@ -41,6 +46,8 @@ pub enum Command {
     Decode {
         req: pb::DecodeRequest,
         events: EventTx,
+        /// The request's `decode` span, closed when it leaves.
+        span: Span,
     },
     Load {
         reply: oneshot::Sender<pb::DecodeLoad>,
@@ -63,6 +70,7 @@ pub struct LoopConfig {
     pub lease: Duration,
     /// Test hook: a pause before every decode step.
     pub step_delay: Duration,
+    pub metrics: DecodeMetrics,
 }
 
 struct Running {
@@ -75,6 +83,14 @@ struct Running {
     max_tokens: usize,
     stops: Vec<u32>,
     events: EventTx,
+    span: Span,
+}
+
+/// Send a failure to a request's client and mark its span failed.
+fn fail(events: &EventTx, span: &Span, status: Status) {
+    span.record("otel.status_code", "ERROR");
+    span.record("otel.status_message", status.message());
+    let _ = events.send(Err(status));
 }
 
 struct State {
@@ -113,6 +129,7 @@ fn engine_status(e: EngineError) -> Status {
 
 impl State {
     fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
+        self.publish();
         loop {
             let busy = !self.running.is_empty();
             // Idle: sleep until a command arrives or the next lease ends.
@@ -136,14 +153,27 @@ impl State {
             if !self.running.is_empty() {
                 self.step();
             }
+            self.publish();
         }
         for r in self.running.drain(..).chain(self.waiting.drain(..)) {
-            let _ = r.events.send(Err(Status::unavailable("decode worker shutting down")));
+            fail(&r.events, &r.span, Status::unavailable("decode worker shutting down"));
             self.engine.release(r.seq);
         }
         for (_, e) in self.table.expire(Instant::now() + Duration::from_secs(365 * 86400)) {
             self.engine.release(e.seq);
         }
+    }
+
+    /// Set the gauges from the state (called after every pass, before waiting).
+    fn publish(&self) {
+        let m = &self.cfg.metrics;
+        let stats = self.engine.pool_stats();
+        m.running.set(self.running.len() as i64);
+        m.waiting.set(self.waiting.len() as i64);
+        m.pages_used.set(stats.pages_used as i64);
+        m.pages_total.set(stats.pages_total as i64);
+        m.slots_used.set(stats.slots_used as i64);
+        m.slots_total.set(stats.slots_total as i64);
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -162,7 +192,7 @@ impl State {
                 });
                 let _ = reply.send(r);
             }
-            Command::Decode { req, events } => self.start_decode(req, events),
+            Command::Decode { req, events, span } => self.start_decode(req, events, span),
             Command::Load { reply } => {
                 let s = self.engine.pool_stats();
                 let _ = reply.send(pb::DecodeLoad {
@@ -225,11 +255,11 @@ impl State {
         Ok(())
     }
 
-    fn start_decode(&mut self, req: pb::DecodeRequest, events: EventTx) {
+    fn start_decode(&mut self, req: pb::DecodeRequest, events: EventTx, span: Span) {
         let (entry, _tokens) = match self.table.take_committed(&req.reservation_id) {
             Ok(x) => x,
             Err(e) => {
-                let _ = events.send(Err(table_status(e)));
+                fail(&events, &span, table_status(e));
                 return;
             }
         };
@@ -243,7 +273,7 @@ impl State {
             top_logprobs: sampling.top_logprobs as usize,
         };
         if let Err(e) = params.validate() {
-            let _ = events.send(Err(Status::invalid_argument(e.to_string())));
+            fail(&events, &span, Status::invalid_argument(e.to_string()));
             self.engine.release(entry.seq);
             return;
         }
@@ -256,14 +286,16 @@ impl State {
             max_tokens,
             stops: req.stop_token_ids,
             events,
+            span,
         };
         // The first token comes from the logits the prefill worker left in the slot.
         let Some(logits) = self.engine.slot_logits(&r.seq) else {
-            let _ = r.events.send(Err(Status::internal("no logits region")));
+            fail(&r.events, &r.span, Status::internal("no logits region"));
             self.engine.release(r.seq);
             return;
         };
         let s = r.sampler.sample(&logits);
+        self.cfg.metrics.tokens.inc();
         if emit(&mut r, s) {
             self.engine.release(r.seq);
         } else {
@@ -286,18 +318,22 @@ impl State {
         }
         let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
         let mut seqs: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.seq).collect();
-        let logits = match self.engine.decode(&mut seqs, &tokens) {
+        let started = Instant::now();
+        let result = self.engine.decode(&mut seqs, &tokens);
+        self.cfg.metrics.step_seconds.observe(started.elapsed().as_secs_f64());
+        let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing the batch");
                 for r in self.running.drain(..) {
-                    let _ = r.events.send(Err(Status::internal(format!("decode step failed: {e}"))));
+                    fail(&r.events, &r.span, Status::internal(format!("decode step failed: {e}")));
                     self.engine.release(r.seq);
                 }
                 return;
             }
         };
         let mut keep = Vec::with_capacity(self.running.len());
+        self.cfg.metrics.tokens.inc_by(self.running.len() as u64);
         for (mut r, l) in self.running.drain(..).zip(logits) {
             let s = r.sampler.sample(&l);
             if emit(&mut r, s) {
@@ -311,7 +347,7 @@ impl State {
 
     fn expire(&mut self) {
         for (id, e) in self.table.expire(Instant::now()) {
-            tracing::warn!(reservation = %id, request = %e.request_id, state = ?e.state, "reservation lease ended; pages reclaimed");
+            tracing::warn!(reservation = %id, request_id = %e.request_id, state = ?e.state, "reservation lease ended; pages reclaimed");
             self.engine.release(e.seq);
         }
     }
@@ -356,9 +392,16 @@ fn emit(r: &mut Running, s: Sampled) -> bool {
         finish: finish as i32,
     };
     if r.events.send(Ok(event)).is_err() {
-        tracing::info!(request = %r.request_id, "client went away; freeing its pages");
+        tracing::info!(parent: &r.span, request_id = %r.request_id, "client went away; freeing its pages");
+        r.span.record("completion_tokens", r.generated);
+        r.span.record("finish", "cancelled");
         return true;
     }
     r.next = s.token;
-    finish != pb::FinishReason::Unspecified
+    if finish != pb::FinishReason::Unspecified {
+        r.span.record("completion_tokens", r.generated);
+        r.span.record("finish", finish.as_str_name());
+        return true;
+    }
+    false
 }

@@ -8,6 +8,9 @@
 //! - `reservations`: reservation lifecycle and leases (pure logic).
 //! - `engine_loop`: the engine thread (commands, batching, sampling).
 //! - `service`: the gRPC adapter.
+//!
+//! Metrics (`cluster::telemetry::DecodeMetrics`) are recorded by the engine thread and
+//! served on `--metrics-listen`; trace spans continue their callers' traces.
 
 pub mod config;
 mod engine_loop;
@@ -46,10 +49,18 @@ pub enum WorkerError {
     Io(#[from] std::io::Error),
 }
 
-/// Serve until `shutdown` is cancelled.
-pub async fn run(cfg: DecodeConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<(), WorkerError> {
+/// Serve gRPC on `listener` (and `/metrics` on `metrics`, when given) until `shutdown`
+/// is cancelled.
+pub async fn run(
+    cfg: DecodeConfig,
+    listener: TcpListener,
+    metrics: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
     cfg.validate().map_err(WorkerError::Config)?;
     let bound = listener.local_addr()?;
+    let registry = cluster::telemetry::metrics::registry("decode-worker");
+    let recorder = cluster::telemetry::DecodeMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
     let (engine, template) = {
         let cfg = cfg.clone();
@@ -65,8 +76,11 @@ pub async fn run(cfg: DecodeConfig, listener: TcpListener, shutdown: Cancellatio
             max_batch: cfg.max_batch,
             lease,
             step_delay: Duration::from_millis(cfg.debug_step_delay_ms),
+            metrics: recorder,
         },
     )?;
+    // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
+    let _metrics = cluster::telemetry::serve::spawn(metrics, registry);
     let service = service::DecodeService {
         engine: tx,
         template: template.clone(),

@@ -1,14 +1,18 @@
 //! The `sluice.v1.Decode` gRPC service: a thin adapter that forwards each call to the
-//! engine thread and maps the answer to a gRPC status.
+//! engine thread and maps the answer to a gRPC status. Reserve, commit and decode
+//! continue their caller's trace (`decode.reserve`, `decode.commit`, `decode` spans).
 
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
 
+use cluster::telemetry::propagation;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::decode_server::Decode;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
+use tracing::field::Empty;
 use transfer::Target;
 
 use crate::engine_loop::Command;
@@ -36,12 +40,9 @@ impl DecodeService {
             Err(_) => Err(Status::unavailable("decode engine did not answer in time")),
         }
     }
-}
 
-#[tonic::async_trait]
-impl Decode for DecodeService {
-    async fn reserve(&self, request: Request<pb::ReserveRequest>) -> Result<Response<pb::Reservation>, Status> {
-        let r = request.into_inner();
+    /// Check a reservation request and take pages and a slot for it.
+    async fn do_reserve(&self, r: pb::ReserveRequest) -> Result<Response<pb::Reservation>, Status> {
         let ours = self.template.geometry.fingerprint.hex();
         if !r.fingerprint.is_empty() && r.fingerprint != ours {
             return Err(Status::failed_precondition(format!(
@@ -82,10 +83,30 @@ impl Decode for DecodeService {
             target: Some(target.to_proto()),
         }))
     }
+}
+
+#[tonic::async_trait]
+impl Decode for DecodeService {
+    async fn reserve(&self, request: Request<pb::ReserveRequest>) -> Result<Response<pb::Reservation>, Status> {
+        let span = tracing::info_span!(
+            "decode.reserve",
+            request_id = %request.get_ref().request_id,
+            prompt_tokens = request.get_ref().prompt_tokens,
+            max_tokens = request.get_ref().max_tokens,
+        );
+        propagation::set_parent(&span, request.metadata());
+        self.do_reserve(request.into_inner()).instrument(span).await
+    }
 
     async fn commit(&self, request: Request<pb::CommitRequest>) -> Result<Response<pb::CommitReply>, Status> {
+        let span = tracing::info_span!(
+            "decode.commit",
+            reservation_id = %request.get_ref().reservation_id,
+            tokens = request.get_ref().tokens,
+        );
+        propagation::set_parent(&span, request.metadata());
         let req = request.into_inner();
-        self.ask(|reply| Command::Commit { req, reply }).await??;
+        self.ask(|reply| Command::Commit { req, reply }).instrument(span).await??;
         Ok(Response::new(pb::CommitReply {}))
     }
 
@@ -98,9 +119,19 @@ impl Decode for DecodeService {
     type DecodeStream = UnboundedReceiverStream<Result<pb::DecodeEvent, Status>>;
 
     async fn decode(&self, request: Request<pb::DecodeRequest>) -> Result<Response<Self::DecodeStream>, Status> {
+        // Open until the request's last token is sent (or it fails, or the client goes).
+        let span = tracing::info_span!(
+            "decode",
+            request_id = %request.get_ref().request_id,
+            completion_tokens = Empty,
+            finish = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        propagation::set_parent(&span, request.metadata());
         let (tx, rx) = mpsc::unbounded_channel();
         self.engine
-            .send(Command::Decode { req: request.into_inner(), events: tx })
+            .send(Command::Decode { req: request.into_inner(), events: tx, span })
             .map_err(|_| Status::unavailable("decode engine stopped"))?;
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }

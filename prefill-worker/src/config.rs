@@ -31,6 +31,9 @@ pub struct PrefillConfig {
     /// Address other hosts use to reach this worker (default: the bound address).
     #[arg(long, env = "SLUICE_ADVERTISE")]
     pub advertise: Option<String>,
+    /// Prometheus `/metrics` listen address (nothing else is served there); `off` disables it.
+    #[arg(long, env = "SLUICE_METRICS_LISTEN", default_value = "127.0.0.1:9100")]
+    pub metrics_listen: String,
     /// KV entry storage (must match the decode workers').
     #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = kv_dtype)]
     pub kv_dtype: EntryDtype,
@@ -78,6 +81,7 @@ impl PrefillConfig {
     /// The arguments alone, touching no files or ports (`--check-config`).
     pub fn validate_args(&self) -> Result<(), String> {
         cluster::net::check_listen("--listen", &self.listen)?;
+        cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
         for (flag, v) in [
             ("--max-pages", self.max_pages),

@@ -5,16 +5,24 @@
 //! UCX, straight out of the engine's memory.
 //!
 //! The UCX sender lives on this thread (it is `!Send`) next to the memory it sends from.
+//!
+//! Telemetry: each job carries its caller's trace context; its `prefill.queue`,
+//! `prefill.compute` and `kv_transfer` spans are children of it. Gauges are set at the
+//! end of every pass of the loop, after every change of state.
 
 use std::collections::VecDeque;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use cluster::telemetry::metrics::KV_POOLS;
+use cluster::telemetry::propagation::set_parent_context;
+use cluster::telemetry::{PrefillMetrics, TraceContext};
 use engine::kv::Sequence;
 use engine::{CpuBackend, Engine, Logits, StepInput};
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 use tonic::Status;
+use tracing::Span;
 use transfer::{Checksums, SendParts, Sender, Target, WireGeometry};
 
 pub struct Job {
@@ -26,6 +34,18 @@ pub struct Job {
     pub deadline: Instant,
     pub enqueued: Instant,
     pub reply: oneshot::Sender<Result<Done, Status>>,
+    /// The caller's trace context: the parent of this job's spans.
+    pub trace: TraceContext,
+    /// `prefill.queue`, open from arrival until the job starts.
+    pub queue_span: Span,
+}
+
+impl Job {
+    /// Make `span` (of this job's work) a child of the caller's span.
+    fn adopt(&self, span: Span) -> Span {
+        set_parent_context(&span, self.trace.clone());
+        span
+    }
 }
 
 pub struct Done {
@@ -68,6 +88,7 @@ pub struct LoopConfig {
     pub keep_dumps: bool,
     /// Test hook: a pause after a step computes, before finished prompts are written.
     pub transfer_delay: Duration,
+    pub metrics: PrefillMetrics,
 }
 
 struct Active {
@@ -75,6 +96,8 @@ struct Active {
     seq: Sequence,
     started: Instant,
     compute: Duration,
+    /// `prefill.compute`, open until the last chunk is computed.
+    span: Span,
 }
 
 struct State {
@@ -141,6 +164,7 @@ pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std
 impl State {
     fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
         let rx = &rx;
+        self.publish();
         loop {
             let idle = self.queue.is_empty() && self.active.is_empty();
             let first = if idle { rx.recv().ok() } else { rx.try_recv().ok() };
@@ -154,11 +178,22 @@ impl State {
             if !self.active.is_empty() {
                 self.step(rx);
             }
+            self.publish();
         }
         for a in self.active.drain(..) {
             let _ = a.job.reply.send(Err(Status::unavailable("prefill worker shutting down")));
             self.engine.release(a.seq);
         }
+    }
+
+    /// Set the gauges from the state (called after every pass, before blocking).
+    fn publish(&self) {
+        let m = &self.cfg.metrics;
+        let stats = self.engine.pool_stats();
+        m.waiting.set(self.queue.len() as i64);
+        m.running.set(self.active.len() as i64);
+        m.pages_used.set(stats.pages_used as i64);
+        m.pages_total.set(stats.pages_total as i64);
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -217,9 +252,22 @@ impl State {
             if stats.slots_used == stats.slots_total || stats.pages_total - stats.pages_used < pages + reserved {
                 break;
             }
-            let job = self.queue.pop_front().expect("front");
+            let mut job = self.queue.pop_front().expect("front");
+            drop(std::mem::replace(&mut job.queue_span, Span::none()));
+            // No prefix cache yet: every prompt token is looked up in every pool and missed.
+            for pool in KV_POOLS {
+                self.cfg.metrics.prefix_lookup(pool, job.tokens.len() as u64, 0);
+            }
             match self.engine.open_sequence() {
-                Ok(seq) => self.active.push(Active { job, seq, started: Instant::now(), compute: Duration::ZERO }),
+                Ok(seq) => {
+                    let span = tracing::info_span!(
+                        "prefill.compute",
+                        request_id = %job.request_id,
+                        tokens = job.tokens.len()
+                    );
+                    let span = job.adopt(span);
+                    self.active.push(Active { job, seq, started: Instant::now(), compute: Duration::ZERO, span });
+                }
                 Err(e) => {
                     let _ = job.reply.send(Err(Status::resource_exhausted(e.to_string())));
                 }
@@ -268,7 +316,8 @@ impl State {
             }
         };
         let mut finished = Vec::new();
-        for (&(i, _, to), l) in chunks.iter().zip(logits) {
+        for (&(i, from, to), l) in chunks.iter().zip(logits) {
+            self.cfg.metrics.tokens.inc_by((to - from) as u64);
             self.active[i].compute += elapsed;
             if to == self.active[i].job.tokens.len() {
                 finished.push((self.active[i].job.reservation_id.clone(), l));
@@ -290,8 +339,30 @@ impl State {
     }
 
     /// Write a finished prompt's KV into its reservation, then free it here.
-    fn finish(&mut self, a: Active, logits: Vec<f32>) {
-        let reply = self.send(&a, &logits);
+    fn finish(&mut self, mut a: Active, logits: Vec<f32>) {
+        drop(std::mem::replace(&mut a.span, Span::none()));
+        let span = a.job.adopt(tracing::info_span!(
+            "kv_transfer",
+            request_id = %a.job.request_id,
+            pages = a.job.target.page_ids.len(),
+            bytes = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            otel.status_message = tracing::field::Empty,
+        ));
+        let reply = span.in_scope(|| self.send(&a, &logits));
+        match &reply {
+            Ok(done) => {
+                span.record("bytes", done.bytes);
+                self.cfg.metrics.transfer_bytes.inc_by(done.bytes);
+                self.cfg.metrics.transfer_seconds.observe(done.transfer.as_secs_f64());
+            }
+            Err(s) => {
+                span.record("otel.status_code", "ERROR");
+                span.record("otel.status_message", s.message());
+                tracing::warn!(parent: &span, request_id = %a.job.request_id, error = %s.message(), "KV transfer failed");
+            }
+        }
+        drop(span);
         // Written or failed part way: either way nothing more will be written.
         self.finished.push_back(a.job.reservation_id.clone());
         if self.finished.len() > KEPT_FINISHED {
@@ -329,7 +400,7 @@ impl State {
                 self.dumps.pop_front();
             }
         }
-        tracing::debug!(request = %a.job.request_id, tokens = n, bytes = stats.bytes, ms = stats.elapsed.as_secs_f64() * 1e3, "KV sent");
+        tracing::debug!(request_id = %a.job.request_id, tokens = n, bytes = stats.bytes, ms = stats.elapsed.as_secs_f64() * 1e3, "KV sent");
         Ok(Done {
             checksums,
             tokens: n,

@@ -7,6 +7,9 @@
 //! - [`config`]: flags and environment, validated once.
 //! - `engine_loop`: the engine thread (queue, batching, transfer).
 //! - `service`: the gRPC adapter (validation, commit on the decode worker).
+//!
+//! Metrics (`cluster::telemetry::PrefillMetrics`) are recorded by the engine thread and
+//! served on `--metrics-listen`; trace spans continue the router's trace.
 
 pub mod config;
 mod engine_loop;
@@ -40,10 +43,18 @@ pub enum WorkerError {
     Io(#[from] std::io::Error),
 }
 
-/// Serve until `shutdown` is cancelled.
-pub async fn run(cfg: PrefillConfig, listener: TcpListener, shutdown: CancellationToken) -> Result<(), WorkerError> {
+/// Serve gRPC on `listener` (and `/metrics` on `metrics`, when given) until `shutdown`
+/// is cancelled.
+pub async fn run(
+    cfg: PrefillConfig,
+    listener: TcpListener,
+    metrics: Option<TcpListener>,
+    shutdown: CancellationToken,
+) -> Result<(), WorkerError> {
     cfg.validate().map_err(WorkerError::Config)?;
     let bound = listener.local_addr()?;
+    let registry = cluster::telemetry::metrics::registry("prefill-worker");
+    let recorder = cluster::telemetry::PrefillMetrics::new(&registry);
     let opts = EngineOptions {
         kv_dtype: cfg.kv_dtype,
         max_pages: cfg.max_pages,
@@ -61,8 +72,11 @@ pub async fn run(cfg: PrefillConfig, listener: TcpListener, shutdown: Cancellati
             transfer_timeout: Duration::from_millis(cfg.transfer_timeout_ms),
             keep_dumps: cfg.debug_hooks,
             transfer_delay: Duration::from_millis(cfg.debug_transfer_delay_ms),
+            metrics: recorder,
         },
     )?;
+    // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
+    let _metrics = cluster::telemetry::serve::spawn(metrics, registry);
     let service = service::PrefillService {
         engine: tx,
         geometry,

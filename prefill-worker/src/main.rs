@@ -16,24 +16,31 @@ async fn main() {
             }
         }
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let telemetry = match cluster::telemetry::init("prefill-worker") {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     if let Some(n) = cfg.threads
         && let Err(e) = engine::set_compute_threads(n)
     {
         eprintln!("error: {e}");
         std::process::exit(2);
     }
-    let listener = match cluster::net::bind(&cfg.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        }
-    };
-    if let Err(e) = run(cfg, listener, cluster::shutdown::on_signals()).await {
+    let (listener, metrics) =
+        match (cluster::net::bind(&cfg.listen).await, cluster::telemetry::serve::bind(&cfg.metrics_listen).await) {
+            (Ok(l), Ok(m)) => (l, m),
+            (Err(e), _) | (_, Err(e)) => {
+                eprintln!("error: {e}");
+                std::process::exit(2);
+            }
+        };
+    let result = run(cfg, listener, metrics, cluster::shutdown::on_signals()).await;
+    // Flush the spans not exported yet before exiting.
+    telemetry.shutdown();
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

@@ -6,12 +6,14 @@ use std::sync::Mutex;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
+use cluster::telemetry::propagation::{self, PropagateContext, Traced};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::decode_client::DecodeClient;
 use sluice_proto::v1::prefill_server::Prefill;
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 use transfer::{Target, WireGeometry};
 
 use crate::engine_loop::{CancelOutcome, Command, Job};
@@ -44,17 +46,18 @@ impl Drop for CancelOnDrop {
 }
 
 impl PrefillService {
-    fn decode_client(&self, addr: &str) -> Result<DecodeClient<Channel>, Status> {
+    /// A client of the decode worker at `addr` whose calls carry the current trace context.
+    fn decode_client(&self, addr: &str) -> Result<DecodeClient<Traced<Channel>>, Status> {
         let mut clients = self.decode_clients.lock().expect("not poisoned");
         if let Some(ch) = clients.get(addr) {
-            return Ok(DecodeClient::new(ch.clone()));
+            return Ok(DecodeClient::with_interceptor(ch.clone(), PropagateContext));
         }
         let ch = tonic::transport::Endpoint::from_shared(addr.to_string())
             .map_err(|e| Status::invalid_argument(format!("decode address `{addr}`: {e}")))?
             .connect_timeout(Duration::from_secs(5))
             .connect_lazy();
         clients.insert(addr.to_string(), ch.clone());
-        Ok(DecodeClient::new(ch))
+        Ok(DecodeClient::with_interceptor(ch, PropagateContext))
     }
 
     fn validate(&self, r: &pb::PrefillRequest) -> Result<Target, Status> {
@@ -87,8 +90,12 @@ impl PrefillService {
 #[tonic::async_trait]
 impl Prefill for PrefillService {
     async fn prefill(&self, request: Request<pb::PrefillRequest>) -> Result<Response<pb::PrefillReply>, Status> {
+        // The router's `prefill` span is the parent of everything done here.
+        let trace = propagation::extract(request.metadata());
         let r = request.into_inner();
         let target = self.validate(&r)?;
+        let queue_span = tracing::info_span!("prefill.queue", request_id = %r.request_id, tokens = r.tokens.len());
+        propagation::set_parent_context(&queue_span, trace.clone());
         let lease = Duration::from_millis(r.lease_ms.max(1));
         let started = Instant::now();
         let (tx, rx) = oneshot::channel();
@@ -101,6 +108,8 @@ impl Prefill for PrefillService {
             deadline: started + lease.saturating_sub(Duration::from_millis(500)),
             enqueued: started,
             reply: tx,
+            trace: trace.clone(),
+            queue_span,
         };
         self.engine.send(Command::Prefill(Box::new(job))).map_err(|_| Status::unavailable("prefill engine stopped"))?;
         let mut guard = CancelOnDrop { engine: self.engine.clone(), reservation_id: Some(r.reservation_id.clone()) };
@@ -121,8 +130,11 @@ impl Prefill for PrefillService {
         let mut client = self.decode_client(&r.decode_addr)?;
         let mut req = Request::new(commit);
         req.set_timeout(COMMIT_TIMEOUT);
+        let span = tracing::info_span!("commit", request_id = %r.request_id);
+        propagation::set_parent_context(&span, trace);
         client
             .commit(req)
+            .instrument(span)
             .await
             .map_err(|s| Status::new(s.code(), format!("commit on the decode worker: {}", s.message())))?;
         Ok(Response::new(pb::PrefillReply {

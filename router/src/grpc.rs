@@ -61,9 +61,13 @@ impl Generation for GenerationService {
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let id = request_id(&request.get_ref().request_id, &request);
+        let arrival = orchestrate::arrive(&id, request.metadata());
         let r = request.into_inner();
-        let v = validate::from_proto(&self.ctx.model, &self.limits, r, id).map_err(Status::invalid_argument)?;
-        let events = orchestrate::start(self.ctx.clone(), v)?;
+        let v = match validate::from_proto(&self.ctx.model, &self.limits, r, id) {
+            Ok(v) => v,
+            Err(m) => return Err(orchestrate::refuse(&self.ctx, &arrival, Status::invalid_argument(m))),
+        };
+        let events = orchestrate::start(self.ctx.clone(), v, arrival)?;
         let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|e| e.map(to_proto));
         Ok(Response::new(Box::pin(stream)))
     }

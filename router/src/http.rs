@@ -16,6 +16,7 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sluice_proto::v1 as pb;
+use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 
 use crate::orchestrate::{self, Event, RouterCtx};
@@ -54,16 +55,19 @@ pub fn status_response(s: &Status) -> Response {
     error(code, kind, s.message())
 }
 
-/// JSON body with OpenAI-style errors for malformed input.
+/// JSON body with OpenAI-style errors for malformed input (counted as invalid_argument).
 struct Body<T>(T);
 
-impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for Body<T> {
+impl<T: serde::de::DeserializeOwned> FromRequest<Arc<HttpState>> for Body<T> {
     type Rejection = Response;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: Request, state: &Arc<HttpState>) -> Result<Self, Self::Rejection> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(Body(v)),
-            Err(e) => Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", rejection_message(e))),
+            Err(e) => {
+                state.ctx.metrics.outcome(Code::InvalidArgument);
+                Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", rejection_message(e)))
+            }
         }
     }
 }
@@ -206,11 +210,12 @@ async fn completions(
     let want_logprobs = r.logprobs.is_some();
     let stream = r.stream;
     let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let arrival = orchestrate::arrive(&request_id, &MetadataMap::from_headers(headers));
     let v = match parse(&state, r, request_id.clone()) {
         Ok(v) => v,
-        Err(s) => return status_response(&s),
+        Err(s) => return status_response(&orchestrate::refuse(&state.ctx, &arrival, s)),
     };
-    let mut events = match orchestrate::start(state.ctx.clone(), v) {
+    let mut events = match orchestrate::start(state.ctx.clone(), v, arrival) {
         Ok(e) => e,
         Err(s) => return status_response(&s),
     };

@@ -12,7 +12,11 @@
 //! - `workers`: gRPC channels per worker, membership, load polling.
 //! - `orchestrate`: one request from admission to its last token.
 //! - `stops`: stop strings over streamed text.
-//! - `grpc`, `http`: the two APIs; `request_id`: ids for both.
+//! - `grpc`, `http`: the two APIs (the HTTP listener also serves `/metrics`); `request_id`:
+//!   ids for both.
+//!
+//! Telemetry (metrics, the `request` trace span and its children) is recorded in
+//! `orchestrate`; the metric set and trace propagation live in `cluster::telemetry`.
 
 pub mod config;
 mod grpc;
@@ -66,6 +70,8 @@ pub async fn run(
                 .await?
         }
     };
+    let registry = cluster::telemetry::metrics::registry("router");
+    let metrics = cluster::telemetry::RouterMetrics::new(&registry);
     let workers = Arc::new(workers::WorkerSet::default());
     workers::spawn_maintenance(workers.clone(), membership, Duration::from_millis(cfg.load_poll_ms), shutdown.clone());
     let ctx = Arc::new(orchestrate::RouterCtx {
@@ -76,7 +82,16 @@ pub async fn run(
         request_timeout: Duration::from_secs(cfg.request_timeout_s),
         prefill_retries: cfg.prefill_retries,
         block_tokens: model_spec::BLOCK_TOKENS as u64,
+        metrics: metrics.clone(),
     });
+    // How many workers are healthy is sampled at each scrape, so it is never stale.
+    let refresh: cluster::telemetry::serve::Refresh = {
+        let workers = ctx.workers.clone();
+        Arc::new(move || {
+            let (p, d) = workers.healthy_counts();
+            metrics.set_workers(p, d);
+        })
+    };
     let limits = || validate::Limits { max_tokens_limit: cfg.max_tokens_limit };
 
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -94,6 +109,7 @@ pub async fn run(
             shutdown.clone().cancelled_owned(),
         );
     let app = http::router(Arc::new(http::HttpState { ctx, limits: limits() }))
+        .merge(cluster::telemetry::serve::routes(registry, Some(refresh)))
         .layer(PropagateRequestIdLayer::x_request_id())
         .layer(SetRequestIdLayer::x_request_id(ids));
     let http_server = axum::serve(http, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());

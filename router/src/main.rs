@@ -16,10 +16,13 @@ async fn main() {
             }
         }
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let telemetry = match cluster::telemetry::init("router") {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
     let (grpc, http) = match (cluster::net::bind(&cfg.listen).await, cluster::net::bind(&cfg.http_listen).await) {
         (Ok(g), Ok(h)) => (g, h),
         (Err(e), _) | (_, Err(e)) => {
@@ -27,7 +30,10 @@ async fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = run(cfg, grpc, http, cluster::shutdown::on_signals()).await {
+    let result = run(cfg, grpc, http, cluster::shutdown::on_signals()).await;
+    // Flush the spans not exported yet before exiting.
+    telemetry.shutdown();
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

@@ -14,10 +14,16 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cluster::telemetry::metrics::status_label;
+use cluster::telemetry::prometheus::IntGauge;
+use cluster::telemetry::{RouterMetrics, propagation};
 use model_spec::text::Detokenizer;
 use sluice_proto::v1 as pb;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
 use crate::model::ModelInfo;
 use crate::stops::{Release, StopMatcher};
@@ -33,6 +39,61 @@ pub struct RouterCtx {
     pub prefill_retries: u32,
     /// Tokens per KV page (to size reservations).
     pub block_tokens: u64,
+    pub metrics: RouterMetrics,
+}
+
+/// A request as it arrived: when, and the root span of its trace (a child of the
+/// caller's trace context when it sent one).
+pub struct Arrival {
+    span: Span,
+    at: Instant,
+}
+
+/// Note a request's arrival; everything the router does for it happens in its span.
+pub fn arrive(request_id: &str, metadata: &MetadataMap) -> Arrival {
+    let span = tracing::info_span!(
+        "request",
+        request_id = %request_id,
+        prompt_tokens = Empty,
+        status = Empty,
+        otel.status_code = Empty,
+        otel.status_message = Empty,
+    );
+    propagation::set_parent(&span, metadata);
+    Arrival { span, at: Instant::now() }
+}
+
+/// Record a request refused before it started (invalid input, router full); returns
+/// the status to send.
+pub fn refuse(ctx: &RouterCtx, arrival: &Arrival, status: Status) -> Status {
+    ctx.metrics.outcome(status.code());
+    record_status(&arrival.span, status.code(), status.message());
+    status
+}
+
+/// A span's outcome, in OpenTelemetry's terms too (error status with its message).
+fn record_status(span: &Span, code: Code, message: &str) {
+    span.record("status", status_label(code));
+    if code != Code::Ok {
+        span.record("otel.status_code", "ERROR");
+        span.record("otel.status_message", message);
+    }
+}
+
+/// Counts a request in `sluice_requests_running` while it lives.
+struct InFlight(IntGauge);
+
+impl InFlight {
+    fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        InFlight(gauge.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -63,15 +124,18 @@ pub type Events = mpsc::Receiver<Result<Event, Status>>;
 
 /// Admit a request and start it; fails fast with RESOURCE_EXHAUSTED when the router is
 /// at its concurrency limit.
-pub fn start(ctx: Arc<RouterCtx>, req: Validated) -> Result<Events, Status> {
-    let permit = ctx.admission.clone().try_acquire_owned().map_err(|_| {
-        Status::resource_exhausted(format!(
+pub fn start(ctx: Arc<RouterCtx>, req: Validated, arrival: Arrival) -> Result<Events, Status> {
+    arrival.span.record("prompt_tokens", req.prompt.len());
+    let Ok(permit) = ctx.admission.clone().try_acquire_owned() else {
+        let s = Status::resource_exhausted(format!(
             "the router is serving its limit of {} concurrent requests; retry shortly",
             ctx.max_concurrency
-        ))
-    })?;
+        ));
+        return Err(refuse(&ctx, &arrival, s));
+    };
     let (tx, rx) = mpsc::channel(64);
-    tokio::spawn(drive(ctx, req, tx, permit));
+    let span = arrival.span.clone();
+    tokio::spawn(drive(ctx, req, tx, permit, arrival.at).instrument(span));
     Ok(rx)
 }
 
@@ -80,22 +144,32 @@ async fn drive(
     req: Validated,
     tx: mpsc::Sender<Result<Event, Status>>,
     _permit: OwnedSemaphorePermit,
+    arrived: Instant,
 ) {
+    let _in_flight = InFlight::new(&ctx.metrics.running);
     let id = req.request_id.clone();
     let timeout = ctx.request_timeout;
     let result = tokio::select! {
-        r = tokio::time::timeout(timeout, run(&ctx, req, &tx)) => match r {
+        r = tokio::time::timeout(timeout, run(&ctx, req, &tx, arrived)) => match r {
             Ok(r) => r,
             Err(_) => Err(Status::deadline_exceeded(format!("request did not finish within {}s", timeout.as_secs()))),
         },
-        _ = tx.closed() => {
-            tracing::info!(request = %id, "client went away; cancelling");
-            return;
-        }
+        _ = tx.closed() => Err(Status::cancelled("client went away")),
     };
-    if let Err(status) = result {
-        tracing::info!(request = %id, code = ?status.code(), message = status.message(), "request failed");
-        let _ = tx.send(Err(status)).await;
+    let (code, message) = match &result {
+        Ok(()) => (Code::Ok, ""),
+        Err(s) => (s.code(), s.message()),
+    };
+    ctx.metrics.outcome(code);
+    record_status(&Span::current(), code, message);
+    let ms = arrived.elapsed().as_secs_f64() * 1e3;
+    match result {
+        Ok(()) => tracing::info!(request_id = %id, ms, "request finished"),
+        Err(_) if tx.is_closed() => tracing::info!(request_id = %id, ms, "client went away; cancelled"),
+        Err(status) => {
+            tracing::info!(request_id = %id, ms, code = ?status.code(), message = status.message(), "request failed");
+            let _ = tx.send(Err(status)).await;
+        }
     }
 }
 
@@ -151,7 +225,7 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         if self.armed {
             let (d, id, p) = (self.decode.clone(), std::mem::take(&mut self.reservation_id), self.prefill.take());
-            tokio::spawn(Self::give_back(d, id, p));
+            tokio::spawn(Self::give_back(d, id, p).instrument(Span::current()));
         }
     }
 }
@@ -191,10 +265,14 @@ async fn reserve(ctx: &RouterCtx, req: &Validated) -> Result<(Arc<Worker>, pb::R
     })
 }
 
-async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, Status>>) -> Result<(), Status> {
-    let t0 = Instant::now();
+async fn run(
+    ctx: &RouterCtx,
+    req: Validated,
+    tx: &mpsc::Sender<Result<Event, Status>>,
+    arrived: Instant,
+) -> Result<(), Status> {
     let prompt_len = req.prompt.len() as u64;
-    let (mut d, mut res) = reserve(ctx, &req).await?;
+    let (mut d, mut res) = reserve(ctx, &req).instrument(tracing::info_span!("queue")).await?;
     let mut guard =
         Cleanup { decode: d.clone(), reservation_id: res.reservation_id.clone(), prefill: None, armed: true };
     let mut failed: Vec<String> = Vec::new();
@@ -208,6 +286,15 @@ async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, St
             .ok_or_else(|| Status::unavailable("no prefill worker is available"))?;
         guard.prefill = Some(p.clone());
         p.add_sent_tokens(prompt_len);
+        let span = tracing::info_span!(
+            "prefill",
+            worker = %p.id,
+            attempt = attempts,
+            status = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        let sent = Instant::now();
         let r = p
             .prefill()
             .prefill(pb::PrefillRequest {
@@ -218,18 +305,31 @@ async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, St
                 decode_addr: d.addr.clone(),
                 lease_ms: res.lease_ms,
             })
+            .instrument(span.clone())
             .await;
+        match &r {
+            Ok(_) => record_status(&span, Code::Ok, ""),
+            Err(s) => record_status(&span, s.code(), s.message()),
+        }
         match r {
-            Ok(reply) => break reply.into_inner(),
+            Ok(reply) => {
+                let reply = reply.into_inner();
+                // Router queue (placement, reservation, earlier attempts) plus the
+                // prefill worker's own queue.
+                let queued = (sent - arrived).as_secs_f64() + reply.queue_ms / 1e3;
+                ctx.metrics.queue.observe(queued);
+                ctx.metrics.prompt_tokens.inc_by(prompt_len);
+                break reply;
+            }
             Err(s) if retryable(&s) && attempts < ctx.prefill_retries => {
                 attempts += 1;
-                tracing::warn!(request = %req.request_id, worker = %p.id, code = ?s.code(), message = s.message(), "prefill failed; retrying elsewhere");
+                tracing::warn!(request_id = %req.request_id, worker = %p.id, code = ?s.code(), message = s.message(), "prefill failed; retrying elsewhere");
                 if s.code() == Code::Unavailable {
                     p.mark_failed();
                 }
                 failed.push(p.id.clone());
                 guard.now().await;
-                (d, res) = reserve(ctx, &req).await?;
+                (d, res) = reserve(ctx, &req).instrument(tracing::info_span!("queue")).await?;
                 guard = Cleanup {
                     decode: d.clone(),
                     reservation_id: res.reservation_id.clone(),
@@ -251,24 +351,40 @@ async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, St
         logprobs: req.sampling.logprobs,
         top_logprobs: req.sampling.top_logprobs,
     };
-    let mut client = d.decode();
-    let decode = client.decode(pb::DecodeRequest {
-        reservation_id: res.reservation_id.clone(),
-        request_id: req.request_id.clone(),
-        max_tokens: req.max_tokens,
-        sampling: Some(sampling),
-        stop_token_ids: req.stop_ids.clone(),
-    });
-    let mut stream = match decode.await {
-        Ok(s) => s.into_inner(),
-        Err(s) => return Err(Status::unavailable(format!("decode worker failed: {}", s.message()))),
+    let span = tracing::info_span!("decode", worker = %d.id, completion_tokens = Empty);
+    let streamed = async {
+        let mut client = d.decode();
+        let decode = client.decode(pb::DecodeRequest {
+            reservation_id: res.reservation_id.clone(),
+            request_id: req.request_id.clone(),
+            max_tokens: req.max_tokens,
+            sampling: Some(sampling),
+            stop_token_ids: req.stop_ids.clone(),
+        });
+        let mut stream = match decode.await {
+            Ok(s) => s.into_inner(),
+            Err(s) => return Err(Status::unavailable(format!("decode worker failed: {}", s.message()))),
+        };
+        guard.armed = false;
+        stream_tokens(ctx, &req, &mut stream, &prefill, arrived, tx).await
     };
-    guard.armed = false;
+    streamed.instrument(span).await
+}
 
+/// Relay the decode worker's tokens to the client as text deltas, then the final event.
+async fn stream_tokens(
+    ctx: &RouterCtx,
+    req: &Validated,
+    stream: &mut tonic::Streaming<pb::DecodeEvent>,
+    prefill: &pb::PrefillReply,
+    arrived: Instant,
+    tx: &mpsc::Sender<Result<Event, Status>>,
+) -> Result<(), Status> {
     let codec = ctx.model.codec.as_ref();
     let mut detok = Detokenizer::new();
     let mut stops = StopMatcher::new(req.stop_strings.clone());
     let mut ttft = None;
+    let mut last: Option<Instant> = None;
     let mut count = 0u32;
     loop {
         let ev = match stream.message().await {
@@ -277,7 +393,13 @@ async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, St
             Err(s) if s.code() == Code::InvalidArgument => return Err(s),
             Err(s) => return Err(Status::unavailable(format!("decode worker failed mid-stream: {}", s.message()))),
         };
-        ttft.get_or_insert_with(|| t0.elapsed());
+        let now = Instant::now();
+        match last {
+            None => ctx.metrics.ttft.observe((now - arrived).as_secs_f64()),
+            Some(prev) => ctx.metrics.inter_token.observe((now - prev).as_secs_f64()),
+        }
+        last = Some(now);
+        ttft.get_or_insert(now - arrived);
         count += 1;
         let finished = pb::FinishReason::try_from(ev.finish).unwrap_or(pb::FinishReason::Unspecified);
         let mut text = match codec {
@@ -304,6 +426,7 @@ async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, St
         };
         let token = TokenOut { index: ev.index, token_id: ev.token_id, text, logprob: ev.logprob, top };
         tx.send(Ok(Event::Token(token))).await.map_err(|_| Status::cancelled("client went away"))?;
+        ctx.metrics.generated_tokens.inc();
         if stopped || finished != pb::FinishReason::Unspecified {
             let finish = if stopped { pb::FinishReason::Stop } else { finished };
             let timings = Timings {
@@ -311,15 +434,17 @@ async fn run(ctx: &RouterCtx, req: Validated, tx: &mpsc::Sender<Result<Event, St
                 prefill_ms: prefill.compute_ms,
                 kv_transfer_ms: prefill.transfer_ms,
                 ttft_ms: ttft.unwrap_or_default().as_secs_f64() * 1e3,
-                total_ms: t0.elapsed().as_secs_f64() * 1e3,
+                total_ms: arrived.elapsed().as_secs_f64() * 1e3,
             };
             let fin = Event::Final {
                 finish,
-                prompt_tokens: prompt_len as u32,
+                prompt_tokens: req.prompt.len() as u32,
                 cached_tokens: 0,
                 completion_tokens: count,
                 timings,
             };
+            ctx.metrics.e2e.observe(arrived.elapsed().as_secs_f64());
+            Span::current().record("completion_tokens", count);
             let _ = tx.send(Ok(fin)).await;
             return Ok(());
         }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use cluster::discovery::{Member, Membership, Role};
+use cluster::telemetry::propagation::{PropagateContext, Traced};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::decode_client::DecodeClient;
 use sluice_proto::v1::prefill_client::PrefillClient;
@@ -56,12 +57,14 @@ impl Worker {
         })
     }
 
-    pub fn prefill(&self) -> PrefillClient<Channel> {
-        PrefillClient::new(self.channel.clone())
+    /// A client whose calls carry the current span's trace context.
+    pub fn prefill(&self) -> PrefillClient<Traced<Channel>> {
+        PrefillClient::with_interceptor(self.channel.clone(), PropagateContext)
     }
 
-    pub fn decode(&self) -> DecodeClient<Channel> {
-        DecodeClient::new(self.channel.clone())
+    /// A client whose calls carry the current span's trace context.
+    pub fn decode(&self) -> DecodeClient<Traced<Channel>> {
+        DecodeClient::with_interceptor(self.channel.clone(), PropagateContext)
     }
 
     fn load(&self) -> std::sync::MutexGuard<'_, Load> {

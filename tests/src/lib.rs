@@ -6,6 +6,7 @@
 //! The service binaries are looked up next to the test executable (`target/<profile>`);
 //! `cargo build --workspace --bins` (the README's test command does it) builds them.
 
+pub mod pytools;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -36,6 +37,8 @@ pub struct Spec {
     pub router_args: Vec<String>,
     /// Start the workers with `--debug-hooks`.
     pub debug_hooks: bool,
+    /// Extra environment for every service (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub extra_env: Vec<(String, String)>,
 }
 
 impl Spec {
@@ -96,15 +99,23 @@ impl TestCluster {
         if let Some(tls) = &self.spec.ucx_tls {
             env.push(("UCX_TLS".into(), tls.clone()));
         }
+        env.extend(self.spec.extra_env.iter().cloned());
         env
     }
 
-    /// Start another worker (`role` = "prefill" | "decode"), named `<role>-<index>`.
+    /// Start another worker (`role` = "prefill" | "decode"), named `<role>-<index>`,
+    /// serving metrics on a port of its own ([`TestCluster::metrics_url`]).
     pub async fn add_worker(&mut self, role: &str, index: usize, extra: Vec<String>) -> String {
         let bin = find_binary(&format!("{role}-worker")).expect("worker binary");
-        let port = free_port();
-        let mut args =
-            vec!["--model".into(), self.model.display().to_string(), "--listen".into(), format!("127.0.0.1:{port}")];
+        let (port, metrics_port) = (free_port(), free_port());
+        let mut args = vec![
+            "--model".into(),
+            self.model.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--metrics-listen".into(),
+            format!("127.0.0.1:{metrics_port}"),
+        ];
         if let Some(e) = &self.spec.etcd {
             args.extend(["--etcd".into(), e.clone()]);
         }
@@ -124,7 +135,8 @@ impl TestCluster {
             format!("http://127.0.0.1:{port}"),
             &self.dir.path().join("logs"),
         )
-        .expect("spawn worker");
+        .expect("spawn worker")
+        .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
         p.wait_healthy(READY).await.expect("worker healthy");
         self.workers.push(p);
         name
@@ -158,7 +170,8 @@ impl TestCluster {
         let url = format!("http://127.0.0.1:{gp}");
         let mut r =
             ServiceProcess::spawn("router", &bin, &args, &self.env(), url.clone(), &self.dir.path().join("logs"))
-                .expect("spawn router");
+                .expect("spawn router")
+                .with_metrics_url(format!("http://127.0.0.1:{hp}/metrics"));
         r.wait_healthy(READY).await.expect("router healthy");
         self.grpc = url;
         self.http = format!("127.0.0.1:{hp}");
@@ -194,6 +207,26 @@ impl TestCluster {
     pub async fn kill_worker(&mut self, name: &str) {
         self.worker(name).kill().await;
         self.killed.push(name.to_string());
+    }
+
+    /// Where a service (`router`, or a worker's name) serves Prometheus metrics.
+    pub fn metrics_url(&self, name: &str) -> String {
+        self.workers
+            .iter()
+            .chain(self.router.iter())
+            .find(|w| w.name == name)
+            .and_then(|w| w.metrics_url.clone())
+            .unwrap_or_else(|| panic!("no metrics endpoint for {name}"))
+    }
+
+    /// The text exposition a service serves at `/metrics` (bounded wait).
+    pub async fn scrape(&self, name: &str) -> String {
+        let url = self.metrics_url(name);
+        let rest = url.strip_prefix("http://").expect("an http URL");
+        let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let (status, body) = http(addr, "GET", path, None).await.unwrap_or_else(|e| panic!("scrape {url}: {e}"));
+        assert_eq!(status, 200, "scrape {url}: {body}");
+        body
     }
 
     pub fn worker_url(&self, name: &str) -> String {

@@ -14,7 +14,7 @@
 //! - [`wire`]: the versioned geometry both sides must agree on, and its proto form.
 //! - [`target`]: where one sequence's bytes go (regions, page ids, slot).
 //! - [`receiver`]: UCX context, registered regions and the progress thread.
-//! - [`sender`]: endpoints and batched puts (lives on one thread).
+//! - [`sender`]: endpoints, their remote keys and batched puts (lives on one thread).
 //! - [`checksum`]: xxh3 checksums of what was sent and what landed.
 
 #![forbid(unsafe_code)]

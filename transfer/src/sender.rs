@@ -5,11 +5,17 @@
 //! Thread affinity: a [`Sender`] is `!Send`; it lives on the thread that owns the KV
 //! memory it sends from (a prefill worker's engine thread), so pages go out of that
 //! memory with no staging copy.
+//!
+//! Remote keys are kept between sends: unpacking one maps the receiver's region into
+//! this process over shared memory (sysv/posix attach), and a fresh mapping takes a page
+//! fault on the first write to every 4 KiB of it, which cost more than the copy itself
+//! (`sluice bench transfer`, docs/perf.md). A receiver that stops getting sends has its
+//! keys dropped after [`KEY_IDLE`], so a departed decode worker's memory is not held.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use ucx_sys::{Context, Endpoint, ErrorMode, Features, Worker};
+use ucx_sys::{Context, Endpoint, ErrorMode, Features, RemoteKey, UcxError, Worker};
 
 use crate::TransferError;
 use crate::target::Target;
@@ -37,24 +43,48 @@ pub struct SendStats {
     pub elapsed: Duration,
 }
 
+/// How long a receiver's remote keys (and so its mapped regions) are kept after the
+/// last send to it.
+pub const KEY_IDLE: Duration = Duration::from_secs(30);
+
 pub struct Sender {
     worker: Worker,
-    endpoints: HashMap<Vec<u8>, Endpoint>,
+    /// By receiver worker address.
+    peers: HashMap<Vec<u8>, Peer>,
+}
+
+/// A connected receiver and the keys of its regions unpacked on that endpoint (a key
+/// keeps its endpoint open, so both go together).
+struct Peer {
+    ep: Endpoint,
+    /// By the packed bytes the receiver handed out.
+    keys: HashMap<Vec<u8>, RemoteKey>,
+    last_send: Instant,
+}
+
+impl Peer {
+    fn unpack(&mut self, packed: &[u8]) -> Result<(), UcxError> {
+        if !self.keys.contains_key(packed) {
+            let key = self.ep.unpack_rkey(packed)?;
+            self.keys.insert(packed.to_vec(), key);
+        }
+        Ok(())
+    }
 }
 
 impl Sender {
     pub fn new() -> Result<Self, TransferError> {
         let ctx = Context::new(Features::RMA | Features::WAKEUP)?;
-        Ok(Sender { worker: Worker::new(&ctx)?, endpoints: HashMap::new() })
+        Ok(Sender { worker: Worker::new(&ctx)?, peers: HashMap::new() })
     }
 
     /// Connect with peer-failure detection where the transports allow it; UCX 1.13's
     /// shared-memory transports do not, so fall back to no error handling for them.
-    fn endpoint(&mut self, address: &[u8]) -> Result<&Endpoint, TransferError> {
-        if self.endpoints.get(address).is_some_and(Endpoint::has_failed) {
-            self.endpoints.remove(address);
+    fn peer(&mut self, address: &[u8]) -> Result<&mut Peer, TransferError> {
+        if self.peers.get(address).is_some_and(|p| p.ep.has_failed()) {
+            self.peers.remove(address);
         }
-        if !self.endpoints.contains_key(address) {
+        if !self.peers.contains_key(address) {
             let ep = match self.worker.connect(address) {
                 Ok(ep) => ep,
                 Err(e) => {
@@ -62,9 +92,19 @@ impl Sender {
                     self.worker.connect_with(address, ErrorMode::None)?
                 }
             };
-            self.endpoints.insert(address.to_vec(), ep);
+            self.peers.insert(address.to_vec(), Peer { ep, keys: HashMap::new(), last_send: Instant::now() });
         }
-        Ok(&self.endpoints[address])
+        Ok(self.peers.get_mut(address).expect("inserted above"))
+    }
+
+    /// Drops the keys of receivers not sent to for [`KEY_IDLE`], unmapping their regions;
+    /// endpoints stay, as closing one to a departed peer could wait on it.
+    fn release_idle_keys(&mut self, now: Instant) {
+        for peer in self.peers.values_mut() {
+            if now.saturating_duration_since(peer.last_send) > KEY_IDLE {
+                peer.keys.clear();
+            }
+        }
     }
 
     /// Write `parts` to `target`; `ours` is the sender's own geometry, which must match
@@ -81,16 +121,22 @@ impl Sender {
         let started = Instant::now();
         let result = self.put_everything(target, parts, started + timeout);
         if result.is_err() {
-            // A failed endpoint is reconnected on the next send.
-            self.endpoints.remove(target.ucx_address.as_slice());
+            // A failed endpoint is reconnected (and its keys unpacked again) on the next send.
+            self.peers.remove(target.ucx_address.as_slice());
         }
         result.map(|()| SendStats { bytes: parts.bytes(), elapsed: started.elapsed() })
     }
 
     fn put_everything(&mut self, t: &Target, parts: &SendParts<'_>, deadline: Instant) -> Result<(), TransferError> {
         let g = &t.geometry;
-        self.endpoint(&t.ucx_address)?;
-        let ep = &self.endpoints[t.ucx_address.as_slice()];
+        let now = Instant::now();
+        self.release_idle_keys(now);
+        let peer = self.peer(&t.ucx_address)?;
+        peer.last_send = now;
+        for region in [&t.pages, &t.rings, &t.comp, &t.logits] {
+            peer.unpack(&region.rkey)?;
+        }
+        let peer = &self.peers[t.ucx_address.as_slice()];
         let left = || deadline.saturating_duration_since(Instant::now());
         let pages: Vec<(&[u8], u64)> = parts
             .pages
@@ -98,16 +144,14 @@ impl Sender {
             .zip(&t.page_ids)
             .map(|(p, &id)| (*p, t.pages.base + id as u64 * g.page_bytes as u64))
             .collect();
-        let rkey = ep.unpack_rkey(&t.pages.rkey)?;
-        self.worker.put_all(ep, &pages, &rkey, left())?;
+        self.worker.put_all(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
         for (region, bytes, per_slot) in [
             (&t.rings, parts.rings, g.ring_bytes),
             (&t.comp, parts.comp, g.comp_bytes),
             (&t.logits, parts.logits, g.logits_bytes),
         ] {
-            let rkey = ep.unpack_rkey(&region.rkey)?;
             let at = region.base + t.slot as u64 * per_slot as u64;
-            self.worker.put_all(ep, &[(bytes, at)], &rkey, left())?;
+            self.worker.put_all(&peer.ep, &[(bytes, at)], &peer.keys[&region.rkey], left())?;
         }
         Ok(())
     }
@@ -132,4 +176,56 @@ fn check_sizes(t: &Target, parts: &SendParts<'_>) -> Result<(), WireError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use kernels::backend::Backend;
+    use kernels::{AttnKind, CpuBackend, EntryDtype, KvLayout, LayerSpec};
+    use model_spec::Fingerprint;
+
+    use super::*;
+    use crate::Receiver;
+
+    fn bytes(len: usize, salt: u8) -> Vec<u8> {
+        (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(salt)).collect()
+    }
+
+    #[test]
+    fn remote_keys_are_reused_between_sends_and_released_when_idle() {
+        let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16 };
+        let g = WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Bf16, &[spec]), &Fingerprint([1; 32]), 64);
+        let rx = Receiver::start().unwrap();
+        let [pool, rings, comp, logits] =
+            [2 * g.page_bytes, g.ring_bytes, g.comp_bytes, g.logits_bytes].map(|b| rx.allocate(b).unwrap());
+        let target = Target {
+            geometry: g.clone(),
+            ucx_address: rx.address().to_vec(),
+            pages: pool.spec.clone(),
+            rings: rings.spec.clone(),
+            comp: comp.spec.clone(),
+            logits: logits.spec.clone(),
+            page_ids: vec![1],
+            slot: 0,
+        };
+        let (r, cm, l) = (bytes(g.ring_bytes, 1), bytes(g.comp_bytes, 2), bytes(g.logits_bytes, 3));
+        let (a, b, c) = (bytes(g.page_bytes, 10), bytes(g.page_bytes, 20), bytes(g.page_bytes, 30));
+        let parts = |page| SendParts { pages: vec![page], rings: &r, comp: &cm, logits: &l };
+        let timeout = Duration::from_secs(20);
+        let keys = |tx: &Sender| tx.peers[target.ucx_address.as_slice()].keys.len();
+
+        let mut tx = Sender::new().unwrap();
+        tx.send(&target, &g, &parts(&a), timeout).unwrap();
+        assert_eq!(keys(&tx), 4, "one key per region");
+        tx.release_idle_keys(Instant::now() + KEY_IDLE + Duration::from_secs(1));
+        assert_eq!(keys(&tx), 0, "an idle receiver's regions are unmapped");
+        tx.send(&target, &g, &parts(&b), timeout).unwrap();
+        tx.send(&target, &g, &parts(&c), timeout).unwrap();
+        assert_eq!(keys(&tx), 4, "unpacked again once, then reused");
+
+        let cpu = CpuBackend::new();
+        let kv = cpu.kv_adopt(Box::new(pool.region), 2 * g.page_bytes / 2, EntryDtype::Bf16).unwrap();
+        let landed = &cpu.kv_host_bytes(&kv).unwrap()[g.page_bytes..];
+        assert!(landed == c.as_slice(), "the last send landed through the reused key");
+    }
 }

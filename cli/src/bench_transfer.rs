@@ -1,0 +1,615 @@
+//! `sluice bench transfer`: how fast our KV [`Sender`] moves pages of the `small` preset
+//! into another process's registered pool, next to `ucx_perftest -t ucp_put_bw` on the
+//! same transport and message size, in the same run.
+//!
+//! For each `UCX_TLS` value this process re-executes itself twice, both children with
+//! that `UCX_TLS`: a receiver, which holds the pool as a decode worker does
+//! ([`Receiver`]: registered regions, progress thread) and prints the [`Target`] a
+//! prefill worker would be handed, and a sender, which writes every page into it with
+//! [`Sender::send`] as a prefill worker does (one put per page, then the state slot and
+//! logits, each batch flushed: a returned send means the bytes are in the receiver's
+//! memory). UCX reads `UCX_TLS` when a context is created, so a fresh pair of processes
+//! per row is how each row gets its transport, just as ucx_perftest is run. At the end
+//! the receiver checksums what landed and the row fails on any difference.
+//!
+//! The children talk in lines: the receiver prints `TARGET <hex KvTarget proto>`; this
+//! process hands that line to the sender, which prints `RESULT <json>` when done; then
+//! `done` on the receiver's stdin makes it print `LANDED <json checksums>` and exit.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use clap::{Args, ValueEnum};
+use cluster::launch::free_port;
+use engine::config::ModelConfig;
+use engine::init::Preset;
+use engine::{CpuBackend, EntryDtype, Fingerprint};
+use kernels::backend::Backend;
+use prost::Message;
+use serde_json::{Value, json};
+use sluice_proto::v1 as pb;
+use transfer::{Checksums, Receiver, RegisteredRegion, SendParts, Sender, Target, WireGeometry};
+
+use crate::args;
+
+/// Page bytes per iteration when `--pages` is not given: far more than the caches hold
+/// (both the source and the destination are this large), and long enough to time.
+const DEFAULT_BYTES: usize = 256 << 20;
+/// Pause between ucx_perftest client attempts while its server is not listening yet.
+const PERFTEST_RETRY: Duration = Duration::from_millis(100);
+
+#[derive(Args)]
+pub struct TransferArgs {
+    /// `UCX_TLS` of one row; repeat for more rows (a value may itself be a list, e.g.
+    /// `posix,cma`).
+    #[arg(long = "tls", default_values = ["shm", "tcp"])]
+    tls: Vec<String>,
+    /// Pages moved per iteration (default: enough for 256 MiB).
+    #[arg(long)]
+    pages: Option<usize>,
+    /// Timed iterations; each moves every page once.
+    #[arg(long, default_value_t = 5)]
+    iters: usize,
+    /// Untimed iterations first (connection set-up, first touch of the memory).
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// KV entry storage, which sets the page size (bf16 is what the workers use).
+    #[arg(long, default_value = "bf16", value_parser = args::kv_dtype)]
+    kv_dtype: EntryDtype,
+    /// The ucx_perftest binary to compare with.
+    #[arg(long, default_value = "ucx_perftest")]
+    perftest: PathBuf,
+    /// Longest wait for any one step: a child's reply, one iteration, one ucx_perftest
+    /// run (seconds).
+    #[arg(long, default_value_t = 120)]
+    timeout_s: u64,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+    /// Run as one of the two child processes (internal).
+    #[arg(long, hide = true)]
+    role: Option<Role>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Role {
+    Receiver,
+    Sender,
+}
+
+/// The `small` preset's KV geometry, derived from its config as the workers derive it
+/// from the model. No checkpoint is written, so there is no real fingerprint; the
+/// compatibility check only needs both sides to use the same one.
+fn geometry(dtype: EntryDtype) -> Result<WireGeometry> {
+    let cfg = ModelConfig::from_json_str(&Preset::Small.config_json().to_string())?;
+    Ok(WireGeometry::new(&cfg.kv_layout(dtype), &Fingerprint([0x5b; 32]), cfg.vocab_size))
+}
+
+pub fn run(a: TransferArgs) -> Result<()> {
+    let g = geometry(a.kv_dtype)?;
+    let pages = a.pages.unwrap_or(DEFAULT_BYTES.div_ceil(g.page_bytes));
+    ensure!(pages > 0, "--pages must be at least 1");
+    ensure!(a.iters > 0, "--iters must be at least 1");
+    let step = Duration::from_secs(a.timeout_s.max(1));
+    // Bounds the whole of one sender run: set-up plus every iteration.
+    let run_bound = step * (a.iters + a.warmup + 2) as u32;
+    match a.role {
+        Some(Role::Receiver) => receiver(&g, pages, run_bound),
+        Some(Role::Sender) => sender(&g, a.iters, a.warmup, step),
+        None => compare(&a, &g, pages, step, run_bound),
+    }
+}
+
+// ---- the orchestrating process ----
+
+struct Row {
+    tls: String,
+    sluice: SluiceRun,
+    perftest: Result<Option<f64>>,
+}
+
+struct SluiceRun {
+    bytes_per_iter: u64,
+    seconds: Vec<f64>,
+}
+
+impl SluiceRun {
+    fn gbps(&self) -> f64 {
+        self.bytes_per_iter as f64 * self.seconds.len() as f64 / self.seconds.iter().sum::<f64>() / 1e9
+    }
+}
+
+fn compare(a: &TransferArgs, g: &WireGeometry, pages: usize, step: Duration, run_bound: Duration) -> Result<()> {
+    let exe = std::env::current_exe().context("locating the sluice executable")?;
+    let mut rows = Vec::new();
+    for tls in &a.tls {
+        eprintln!("UCX_TLS={tls}: sluice sender -> receiver, {pages} pages x {} iterations ...", a.iters + a.warmup);
+        let sluice = sluice_run(&exe, a, tls, pages, step, run_bound)
+            .with_context(|| format!("sluice transfer over UCX_TLS={tls}"))?;
+        eprintln!("UCX_TLS={tls}: ucx_perftest ...");
+        let perftest = ucx_perftest(&a.perftest, tls, g.page_bytes, pages * a.iters, pages * a.warmup, run_bound);
+        rows.push(Row { tls: tls.clone(), sluice, perftest });
+    }
+    let memcpy = memcpy_gbps(g.page_bytes, pages, a.iters, a.warmup);
+    report(a, g, pages, &rows, memcpy);
+    Ok(())
+}
+
+/// GB/s of copying the same pages page by page within one process. Over shared memory
+/// a put is such a copy into the receiver's mapped segment, so this is the most the
+/// shm rows can reach with this working set.
+fn memcpy_gbps(page_bytes: usize, pages: usize, iters: usize, warmup: usize) -> f64 {
+    let src = fill(pages * page_bytes, 9);
+    let mut dst = vec![0u8; pages * page_bytes];
+    let mut copy = || {
+        for (d, s) in dst.chunks_exact_mut(page_bytes).zip(src.chunks_exact(page_bytes)) {
+            d.copy_from_slice(s);
+        }
+    };
+    // At least once untimed: the first pass also faults the destination in.
+    for _ in 0..warmup.max(1) {
+        copy();
+    }
+    let started = Instant::now();
+    for _ in 0..iters {
+        copy();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    std::hint::black_box(&dst);
+    (pages * page_bytes * iters) as f64 / elapsed / 1e9
+}
+
+fn sluice_run(
+    exe: &Path,
+    a: &TransferArgs,
+    tls: &str,
+    pages: usize,
+    step: Duration,
+    run_bound: Duration,
+) -> Result<SluiceRun> {
+    let child = |role: &str| {
+        let mut cmd = Command::new(exe);
+        cmd.args(["bench", "transfer", "--role", role, "--kv-dtype", a.kv_dtype.name()])
+            .args(["--pages", &pages.to_string(), "--iters", &a.iters.to_string()])
+            .args(["--warmup", &a.warmup.to_string(), "--timeout-s", &a.timeout_s.to_string()])
+            .env("UCX_TLS", tls);
+        cmd
+    };
+    let mut rx = Proc::spawn("receiver", &mut child("receiver"), false).context("starting the receiver")?;
+    let target = rx.expect("TARGET", step)?;
+    let mut tx = Proc::spawn("sender", &mut child("sender"), false).context("starting the sender")?;
+    tx.send(&format!("TARGET {target}"))?;
+    let result: Value = serde_json::from_str(&tx.expect("RESULT", run_bound)?).context("sender's RESULT line")?;
+    tx.finish_ok(step)?;
+    rx.send("done")?;
+    let landed: Value = serde_json::from_str(&rx.expect("LANDED", step)?).context("receiver's LANDED line")?;
+    rx.finish_ok(step)?;
+
+    let sent = checksums_from_json(&result["checksums"])?;
+    if let Some(part) = sent.first_mismatch(&checksums_from_json(&landed)?) {
+        bail!("what landed differs from what was sent in {part}");
+    }
+    let bytes_per_iter = result["bytes_per_iter"].as_u64().ok_or_else(|| anyhow!("RESULT lacks bytes_per_iter"))?;
+    let seconds: Vec<f64> = result["seconds"]
+        .as_array()
+        .ok_or_else(|| anyhow!("RESULT lacks seconds"))?
+        .iter()
+        .filter_map(Value::as_f64)
+        .collect();
+    ensure!(seconds.len() == a.iters, "RESULT has {} timings for {} iterations", seconds.len(), a.iters);
+    Ok(SluiceRun { bytes_per_iter, seconds })
+}
+
+/// Runs ucx_perftest's put bandwidth test as a server and client pair on loopback:
+/// `messages` puts of `size` bytes after `warmup` untimed ones. `Ok(None)` when the
+/// binary is not installed. Returns GB/s.
+fn ucx_perftest(
+    bin: &Path,
+    tls: &str,
+    size: usize,
+    messages: usize,
+    warmup: usize,
+    bound: Duration,
+) -> Result<Option<f64>> {
+    let port = free_port().to_string();
+    let mut server_cmd = Command::new(bin);
+    server_cmd.args(["-p", &port]).env("UCX_TLS", tls);
+    let mut server = match Proc::spawn("ucx_perftest server", &mut server_cmd, true) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        other => other.with_context(|| format!("starting {}", bin.display()))?,
+    };
+    let deadline = Instant::now() + bound;
+    loop {
+        let mut cmd = Command::new(bin);
+        cmd.args(["127.0.0.1", "-p", &port, "-t", "ucp_put_bw", "-s", &size.to_string()])
+            .args(["-n", &messages.to_string(), "-w", &warmup.to_string()])
+            // Final numbers only, as CSV.
+            .args(["-f", "-v"])
+            .env("UCX_TLS", tls);
+        let mut client = Proc::spawn("ucx_perftest client", &mut cmd, true)?;
+        let (status, out) = client.finish(deadline.saturating_duration_since(Instant::now()))?;
+        if status.success() {
+            let _ = server.finish(Duration::from_secs(5));
+            return parse_perftest_csv(&out).map(Some);
+        }
+        // The server's "waiting for connection" goes to a block-buffered pipe, so there
+        // is nothing to wait for; the client retries until the port accepts.
+        if out.iter().any(|l| l.contains("Connection refused")) && Instant::now() + PERFTEST_RETRY < deadline {
+            std::thread::sleep(PERFTEST_RETRY);
+            continue;
+        }
+        let (_, server_out) = server.finish(Duration::from_secs(1)).unwrap_or_default();
+        bail!(
+            "ucx_perftest client exited with {status}: {}{}",
+            out.join(" / "),
+            if server_out.is_empty() { String::new() } else { format!("; server: {}", server_out.join(" / ")) }
+        );
+    }
+}
+
+/// Bandwidth from the output of `ucx_perftest -f -v`: a CSV header naming
+/// `overall_bw` and one row of numbers. ucx_perftest's "MB/s" are MiB/s (it divides
+/// by 1024²); returns GB/s (10⁹ bytes/s).
+fn parse_perftest_csv(lines: &[String]) -> Result<f64> {
+    let at = lines
+        .iter()
+        .position(|l| l.split(',').any(|h| h.trim() == "overall_bw"))
+        .ok_or_else(|| anyhow!("ucx_perftest printed no CSV header: {}", lines.join(" / ")))?;
+    let header: Vec<&str> = lines[at].split(',').map(str::trim).collect();
+    let col = header.iter().position(|h| *h == "overall_bw").expect("found above");
+    let values: Vec<f64> = lines[at + 1..]
+        .iter()
+        .find_map(|l| {
+            let v: Vec<f64> = l.split(',').map_while(|x| x.trim().parse().ok()).collect();
+            (v.len() == header.len()).then_some(v)
+        })
+        .ok_or_else(|| anyhow!("ucx_perftest printed no result row: {}", lines.join(" / ")))?;
+    Ok(values[col] * 1024.0 * 1024.0 / 1e9)
+}
+
+fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy: f64) {
+    let page_total = (pages * g.page_bytes) as u64;
+    let state = (g.ring_bytes + g.comp_bytes + g.logits_bytes) as u64;
+    let messages = pages * a.iters;
+    if a.json {
+        let rows: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                let peer = r.perftest.as_ref().ok().copied().flatten();
+                json!({
+                    "tls": r.tls,
+                    "message_bytes": g.page_bytes,
+                    "pages": pages,
+                    "sluice_gbps": r.sluice.gbps(),
+                    "sluice_seconds": r.sluice.seconds,
+                    "bytes_per_iter": r.sluice.bytes_per_iter,
+                    "ucx_perftest_gbps": peer,
+                    "ucx_perftest_messages": messages,
+                    "ratio": peer.map(|p| r.sluice.gbps() / p),
+                    "ucx_perftest_error": r.perftest.as_ref().err().map(|e| format!("{e:#}")),
+                })
+            })
+            .collect();
+        let report = json!({
+            "bench": "transfer",
+            "preset": "small",
+            "kv_dtype": a.kv_dtype.name(),
+            "page_bytes": g.page_bytes,
+            "pages": pages,
+            "pages_bytes_per_iter": page_total,
+            "state_bytes_per_iter": state,
+            "iters": a.iters,
+            "warmup": a.warmup,
+            "ucx_perftest": a.perftest.display().to_string(),
+            "memcpy_gbps": memcpy,
+            "rows": rows,
+        });
+        println!("{report}");
+        return;
+    }
+    println!(
+        "KV transfer, small preset ({} entries): {pages} pages of {} B = {:.1} MB per iteration (+ {} B of state \
+         slot and logits), {} timed iterations after {} warm-up; GB/s = 10^9 B/s",
+        a.kv_dtype.name(),
+        g.page_bytes,
+        page_total as f64 / 1e6,
+        state,
+        a.iters,
+        a.warmup
+    );
+    println!(
+        "{:<12} {:>13} {:>7} {:>12} {:>18} {:>7}",
+        "transport", "message (B)", "pages", "sluice GB/s", "ucx_perftest GB/s", "ratio"
+    );
+    for r in rows {
+        let (peer, ratio) = match &r.perftest {
+            Ok(Some(p)) => (format!("{p:.2}"), format!("{:.2}", r.sluice.gbps() / p)),
+            Ok(None) => ("not installed".into(), "-".into()),
+            Err(_) => ("failed".into(), "-".into()),
+        };
+        println!("{:<12} {:>13} {:>7} {:>12.2} {peer:>18} {ratio:>7}", r.tls, g.page_bytes, pages, r.sluice.gbps());
+    }
+    for r in rows {
+        match &r.perftest {
+            Ok(None) => println!(
+                "{}: {} not found (Debian: apt-get install ucx-utils); sluice alone",
+                r.tls,
+                a.perftest.display()
+            ),
+            Err(e) => println!("{}: ucx_perftest failed: {e:#}", r.tls),
+            Ok(Some(_)) => {}
+        }
+    }
+    println!(
+        "ucx_perftest: {messages} puts of {} B after {} untimed, `-t ucp_put_bw`; it puts one buffer to one remote \
+         address, so its data stays in cache, while sluice writes {pages} distinct pages",
+        g.page_bytes,
+        pages * a.warmup
+    );
+    println!("memcpy of the same {pages} pages within one process: {memcpy:.2} GB/s (the ceiling for shared memory)");
+}
+
+// ---- the receiver child ----
+
+/// Holds a pool of `pages` pages plus one state slot, prints the target, waits for
+/// `done` and prints checksums of what landed.
+fn receiver(g: &WireGeometry, pages: usize, bound: Duration) -> Result<()> {
+    let rx = Receiver::start()?;
+    let pool = rx.allocate(pages * g.page_bytes)?;
+    let rings = rx.allocate(g.ring_bytes)?;
+    let comp = rx.allocate(g.comp_bytes)?;
+    let logits = rx.allocate(g.logits_bytes)?;
+    let target = Target {
+        geometry: g.clone(),
+        ucx_address: rx.address().to_vec(),
+        pages: pool.spec.clone(),
+        rings: rings.spec.clone(),
+        comp: comp.spec.clone(),
+        logits: logits.spec.clone(),
+        page_ids: (0..pages).map(u32::try_from).collect::<Result<_, _>>().context("too many pages")?,
+        slot: 0,
+    };
+    println!("TARGET {}", hex(&target.to_proto().encode_to_vec()));
+    std::io::stdout().flush()?;
+
+    let stdin = read_lines(std::io::stdin());
+    expect_line(&stdin, "bench orchestrator", "done", bound)?;
+
+    // Read what landed the way a decode worker does: through its engine's KV storage.
+    let cpu = CpuBackend::new();
+    let adopt = |r: RegisteredRegion, bytes: usize, dtype: EntryDtype| {
+        cpu.kv_adopt(Box::new(r.region), bytes / dtype.size(), dtype).map_err(|e| anyhow!(e))
+    };
+    let pool = adopt(pool, pages * g.page_bytes, g.dtype)?;
+    let rings = adopt(rings, g.ring_bytes, g.dtype)?;
+    let comp = adopt(comp, g.comp_bytes, EntryDtype::F32)?;
+    let logits = adopt(logits, g.logits_bytes, EntryDtype::F32)?;
+    let host = |kv| cpu.kv_host_bytes(kv).ok_or_else(|| anyhow!("KV memory is not host memory"));
+    let landed = SendParts {
+        pages: host(&pool)?.chunks_exact(g.page_bytes).collect(),
+        rings: host(&rings)?,
+        comp: host(&comp)?,
+        logits: host(&logits)?,
+    };
+    println!("LANDED {}", checksums_json(&Checksums::of(&landed)));
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+// ---- the sender child ----
+
+/// Reads the target from stdin, sends distinct pages to it `warmup + iters` times and
+/// prints the timings of the last `iters` with checksums of what it sent.
+fn sender(g: &WireGeometry, iters: usize, warmup: usize, step: Duration) -> Result<()> {
+    let stdin = read_lines(std::io::stdin());
+    let bytes = unhex(&expect_line(&stdin, "bench orchestrator", "TARGET", step)?)?;
+    let target = Target::from_proto(&pb::KvTarget::decode(bytes.as_slice()).context("decoding the target")?)?;
+    let pool = fill(target.page_ids.len() * g.page_bytes, 1);
+    let (rings, comp, logits) = (fill(g.ring_bytes, 2), fill(g.comp_bytes, 3), fill(g.logits_bytes, 4));
+    let parts =
+        SendParts { pages: pool.chunks_exact(g.page_bytes).collect(), rings: &rings, comp: &comp, logits: &logits };
+
+    let mut tx = Sender::new()?;
+    for _ in 0..warmup {
+        tx.send(&target, g, &parts, step)?;
+    }
+    let mut seconds = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let started = Instant::now();
+        tx.send(&target, g, &parts, step)?;
+        seconds.push(started.elapsed().as_secs_f64());
+    }
+    let result = json!({"bytes_per_iter": parts.bytes(), "seconds": seconds, "checksums": checksums_json(&Checksums::of(&parts))});
+    println!("RESULT {result}");
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+/// `len` bytes of a splitmix64 stream: every page differs, so a page written to the
+/// wrong slot changes the checksums.
+fn fill(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let mut out = Vec::with_capacity(len.next_multiple_of(8));
+    while out.len() < len {
+        x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+fn checksums_json(c: &Checksums) -> Value {
+    json!({"pages": c.pages, "rings": c.rings, "comp": c.comp, "logits": c.logits})
+}
+
+fn checksums_from_json(v: &Value) -> Result<Checksums> {
+    let one = |k: &str| v[k].as_u64().ok_or_else(|| anyhow!("checksums lack `{k}`"));
+    let pages = v["pages"].as_array().ok_or_else(|| anyhow!("checksums lack `pages`"))?;
+    Ok(Checksums {
+        pages: pages.iter().map(|p| p.as_u64().ok_or_else(|| anyhow!("bad page checksum"))).collect::<Result<_>>()?,
+        rings: one("rings")?,
+        comp: one("comp")?,
+        logits: one("logits")?,
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<Vec<u8>> {
+    let s = s.trim();
+    ensure!(s.len().is_multiple_of(2), "odd-length hex");
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).context("bad hex")).collect()
+}
+
+// ---- child processes and bounded line reading ----
+
+/// Lines of `r`, read on their own thread so that every wait for one can be bounded.
+fn read_lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    forward_lines(r, tx);
+    rx
+}
+
+fn forward_lines(r: impl Read + Send + 'static, tx: mpsc::Sender<String>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+}
+
+/// Waits up to `timeout` for a line that is `tag` or starts with `tag `; returns the
+/// rest. Other lines are skipped.
+fn expect_line(lines: &mpsc::Receiver<String>, from: &str, tag: &str, timeout: Duration) -> Result<String> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) if line == tag => return Ok(String::new()),
+            Ok(line) => {
+                if let Some(rest) = line.strip_prefix(tag).and_then(|r| r.strip_prefix(' ')) {
+                    return Ok(rest.to_string());
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => bail!("no `{tag}` from the {from} within {timeout:?}"),
+            Err(RecvTimeoutError::Disconnected) => bail!("the {from} closed its output without a `{tag}` line"),
+        }
+    }
+}
+
+/// A child process whose output is read on threads (bounded waits), killed if it is
+/// still running when dropped, so no error path leaves one behind.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    /// Starts `cmd` with stdout (and, with `capture_stderr`, stderr) read as lines;
+    /// otherwise stderr goes to ours.
+    fn spawn(name: &'static str, cmd: &mut Command, capture_stderr: bool) -> std::io::Result<Proc> {
+        let stderr = if capture_stderr { Stdio::piped() } else { Stdio::inherit() };
+        let mut child = cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(stderr).spawn()?;
+        let (tx, lines) = mpsc::channel();
+        if let Some(out) = child.stdout.take() {
+            forward_lines(out, tx.clone());
+        }
+        if let Some(err) = child.stderr.take() {
+            forward_lines(err, tx);
+        }
+        Ok(Proc { name, stdin: child.stdin.take(), child, lines })
+    }
+
+    fn expect(&mut self, tag: &str, timeout: Duration) -> Result<String> {
+        expect_line(&self.lines, self.name, tag, timeout).map_err(|e| match self.child.try_wait() {
+            Ok(Some(status)) => e.context(format!("the {} exited with {status}", self.name)),
+            _ => e,
+        })
+    }
+
+    fn send(&mut self, line: &str) -> Result<()> {
+        let stdin = self.stdin.as_mut().ok_or_else(|| anyhow!("the {}'s stdin is closed", self.name))?;
+        writeln!(stdin, "{line}").and_then(|()| stdin.flush()).with_context(|| format!("writing to the {}", self.name))
+    }
+
+    /// Closes its stdin and waits up to `timeout` for it to exit (killing it after
+    /// that); returns its exit status and the output lines not read yet.
+    fn finish(&mut self, timeout: Duration) -> Result<(ExitStatus, Vec<String>)> {
+        self.stdin = None;
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(status) = self.child.try_wait()? {
+                break status;
+            }
+            if Instant::now() >= deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                bail!("the {} did not exit within {timeout:?}", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        // The pipes close at exit; the readers may still be forwarding the last lines.
+        let mut rest = Vec::new();
+        let drain = Instant::now() + Duration::from_secs(2);
+        while let Ok(line) = self.lines.recv_timeout(drain.saturating_duration_since(Instant::now())) {
+            rest.push(line);
+        }
+        Ok((status, rest))
+    }
+
+    fn finish_ok(&mut self, timeout: Duration) -> Result<()> {
+        let (status, _) = self.finish(timeout)?;
+        ensure!(status.success(), "the {} exited with {status}", self.name);
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_bandwidth_from_perftest_csv() {
+        let out: Vec<String> = [
+            "+----------+",
+            "iterations,50.0_percentile_lat,avg_lat,overall_lat,avg_bw,overall_bw,avg_mr,overall_mr",
+            "2000,37.494,39.611,39.611,1201.89,1201.89,25246,25246",
+        ]
+        .map(String::from)
+        .to_vec();
+        let gbps = parse_perftest_csv(&out).unwrap();
+        assert!((gbps - 1201.89 * 1048576.0 / 1e9).abs() < 1e-9, "{gbps}");
+        assert!(parse_perftest_csv(&out[..2]).is_err());
+    }
+
+    #[test]
+    fn small_preset_page_and_hex_round_trip() {
+        let g = geometry(EntryDtype::Bf16).unwrap();
+        // 4 CSA layers (32 entries x (128 + 64 indexer)) + 3 HCA layers (1 x 128), bf16.
+        assert_eq!(g.page_bytes, (4 * 32 * (128 + 64) + 3 * 128) * 2);
+        let bytes = fill(1001, 7);
+        assert_eq!(unhex(&hex(&bytes)).unwrap(), bytes);
+        assert_ne!(fill(64, 1), fill(64, 2));
+    }
+}

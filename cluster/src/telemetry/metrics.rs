@@ -1,0 +1,149 @@
+//! The Prometheus side of telemetry: one registry per process, the metric names (the
+//! contract with the Grafana dashboards and alert rules in deploy/), the shared latency
+//! buckets, and `sluice_build_info`.
+//!
+//! Names follow Prometheus conventions (DESIGN §9): prefix `sluice_`, unit suffix,
+//! `_total` on counters, bounded label values. docs/metrics.md lists every one.
+
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry};
+
+/// Buckets (seconds) of every latency histogram: from a millisecond (a decode step on
+/// a GPU) to ten minutes (the default request timeout).
+pub const LATENCY_BUCKETS: [f64; 18] =
+    [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0];
+
+/// Every metric name, in one place.
+pub mod names {
+    // Every process.
+    pub const BUILD_INFO: &str = "sluice_build_info";
+
+    // Router.
+    pub const REQUEST_TTFT: &str = "sluice_request_ttft_seconds";
+    pub const REQUEST_INTER_TOKEN: &str = "sluice_request_inter_token_latency_seconds";
+    pub const REQUEST_E2E: &str = "sluice_request_e2e_seconds";
+    pub const REQUEST_QUEUE: &str = "sluice_request_queue_seconds";
+    pub const REQUESTS: &str = "sluice_requests_total";
+    pub const PROMPT_TOKENS: &str = "sluice_prompt_tokens_total";
+    pub const CACHED_TOKENS: &str = "sluice_cached_tokens_total";
+    pub const GENERATED_TOKENS: &str = "sluice_generated_tokens_total";
+    pub const REQUESTS_RUNNING: &str = "sluice_requests_running";
+    pub const ROUTER_WORKERS: &str = "sluice_router_workers";
+
+    // Prefill worker.
+    pub const PREFILL_TOKENS: &str = "sluice_prefill_tokens_total";
+    pub const PREFILL_WAITING: &str = "sluice_prefill_requests_waiting";
+    pub const PREFILL_RUNNING: &str = "sluice_prefill_requests_running";
+    pub const PREFIX_CACHE_QUERY: &str = "sluice_prefix_cache_query_tokens_total";
+    pub const PREFIX_CACHE_HIT: &str = "sluice_prefix_cache_hit_tokens_total";
+    pub const KV_TRANSFER_BYTES: &str = "sluice_kv_transfer_bytes_total";
+    pub const KV_TRANSFER_SECONDS: &str = "sluice_kv_transfer_seconds";
+
+    // Decode worker.
+    pub const DECODE_TOKENS: &str = "sluice_decode_tokens_total";
+    pub const DECODE_STEP: &str = "sluice_decode_step_seconds";
+    pub const DECODE_RUNNING: &str = "sluice_decode_requests_running";
+    pub const DECODE_WAITING: &str = "sluice_decode_requests_waiting";
+
+    // KV memory (prefill and decode workers).
+    pub const KV_PAGES_USED: &str = "sluice_kv_pages_used";
+    pub const KV_PAGES_TOTAL: &str = "sluice_kv_pages_total";
+    pub const KV_STATE_SLOTS_USED: &str = "sluice_kv_state_slots_used";
+    pub const KV_STATE_SLOTS_TOTAL: &str = "sluice_kv_state_slots_total";
+}
+
+/// The KV pools of a DeepSeek-V4 cache, as the `pool` label spells them.
+pub const KV_POOLS: [&str; 4] = ["csa_main", "csa_indexer", "hca", "swa"];
+
+/// A registry for one process, holding `sluice_build_info{version, service} 1`.
+pub fn registry(service: &str) -> Registry {
+    let registry = Registry::new();
+    let info = gauge_vec(&registry, names::BUILD_INFO, "Build of this process (always 1).", &["version", "service"]);
+    info.with_label_values(&[env!("CARGO_PKG_VERSION"), service]).set(1);
+    registry
+}
+
+/// The lowercase gRPC code name, as the `status` label spells it.
+pub fn status_label(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "ok",
+        Cancelled => "cancelled",
+        Unknown => "unknown",
+        InvalidArgument => "invalid_argument",
+        DeadlineExceeded => "deadline_exceeded",
+        NotFound => "not_found",
+        AlreadyExists => "already_exists",
+        PermissionDenied => "permission_denied",
+        ResourceExhausted => "resource_exhausted",
+        FailedPrecondition => "failed_precondition",
+        Aborted => "aborted",
+        OutOfRange => "out_of_range",
+        Unimplemented => "unimplemented",
+        Internal => "internal",
+        Unavailable => "unavailable",
+        DataLoss => "data_loss",
+        Unauthenticated => "unauthenticated",
+    }
+}
+
+/// Every gRPC code, so outcome counters can start at 0 for each (a rate over a series
+/// that appears only with its first error is wrong for a scrape interval).
+pub const ALL_CODES: [tonic::Code; 17] = {
+    use tonic::Code::*;
+    [
+        Ok,
+        Cancelled,
+        Unknown,
+        InvalidArgument,
+        DeadlineExceeded,
+        NotFound,
+        AlreadyExists,
+        PermissionDenied,
+        ResourceExhausted,
+        FailedPrecondition,
+        Aborted,
+        OutOfRange,
+        Unimplemented,
+        Internal,
+        Unavailable,
+        DataLoss,
+        Unauthenticated,
+    ]
+};
+
+/// The text exposition of everything in `registry`.
+pub fn encode(registry: &Registry) -> String {
+    prometheus::TextEncoder::new().encode_to_string(&registry.gather()).unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "cannot encode metrics");
+        String::new()
+    })
+}
+
+// Registration helpers. Names and label sets are fixed at compile time, so a failure
+// to register is a programming error (a duplicate name) and panics at startup.
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, m: T) -> T {
+    registry.register(Box::new(m.clone())).expect("metric names are unique per registry");
+    m
+}
+
+pub fn histogram(registry: &Registry, name: &str, help: &str) -> Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
+    register(registry, Histogram::with_opts(opts).expect("valid histogram"))
+}
+
+pub fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    register(registry, IntCounter::new(name, help).expect("valid counter"))
+}
+
+pub fn counter_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    register(registry, IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter"))
+}
+
+pub fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    register(registry, IntGauge::new(name, help).expect("valid gauge"))
+}
+
+pub fn gauge_vec(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    register(registry, IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge"))
+}

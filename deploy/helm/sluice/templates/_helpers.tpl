@@ -1,0 +1,188 @@
+{{/*
+Names. The prefix is truncated to 40 characters so that "<prefix>-<component>" plus a
+StatefulSet's ordinal and revision hash stay within Kubernetes' 63-character limits.
+*/}}
+{{- define "sluice.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sluice.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "<fullname>-<component>"; call with (dict "root" $ "component" "router"). */}}
+{{- define "sluice.componentName" -}}
+{{- printf "%s-%s" (include "sluice.fullname" .root) .component -}}
+{{- end -}}
+
+{{- define "sluice.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels of every resource; call with (dict "root" $ "component" "router"). */}}
+{{- define "sluice.labels" -}}
+helm.sh/chart: {{ include "sluice.chart" .root }}
+{{ include "sluice.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: sluice
+{{- end -}}
+
+{{- define "sluice.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sluice.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "sluice.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "sluice.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sluice.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/*
+etcd endpoints for --etcd: the bundled etcd's client Service, or the external list.
+Discovery is how the router finds workers in a cluster, so one of the two is required.
+*/}}
+{{- define "sluice.etcdEndpoints" -}}
+{{- if and .Values.etcd.enabled .Values.etcd.external.endpoints -}}
+{{- fail "etcd: set etcd.enabled=false to use etcd.external.endpoints (or clear the list to use the bundled etcd)" -}}
+{{- else if .Values.etcd.enabled -}}
+{{- printf "http://%s:%d" (include "sluice.componentName" (dict "root" . "component" "etcd")) (int .Values.etcd.clientPort) -}}
+{{- else if .Values.etcd.external.endpoints -}}
+{{- join "," .Values.etcd.external.endpoints -}}
+{{- else -}}
+{{- fail "etcd: the router finds workers through etcd; set etcd.enabled=true (bundled) or etcd.external.endpoints" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* storageClassName of a claim: "" → the default class (omitted), "-" → no class. */}}
+{{- define "sluice.storageClass" -}}
+{{- if eq . "-" }}
+storageClassName: ""
+{{- else if . }}
+storageClassName: {{ . | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* Environment of every sluice container. */}}
+{{- define "sluice.commonEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: RUST_LOG
+  value: {{ .Values.logLevel | quote }}
+- name: SLUICE_LOG_FORMAT
+  value: {{ .Values.logFormat | quote }}
+{{- with .Values.otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name={{ $.Release.Namespace }}"
+{{- end }}
+{{- end -}}
+
+{{/* UCX environment of the pods that move KV (prefill, decode, kvstore). */}}
+{{- define "sluice.ucxEnv" -}}
+- name: UCX_TLS
+  value: {{ .Values.workers.ucx.tls | quote }}
+{{- with .Values.workers.ucx.netDevices }}
+- name: UCX_NET_DEVICES
+  value: {{ . | quote }}
+{{- end }}
+{{- range $name, $value := .Values.workers.ucx.env }}
+- name: {{ $name }}
+  value: {{ $value | toString | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The model volume (read-only). */}}
+{{- define "sluice.modelVolume" -}}
+- name: model
+{{- $v := .Values.model.volume }}
+{{- if eq $v.type "hostPath" }}
+  hostPath:
+    path: {{ $v.hostPath.path | quote }}
+    type: {{ $v.hostPath.type }}
+{{- else if eq $v.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ include "sluice.componentName" (dict "root" . "component" "model") }}
+    readOnly: true
+{{- else if eq $v.type "existingClaim" }}
+{{- if not $v.existingClaim }}
+{{- fail "model.volume.existingClaim: name the claim holding the model (model.volume.type=existingClaim)" }}
+{{- end }}
+  persistentVolumeClaim:
+    claimName: {{ $v.existingClaim }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "sluice.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.path }}
+  readOnly: true
+{{- with .Values.model.volume.subPath }}
+  subPath: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* Arguments every service takes: --model, --model-name. */}}
+{{- define "sluice.modelArgs" -}}
+{{- $args := list "--model" .Values.model.path -}}
+{{- with .Values.model.name -}}
+{{- $args = concat $args (list "--model-name" .) -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
+{{/* prometheus.io/* pod annotations for annotation-based scraping. */}}
+{{- define "sluice.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.podAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | int | toString | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget; call with (dict "root" $ "component" "router" "pdb" .Values.router.pdb). */}}
+{{- define "sluice.pdb" -}}
+{{- if .pdb.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "sluice.componentName" . }}
+  labels:
+    {{- include "sluice.labels" . | nindent 4 }}
+spec:
+  {{- if hasKey .pdb "minAvailable" }}
+  minAvailable: {{ .pdb.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ .pdb.maxUnavailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "sluice.selectorLabels" . | nindent 6 }}
+{{- end }}
+{{- end -}}

