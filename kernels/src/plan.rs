@@ -19,6 +19,12 @@ pub struct SeqSlice {
     /// Page ids in block order; covers every block up to and including the one
     /// holding position `start_pos + rows - 1`.
     pub pages: Vec<u32>,
+    /// Compressed entries whose window ends at or before this position are already in
+    /// the pages (restored from a prefix cache): compressors keep their slots up to
+    /// date but do not write those entries again. 0 for ordinary steps; a window
+    /// rebuild that recomputes tokens inside a restored prefix sets it to the prefix
+    /// length so that entries it could only compute from partial state never land.
+    pub pages_final_until: usize,
 }
 
 impl SeqSlice {
@@ -47,7 +53,7 @@ impl BatchPlan {
         let mut plan = BatchPlan::default();
         for (slot, pages, start_pos, tokens) in parts {
             let first_row = plan.tokens.len();
-            plan.seqs.push(SeqSlice { first_row, rows: tokens.len(), start_pos, slot, pages });
+            plan.seqs.push(SeqSlice { first_row, rows: tokens.len(), start_pos, slot, pages, pages_final_until: 0 });
             plan.tokens.extend_from_slice(tokens);
             plan.positions.extend((start_pos..start_pos + tokens.len()).map(|p| p as u32));
         }

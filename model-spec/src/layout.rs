@@ -168,6 +168,9 @@ pub struct KvLayout {
     pub ring_elems: usize,
     /// f32 elements of compressor slots per state slot.
     pub comp_elems: usize,
+    /// The leading part of a slot's compressor elements that carries state across a
+    /// block boundary (CSA slots); the rest (HCA slots) is dead at every boundary.
+    pub comp_carry_elems: usize,
     pub layers: Vec<LayerKv>,
 }
 
@@ -175,27 +178,50 @@ impl KvLayout {
     pub fn new(block: usize, window: usize, dtype: EntryDtype, specs: &[LayerSpec]) -> Self {
         let mut page = 0;
         let mut ring = 0;
-        let mut comp = 0;
         let mut layers = Vec::with_capacity(specs.len());
         for spec in specs {
             let mut lk = LayerKv { spec: *spec, page_main: 0, page_index: 0, ring, comp_main: 0, comp_index: 0 };
             ring += window * spec.head_dim;
             if spec.kind != AttnKind::Window {
-                let per_page = block / spec.ratio;
                 lk.page_main = page;
-                page += per_page * spec.head_dim;
-                lk.comp_main = comp;
-                comp += 2 * lk.comp_slots() * lk.comp_width(Branch::Main);
+                page += (block / spec.ratio) * spec.head_dim;
             }
             if spec.kind == AttnKind::Csa {
                 lk.page_index = page;
                 page += (block / spec.ratio) * spec.index_dim;
-                lk.comp_index = comp;
-                comp += 2 * lk.comp_slots() * lk.comp_width(Branch::Indexer);
             }
             layers.push(lk);
         }
-        KvLayout { block, window, dtype, page_elems: page, ring_elems: ring, comp_elems: comp, layers }
+        // Compressor slots: every CSA layer's first, then every HCA layer's. At a block
+        // boundary only the CSA slots carry state forward (the previous window feeds the
+        // next entry; an HCA window is complete and its slots are all rewritten before
+        // they are read again), so a state snapshot is the rings plus this prefix.
+        let mut comp = 0;
+        for kind in [AttnKind::Csa, AttnKind::Hca] {
+            for lk in layers.iter_mut().filter(|l| l.spec.kind == kind) {
+                lk.comp_main = comp;
+                comp += 2 * lk.comp_slots() * lk.comp_width(Branch::Main);
+                if kind == AttnKind::Csa {
+                    lk.comp_index = comp;
+                    comp += 2 * lk.comp_slots() * lk.comp_width(Branch::Indexer);
+                }
+            }
+        }
+        let comp_carry_elems = layers
+            .iter()
+            .filter(|l| l.spec.kind == AttnKind::Csa)
+            .map(|l| 2 * l.comp_slots() * (l.comp_width(Branch::Main) + l.comp_width(Branch::Indexer)))
+            .sum();
+        KvLayout {
+            block,
+            window,
+            dtype,
+            page_elems: page,
+            ring_elems: ring,
+            comp_elems: comp,
+            comp_carry_elems,
+            layers,
+        }
     }
 
     pub fn page_bytes(&self) -> usize {
@@ -231,6 +257,13 @@ impl KvLayout {
     pub fn window_bytes(&self) -> usize {
         self.ring_elems * self.dtype.size()
     }
+
+    /// Bytes of the state a sequence carries across a block boundary: its window rings
+    /// and the CSA compressor slots. Restoring these (plus the pages before the
+    /// boundary) into a fresh slot resumes the sequence exactly.
+    pub fn snapshot_bytes(&self) -> usize {
+        self.window_bytes() + self.comp_carry_elems * 4
+    }
 }
 
 #[cfg(test)]
@@ -263,6 +296,24 @@ mod tests {
         assert_eq!(layout.window_bytes(), 43 * 128 * 512 * 2);
         let ratio = layout.window_bytes() as f64 / layout.page_bytes() as f64;
         assert!(ratio > 5.0 && ratio < 10.0, "window/compressed ratio {ratio}");
+    }
+
+    #[test]
+    fn csa_compressor_slots_come_first_and_form_the_carried_state() {
+        let layout = KvLayout::new(128, 128, EntryDtype::Bf16, &flash_like());
+        for l in &layout.layers {
+            match l.kind() {
+                AttnKind::Csa => {
+                    assert!(l.comp_main < layout.comp_carry_elems && l.comp_index < layout.comp_carry_elems)
+                }
+                AttnKind::Hca => assert!(l.comp_main >= layout.comp_carry_elems),
+                AttnKind::Window => {}
+            }
+        }
+        // 21 CSA layers x 2 (kv, score) x 8 slots x (2*512 + 2*128) f32.
+        assert_eq!(layout.comp_carry_elems, 21 * 2 * 8 * (1024 + 256));
+        assert_eq!(layout.snapshot_bytes(), layout.window_bytes() + layout.comp_carry_elems * 4);
+        assert!(layout.comp_carry_elems < layout.comp_elems / 4, "HCA tails dominate the slot");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The KV wire description (version 1): everything two processes must agree on before
+//! The KV wire description (see `WIRE_VERSION`): everything two processes must agree on before
 //! one writes KV bytes into the other's memory. Pages and state move as raw bytes and
 //! the receiver reads them through its own layout table, so the description names the
 //! model fingerprint, entry dtype, page and state geometry and the per-layer table; any
@@ -9,7 +9,7 @@ use model_spec::Fingerprint;
 use sluice_proto::v1 as pb;
 use thiserror::Error;
 
-pub const WIRE_VERSION: u32 = 1;
+pub const WIRE_VERSION: u32 = 2;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum WireError {

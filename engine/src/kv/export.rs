@@ -17,7 +17,7 @@ use super::cache::{KvCache, Sequence};
 use super::pool::PoolError;
 use crate::fingerprint::Fingerprint;
 
-pub const SEQUENCE_FORMAT_VERSION: u32 = 1;
+pub const SEQUENCE_FORMAT_VERSION: u32 = 2;
 const MAGIC: &[u8; 8] = b"SLKVSEQ\0";
 const HEADER_LEN: usize = 8 + 4 + 32 + 4 + 4 + 4 + 8 + 4 + 8 + 8 + 8;
 

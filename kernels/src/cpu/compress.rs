@@ -48,7 +48,7 @@ pub(crate) fn compress(
             for c in 0..width {
                 comp[sc_dst + c] = proj_score[row * width + c] + bias[c];
             }
-            if (t + 1) % ratio == 0 {
+            if (t + 1) % ratio == 0 && t + 1 > seq.pages_final_until {
                 let entry_idx = (t + 1) / ratio - 1;
                 let entry = pool_window(&comp[base..base + 2 * slots * width], lk.kind(), ratio, width, entry_idx);
                 write_entry(&mut kv.pages, layout, layer, branch, &seq.pages, entry_idx, entry, p);
