@@ -7,6 +7,7 @@
 //! - [`kv`]: page pool, state-cache slots, sequences and their byte export/import.
 //! - [`engine`]: model + KV memory; batched steps of prefill chunks and decode tokens.
 //! - [`handoff`]: sequences filled or read by another process (disaggregated serving).
+//! - [`prefix`]: sequences resumed from a prefix cache (pages + snapshot, or a window rebuild).
 //! - [`sampling`]: greedy / temperature / top-k / top-p sampling with logprobs.
 //! - [`generate`]: in-process generation loop.
 //! - [`init`]: deterministic random checkpoints (`sluice model init`) and presets.
@@ -24,6 +25,7 @@ pub mod init;
 pub mod inspect;
 pub mod kv;
 pub mod model;
+pub mod prefix;
 pub mod sampling;
 
 pub use engine::{Engine, EngineOptions, Logits, ProvidedKv, StepInput};

@@ -6,6 +6,7 @@
 //! - [`config`]: the model description, parsed from HF or reference config files.
 //! - [`layout`]: byte geometry of KV pages and state-cache slots, entry dtypes.
 //! - [`block_hash`]: chained hashes of 128-token prefix blocks, salted per model.
+//! - [`prefix`]: SWA caching policies and the choice of how to resume from a cached prefix.
 //! - [`text`]: tokenizer.json encode/decode and streaming detokenisation.
 //! - [`Fingerprint`]: identity of a model's weights + KV dtype.
 #![forbid(unsafe_code)]
@@ -13,10 +14,12 @@
 pub mod block_hash;
 pub mod config;
 pub mod layout;
+pub mod prefix;
 pub mod text;
 
 pub use config::{BLOCK_TOKENS, ConfigError, MlpKind, ModelConfig, StoredDtype};
 pub use layout::{AttnKind, Branch, EntryDtype, KvLayout, LayerKv, LayerSpec, PoolBytes};
+pub use prefix::{Restore, RestorePlan, SwaPolicy};
 
 /// YaRN parameters (as in the config's `rope_scaling`).
 #[derive(Clone, Copy, Debug, PartialEq)]

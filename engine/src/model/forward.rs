@@ -43,7 +43,14 @@ impl<B: Backend> Model<B> {
         b.download(&logits)
     }
 
-    fn layer(&self, l: usize, lw: &LayerWeights<B>, streams: &mut B::Buf, kv: &mut KvState<B>, plan: &BatchPlan) {
+    pub(super) fn layer(
+        &self,
+        l: usize,
+        lw: &LayerWeights<B>,
+        streams: &mut B::Buf,
+        kv: &mut KvState<B>,
+        plan: &BatchPlan,
+    ) {
         let b = &self.backend;
         let c = &self.config;
         let rows = plan.rows();

@@ -1,6 +1,7 @@
 //! The model: config, weights on a backend, RoPE tables and the KV layout they imply.
 
 mod forward;
+mod rebuild;
 pub mod weights;
 
 use kernels::{Backend, EntryDtype, KvLayout, RopeTable};
