@@ -2,7 +2,7 @@
 //! (Debian: `apt-get install protobuf-compiler`; or set PROTOC).
 
 fn main() {
-    let protos = ["proto/sluice/v1/generate.proto", "proto/sluice/v1/workers.proto"];
+    let protos = ["proto/sluice/v1/generate.proto", "proto/sluice/v1/workers.proto", "proto/sluice/v1/kvstore.proto"];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -39,8 +39,6 @@ pub enum WorkerError {
     Engine(#[from] engine::EngineError),
     #[error(transparent)]
     Transfer(#[from] transfer::TransferError),
-    #[error("KV memory: {0}")]
-    Memory(String),
     #[error(transparent)]
     Discovery(#[from] cluster::discovery::DiscoveryError),
     #[error("gRPC server: {0}")]

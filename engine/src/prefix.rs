@@ -48,7 +48,7 @@ impl<B: Backend> Engine<B> {
     /// boundary: its window rings then its CSA compressor slots.
     pub fn snapshot(&self, seq: &Sequence) -> Vec<u8> {
         let l = &self.cache.layout;
-        assert_eq!(seq.len() % l.block, 0, "snapshots are taken at block boundaries");
+        assert!(seq.len().is_multiple_of(l.block), "snapshots are taken at block boundaries");
         let b = &self.model.backend;
         let mut out = b.kv_read(&self.cache.state.rings, seq.slot() * l.ring_elems, l.ring_elems);
         out.extend(b.kv_read(&self.cache.state.comp, seq.slot() * l.comp_elems, l.comp_carry_elems));
@@ -108,7 +108,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<usize, EngineError> {
         let block = self.cache.layout.block;
         let blocks = prefix.len() / block;
-        if !seq.is_empty() || prefix.len() % block != 0 || seq.pages().len() < blocks || blocks == 0 {
+        if !seq.is_empty() || !prefix.len().is_multiple_of(block) || seq.pages().len() < blocks || blocks == 0 {
             return Err(EngineError::InvalidRequest(format!(
                 "cannot restore {} tokens into a sequence of {} tokens and {} pages (whole blocks only)",
                 prefix.len(),

@@ -53,7 +53,7 @@ fn cold_run(e: &mut Engine<CpuBackend>, tokens: &[u32]) -> Cold {
     let mut snapshots = Vec::new();
     for chunk in tokens.chunks(BLOCK) {
         e.step(&mut [StepInput { seq: &mut seq, tokens: chunk, logits: Logits::None }]).unwrap();
-        if seq.len() % BLOCK == 0 {
+        if seq.len().is_multiple_of(BLOCK) {
             snapshots.push(e.snapshot(&seq));
         }
     }

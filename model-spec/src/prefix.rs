@@ -29,7 +29,7 @@ impl SwaPolicy {
     pub fn snapshots_at(self, k: usize, block: usize) -> bool {
         match self {
             SwaPolicy::Full => k > 0,
-            SwaPolicy::Periodic { tokens } => k > 0 && (k * block) % tokens == 0,
+            SwaPolicy::Periodic { tokens } => k > 0 && (k * block).is_multiple_of(tokens),
             SwaPolicy::Zero => false,
         }
     }
@@ -46,7 +46,7 @@ impl SwaPolicy {
     /// Check the policy against the block size it will be used with.
     pub fn validate(self, block: usize) -> Result<(), String> {
         match self {
-            SwaPolicy::Periodic { tokens } if tokens == 0 || tokens % block != 0 => {
+            SwaPolicy::Periodic { tokens } if tokens == 0 || !tokens.is_multiple_of(block) => {
                 Err(format!("periodic:{tokens}: the period must be a positive multiple of the {block}-token block"))
             }
             _ => Ok(()),

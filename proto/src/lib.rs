@@ -2,7 +2,8 @@
 //!
 //! Module map:
 //! - [`v1`]: package `sluice.v1` — the client-facing `Generation` service and the
-//!   internal `Prefill` / `Decode` services (KV handshake, commit, decode stream).
+//!   internal `Prefill` / `Decode` services (KV handshake, commit, decode stream) and
+//!   the `KvStore` shared-prefix store.
 
 /// Package `sluice.v1`.
 pub mod v1 {

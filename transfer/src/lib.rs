@@ -15,19 +15,22 @@
 //! - [`target`]: where one sequence's bytes go (regions, page ids, slot).
 //! - [`receiver`]: UCX context, registered regions and the progress thread.
 //! - [`sender`]: endpoints, their remote keys and batched puts (lives on one thread).
+//! - [`registered`]: engine KV pools in UCX regions, and landing areas read back after puts.
 //! - [`checksum`]: xxh3 checksums of what was sent and what landed.
 
 #![forbid(unsafe_code)]
 
 pub mod checksum;
 pub mod receiver;
+pub mod registered;
 pub mod sender;
 pub mod target;
 pub mod wire;
 
 pub use checksum::Checksums;
 pub use receiver::{Receiver, RegisteredRegion};
-pub use sender::{SendParts, SendStats, Sender};
+pub use registered::{Landing, RegisteredKv};
+pub use sender::{RemoteWrite, SendParts, SendStats, Sender};
 pub use target::{RegionSpec, Target};
 pub use wire::{WIRE_VERSION, WireError, WireGeometry};
 
@@ -41,4 +44,6 @@ pub enum TransferError {
     Wire(#[from] WireError),
     #[error("transfer thread failed: {0}")]
     Thread(String),
+    #[error("registered KV memory: {0}")]
+    Memory(String),
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use ucx_sys::{Context, Endpoint, ErrorMode, Features, RemoteKey, UcxError, Worker};
 
 use crate::TransferError;
-use crate::target::Target;
+use crate::target::{RegionSpec, Target};
 use crate::wire::{WireError, WireGeometry};
 
 /// One sequence's bytes as they sit in the sender's memory.
@@ -35,6 +35,15 @@ impl SendParts<'_> {
         (self.pages.iter().map(|p| p.len()).sum::<usize>() + self.rings.len() + self.comp.len() + self.logits.len())
             as u64
     }
+}
+
+/// One write of local bytes into a peer's registered region, at `offset` bytes from
+/// the region's base.
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteWrite<'a> {
+    pub region: &'a RegionSpec,
+    pub offset: u64,
+    pub bytes: &'a [u8],
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -125,6 +134,63 @@ impl Sender {
             self.peers.remove(target.ucx_address.as_slice());
         }
         result.map(|()| SendStats { bytes: parts.bytes(), elapsed: started.elapsed() })
+    }
+
+    /// Write arbitrary ranges into the regions of the peer at `address` (a kvstore
+    /// filling a prefill worker's pages and slot, say), then flush: when this returns
+    /// every byte is in the peer's memory. Ranges are checked against their regions.
+    pub fn write(
+        &mut self,
+        address: &[u8],
+        writes: &[RemoteWrite<'_>],
+        timeout: Duration,
+    ) -> Result<SendStats, TransferError> {
+        for w in writes {
+            let end = w.offset.checked_add(w.bytes.len() as u64);
+            if end.is_none_or(|end| end > w.region.len) {
+                return Err(WireError::Malformed(format!(
+                    "a write of {} bytes at offset {} of a {}-byte region",
+                    w.bytes.len(),
+                    w.offset,
+                    w.region.len
+                ))
+                .into());
+            }
+        }
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let result = (|| {
+            let now = Instant::now();
+            self.release_idle_keys(now);
+            let peer = self.peer(address)?;
+            peer.last_send = now;
+            for w in writes {
+                peer.unpack(&w.region.rkey)?;
+            }
+            let peer = &self.peers[address];
+            // One batch per region (a batch shares one remote key), in first-use order.
+            let mut keys: Vec<&Vec<u8>> = Vec::new();
+            for w in writes {
+                if !keys.contains(&&w.region.rkey) {
+                    keys.push(&w.region.rkey);
+                }
+            }
+            for key in keys {
+                let puts: Vec<(&[u8], u64)> = writes
+                    .iter()
+                    .filter(|w| &w.region.rkey == key)
+                    .map(|w| (w.bytes, w.region.base + w.offset))
+                    .collect();
+                let left = deadline.saturating_duration_since(Instant::now());
+                self.worker.put_all(&peer.ep, &puts, &peer.keys[key], left)?;
+            }
+            Ok::<(), TransferError>(())
+        })();
+        if result.is_err() {
+            self.peers.remove(address);
+        }
+        let bytes = writes.iter().map(|w| w.bytes.len() as u64).sum();
+        result.map(|()| SendStats { bytes, elapsed: started.elapsed() })
     }
 
     fn put_everything(&mut self, t: &Target, parts: &SendParts<'_>, deadline: Instant) -> Result<(), TransferError> {

@@ -7,7 +7,7 @@
 
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
-use super::metrics::{self, ALL_CODES, KV_POOLS, names, status_label};
+use super::metrics::{self, ALL_CODES, KV_POOLS, SWA_POLICIES, names, status_label};
 
 /// What the router records: latency as a client sees it, outcomes, token counts.
 #[derive(Clone, Debug)]
@@ -99,6 +99,12 @@ pub struct PrefillMetrics {
     pub transfer_seconds: Histogram,
     pub pages_used: IntGauge,
     pub pages_total: IntGauge,
+    recompute: IntCounterVec,
+    /// Time from a prompt's admission to its restored prefix being usable.
+    pub restore_seconds: Histogram,
+    cache_errors: IntCounterVec,
+    /// Record bytes written into the kvstore.
+    pub put_bytes: IntCounter,
 }
 
 impl PrefillMetrics {
@@ -119,6 +125,24 @@ impl PrefillMetrics {
             cache_query.with_label_values(&[pool]);
             cache_hit.with_label_values(&[pool]);
         }
+        let recompute = metrics::counter_vec(
+            registry,
+            names::PREFIX_CACHE_RECOMPUTE,
+            "Tokens recomputed to rebuild window state a prefix hit did not restore, per SWA policy.",
+            &["policy"],
+        );
+        for p in SWA_POLICIES {
+            recompute.with_label_values(&[p]);
+        }
+        let cache_errors = metrics::counter_vec(
+            registry,
+            names::PREFIX_CACHE_ERRORS,
+            "Prefix-cache calls that failed (the store unreachable, slow or missing a record); prefill went on cold.",
+            &["op"],
+        );
+        for op in ["lookup", "get", "put"] {
+            cache_errors.with_label_values(&[op]);
+        }
         PrefillMetrics {
             tokens: metrics::counter(registry, names::PREFILL_TOKENS, "Prompt tokens computed."),
             waiting: metrics::gauge(registry, names::PREFILL_WAITING, "Prompts queued, not started."),
@@ -137,6 +161,18 @@ impl PrefillMetrics {
             ),
             pages_used: metrics::gauge(registry, names::KV_PAGES_USED, "KV pages in use."),
             pages_total: metrics::gauge(registry, names::KV_PAGES_TOTAL, "KV pages in the pool."),
+            recompute,
+            restore_seconds: metrics::histogram(
+                registry,
+                names::PREFIX_CACHE_RESTORE,
+                "Time to restore a cached prefix (fetch, check, and any window rebuild).",
+            ),
+            cache_errors,
+            put_bytes: metrics::counter(
+                registry,
+                names::PREFIX_CACHE_PUT_BYTES,
+                "Record bytes written into the prefix cache.",
+            ),
         }
     }
 
@@ -144,6 +180,16 @@ impl PrefillMetrics {
     pub fn prefix_lookup(&self, pool: &str, query: u64, hit: u64) {
         self.cache_query.with_label_values(&[pool]).inc_by(query);
         self.cache_hit.with_label_values(&[pool]).inc_by(hit);
+    }
+
+    /// Tokens recomputed under `policy` (its `SwaPolicy::label`).
+    pub fn recomputed(&self, policy: &str, tokens: u64) {
+        self.recompute.with_label_values(&[policy]).inc_by(tokens);
+    }
+
+    /// A failed prefix-cache call (`lookup`, `get` or `put`).
+    pub fn cache_error(&self, op: &str) {
+        self.cache_errors.with_label_values(&[op]).inc();
     }
 }
 

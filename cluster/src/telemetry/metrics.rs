@@ -44,6 +44,31 @@ pub mod names {
     pub const DECODE_RUNNING: &str = "sluice_decode_requests_running";
     pub const DECODE_WAITING: &str = "sluice_decode_requests_waiting";
 
+    // Prefix cache, as prefill workers use it.
+    pub const PREFIX_CACHE_RECOMPUTE: &str = "sluice_prefix_cache_recompute_tokens_total";
+    pub const PREFIX_CACHE_RESTORE: &str = "sluice_prefix_cache_restore_seconds";
+    pub const PREFIX_CACHE_ERRORS: &str = "sluice_prefix_cache_errors_total";
+    pub const PREFIX_CACHE_PUT_BYTES: &str = "sluice_prefix_cache_put_bytes_total";
+
+    // kvstore.
+    pub const KVSTORE_LOOKUPS: &str = "sluice_kvstore_lookups_total";
+    pub const KVSTORE_QUERY_TOKENS: &str = "sluice_kvstore_query_tokens_total";
+    pub const KVSTORE_HIT_TOKENS: &str = "sluice_kvstore_hit_tokens_total";
+    pub const KVSTORE_MISS_TOKENS: &str = "sluice_kvstore_miss_tokens_total";
+    pub const KVSTORE_READ_BYTES: &str = "sluice_kvstore_read_bytes_total";
+    pub const KVSTORE_WRITTEN_BYTES: &str = "sluice_kvstore_written_bytes_total";
+    pub const KVSTORE_ENTRIES: &str = "sluice_kvstore_entries";
+    pub const KVSTORE_STORED_BYTES: &str = "sluice_kvstore_stored_bytes";
+    pub const KVSTORE_EVICTIONS: &str = "sluice_kvstore_evictions_total";
+    pub const KVSTORE_DISK_BYTES: &str = "sluice_kvstore_disk_bytes";
+    pub const KVSTORE_CAPACITY_BYTES: &str = "sluice_kvstore_capacity_bytes";
+    pub const KVSTORE_QUEUE_RECORDS: &str = "sluice_kvstore_put_queue_records";
+    pub const KVSTORE_QUEUE_BYTES: &str = "sluice_kvstore_put_queue_bytes";
+    pub const KVSTORE_DROPPED: &str = "sluice_kvstore_put_dropped_total";
+    pub const KVSTORE_WRITE_ERRORS: &str = "sluice_kvstore_write_errors_total";
+    pub const KVSTORE_CORRUPT: &str = "sluice_kvstore_corrupt_records_total";
+    pub const KVSTORE_GET_SECONDS: &str = "sluice_kvstore_get_seconds";
+
     // KV memory (prefill and decode workers).
     pub const KV_PAGES_USED: &str = "sluice_kv_pages_used";
     pub const KV_PAGES_TOTAL: &str = "sluice_kv_pages_total";
@@ -53,6 +78,12 @@ pub mod names {
 
 /// The KV pools of a DeepSeek-V4 cache, as the `pool` label spells them.
 pub const KV_POOLS: [&str; 4] = ["csa_main", "csa_indexer", "hca", "swa"];
+
+/// Why a kvstore dropped an offered record, as the `reason` label spells it.
+pub const DROP_REASONS: [&str; 5] = ["queue_full", "staging_full", "no_room", "checksum", "too_large"];
+
+/// SWA policies, as the `policy` label spells them.
+pub const SWA_POLICIES: [&str; 3] = ["full", "periodic", "zero"];
 
 /// A registry for one process, holding `sluice_build_info{version, service} 1`.
 pub fn registry(service: &str) -> Registry {

@@ -6,17 +6,20 @@
 //! Module map:
 //! - [`metrics`]: registry, metric names, latency buckets, `sluice_build_info`, status labels.
 //! - [`catalog`]: the metric set of each service (router, prefill worker, decode worker).
+//! - [`kvstore`]: the kvstore's metric set.
 //! - [`serve`]: the `/metrics` HTTP endpoint (and `--metrics-listen` parsing).
 //! - [`tracing_init`]: the log subscriber with optional OTLP export; its guard flushes at exit.
 //! - [`propagation`]: W3C trace context in gRPC metadata (inject, extract, client interceptor).
 
 pub mod catalog;
+pub mod kvstore;
 pub mod metrics;
 pub mod propagation;
 pub mod serve;
 pub mod tracing_init;
 
 pub use catalog::{DecodeMetrics, PrefillMetrics, RouterMetrics};
+pub use kvstore::KvstoreMetrics;
 pub use opentelemetry::Context as TraceContext;
 pub use prometheus::{self, Registry};
 pub use tracing_init::{TracingGuard, init};

@@ -1,0 +1,368 @@
+//! The `sluice.v1.KvStore` gRPC service: thin adapters over the store (lookup,
+//! offers, commits, reads, deletes, stats), the staging area puts land in, and the
+//! bulk thread that writes gets into callers' memory.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cluster::telemetry::KvstoreMetrics;
+use model_spec::{BLOCK_TOKENS, SwaPolicy};
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::kv_store_server::KvStore;
+use tonic::{Request, Response, Status};
+use transfer::{Landing, RegionSpec};
+
+use crate::bulk::{self, Bulk};
+use crate::ranges::Ranges;
+use crate::record::{Key, Kind, Pools, checksum};
+use crate::store::{Accept, Offer, ReadError, Store};
+
+/// An accepted put waiting for its bytes.
+struct PendingPut {
+    offers: Vec<Offer>,
+    offsets: Vec<u64>,
+    deadline: Instant,
+}
+
+struct Staging {
+    ranges: Ranges,
+    puts: HashMap<String, PendingPut>,
+}
+
+pub struct KvService {
+    pub store: Arc<Store>,
+    pub policy: SwaPolicy,
+    pub metrics: KvstoreMetrics,
+    pub landing: Landing,
+    pub ucx_address: Vec<u8>,
+    pub bulk: Bulk,
+    pub put_lease: Duration,
+    pub get_timeout: Duration,
+    staging: Mutex<Staging>,
+    next_put: AtomicU64,
+}
+
+fn key(bytes: &[u8], what: &str) -> Result<Key, Status> {
+    bytes.try_into().map_err(|_| Status::invalid_argument(format!("{what}: a key is 32 bytes, got {}", bytes.len())))
+}
+
+fn kind(k: i32) -> Result<Kind, Status> {
+    match pb::RecordKind::try_from(k) {
+        Ok(pb::RecordKind::Page) => Ok(Kind::Page),
+        Ok(pb::RecordKind::Snapshot) => Ok(Kind::Snapshot),
+        _ => Err(Status::invalid_argument(format!("record kind {k}: use RECORD_KIND_PAGE or RECORD_KIND_SNAPSHOT"))),
+    }
+}
+
+fn pools(p: Option<&pb::PoolBytes>) -> Pools {
+    p.map_or_else(Pools::default, |p| Pools {
+        csa_main: p.csa_main,
+        csa_indexer: p.csa_indexer,
+        hca: p.hca,
+        swa: p.swa,
+    })
+}
+
+fn region(r: &pb::RemoteRegion) -> RegionSpec {
+    RegionSpec { base: r.base, len: r.len, rkey: r.rkey.clone() }
+}
+
+impl KvService {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        store: Arc<Store>,
+        policy: SwaPolicy,
+        metrics: KvstoreMetrics,
+        landing: Landing,
+        ucx_address: Vec<u8>,
+        bulk: Bulk,
+        put_lease: Duration,
+        get_timeout: Duration,
+    ) -> Self {
+        let ranges = Ranges::new(landing.len() as u64);
+        KvService {
+            store,
+            policy,
+            metrics,
+            landing,
+            ucx_address,
+            bulk,
+            put_lease,
+            get_timeout,
+            staging: Mutex::new(Staging { ranges, puts: HashMap::new() }),
+            next_put: AtomicU64::new(1),
+        }
+    }
+
+    fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
+        self.staging.lock().expect("not poisoned")
+    }
+
+    /// Give back the staging of puts whose writers did not commit in time.
+    pub fn expire_puts(&self) -> usize {
+        let now = Instant::now();
+        let mut st = self.staging();
+        let expired: Vec<String> =
+            st.puts.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| id.clone()).collect();
+        for id in &expired {
+            let p = st.puts.remove(id).expect("listed");
+            self.release(&mut st, &p);
+        }
+        expired.len()
+    }
+
+    fn release(&self, st: &mut Staging, p: &PendingPut) {
+        for (o, &at) in p.offers.iter().zip(&p.offsets) {
+            st.ranges.release(at, o.len);
+        }
+        let records: Vec<(Key, Kind)> = p.offers.iter().map(|o| (o.key, o.kind)).collect();
+        self.store.withdraw(&records);
+    }
+
+    /// Validate a Get's pieces: each record's pieces in order, covering it exactly.
+    fn pieces(req: &pb::GetRequest, lens: &[usize]) -> Result<Vec<bulk::Piece>, Status> {
+        let mut cursor = vec![0usize; lens.len()];
+        let mut out = Vec::with_capacity(req.pieces.len());
+        for p in &req.pieces {
+            let r = p.record as usize;
+            let reg = req.regions.get(p.region as usize).ok_or_else(|| {
+                Status::invalid_argument(format!("piece names region {} of {}", p.region, req.regions.len()))
+            })?;
+            let len = *lens.get(r).ok_or_else(|| Status::invalid_argument(format!("piece names record {r}")))?;
+            let from = cursor[r];
+            if from + p.len as usize > len {
+                return Err(Status::invalid_argument(format!("pieces of record {r} cover more than its {len} bytes")));
+            }
+            if p.offset.checked_add(p.len).is_none_or(|end| end > reg.len) {
+                return Err(Status::invalid_argument(format!(
+                    "a piece of {} bytes at offset {} overruns its {}-byte region",
+                    p.len, p.offset, reg.len
+                )));
+            }
+            cursor[r] += p.len as usize;
+            out.push(bulk::Piece { record: r, from, len: p.len as usize, region: p.region as usize, offset: p.offset });
+        }
+        if let Some(r) = (0..lens.len()).find(|&r| cursor[r] != lens[r]) {
+            return Err(Status::failed_precondition(format!(
+                "record {r} is {} bytes; the pieces cover {} (the caller's model geometry differs?)",
+                lens[r], cursor[r]
+            )));
+        }
+        Ok(out)
+    }
+}
+
+/// The service as tonic holds it (shared with the lease sweeper).
+pub struct Shared(pub Arc<KvService>);
+
+impl std::ops::Deref for Shared {
+    type Target = KvService;
+    fn deref(&self) -> &KvService {
+        &self.0
+    }
+}
+
+#[tonic::async_trait]
+impl KvStore for Shared {
+    async fn info(&self, _: Request<pb::KvInfoRequest>) -> Result<Response<pb::KvInfo>, Status> {
+        let cfg = self.store.config();
+        Ok(Response::new(pb::KvInfo {
+            swa_policy: self.policy.to_string(),
+            capacity_bytes: cfg.capacity,
+            max_record_bytes: cfg.max_record().min(self.landing.len() as u64),
+        }))
+    }
+
+    async fn lookup(&self, request: Request<pb::LookupRequest>) -> Result<Response<pb::LookupReply>, Status> {
+        let keys = request.into_inner().keys.iter().map(|k| key(k, "lookup")).collect::<Result<Vec<_>, _>>()?;
+        let (n, snapshots) = self.store.lookup(&keys, BLOCK_TOKENS as u64);
+        Ok(Response::new(pb::LookupReply {
+            cached_blocks: n as u32,
+            snapshots: snapshots.into_iter().map(|s| s as u32).collect(),
+        }))
+    }
+
+    async fn begin_put(&self, request: Request<pb::BeginPutRequest>) -> Result<Response<pb::BeginPutReply>, Status> {
+        let req = request.into_inner();
+        let offers = req
+            .records
+            .iter()
+            .map(|r| {
+                Ok(Offer {
+                    key: key(&r.key, "put")?,
+                    kind: kind(r.kind)?,
+                    parent: if r.parent.is_empty() { None } else { Some(key(&r.parent, "put parent")?) },
+                    depth: r.depth,
+                    len: r.len,
+                    pools: pools(r.pools.as_ref()),
+                })
+            })
+            .collect::<Result<Vec<_>, Status>>()?;
+        let answers = self.store.offer(&offers);
+        for a in &answers {
+            if *a == Accept::TooLarge {
+                self.metrics.dropped("too_large");
+            }
+        }
+        let accepted: Vec<Offer> =
+            offers.iter().zip(&answers).filter(|(_, a)| **a == Accept::Yes).map(|(o, _)| o.clone()).collect();
+        let mut reply = pb::BeginPutReply {
+            accepted: answers.iter().map(|a| *a == Accept::Yes).collect(),
+            ucx_address: self.ucx_address.clone(),
+            staging: Some(pb::RemoteRegion {
+                base: self.landing.spec.base,
+                len: self.landing.spec.len,
+                rkey: self.landing.spec.rkey.clone(),
+            }),
+            lease_ms: self.put_lease.as_millis() as u64,
+            ..Default::default()
+        };
+        if accepted.is_empty() {
+            reply.accepted.iter_mut().for_each(|a| *a = false);
+            return Ok(Response::new(reply));
+        }
+        let mut st = self.staging();
+        let mut offsets = Vec::with_capacity(accepted.len());
+        for o in &accepted {
+            match st.ranges.alloc(o.len) {
+                Some(at) => offsets.push(at),
+                None => break,
+            }
+        }
+        if offsets.len() < accepted.len() {
+            for (o, &at) in accepted.iter().zip(&offsets) {
+                st.ranges.release(at, o.len);
+            }
+            drop(st);
+            self.store.withdraw(&accepted.iter().map(|o| (o.key, o.kind)).collect::<Vec<_>>());
+            for _ in &accepted {
+                self.metrics.dropped("staging_full");
+            }
+            reply.accepted.iter_mut().for_each(|a| *a = false);
+            return Ok(Response::new(reply));
+        }
+        let id = format!("put-{}", self.next_put.fetch_add(1, Ordering::Relaxed));
+        reply.offsets = offsets.clone();
+        reply.put_id = id.clone();
+        st.puts.insert(id, PendingPut { offers: accepted, offsets, deadline: Instant::now() + self.put_lease });
+        Ok(Response::new(reply))
+    }
+
+    async fn commit_put(&self, request: Request<pb::CommitPutRequest>) -> Result<Response<pb::CommitPutReply>, Status> {
+        let req = request.into_inner();
+        let pending = self.staging().puts.remove(&req.put_id).ok_or_else(|| {
+            Status::not_found(format!("no put {} (its lease ended, or it was committed)", req.put_id))
+        })?;
+        if req.checksums.len() != pending.offers.len() {
+            let mut st = self.staging();
+            self.release(&mut st, &pending);
+            return Err(Status::invalid_argument(format!(
+                "{} checksums for {} accepted records",
+                req.checksums.len(),
+                pending.offers.len()
+            )));
+        }
+        let (mut stored, mut rejected) = (0, 0);
+        for ((o, &at), &sum) in pending.offers.iter().zip(&pending.offsets).zip(&req.checksums) {
+            let bytes = self.landing.bytes(at as usize, o.len as usize);
+            let result = if checksum(bytes) != sum {
+                self.metrics.dropped("checksum");
+                self.store.withdraw(&[(o.key, o.kind)]);
+                Err("checksum")
+            } else {
+                self.store.commit(o, bytes.to_vec())
+            };
+            match result {
+                Ok(()) => stored += 1,
+                Err(_) => rejected += 1,
+            }
+        }
+        let mut st = self.staging();
+        for (o, &at) in pending.offers.iter().zip(&pending.offsets) {
+            st.ranges.release(at, o.len);
+        }
+        Ok(Response::new(pb::CommitPutReply { stored, rejected }))
+    }
+
+    async fn abort_put(&self, request: Request<pb::AbortPutRequest>) -> Result<Response<pb::AbortPutReply>, Status> {
+        let id = request.into_inner().put_id;
+        let mut st = self.staging();
+        if let Some(p) = st.puts.remove(&id) {
+            self.release(&mut st, &p);
+        }
+        Ok(Response::new(pb::AbortPutReply {}))
+    }
+
+    async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetReply>, Status> {
+        let started = Instant::now();
+        let req = request.into_inner();
+        if req.keys.len() != req.kinds.len() {
+            return Err(Status::invalid_argument(format!("{} keys but {} kinds", req.keys.len(), req.kinds.len())));
+        }
+        let wanted = req
+            .keys
+            .iter()
+            .zip(&req.kinds)
+            .map(|(k, &t)| Ok((key(k, "get")?, kind(t)?)))
+            .collect::<Result<Vec<_>, Status>>()?;
+        let store = self.store.clone();
+        let records = tokio::task::spawn_blocking(move || store.read(&wanted))
+            .await
+            .map_err(|e| Status::internal(format!("read task: {e}")))?
+            .map_err(|e| match e {
+                ReadError::Missing(_) => Status::not_found(e.to_string()),
+                ReadError::Corrupt(_) => Status::data_loss(e.to_string()),
+            })?;
+        let lens: Vec<usize> = records.iter().map(|r| r.data.len()).collect();
+        let pieces = KvService::pieces(&req, &lens)?;
+        let job = bulk::Job {
+            address: req.ucx_address.clone(),
+            regions: req.regions.iter().map(region).collect(),
+            records: records.iter().map(|r| r.data.clone()).collect(),
+            pieces,
+            timeout: self.get_timeout,
+        };
+        let stats = self
+            .bulk
+            .write(job)
+            .await
+            .map_err(|e| Status::unavailable(format!("writing into the caller's memory failed: {e}")))?;
+        self.metrics.get_seconds.observe(started.elapsed().as_secs_f64());
+        Ok(Response::new(pb::GetReply { checksums: records.iter().map(|r| r.checksum).collect(), bytes: stats.bytes }))
+    }
+
+    async fn delete(&self, request: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteReply>, Status> {
+        let req = request.into_inner();
+        let keys = req.keys.iter().map(|k| key(k, "delete")).collect::<Result<Vec<_>, _>>()?;
+        let deleted = self.store.delete(&keys, req.all);
+        Ok(Response::new(pb::DeleteReply { deleted: deleted as u32 }))
+    }
+
+    async fn stats(&self, _: Request<pb::KvStatsRequest>) -> Result<Response<pb::KvStats>, Status> {
+        let s = self.store.stats();
+        let counters = &self.metrics;
+        let dropped: u64 = cluster::telemetry::metrics::DROP_REASONS.iter().map(|r| counters.dropped_count(r)).sum();
+        Ok(Response::new(pb::KvStats {
+            swa_policy: self.policy.to_string(),
+            capacity_bytes: self.store.config().capacity,
+            disk_bytes: s.disk_bytes,
+            pages: s.pages,
+            snapshots: s.snapshots,
+            stored: Some(pb::PoolBytes {
+                csa_main: s.stored.csa_main,
+                csa_indexer: s.stored.csa_indexer,
+                hca: s.stored.hca,
+                swa: s.stored.swa,
+            }),
+            queued_records: s.queued_records,
+            queued_bytes: s.queued_bytes,
+            evictions: s.evictions,
+            dropped_puts: dropped,
+            write_errors: counters.write_errors.get(),
+            corrupt_records: counters.corrupt.get(),
+            segments: s.segments,
+        }))
+    }
+}

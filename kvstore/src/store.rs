@@ -1,0 +1,805 @@
+//! The storage engine on a directory: an index in memory, records in append-only
+//! segment files, and a writer thread behind a bounded queue (write-behind: a commit
+//! returns once a record is queued and readable; the disk catches up).
+//!
+//! Capacity: the segment files never total more than `capacity`. Appends keep one
+//! segment of headroom free, so compaction (copying a segment's live records forward,
+//! then deleting it) always fits; when there is no dead space to reclaim, the writer
+//! evicts (see [`crate::index`] for the order) until there is.
+//!
+//! Locking: one mutex guards the index, the queue and the accounting, held only for
+//! bookkeeping. File reads and writes happen outside it: readers pin what they read
+//! and use shared file handles (a segment deleted by compaction stays readable
+//! through a handle already taken); the writer thread is the only one appending.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::fs::File;
+use std::io;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use cluster::telemetry::KvstoreMetrics;
+use thiserror::Error;
+
+use crate::index::{Index, Loc, Rec};
+use crate::record::{HEADER_LEN, Header, Key, Kind, Pools, checksum, parse_tombstone, tombstone_payload};
+use crate::segment::{self, Segment, read_record};
+
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub dir: PathBuf,
+    /// Most bytes the segment files may take.
+    pub capacity: u64,
+    /// Size at which the writer starts a new segment (the unit of compaction).
+    pub segment_bytes: u64,
+    /// Most bytes accepted but not yet written; puts beyond it are dropped.
+    pub queue_bytes: u64,
+}
+
+impl StoreConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.segment_bytes < 64 * 1024 {
+            return Err(format!("--segment-bytes {} is below the 64 KiB minimum", self.segment_bytes));
+        }
+        if self.capacity < 2 * self.segment_bytes {
+            return Err(format!(
+                "--capacity {} must hold at least two segments of --segment-bytes {} (one is kept free for compaction)",
+                self.capacity, self.segment_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// The largest record that fits a segment.
+    pub fn max_record(&self) -> u64 {
+        self.segment_bytes - HEADER_LEN as u64
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum StoreError {
+    #[error("invalid store configuration: {0}")]
+    Config(String),
+    #[error("store directory {dir}: {source}")]
+    Dir { dir: PathBuf, source: io::Error },
+    #[error("{0}")]
+    Io(#[from] io::Error),
+}
+
+/// A record someone wants to store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Offer {
+    pub key: Key,
+    pub kind: Kind,
+    pub parent: Option<Key>,
+    pub depth: u32,
+    pub len: u64,
+    pub pools: Pools,
+}
+
+/// The store's answer to an offer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accept {
+    Yes,
+    /// Stored already.
+    Have,
+    /// Someone else is putting it right now.
+    InFlight,
+    /// A page whose parent, or a snapshot whose page, is neither stored nor coming.
+    Orphan,
+    /// Larger than a segment.
+    TooLarge,
+}
+
+/// A record's bytes as read.
+#[derive(Clone, Debug)]
+pub struct Read {
+    pub data: Arc<Vec<u8>>,
+    pub checksum: u64,
+    pub pools: Pools,
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ReadError {
+    #[error("record {0} is not stored")]
+    Missing(usize),
+    #[error("record {0} failed its checksum and was dropped")]
+    Corrupt(usize),
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub disk_bytes: u64,
+    pub segments: u64,
+    pub pages: u64,
+    pub snapshots: u64,
+    pub stored: Pools,
+    pub queued_records: u64,
+    pub queued_bytes: u64,
+    /// Records evicted since start.
+    pub evictions: u64,
+}
+
+struct Queued {
+    key: Key,
+    kind: Kind,
+    parent: Option<Key>,
+    depth: u32,
+    pools: Pools,
+    data: Arc<Vec<u8>>,
+    checksum: u64,
+}
+
+struct Shared {
+    index: Index,
+    queue: VecDeque<Queued>,
+    queued_bytes: u64,
+    inflight: HashSet<(Key, Kind)>,
+    /// Readable segments.
+    files: HashMap<u64, Arc<File>>,
+    /// Bytes per segment file, and how many of them belong to live records.
+    seg_size: HashMap<u64, u64>,
+    seg_live: HashMap<u64, u64>,
+    stop: bool,
+}
+
+impl Shared {
+    fn disk_bytes(&self) -> u64 {
+        self.seg_size.values().sum()
+    }
+
+    /// Forget a record's bytes on disk (they become dead space).
+    fn unaccount(&mut self, rec: &Rec) {
+        if let Some((seg, _)) = rec.disk()
+            && let Some(l) = self.seg_live.get_mut(&seg)
+        {
+            *l = l.saturating_sub(rec.total());
+        }
+    }
+
+    fn account(&mut self, rec: &Rec) {
+        if let Some((seg, _)) = rec.disk() {
+            *self.seg_live.entry(seg).or_default() += rec.total();
+        }
+    }
+
+    /// Remove a record from the index and its bytes from the live count.
+    fn drop_record(&mut self, key: &Key, kind: Kind) -> Option<Rec> {
+        let rec = self.index.remove(key, kind)?;
+        self.unaccount(&rec);
+        Some(rec)
+    }
+
+    /// Put a record into the index, replacing (and unaccounting) an older copy.
+    fn index_record(&mut self, key: Key, kind: Kind, parent: Option<Key>, depth: u32, rec: Rec) {
+        self.account(&rec);
+        if let Some(old) = self.index.insert(key, kind, parent, depth, rec) {
+            self.unaccount(&old);
+        }
+    }
+}
+
+pub struct Store {
+    cfg: StoreConfig,
+    shared: Mutex<Shared>,
+    /// Wakes the writer (work queued, or stop).
+    work: Condvar,
+    /// Wakes waiters in [`Store::flush`] when the queue empties.
+    drained: Condvar,
+    metrics: KvstoreMetrics,
+    writer: Mutex<Option<JoinHandle<()>>>,
+    evictions: std::sync::atomic::AtomicU64,
+}
+
+impl Store {
+    /// Open (or create) the store in `cfg.dir`, recovering its index from the segment
+    /// files, and start the writer.
+    pub fn open(cfg: StoreConfig, metrics: KvstoreMetrics) -> Result<Arc<Store>, StoreError> {
+        cfg.validate().map_err(StoreError::Config)?;
+        let dir_err = |source| StoreError::Dir { dir: cfg.dir.clone(), source };
+        std::fs::create_dir_all(&cfg.dir).map_err(dir_err)?;
+        let (shared, next_id) = recover(&cfg)?;
+        let active = Segment::create(&cfg.dir, next_id).map_err(dir_err)?;
+        let store = Arc::new(Store {
+            cfg,
+            shared: Mutex::new(shared),
+            work: Condvar::new(),
+            drained: Condvar::new(),
+            metrics,
+            writer: Mutex::new(None),
+            evictions: Default::default(),
+        });
+        {
+            let mut s = store.lock();
+            s.files.insert(active.id, active.file.clone());
+            s.seg_size.insert(active.id, 0);
+            store.publish(&s);
+        }
+        let handle = std::thread::Builder::new().name("kvstore-writer".into()).spawn({
+            let store = store.clone();
+            move || Writer { store, active }.run()
+        })?;
+        *store.writer.lock().expect("not poisoned") = Some(handle);
+        Ok(store)
+    }
+
+    pub fn config(&self) -> &StoreConfig {
+        &self.cfg
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Shared> {
+        self.shared.lock().expect("the store lock is never poisoned: no panics while held")
+    }
+
+    /// Refresh the gauges from the state.
+    fn publish(&self, s: &Shared) {
+        let (_, _, stored) = s.index.totals();
+        let (mut counts, mut bytes) = ([0u64; 4], [0u64; 4]);
+        for (_, _, r) in s.index.records() {
+            for (i, (_, b)) in r.pools.labelled().iter().enumerate() {
+                if *b > 0 {
+                    counts[i] += 1;
+                    bytes[i] += b;
+                }
+            }
+        }
+        let labels = stored.labelled();
+        let rows: Vec<(&str, u64, u64)> = (0..4).map(|i| (labels[i].0, counts[i], bytes[i])).collect();
+        self.metrics.set_stored(&rows);
+        self.metrics.disk_bytes.set(s.disk_bytes() as i64);
+        self.metrics.capacity_bytes.set(self.cfg.capacity as i64);
+        self.metrics.queue_records.set(s.queue.len() as i64);
+        self.metrics.queue_bytes.set(s.queued_bytes as i64);
+    }
+
+    /// The longest run of leading `keys` with pages, and the boundaries with snapshots.
+    pub fn lookup(&self, keys: &[Key], block_tokens: u64) -> (usize, Vec<usize>) {
+        let found = self.lock().index.lookup(keys);
+        let m = &self.metrics;
+        m.lookups.inc();
+        m.query_tokens.inc_by(keys.len() as u64 * block_tokens);
+        m.hit_tokens.inc_by(found.0 as u64 * block_tokens);
+        m.miss_tokens.inc_by((keys.len() - found.0) as u64 * block_tokens);
+        found
+    }
+
+    /// Decide which offered records to take; those accepted are reserved until
+    /// [`Self::commit`] or [`Self::withdraw`].
+    pub fn offer(&self, offers: &[Offer]) -> Vec<Accept> {
+        let max = self.cfg.max_record();
+        let mut s = self.lock();
+        let mut coming: HashSet<(Key, Kind)> = HashSet::new();
+        let mut out = Vec::with_capacity(offers.len());
+        for o in offers {
+            let present = |s: &Shared, key: &Key, kind: Kind, coming: &HashSet<(Key, Kind)>| {
+                s.index.has(key, kind) || s.inflight.contains(&(*key, kind)) || coming.contains(&(*key, kind))
+            };
+            let a = if o.len == 0 || o.len > max {
+                Accept::TooLarge
+            } else if s.index.has(&o.key, o.kind) {
+                Accept::Have
+            } else if s.inflight.contains(&(o.key, o.kind)) || coming.contains(&(o.key, o.kind)) {
+                Accept::InFlight
+            } else {
+                let anchored = match o.kind {
+                    Kind::Page => o.parent.is_none_or(|p| present(&s, &p, Kind::Page, &coming)),
+                    _ => present(&s, &o.key, Kind::Page, &coming),
+                };
+                if anchored { Accept::Yes } else { Accept::Orphan }
+            };
+            if a == Accept::Yes {
+                coming.insert((o.key, o.kind));
+            }
+            out.push(a);
+        }
+        s.inflight.extend(coming);
+        out
+    }
+
+    /// Give up reservations from [`Self::offer`].
+    pub fn withdraw(&self, records: &[(Key, Kind)]) {
+        let mut s = self.lock();
+        for r in records {
+            s.inflight.remove(r);
+        }
+    }
+
+    /// Store an accepted record: it is readable at once and written behind. Fails
+    /// (dropping it) when the write queue is full.
+    pub fn commit(&self, offer: &Offer, data: Vec<u8>) -> Result<(), &'static str> {
+        let mut s = self.lock();
+        s.inflight.remove(&(offer.key, offer.kind));
+        if s.queued_bytes + data.len() as u64 > self.cfg.queue_bytes {
+            self.metrics.dropped("queue_full");
+            return Err("queue_full");
+        }
+        let data = Arc::new(data);
+        let sum = checksum(&data);
+        let rec =
+            Rec { loc: Loc::Queued(data.clone()), len: data.len() as u64, checksum: sum, pools: offer.pools, pins: 0 };
+        s.index_record(offer.key, offer.kind, offer.parent, offer.depth, rec);
+        s.queued_bytes += data.len() as u64;
+        s.queue.push_back(Queued {
+            key: offer.key,
+            kind: offer.kind,
+            parent: offer.parent,
+            depth: offer.depth,
+            pools: offer.pools,
+            data,
+            checksum: sum,
+        });
+        self.publish(&s);
+        self.work.notify_one();
+        Ok(())
+    }
+
+    /// Read records; each is pinned (never evicted) while it is read. A record read
+    /// from disk is checked against its checksum; one that fails is dropped from the
+    /// index and reported, never returned.
+    pub fn read(&self, wanted: &[(Key, Kind)]) -> Result<Vec<Read>, ReadError> {
+        let mut plan = Vec::with_capacity(wanted.len());
+        {
+            let mut s = self.lock();
+            for (i, (key, kind)) in wanted.iter().enumerate() {
+                let Some(rec) = s.index.get(key, *kind).cloned() else {
+                    unpin(&mut s, &wanted[..i]);
+                    return Err(ReadError::Missing(i));
+                };
+                s.index.get_mut(key, *kind).expect("present").pins += 1;
+                let file = rec.disk().and_then(|(seg, _)| s.files.get(&seg).cloned());
+                plan.push((rec, file));
+            }
+        }
+        let mut out = Vec::with_capacity(plan.len());
+        let mut bad = None;
+        for (i, (rec, file)) in plan.into_iter().enumerate() {
+            let data = match (&rec.loc, file) {
+                (Loc::Queued(d), _) => Ok(d.clone()),
+                (Loc::Disk { offset, .. }, Some(f)) => read_record(&f, *offset).and_then(|(h, payload)| {
+                    let (key, kind) = wanted[i];
+                    if h.key != key || h.kind != kind || h.payload_checksum != rec.checksum {
+                        Err(io::Error::new(io::ErrorKind::InvalidData, "the record there is another one"))
+                    } else {
+                        Ok(Arc::new(payload))
+                    }
+                }),
+                (Loc::Disk { .. }, None) => Err(io::Error::new(io::ErrorKind::NotFound, "segment gone")),
+            };
+            match data {
+                Ok(d) => out.push(Read { data: d, checksum: rec.checksum, pools: rec.pools }),
+                Err(e) => {
+                    tracing::error!(error = %e, record = i, "a stored record failed its check; dropping it");
+                    bad = Some(i);
+                    break;
+                }
+            }
+        }
+        let mut s = self.lock();
+        unpin(&mut s, wanted);
+        if let Some(i) = bad {
+            self.metrics.corrupt.inc();
+            let (key, kind) = wanted[i];
+            s.drop_record(&key, kind);
+            if kind == Kind::Page {
+                s.drop_record(&key, Kind::Snapshot);
+            }
+            self.publish(&s);
+            return Err(ReadError::Corrupt(i));
+        }
+        drop(s);
+        for r in &out {
+            self.metrics.read(&r.pools.labelled());
+        }
+        Ok(out)
+    }
+
+    /// Delete `keys` and everything chained after them (or everything, with `all`).
+    /// Deleted records stay deleted across restarts (tombstones are logged).
+    pub fn delete(&self, keys: &[Key], all: bool) -> usize {
+        let mut s = self.lock();
+        let targets: Vec<Key> = if all {
+            s.index.keys()
+        } else {
+            let mut t: Vec<Key> = keys.iter().flat_map(|k| s.index.subtree(k)).collect();
+            t.sort_unstable();
+            t.dedup();
+            t
+        };
+        let mut deleted = 0;
+        for key in targets {
+            for kind in [Kind::Snapshot, Kind::Page] {
+                let Some(rec) = s.drop_record(&key, kind) else { continue };
+                deleted += 1;
+                if let Some((seg, offset)) = rec.disk() {
+                    let payload = tombstone_payload(seg, offset);
+                    s.queued_bytes += payload.len() as u64;
+                    s.queue.push_back(Queued {
+                        key,
+                        kind: Kind::Tombstone,
+                        parent: None,
+                        depth: kind.code() as u32,
+                        pools: Pools::default(),
+                        checksum: checksum(&payload),
+                        data: Arc::new(payload),
+                    });
+                }
+            }
+        }
+        self.publish(&s);
+        self.work.notify_one();
+        deleted
+    }
+
+    pub fn stats(&self) -> Stats {
+        let s = self.lock();
+        let (pages, snapshots, stored) = s.index.totals();
+        Stats {
+            disk_bytes: s.disk_bytes(),
+            segments: s.seg_size.len() as u64,
+            pages,
+            snapshots,
+            stored,
+            queued_records: s.queue.len() as u64,
+            queued_bytes: s.queued_bytes,
+            evictions: self.evictions.load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    /// Wait until everything queued is on disk (bounded).
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.lock();
+        while !s.queue.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            s = self.drained.wait_timeout(s, left).expect("not poisoned").0;
+        }
+        true
+    }
+
+    /// Write out what is queued, then stop the writer.
+    pub fn shutdown(&self) {
+        self.lock().stop = true;
+        self.work.notify_all();
+        if let Some(h) = self.writer.lock().expect("not poisoned").take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn unpin(s: &mut Shared, records: &[(Key, Kind)]) {
+    for (key, kind) in records {
+        if let Some(r) = s.index.get_mut(key, *kind) {
+            r.pins = r.pins.saturating_sub(1);
+        }
+    }
+}
+
+/// Rebuild the index from the segment files: records in log order (a later copy of a
+/// record wins; tombstones delete the copy they name), torn or damaged tails cut off,
+/// and what no lookup can reach dropped. Returns the state and the next segment id.
+fn recover(cfg: &StoreConfig) -> Result<(Shared, u64), StoreError> {
+    let ids = segment::list(&cfg.dir).map_err(|source| StoreError::Dir { dir: cfg.dir.clone(), source })?;
+    let mut s = Shared {
+        index: Index::default(),
+        queue: VecDeque::new(),
+        queued_bytes: 0,
+        inflight: HashSet::new(),
+        files: HashMap::new(),
+        seg_size: HashMap::new(),
+        seg_live: HashMap::new(),
+        stop: false,
+    };
+    let started = Instant::now();
+    for (i, &id) in ids.iter().enumerate() {
+        let mut seg = Segment::open(&cfg.dir, id)?;
+        // A crash can only tear the segments being written last; older ones are
+        // checked record by record when read.
+        let last = i + 1 == ids.len() || i + 2 == ids.len();
+        let (found, end) = seg.scan(last)?;
+        if end < seg.size {
+            tracing::warn!(segment = id, kept = end, cut = seg.size - end, "cutting a torn or damaged segment tail");
+            seg.truncate(end)?;
+        }
+        for f in found {
+            let h = f.header;
+            match h.kind {
+                Kind::Tombstone => {
+                    let (Some(kind), Some((kseg, koff))) =
+                        (Kind::from_code(h.depth as u8), f.tombstone.as_deref().and_then(parse_tombstone))
+                    else {
+                        continue;
+                    };
+                    if s.index.get(&h.key, kind).and_then(Rec::disk) == Some((kseg, koff)) {
+                        s.drop_record(&h.key, kind);
+                    }
+                }
+                kind => {
+                    let rec = Rec {
+                        loc: Loc::Disk { seg: id, offset: f.offset },
+                        len: h.payload_len,
+                        checksum: h.payload_checksum,
+                        pools: h.pools,
+                        pins: 0,
+                    };
+                    s.index_record(h.key, kind, h.parent, h.depth, rec);
+                }
+            }
+        }
+        s.seg_size.insert(id, seg.size);
+        s.seg_live.entry(id).or_default();
+        s.files.insert(id, seg.file.clone());
+    }
+    for (_, _, rec) in s.index.prune_unreachable() {
+        s.unaccount(&rec);
+    }
+    let (pages, snapshots, _) = s.index.totals();
+    tracing::info!(
+        dir = %cfg.dir.display(),
+        segments = ids.len(),
+        pages,
+        snapshots,
+        disk_bytes = s.disk_bytes(),
+        ms = started.elapsed().as_millis() as u64,
+        "kvstore index recovered"
+    );
+    Ok((s, ids.last().map_or(1, |l| l + 1)))
+}
+
+/// The thread that owns appending.
+struct Writer {
+    store: Arc<Store>,
+    active: Segment,
+}
+
+impl Writer {
+    fn run(mut self) {
+        let mut dirty = false;
+        loop {
+            let next = {
+                let mut s = self.store.lock();
+                loop {
+                    if let Some(q) = s.queue.front() {
+                        break Some((q.key, q.kind, q.parent, q.depth, q.pools, q.data.clone(), q.checksum));
+                    }
+                    if s.stop {
+                        break None;
+                    }
+                    if dirty {
+                        break None;
+                    }
+                    s = self.store.work.wait(s).expect("not poisoned");
+                }
+            };
+            let Some((key, kind, parent, depth, pools, data, sum)) = next else {
+                if dirty {
+                    // Idle: make what was written durable before sleeping.
+                    if let Err(e) = self.active.sync() {
+                        tracing::warn!(error = %e, "kvstore: fsync failed");
+                    }
+                    dirty = false;
+                    continue;
+                }
+                break;
+            };
+            self.write_one(key, kind, parent, depth, pools, &data, sum);
+            dirty = true;
+        }
+        let _ = self.active.sync();
+    }
+
+    fn still_wanted(&self, key: &Key, kind: Kind, data: &Arc<Vec<u8>>) -> bool {
+        if kind == Kind::Tombstone {
+            return true;
+        }
+        let s = self.store.lock();
+        matches!(s.index.get(key, kind).map(|r| &r.loc), Some(Loc::Queued(d)) if Arc::ptr_eq(d, data))
+    }
+
+    /// Append one queued record (unless it was deleted or evicted meanwhile), making
+    /// room first.
+    #[allow(clippy::too_many_arguments)]
+    fn write_one(
+        &mut self,
+        key: Key,
+        kind: Kind,
+        parent: Option<Key>,
+        depth: u32,
+        pools: Pools,
+        data: &Arc<Vec<u8>>,
+        sum: u64,
+    ) {
+        let header = Header { kind, depth, key, parent, pools, payload_len: data.len() as u64, payload_checksum: sum };
+        let mut outcome: Result<Option<(u64, u64)>, &'static str> = Ok(None);
+        if self.still_wanted(&key, kind, data) {
+            outcome = self.make_room(header.total_len()).and_then(|()| {
+                self.append(&header, data).map(Some).map_err(|e| {
+                    tracing::warn!(error = %e, "kvstore: a record could not be written; serving continues");
+                    "write_error"
+                })
+            });
+        }
+        let store = self.store.clone();
+        let mut s = store.lock();
+        let q = s.queue.pop_front().expect("the writer is the only consumer");
+        s.queued_bytes -= q.data.len() as u64;
+        let ours = |s: &Shared| matches!(s.index.get(&key, kind).map(|r| &r.loc), Some(Loc::Queued(d)) if Arc::ptr_eq(d, data));
+        match outcome {
+            Ok(Some((seg, offset))) if kind != Kind::Tombstone => {
+                if ours(&s) {
+                    let rec = s.index.get_mut(&key, kind).expect("ours");
+                    rec.loc = Loc::Disk { seg, offset };
+                    let rec = rec.clone();
+                    s.account(&rec);
+                    self.store.metrics.written(&pools.labelled());
+                }
+            }
+            Ok(_) => {}
+            Err(reason) => {
+                if reason == "write_error" {
+                    self.store.metrics.write_errors.inc();
+                } else {
+                    self.store.metrics.dropped(reason);
+                }
+                if ours(&s) {
+                    s.drop_record(&key, kind);
+                    if kind == Kind::Page {
+                        s.drop_record(&key, Kind::Snapshot);
+                    }
+                }
+            }
+        }
+        self.store.publish(&s);
+        if s.queue.is_empty() {
+            self.store.drained.notify_all();
+        }
+    }
+
+    /// Append to the active segment (starting a new one when this record would not
+    /// fit); returns (segment, offset).
+    fn append(&mut self, header: &Header, payload: &[u8]) -> io::Result<(u64, u64)> {
+        if self.active.size > 0 && self.active.size + header.total_len() > self.store.cfg.segment_bytes {
+            self.rotate()?;
+        }
+        let before = self.active.size;
+        let result = self.active.append(header, payload);
+        let mut s = self.store.lock();
+        s.seg_size.insert(self.active.id, self.active.size);
+        if let Err(e) = result {
+            debug_assert_eq!(self.active.size, before);
+            return Err(e);
+        }
+        drop(s);
+        result.map(|offset| (self.active.id, offset))
+    }
+
+    fn rotate(&mut self) -> io::Result<()> {
+        self.active.sync()?;
+        let next = Segment::create(&self.store.cfg.dir, self.active.id + 1)?;
+        let mut s = self.store.lock();
+        s.files.insert(next.id, next.file.clone());
+        s.seg_size.insert(next.id, 0);
+        s.seg_live.entry(next.id).or_default();
+        drop(s);
+        self.active = next;
+        Ok(())
+    }
+
+    /// Reclaim space until `need` more bytes fit under the capacity less one segment
+    /// of headroom: compact the segment with the most dead bytes, or, when there is
+    /// none, evict.
+    fn make_room(&mut self, need: u64) -> Result<(), &'static str> {
+        let cfg = &self.store.cfg;
+        let limit = cfg.capacity - cfg.segment_bytes;
+        loop {
+            let (disk, candidate, active_dead) = {
+                let s = self.store.lock();
+                let dead = |id: &u64| s.seg_size[id].saturating_sub(*s.seg_live.get(id).unwrap_or(&0));
+                let candidate = s
+                    .seg_size
+                    .keys()
+                    .filter(|id| **id != self.active.id && dead(id) > 0)
+                    .max_by_key(|id| (dead(id), std::cmp::Reverse(**id)))
+                    .copied();
+                (s.disk_bytes(), candidate, dead(&self.active.id))
+            };
+            if disk + need <= limit {
+                return Ok(());
+            }
+            if let Some(seg) = candidate {
+                if let Err(e) = self.compact(seg) {
+                    tracing::warn!(segment = seg, error = %e, "kvstore: compaction failed");
+                    return Err("write_error");
+                }
+                continue;
+            }
+            if active_dead > 0 {
+                self.rotate().map_err(|_| "write_error")?;
+                continue;
+            }
+            let mut s = self.store.lock();
+            let Some((key, kind)) = s.index.victim() else {
+                return Err("no_room");
+            };
+            let mut evicted = vec![(key, kind)];
+            if kind == Kind::Page && s.index.has(&key, Kind::Snapshot) {
+                evicted.push((key, Kind::Snapshot));
+            }
+            for (k, kind) in evicted {
+                if let Some(rec) = s.drop_record(&k, kind) {
+                    self.store.metrics.evicted(&rec.pools.labelled());
+                    self.store.evictions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            self.store.publish(&s);
+        }
+    }
+
+    /// Copy a segment's live records (and the tombstones still needed) to the active
+    /// segment, then delete it.
+    fn compact(&mut self, seg: u64) -> io::Result<()> {
+        let file = {
+            let s = self.store.lock();
+            match s.files.get(&seg) {
+                Some(f) => f.clone(),
+                None => return Ok(()),
+            }
+        };
+        let size = self.store.lock().seg_size[&seg];
+        let view = Segment { id: seg, file: file.clone(), size };
+        let (found, _) = view.scan(false)?;
+        for f in found {
+            let h = f.header;
+            if h.kind == Kind::Tombstone {
+                let needed = f
+                    .tombstone
+                    .as_deref()
+                    .and_then(parse_tombstone)
+                    .is_some_and(|(kseg, _)| kseg != seg && self.store.lock().files.contains_key(&kseg));
+                if needed {
+                    let payload = f.tombstone.expect("parsed above");
+                    self.append(&h, &payload)?;
+                }
+                continue;
+            }
+            let live = self.store.lock().index.get(&h.key, h.kind).and_then(Rec::disk) == Some((seg, f.offset));
+            if !live {
+                continue;
+            }
+            let (_, payload) = match read_record(&file, f.offset) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(segment = seg, offset = f.offset, error = %e, "kvstore: dropping a damaged record");
+                    self.store.metrics.corrupt.inc();
+                    let mut s = self.store.lock();
+                    s.drop_record(&h.key, h.kind);
+                    continue;
+                }
+            };
+            let (nseg, noff) = self.append(&h, &payload)?;
+            let mut s = self.store.lock();
+            if s.index.get(&h.key, h.kind).and_then(Rec::disk) == Some((seg, f.offset)) {
+                let rec = s.index.get_mut(&h.key, h.kind).expect("live");
+                rec.loc = Loc::Disk { seg: nseg, offset: noff };
+                let rec = rec.clone();
+                *s.seg_live.entry(nseg).or_default() += rec.total();
+            }
+        }
+        // The copies must be durable before the originals go.
+        self.active.sync()?;
+        {
+            let mut s = self.store.lock();
+            s.files.remove(&seg);
+            s.seg_size.remove(&seg);
+            s.seg_live.remove(&seg);
+            self.store.publish(&s);
+        }
+        std::fs::remove_file(segment::path(&self.store.cfg.dir, seg))?;
+        tracing::debug!(segment = seg, "kvstore: segment compacted");
+        Ok(())
+    }
+}
