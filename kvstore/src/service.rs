@@ -322,7 +322,12 @@ impl KvStore for Shared {
             regions: req.regions.iter().map(region).collect(),
             records: records.iter().map(|r| r.data.clone()).collect(),
             pieces,
-            timeout: self.get_timeout,
+            timeout: if req.deadline_ms == 0 {
+                self.get_timeout
+            } else {
+                // What is left of the caller's wait; nothing may land after it.
+                Duration::from_millis(req.deadline_ms).saturating_sub(started.elapsed()).min(self.get_timeout)
+            },
         };
         let stats = self
             .bulk

@@ -55,12 +55,19 @@ pub struct PrefillConfig {
     /// Cluster name (etcd key prefix).
     #[arg(long, env = "SLUICE_CLUSTER", default_value = "default")]
     pub cluster: String,
-    /// CPU threads for compute (default: all cores).
     /// On SIGTERM, how long running requests may take to finish before the worker exits.
     #[arg(long, env = "SLUICE_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    /// CPU threads for compute (default: all cores).
     #[arg(long, env = "SLUICE_THREADS")]
     pub threads: Option<usize>,
+    /// The shared-prefix kvstore (e.g. http://kvstore:50070); prompts sharing a cached
+    /// prefix restore it instead of computing it. Without it every prompt is cold.
+    #[arg(long, env = "SLUICE_KVSTORE")]
+    pub kvstore: Option<String>,
+    /// Longest a kvstore lookup or fetch may take before the prompt goes on cold (ms).
+    #[arg(long, env = "SLUICE_KVSTORE_TIMEOUT_MS", default_value_t = 2_000)]
+    pub kvstore_timeout_ms: u64,
     /// Serve test hooks (DumpKv).
     #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
     pub debug_hooks: bool,
@@ -83,6 +90,12 @@ impl PrefillConfig {
         cluster::net::check_listen("--listen", &self.listen)?;
         cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
+        if let Some(k) = &self.kvstore {
+            cluster::net::check_endpoints("--kvstore", std::slice::from_ref(k))?;
+        }
+        if self.kvstore_timeout_ms == 0 {
+            return Err("--kvstore-timeout-ms must be at least 1".into());
+        }
         for (flag, v) in [
             ("--max-pages", self.max_pages),
             ("--max-sequences", self.max_sequences),

@@ -10,7 +10,11 @@
 //! `prefill.compute` and `kv_transfer` spans are children of it. Gauges are set at the
 //! end of every pass of the loop, after every change of state.
 
+mod put;
+mod restore;
+
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::mpsc as std_mpsc;
 use std::time::{Duration, Instant};
 
@@ -25,6 +29,10 @@ use tonic::Status;
 use tracing::Span;
 use transfer::{Checksums, SendParts, Sender, Target, WireGeometry};
 
+pub use restore::RestoreTarget;
+
+use crate::prefix_cache::{FetchError, Prefix, PrefixCache};
+
 pub struct Job {
     pub request_id: String,
     pub reservation_id: String,
@@ -38,6 +46,11 @@ pub struct Job {
     pub trace: TraceContext,
     /// `prefill.queue`, open from arrival until the job starts.
     pub queue_span: Span,
+    /// What the prefix cache holds of this prompt and how to resume from it.
+    pub prefix: Option<Prefix>,
+    /// Where to send the pages and slot a planned restore must fill (dropped when the
+    /// prompt starts cold).
+    pub restore: Option<oneshot::Sender<RestoreTarget>>,
 }
 
 impl Job {
@@ -51,6 +64,8 @@ impl Job {
 pub struct Done {
     pub checksums: Checksums,
     pub tokens: usize,
+    pub cached_tokens: usize,
+    pub recompute_tokens: usize,
     pub queue: Duration,
     pub compute: Duration,
     pub transfer: Duration,
@@ -71,6 +86,11 @@ pub enum Command {
         reservation_id: String,
         reply: oneshot::Sender<Option<pb::KvDump>>,
     },
+    /// The store wrote (or failed to write) a restore's records.
+    Restored {
+        reservation_id: String,
+        result: Result<Vec<u64>, FetchError>,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -81,7 +101,7 @@ pub enum CancelOutcome {
     Finished,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct LoopConfig {
     pub token_budget: usize,
     pub transfer_timeout: Duration,
@@ -89,6 +109,8 @@ pub struct LoopConfig {
     /// Test hook: a pause after a step computes, before finished prompts are written.
     pub transfer_delay: Duration,
     pub metrics: PrefillMetrics,
+    /// The shared-prefix store, and the runtime its (blocking) puts run on.
+    pub cache: Option<(Arc<PrefixCache>, tokio::runtime::Handle)>,
 }
 
 struct Active {
@@ -98,6 +120,11 @@ struct Active {
     compute: Duration,
     /// `prefill.compute`, open until the last chunk is computed.
     span: Span,
+    /// Tokens restored from the prefix cache, and recomputed to rebuild state.
+    cached: usize,
+    recomputed: usize,
+    /// Window snapshots taken at block boundaries for the store: (boundary, bytes).
+    snapshots: Vec<(usize, Vec<u8>)>,
 }
 
 struct State {
@@ -116,6 +143,11 @@ struct State {
     /// arrives after its cancel (the router gave up while the call was in flight) is
     /// refused, so a `Cancelled` reply is a promise that nothing will be written.
     tombstones: VecDeque<String>,
+    /// Prompts whose cached prefix the store is writing into their pages.
+    restoring: Vec<restore::Restoring>,
+    /// Sequences a store might still write into (a fetch given up on): released once
+    /// the fetch's deadline has passed.
+    quarantine: Vec<(Instant, Sequence)>,
 }
 
 const KEPT_FINISHED: usize = 4096;
@@ -151,6 +183,8 @@ pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std
             dumps: VecDeque::new(),
             finished: VecDeque::new(),
             tombstones: VecDeque::new(),
+            restoring: Vec::new(),
+            quarantine: Vec::new(),
         };
         s.run(rx);
     })?;
@@ -167,13 +201,24 @@ impl State {
         self.publish();
         loop {
             let idle = self.queue.is_empty() && self.active.is_empty();
-            let first = if idle { rx.recv().ok() } else { rx.try_recv().ok() };
-            if idle && first.is_none() {
-                break; // every sender is gone
-            }
+            let first = if !idle {
+                rx.try_recv().ok()
+            } else if let Some(wake) = self.next_wake() {
+                match rx.recv_timeout(wake.saturating_duration_since(Instant::now())) {
+                    Ok(c) => Some(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => break, // every sender is gone
+                }
+            };
             for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
                 self.handle(cmd);
             }
+            self.expire_restores();
             self.admit();
             if !self.active.is_empty() {
                 self.step(rx);
@@ -183,6 +228,9 @@ impl State {
         for a in self.active.drain(..) {
             let _ = a.job.reply.send(Err(Status::unavailable("prefill worker shutting down")));
             self.engine.release(a.seq);
+        }
+        for r in self.restoring.drain(..) {
+            let _ = r.job.reply.send(Err(Status::unavailable("prefill worker shutting down")));
         }
     }
 
@@ -216,6 +264,12 @@ impl State {
                     let _ = a.job.reply.send(Err(Status::cancelled("prefill cancelled")));
                     self.engine.release(a.seq);
                     CancelOutcome::Cancelled
+                } else if let Some(i) = self.restoring.iter().position(|r| r.job.reservation_id == reservation_id) {
+                    // The store may still be writing into its pages: they wait out the fetch.
+                    let r = self.restoring.remove(i);
+                    let _ = r.job.reply.send(Err(Status::cancelled("prefill cancelled")));
+                    self.quarantine.push((r.fetch_deadline, r.seq));
+                    CancelOutcome::Cancelled
                 } else if self.finished.contains(&reservation_id) {
                     CancelOutcome::Finished
                 } else {
@@ -228,51 +282,79 @@ impl State {
                 let _ = reply.send(outcome);
             }
             Command::Load { reply } => {
-                let queued: usize = self.queue.iter().map(|j| j.tokens.len()).sum::<usize>()
+                let cost = |j: &Job| j.tokens.len() - j.prefix.as_ref().map_or(0, |p| p.plan.cached_tokens);
+                let queued: usize = self.queue.iter().map(cost).sum::<usize>()
+                    + self.restoring.iter().map(|r| cost(&r.job)).sum::<usize>()
                     + self.active.iter().map(|a| a.job.tokens.len() - a.seq.len()).sum::<usize>();
                 let _ = reply.send(pb::PrefillLoad {
                     queued_tokens: queued as u64,
-                    queued_requests: (self.queue.len() + self.active.len()) as u32,
+                    queued_requests: (self.queue.len() + self.restoring.len() + self.active.len()) as u32,
+                    fingerprint: self.engine.fingerprint.hex(),
                 });
             }
             Command::Dump { reservation_id, reply } => {
                 let _ = reply.send(self.dumps.iter().find(|(id, _)| *id == reservation_id).map(|(_, d)| d.clone()));
             }
+            Command::Restored { reservation_id, result } => self.restored(&reservation_id, result),
         }
     }
 
-    /// Start queued prompts while there are slots and pages for them.
+    /// Start queued prompts while there are slots and pages for them: a prompt with a
+    /// cached prefix first has the store fill its pages (see `restore`), the others go
+    /// straight to the running set.
     fn admit(&mut self) {
+        let block = self.engine.cache.layout.block;
         while let Some(job) = self.queue.front() {
             let stats = self.engine.pool_stats();
-            let pages = job.tokens.len().div_ceil(self.engine.cache.layout.block);
-            let block = self.engine.cache.layout.block;
-            let reserved: usize =
-                self.active.iter().map(|a| a.job.tokens.len().div_ceil(block) - a.seq.pages().len()).sum();
+            let pages = job.tokens.len().div_ceil(block);
+            let still_needed = |tokens: usize, have: usize| tokens.div_ceil(block) - have;
+            let reserved: usize = self
+                .active
+                .iter()
+                .map(|a| still_needed(a.job.tokens.len(), a.seq.pages().len()))
+                .chain(self.restoring.iter().map(|r| still_needed(r.job.tokens.len(), r.seq.pages().len())))
+                .sum();
             if stats.slots_used == stats.slots_total || stats.pages_total - stats.pages_used < pages + reserved {
                 break;
             }
             let mut job = self.queue.pop_front().expect("front");
             drop(std::mem::replace(&mut job.queue_span, Span::none()));
-            // No prefix cache yet: every prompt token is looked up in every pool and missed.
             for pool in KV_POOLS {
                 self.cfg.metrics.prefix_lookup(pool, job.tokens.len() as u64, 0);
             }
             match self.engine.open_sequence() {
                 Ok(seq) => {
-                    let span = tracing::info_span!(
-                        "prefill.compute",
-                        request_id = %job.request_id,
-                        tokens = job.tokens.len()
-                    );
-                    let span = job.adopt(span);
-                    self.active.push(Active { job, seq, started: Instant::now(), compute: Duration::ZERO, span });
+                    // Unless the store is filling its prefix, it starts cold now.
+                    if let Some((job, seq)) = self.start_restore(job, seq) {
+                        self.start(job, seq, 0, 0);
+                    }
                 }
                 Err(e) => {
                     let _ = job.reply.send(Err(Status::resource_exhausted(e.to_string())));
                 }
             }
         }
+    }
+
+    /// Put a prompt into the running set, `cached` of its tokens already in `seq`.
+    fn start(&mut self, job: Job, seq: Sequence, cached: usize, recomputed: usize) {
+        let span = tracing::info_span!(
+            "prefill.compute",
+            request_id = %job.request_id,
+            tokens = job.tokens.len(),
+            cached_tokens = cached
+        );
+        let span = job.adopt(span);
+        self.active.push(Active {
+            job,
+            seq,
+            started: Instant::now(),
+            compute: Duration::ZERO,
+            span,
+            cached,
+            recomputed,
+            snapshots: Vec::new(),
+        });
     }
 
     fn step(&mut self, rx: &std_mpsc::Receiver<Command>) {
@@ -283,7 +365,11 @@ impl State {
                 break;
             }
             let from = a.seq.len();
-            let to = (from + budget).min(a.job.tokens.len());
+            let mut to = (from + budget).min(a.job.tokens.len());
+            // A chunk ends where the store wants a window snapshot.
+            if let Some(k) = self.next_snapshot(&a.job, from) {
+                to = to.min(k * self.engine.cache.layout.block);
+            }
             budget -= to - from;
             chunks.push((i, from, to));
         }
@@ -316,6 +402,9 @@ impl State {
             }
         };
         let mut finished = Vec::new();
+        for &(i, _, to) in &chunks {
+            self.take_snapshot(i, to);
+        }
         for (&(i, from, to), l) in chunks.iter().zip(logits) {
             self.cfg.metrics.tokens.inc_by((to - from) as u64);
             self.active[i].compute += elapsed;
@@ -368,11 +457,16 @@ impl State {
         if self.finished.len() > KEPT_FINISHED {
             self.finished.pop_front();
         }
-        self.engine.release(a.seq);
         let _ = a.job.reply.send(reply);
+        // Off the request's path: its KV is with the decode worker (or failed to get
+        // there); the blocks the store lacks go to it before the pages are reused.
+        self.put_blocks(&a.job.request_id, &a.job.tokens, a.job.prefix.as_ref(), &a.seq, &a.snapshots);
+        self.engine.release(a.seq);
     }
 
     fn send(&mut self, a: &Active, logits: &[f32]) -> Result<Done, Status> {
+        let cached_tokens = a.cached;
+        let recompute_tokens = a.recomputed;
         let now = Instant::now();
         if now >= a.job.deadline {
             return Err(Status::deadline_exceeded("the reservation's lease ended before its prefill finished"));
@@ -404,6 +498,8 @@ impl State {
         Ok(Done {
             checksums,
             tokens: n,
+            cached_tokens,
+            recompute_tokens,
             queue: a.started - a.job.enqueued,
             compute: a.compute,
             transfer: stats.elapsed,

@@ -3,16 +3,24 @@
 //! slot, last-token logits) into the decode worker's reservation over UCX, and commits
 //! it there with checksums.
 //!
+//! With `--kvstore`, a prompt whose prefix is cached restores it (the store writes the
+//! pages, and a window snapshot or a rebuild recreates the window state) and computes
+//! only the rest; finished prompts offer their blocks back.
+//!
 //! Module map:
 //! - [`config`]: flags and environment, validated once.
-//! - `engine_loop`: the engine thread (queue, batching, transfer).
-//! - `service`: the gRPC adapter (validation, commit on the decode worker).
+//! - `memory`: UCX regions handed to the engine as KV memory (the store writes there).
+//! - `prefix_cache`: the kvstore client (lookup, fetch, put).
+//! - `engine_loop`: the engine thread (queue, batching, restores, transfer, puts).
+//! - `service`: the gRPC adapter (validation, lookup, commit on the decode worker).
 //!
 //! Metrics (`cluster::telemetry::PrefillMetrics`) are recorded by the engine thread and
 //! served on `--metrics-listen`; trace spans continue the router's trace.
 
 pub mod config;
 mod engine_loop;
+mod memory;
+mod prefix_cache;
 mod service;
 
 use std::collections::HashMap;
@@ -20,7 +28,6 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use cluster::discovery::{EtcdConfig, Member, Registration, Role, new_member_id};
-use engine::{CpuBackend, Engine, EngineOptions};
 use sluice_proto::v1::prefill_server::PrefillServer;
 use thiserror::Error;
 use tokio::net::TcpListener;
@@ -35,6 +42,10 @@ pub enum WorkerError {
     Config(String),
     #[error(transparent)]
     Engine(#[from] engine::EngineError),
+    #[error(transparent)]
+    ModelConfig(#[from] model_spec::ConfigError),
+    #[error(transparent)]
+    Transfer(#[from] transfer::TransferError),
     #[error(transparent)]
     Discovery(#[from] cluster::discovery::DiscoveryError),
     #[error("gRPC server: {0}")]
@@ -55,13 +66,22 @@ pub async fn run(
     let bound = listener.local_addr()?;
     let registry = cluster::telemetry::metrics::registry("prefill-worker");
     let recorder = cluster::telemetry::PrefillMetrics::new(&registry);
-    let opts = EngineOptions {
-        kv_dtype: cfg.kv_dtype,
-        max_pages: cfg.max_pages,
-        max_sequences: cfg.max_sequences,
-        max_chunk_tokens: cfg.token_budget,
+    let receiver = transfer::Receiver::start()?;
+    let (engine, regions) = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
+    let cache = match &cfg.kvstore {
+        Some(url) => Some(
+            prefix_cache::PrefixCache::new(
+                url,
+                engine.fingerprint.clone(),
+                engine.model.layout.clone(),
+                engine.config().num_layers,
+                regions,
+                Duration::from_millis(cfg.kvstore_timeout_ms),
+            )
+            .map_err(WorkerError::Config)?,
+        ),
+        None => None,
     };
-    let engine = tokio::task::block_in_place(|| Engine::load(&cfg.model, CpuBackend::new(), opts))?;
     let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
     let (vocab, max_position) = (engine.config().vocab_size, engine.config().max_position);
     let fingerprint = engine.fingerprint.hex();
@@ -72,7 +92,8 @@ pub async fn run(
             transfer_timeout: Duration::from_millis(cfg.transfer_timeout_ms),
             keep_dumps: cfg.debug_hooks,
             transfer_delay: Duration::from_millis(cfg.debug_transfer_delay_ms),
-            metrics: recorder,
+            metrics: recorder.clone(),
+            cache: cache.clone().map(|c| (c, tokio::runtime::Handle::current())),
         },
     )?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
@@ -84,6 +105,8 @@ pub async fn run(
         max_position,
         debug_hooks: cfg.debug_hooks,
         decode_clients: Mutex::new(HashMap::new()),
+        cache: cache.clone(),
+        metrics: recorder,
     };
 
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -104,7 +127,13 @@ pub async fn run(
         let etcd = EtcdConfig::new(cfg.etcd.clone(), EtcdConfig::members_prefix(&cfg.cluster));
         Some(Registration::start(etcd, member).await?)
     };
-    tracing::info!(%url, model = %cfg.model_name(), fingerprint = %&fingerprint[..12], "prefill worker serving");
+    tracing::info!(
+        %url,
+        model = %cfg.model_name(),
+        fingerprint = %&fingerprint[..12],
+        kvstore = cfg.kvstore.as_deref().unwrap_or("none"),
+        "prefill worker serving"
+    );
 
     let server = tonic::transport::Server::builder()
         .add_service(health)
@@ -119,5 +148,6 @@ pub async fn run(
         }
     };
     let result = cluster::shutdown::drain(server, &shutdown, Duration::from_secs(cfg.drain_timeout_s), on_stop).await;
+    drop(receiver);
     result.map_err(WorkerError::from)
 }

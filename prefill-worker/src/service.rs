@@ -2,8 +2,8 @@
 //! thread, and once its KV is in the decode worker's memory commits it there.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster::telemetry::propagation::{self, PropagateContext, Traced};
@@ -16,7 +16,8 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 use transfer::{Target, WireGeometry};
 
-use crate::engine_loop::{CancelOutcome, Command, Job};
+use crate::engine_loop::{CancelOutcome, Command, Job, RestoreTarget};
+use crate::prefix_cache::{Prefix, PrefixCache};
 
 /// Time left for the commit after the transfer, out of the lease.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -28,6 +29,8 @@ pub struct PrefillService {
     pub max_position: usize,
     pub debug_hooks: bool,
     pub decode_clients: Mutex<HashMap<String, Channel>>,
+    pub cache: Option<Arc<PrefixCache>>,
+    pub metrics: cluster::telemetry::PrefillMetrics,
 }
 
 /// Tells the engine to drop a job whose caller went away, unless it completed.
@@ -58,6 +61,46 @@ impl PrefillService {
             .connect_lazy();
         clients.insert(addr.to_string(), ch.clone());
         Ok(DecodeClient::with_interceptor(ch, PropagateContext))
+    }
+
+    /// The prompt's cached prefix and how to resume from it (bounded; a store that
+    /// does not answer in time means a cold prompt, counted).
+    async fn lookup(&self, tokens: &[u32]) -> Option<Prefix> {
+        let cache = self.cache.as_ref()?;
+        match tokio::time::timeout(cache.timeout, cache.lookup(tokens)).await {
+            Ok(Ok(p)) => Some(p),
+            Ok(Err(e)) => {
+                self.metrics.cache_error("lookup");
+                tracing::debug!(error = %e, "prefix lookup failed; the prompt goes on cold");
+                None
+            }
+            Err(_) => {
+                self.metrics.cache_error("lookup");
+                tracing::debug!("prefix lookup timed out; the prompt goes on cold");
+                None
+            }
+        }
+    }
+
+    /// Wait for the engine's reply; meanwhile, when the engine asks for a prompt's
+    /// cached prefix, have the store write it and report back.
+    async fn serve_restore<T>(
+        &self,
+        reservation_id: &str,
+        restore: Option<oneshot::Receiver<RestoreTarget>>,
+        reply: oneshot::Receiver<T>,
+    ) -> Result<T, oneshot::error::RecvError> {
+        tokio::pin!(reply);
+        if let (Some(rx), Some(cache)) = (restore, &self.cache) {
+            tokio::select! {
+                r = &mut reply => return r,
+                target = rx => if let Ok(t) = target {
+                    let result = cache.fetch(&t.keys, &t.page_ids, t.slot, t.snapshot).await;
+                    let _ = self.engine.send(Command::Restored { reservation_id: reservation_id.to_string(), result });
+                },
+            }
+        }
+        reply.await
     }
 
     fn validate(&self, r: &pb::PrefillRequest) -> Result<Target, Status> {
@@ -98,6 +141,9 @@ impl Prefill for PrefillService {
         propagation::set_parent_context(&queue_span, trace.clone());
         let lease = Duration::from_millis(r.lease_ms.max(1));
         let started = Instant::now();
+        let prefix = self.lookup(&r.tokens).await;
+        let restoring = prefix.as_ref().is_some_and(|p| p.plan.restore != model_spec::Restore::Cold);
+        let (restore_tx, restore_rx) = oneshot::channel();
         let (tx, rx) = oneshot::channel();
         let job = Job {
             request_id: r.request_id.clone(),
@@ -110,10 +156,13 @@ impl Prefill for PrefillService {
             reply: tx,
             trace: trace.clone(),
             queue_span,
+            prefix,
+            restore: restoring.then_some(restore_tx),
         };
         self.engine.send(Command::Prefill(Box::new(job))).map_err(|_| Status::unavailable("prefill engine stopped"))?;
         let mut guard = CancelOnDrop { engine: self.engine.clone(), reservation_id: Some(r.reservation_id.clone()) };
-        let done = match tokio::time::timeout(lease, rx).await {
+        let waited = self.serve_restore(&r.reservation_id, restoring.then_some(restore_rx), rx);
+        let done = match tokio::time::timeout(lease, waited).await {
             Ok(Ok(result)) => result?,
             Ok(Err(_)) => return Err(Status::unavailable("prefill engine stopped")),
             Err(_) => return Err(Status::deadline_exceeded("prefill did not finish within the reservation's lease")),
@@ -138,6 +187,8 @@ impl Prefill for PrefillService {
             .await
             .map_err(|s| Status::new(s.code(), format!("commit on the decode worker: {}", s.message())))?;
         Ok(Response::new(pb::PrefillReply {
+            cached_tokens: done.cached_tokens as u32,
+            recompute_tokens: done.recompute_tokens as u32,
             tokens: done.tokens as u32,
             queue_ms: done.queue.as_secs_f64() * 1e3,
             compute_ms: done.compute.as_secs_f64() * 1e3,

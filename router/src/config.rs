@@ -46,6 +46,14 @@ pub struct RouterConfig {
     /// How often workers are asked for their load (ms).
     #[arg(long, env = "SLUICE_LOAD_POLL_MS", default_value_t = 200)]
     pub load_poll_ms: u64,
+    /// The shared-prefix kvstore: placement counts what a prompt will restore instead
+    /// of compute (prefill workers need their own --kvstore to use it).
+    #[arg(long, env = "SLUICE_KVSTORE")]
+    pub kvstore: Option<String>,
+    /// Longest the placement lookup in the kvstore may take (ms); past it the prompt
+    /// is placed as if nothing were cached.
+    #[arg(long, env = "SLUICE_KVSTORE_LOOKUP_TIMEOUT_MS", default_value_t = 200)]
+    pub kvstore_lookup_timeout_ms: u64,
 }
 
 impl RouterConfig {
@@ -62,6 +70,12 @@ impl RouterConfig {
         cluster::net::check_listen("--listen", &self.listen)?;
         cluster::net::check_listen("--http-listen", &self.http_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
+        if let Some(k) = &self.kvstore {
+            cluster::net::check_endpoints("--kvstore", std::slice::from_ref(k))?;
+        }
+        if self.kvstore_lookup_timeout_ms == 0 {
+            return Err("--kvstore-lookup-timeout-ms must be at least 1".into());
+        }
         if self.peers.is_none() && self.etcd.is_empty() {
             return Err("no workers to route to: give --peers (single machine) or --etcd (cluster)".into());
         }

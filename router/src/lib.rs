@@ -9,6 +9,7 @@
 //! - `model`: name, vocabulary, context limit and tokenizer of the served model.
 //! - `validate`: request checks (INVALID_ARGUMENT messages that say what to change).
 //! - `placement`: worker ranking (pure).
+//! - `prefix`: what a prompt costs its prefill worker, counting the prefix cache.
 //! - `workers`: gRPC channels per worker, membership, load polling.
 //! - `orchestrate`: one request from admission to its last token.
 //! - `stops`: stop strings over streamed text.
@@ -24,6 +25,7 @@ mod http;
 mod model;
 mod orchestrate;
 mod placement;
+mod prefix;
 mod request_id;
 mod stops;
 mod validate;
@@ -74,7 +76,21 @@ pub async fn run(
     let metrics = cluster::telemetry::RouterMetrics::new(&registry);
     let workers = Arc::new(workers::WorkerSet::default());
     workers::spawn_maintenance(workers.clone(), membership, Duration::from_millis(cfg.load_poll_ms), shutdown.clone());
+    let prefix = match &cfg.kvstore {
+        Some(url) => Some(
+            prefix::PrefixLookup::new(
+                url,
+                Duration::from_millis(cfg.kvstore_lookup_timeout_ms),
+                model_spec::BLOCK_TOKENS,
+                model.window,
+                model.layers,
+            )
+            .map_err(RouterError::Config)?,
+        ),
+        None => None,
+    };
     let ctx = Arc::new(orchestrate::RouterCtx {
+        prefix,
         model,
         workers,
         admission: Arc::new(Semaphore::new(cfg.max_concurrency)),

@@ -11,12 +11,22 @@ pub struct ModelInfo {
     pub vocab: usize,
     pub max_position: usize,
     pub codec: Option<TextCodec>,
+    /// Layers and window length: what restoring a cached prefix costs depends on them.
+    pub layers: usize,
+    pub window: usize,
 }
 
 impl ModelInfo {
     pub fn load(dir: &Path, name: String) -> Result<Self, String> {
         let cfg = ModelConfig::from_file(&dir.join("config.json")).map_err(|e| e.to_string())?;
         let codec = TextCodec::load(dir).map_err(|e| e.to_string())?;
-        Ok(ModelInfo { name, vocab: cfg.vocab_size, max_position: cfg.max_position, codec })
+        Ok(ModelInfo {
+            name,
+            vocab: cfg.vocab_size,
+            max_position: cfg.max_position,
+            codec,
+            layers: cfg.num_layers,
+            window: cfg.window,
+        })
     }
 }

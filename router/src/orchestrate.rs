@@ -40,6 +40,8 @@ pub struct RouterCtx {
     /// Tokens per KV page (to size reservations).
     pub block_tokens: u64,
     pub metrics: RouterMetrics,
+    /// The kvstore, for placement costs (None without --kvstore).
+    pub prefix: Option<crate::prefix::PrefixLookup>,
 }
 
 /// A request as it arrived: when, and the root span of its trace (a child of the
@@ -272,6 +274,12 @@ async fn run(
     arrived: Instant,
 ) -> Result<(), Status> {
     let prompt_len = req.prompt.len() as u64;
+    // What the prefill will cost its worker, counting the cached prefix.
+    let plan = match (&ctx.prefix, ctx.workers.fingerprint()) {
+        (Some(p), Some(fp)) => p.plan(&fp, &req.prompt).instrument(tracing::info_span!("prefix_lookup")).await,
+        _ => None,
+    };
+    let cost = crate::prefix::prefill_cost(req.prompt.len(), plan.as_ref());
     let (mut d, mut res) = reserve(ctx, &req).instrument(tracing::info_span!("queue")).await?;
     let mut guard =
         Cleanup { decode: d.clone(), reservation_id: res.reservation_id.clone(), prefill: None, armed: true };
@@ -285,7 +293,7 @@ async fn run(
             .next()
             .ok_or_else(|| Status::unavailable("no prefill worker is available"))?;
         guard.prefill = Some(p.clone());
-        p.add_sent_tokens(prompt_len);
+        p.add_sent_tokens(cost);
         let span = tracing::info_span!(
             "prefill",
             worker = %p.id,
@@ -319,6 +327,7 @@ async fn run(
                 let queued = (sent - arrived).as_secs_f64() + reply.queue_ms / 1e3;
                 ctx.metrics.queue.observe(queued);
                 ctx.metrics.prompt_tokens.inc_by(prompt_len);
+                ctx.metrics.cached_tokens.inc_by(reply.cached_tokens as u64);
                 break reply;
             }
             Err(s) if retryable(&s) && attempts < ctx.prefill_retries => {
@@ -439,7 +448,7 @@ async fn stream_tokens(
             let fin = Event::Final {
                 finish,
                 prompt_tokens: req.prompt.len() as u32,
-                cached_tokens: 0,
+                cached_tokens: prefill.cached_tokens,
                 completion_tokens: count,
                 timings,
             };

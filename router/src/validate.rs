@@ -137,7 +137,7 @@ mod tests {
     use super::*;
 
     fn model() -> ModelInfo {
-        ModelInfo { name: "small".into(), vocab: 100, max_position: 64, codec: None }
+        ModelInfo { name: "small".into(), vocab: 100, max_position: 64, codec: None, layers: 8, window: 128 }
     }
 
     fn greedy() -> Sampling {

@@ -191,6 +191,14 @@ impl WorkerSet {
     }
 
     /// `(healthy prefill workers, healthy decode workers)`.
+    /// The model fingerprint a healthy prefill worker reported (salts prefix keys).
+    pub fn fingerprint(&self) -> Option<String> {
+        self.of_role(Role::Prefill).iter().find_map(|w| {
+            let l = w.load();
+            (l.healthy == Some(true) && !l.prefill.fingerprint.is_empty()).then(|| l.prefill.fingerprint.clone())
+        })
+    }
+
     pub fn healthy_counts(&self) -> (usize, usize) {
         let n = |role| self.of_role(role).iter().filter(|w| w.is_healthy()).count();
         (n(Role::Prefill), n(Role::Decode))

@@ -16,6 +16,7 @@ use http_body_util::{BodyExt, Full};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::decode_client::DecodeClient;
 use sluice_proto::v1::generation_client::GenerationClient;
+use sluice_proto::v1::kv_store_client::KvStoreClient;
 use sluice_proto::v1::prefill_client::PrefillClient;
 use tonic::Status;
 use tonic::transport::Channel;
@@ -39,6 +40,25 @@ pub struct Spec {
     pub debug_hooks: bool,
     /// Extra environment for every service (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
     pub extra_env: Vec<(String, String)>,
+    /// A kvstore for prefill workers and the router.
+    pub kvstore: Option<KvSpec>,
+}
+
+/// The cluster's kvstore.
+#[derive(Clone, Default)]
+pub struct KvSpec {
+    /// `--swa-policy`.
+    pub policy: String,
+    /// Extra arguments (`--capacity`, …).
+    pub args: Vec<String>,
+    /// Point the workers at this URL instead of starting a store (an unreachable one, say).
+    pub url: Option<String>,
+}
+
+impl KvSpec {
+    pub fn policy(policy: &str) -> Self {
+        KvSpec { policy: policy.into(), ..Default::default() }
+    }
 }
 
 impl Spec {
@@ -59,6 +79,11 @@ pub struct TestCluster {
     spec: Spec,
     /// Workers killed by [`TestCluster::kill_worker`].
     killed: Vec<String>,
+    pub kvstore: Option<ServiceProcess>,
+    /// Where workers reach the store, and where it keeps its files.
+    pub kvstore_url: Option<String>,
+    pub kvstore_dir: PathBuf,
+    kvstore_starts: usize,
 }
 
 /// The `tiny` preset (seed 3), the model every test cluster serves.
@@ -73,6 +98,7 @@ impl TestCluster {
     pub async fn start(spec: Spec) -> TestCluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let model = write_model(dir.path());
+        let kvstore_dir = dir.path().join("kvstore");
         let mut c = TestCluster {
             dir,
             model,
@@ -82,7 +108,21 @@ impl TestCluster {
             http: String::new(),
             spec,
             killed: Vec::new(),
+            kvstore: None,
+            kvstore_url: None,
+            kvstore_dir,
+            kvstore_starts: 0,
         };
+        if let Some(kv) = c.spec.kvstore.clone() {
+            match kv.url {
+                Some(url) => c.kvstore_url = Some(url),
+                None => {
+                    let port = free_port();
+                    c.kvstore_url = Some(format!("http://127.0.0.1:{port}"));
+                    c.start_kvstore().await;
+                }
+            }
+        }
         for i in 0..c.spec.decode {
             c.add_worker("decode", i, vec![]).await;
         }
@@ -125,6 +165,11 @@ impl TestCluster {
         if role == "decode" {
             args.extend(self.spec.decode_args.clone());
         }
+        if role == "prefill"
+            && let Some(url) = &self.kvstore_url
+        {
+            args.extend(["--kvstore".into(), url.clone()]);
+        }
         args.extend(extra);
         let name = format!("{role}-{index}");
         let mut p = ServiceProcess::spawn(
@@ -166,6 +211,9 @@ impl TestCluster {
                 args.extend(["--peers".into(), peers.join(",")]);
             }
         }
+        if let Some(url) = &self.kvstore_url {
+            args.extend(["--kvstore".into(), url.clone()]);
+        }
         args.extend(self.spec.router_args.clone());
         let url = format!("http://127.0.0.1:{gp}");
         let mut r =
@@ -177,6 +225,77 @@ impl TestCluster {
         self.http = format!("127.0.0.1:{hp}");
         self.router = Some(r);
         self.wait_for_workers(self.spec.prefill, self.spec.decode).await;
+    }
+
+    /// Start (or start again, on the same port and directory) the cluster's kvstore.
+    pub async fn start_kvstore(&mut self) {
+        let kv = self.spec.kvstore.clone().expect("a cluster with a kvstore");
+        let url = self.kvstore_url.clone().expect("a kvstore URL");
+        let listen = url.trim_start_matches("http://").to_string();
+        let bin = find_binary("kvstore").expect("kvstore binary");
+        let metrics_port = free_port();
+        let mut args = vec![
+            "--dir".into(),
+            self.kvstore_dir.display().to_string(),
+            "--listen".into(),
+            listen,
+            "--metrics-listen".into(),
+            format!("127.0.0.1:{metrics_port}"),
+            "--swa-policy".into(),
+            kv.policy.clone(),
+            "--staging-bytes".into(),
+            "64MiB".into(),
+        ];
+        if !kv.args.iter().any(|a| a == "--capacity") {
+            args.extend(["--capacity".into(), "256MiB".into()]);
+        }
+        args.extend(kv.args.clone());
+        self.kvstore_starts += 1;
+        let name =
+            if self.kvstore_starts == 1 { "kvstore".to_string() } else { format!("kvstore-{}", self.kvstore_starts) };
+        let mut p = ServiceProcess::spawn(&name, &bin, &args, &self.env(), url, &self.dir.path().join("logs"))
+            .expect("spawn kvstore")
+            .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+        p.wait_healthy(READY).await.expect("kvstore healthy");
+        self.kvstore = Some(p);
+    }
+
+    /// Stop the kvstore: `kill -9` when `crash`, else SIGTERM (it writes out its queue).
+    pub async fn stop_kvstore(&mut self, crash: bool) {
+        if let Some(mut p) = self.kvstore.take() {
+            if crash {
+                p.kill().await;
+            } else {
+                p.terminate(Duration::from_secs(30)).await;
+            }
+            self.workers.push(p); // keep its log for failure reports
+            self.killed.push(self.workers.last().expect("pushed").name.clone());
+        }
+    }
+
+    pub async fn kvstore_client(&self) -> KvStoreClient<Channel> {
+        KvStoreClient::connect(self.kvstore_url.clone().expect("a kvstore")).await.expect("connect kvstore")
+    }
+
+    pub async fn kvstore_stats(&self) -> pb::KvStats {
+        self.kvstore_client().await.stats(pb::KvStatsRequest {}).await.expect("kvstore stats").into_inner()
+    }
+
+    /// Wait (bounded) until the store holds at least `pages` pages and `snapshots`
+    /// snapshots, all on disk.
+    pub async fn wait_kvstore(&self, pages: u64, snapshots: u64) -> pb::KvStats {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = self.kvstore_stats().await;
+            if s.pages >= pages && s.snapshots >= snapshots && s.queued_records == 0 {
+                return s;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the kvstore never held {pages} pages and {snapshots} snapshots: {s:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Wait until the router sees at least this many healthy workers of each role.
@@ -214,6 +333,7 @@ impl TestCluster {
         self.workers
             .iter()
             .chain(self.router.iter())
+            .chain(self.kvstore.iter())
             .find(|w| w.name == name)
             .and_then(|w| w.metrics_url.clone())
             .unwrap_or_else(|| panic!("no metrics endpoint for {name}"))
@@ -347,7 +467,7 @@ impl Drop for TestCluster {
     /// A failing test prints the tail of every service's log, so CI output says why.
     fn drop(&mut self) {
         if std::thread::panicking() {
-            for p in self.workers.iter().chain(self.router.iter()) {
+            for p in self.workers.iter().chain(self.router.iter()).chain(self.kvstore.iter()) {
                 eprintln!("----- {} log (tail) -----\n{}", p.name, p.log_tail(40));
             }
         }
