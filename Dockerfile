@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 #
-# The sluice image: router, prefill-worker, decode-worker and sluice (CLI) on PATH.
+# The sluice image: router, prefill-worker, decode-worker, kvstore and sluice (CLI) on PATH.
 #   docker build -t <registry>/sluice:<tag> .
 # The Helm chart (deploy/helm/sluice) runs it; see README "Operate".
 
@@ -13,7 +13,7 @@ FROM rust:${RUST_VERSION}-bookworm AS builder
 # protoc for the gRPC API; UCX headers and libraries (transfer/ucx-sys is written against
 # UCX 1.13, which is bookworm's).
 RUN apt-get update \
- && apt-get install -y --no-install-recommends protobuf-compiler libucx-dev \
+ && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev libucx-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

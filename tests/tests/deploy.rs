@@ -234,6 +234,14 @@ fn all_on_values_turn_every_option_on() {
     assert_eq!(cluster.matches("=http://").count(), 3, "{cluster}");
     let kvstore = find(&docs, "StatefulSet", "sluice-prod-kvstore");
     assert_eq!(kvstore["spec"]["volumeClaimTemplates"][0]["spec"]["storageClassName"], "local-nvme");
+    let kv_args = strings(&pod_spec(kvstore).unwrap()["containers"][0]["args"]);
+    assert_eq!(flag(&kv_args, "--swa-policy"), Some("full"));
+    assert_eq!(flag(&kv_args, "--dir"), Some("/var/lib/sluice/kvstore"));
+    // Prefill workers and the router find the store through its Service.
+    let prefill_args = strings(&pod_spec(find(&docs, "StatefulSet", "sluice-prod-prefill")).unwrap()["containers"][0]["args"]);
+    assert_eq!(flag(&prefill_args, "--kvstore"), Some("http://sluice-prod-kvstore:50081"));
+    let router_args = strings(&pod_spec(find(&docs, "Deployment", "sluice-prod-router")).unwrap()["containers"][0]["args"]);
+    assert_eq!(flag(&router_args, "--kvstore"), Some("http://sluice-prod-kvstore:50081"));
     for role in ["prefill", "decode"] {
         let pod = pod_spec(find(&docs, "StatefulSet", &format!("sluice-prod-{role}"))).unwrap();
         assert_eq!(pod["hostNetwork"], true);
@@ -449,15 +457,8 @@ fn expand(s: &str, env: &[(String, String)]) -> String {
 const OURS: [&str; 5] = ["router", "prefill-worker", "decode-worker", "kvstore", "sluice"];
 
 fn check_config(inv: &Invocation, args: &[String]) -> Option<Ran> {
-    let bin = match cluster::launch::find_binary(&inv.binary) {
-        Ok(bin) => bin,
-        // The kvstore binary does not exist yet (kvstore.enabled defaults to false).
-        Err(_) if inv.binary == "kvstore" => {
-            eprintln!("{}: no kvstore binary in target/<profile> yet; its command is not checked", inv.what);
-            return None;
-        }
-        Err(e) => panic!("{e}: run `cargo build --workspace --bins` before the deploy tests"),
-    };
+    let bin = cluster::launch::find_binary(&inv.binary)
+        .unwrap_or_else(|e| panic!("{e}: run `cargo build --workspace --bins` before the deploy tests"));
     let mut cmd = Command::new(bin);
     // The container's environment only: the services read SLUICE_* variables as flag
     // fallbacks, and the test's own environment must not leak into the check.
@@ -492,7 +493,11 @@ fn every_container_command_passes_check_config() {
             );
             checked.insert(inv.binary.clone());
         }
-        for want in ["router", "prefill-worker", "decode-worker"] {
+        let mut wanted = vec!["router", "prefill-worker", "decode-worker"];
+        if label == "all-on values" {
+            wanted.push("kvstore");
+        }
+        for want in wanted {
             assert!(checked.contains(want), "{label}: no {want} container was checked ({checked:?})");
         }
     }
@@ -525,6 +530,15 @@ fn broken_values_fail_check_config() {
         let ran = check_config(inv, &with(inv, name, value)).expect("binary exists");
         assert!(!ran.success(), "{binary} accepted {name} {value}:\n{}", ran.output());
         assert!(ran.stderr.contains(name), "{binary}'s message for {name} {value} should name it:\n{}", ran.output());
+    }
+    // The kvstore is in the all-on render only.
+    let docs = manifests(tools, Some(&all_on()), dir.path());
+    let invs = invocations(&docs);
+    let kv = invs.iter().find(|i| i.binary == "kvstore").expect("a kvstore container");
+    for (name, value) in [("--swa-policy", "periodic:100"), ("--capacity", "lots"), ("--listen", "0.0.0.0")] {
+        let ran = check_config(kv, &with(kv, name, value)).expect("binary exists");
+        assert!(!ran.success(), "kvstore accepted {name} {value}:\n{}", ran.output());
+        assert!(ran.stderr.contains(name), "kvstore's message for {name} {value} should name it:\n{}", ran.output());
     }
 }
 
@@ -796,7 +810,7 @@ fn dockerfile_builds_and_runs_on_the_same_distribution() {
     assert!(froms[0].contains("rust:") && froms[0].contains("-bookworm"), "{}", froms[0]);
     assert!(froms[1].contains("bookworm"), "{}", froms[1]);
     assert!(text.contains("cargo build --release --locked --workspace --bins"));
-    for pkg in ["protobuf-compiler", "libucx-dev", "libucx0"] {
+    for pkg in ["protobuf-compiler", "libprotobuf-dev", "libucx-dev", "libucx0"] {
         assert!(text.contains(pkg), "Dockerfile does not install {pkg}");
     }
     let user = text.lines().rev().find(|l| l.starts_with("USER ")).expect("a USER");

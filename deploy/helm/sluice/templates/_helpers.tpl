@@ -186,3 +186,12 @@ spec:
       {{- include "sluice.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end -}}
+
+{{/* `--kvstore <url>` for the services that use the prefix store, when it is deployed. */}}
+{{- define "sluice.kvstoreArgs" -}}
+{{- if .Values.kvstore.enabled -}}
+{{- list "--kvstore" (printf "http://%s:%d" (include "sluice.componentName" (dict "root" . "component" "kvstore")) (int .Values.kvstore.port)) | toJson -}}
+{{- else -}}
+[]
+{{- end -}}
+{{- end }}

@@ -4,7 +4,8 @@ for StatefulSets, scrape target for the ServiceMonitor) and a Deployment or Stat
 
 Call with (dict "root" $ "component" "prefill" "v" .Values.prefill "binary" "prefill-worker"
 "args" (list ...role flags...) "healthService" "sluice.v1.Prefill" "kind" "Deployment"
-"gpus" 1 "claims" (list ...volumeClaimTemplates...) "mounts" (list ...) "volumes" (list ...)).
+"gpus" 1 "claims" (list ...volumeClaimTemplates...) "mounts" (list ...) "volumes" (list ...)
+"discovery" true).
 
 The gRPC port is fixed (--listen 0.0.0.0:<port>) and advertised from the pod IP
 (--advertise http://$(POD_IP):<port>), which is what the worker registers in etcd.
@@ -17,8 +18,12 @@ The gRPC port is fixed (--listen 0.0.0.0:<port>) and advertised from the pod IP
 {{- $metricsPort := int $v.metricsPort -}}
 {{- $hostNetwork := $root.Values.workers.hostNetwork -}}
 {{- $drain := int (default 30 $v.drainTimeoutS) -}}
-{{- $args := list "--listen" (printf "0.0.0.0:%d" $port) "--advertise" (printf "http://$(POD_IP):%d" $port) -}}
+{{- $args := list "--listen" (printf "0.0.0.0:%d" $port) -}}
+{{- if ne .discovery false -}}
+{{- /* Workers register in etcd; the kvstore is found through its Service instead. */ -}}
+{{- $args = concat $args (list "--advertise" (printf "http://$(POD_IP):%d" $port)) -}}
 {{- $args = concat $args (list "--etcd" (include "sluice.etcdEndpoints" $root) "--cluster" $root.Values.clusterName) -}}
+{{- end -}}
 {{- $args = concat $args .args (list "--metrics-listen" (printf "0.0.0.0:%d" $metricsPort)) $v.extraArgs -}}
 {{- /* Extended resources (GPU, RDMA) go into both requests and limits. */ -}}
 {{- $resources := deepCopy (default dict $v.resources) -}}
