@@ -1,5 +1,6 @@
-//! `sluice up`: a local cluster (router, prefill and decode workers) as child
-//! processes on loopback ports, static discovery by default or etcd with `--etcd`.
+//! `sluice up`: a local cluster (router, prefill and decode workers, and a kvstore for
+//! shared prefixes) as child processes on loopback ports, static discovery by default
+//! or etcd with `--etcd`.
 //! Waits until everything is healthy, prints how to use it (and where each service
 //! serves Prometheus metrics), optionally streams a sample request, and stops everything
 //! on Ctrl-C (or right after the sample with `--once`). OTEL_* variables in the
@@ -56,6 +57,18 @@ pub struct UpArgs {
     /// Longest wait for the services to become healthy (seconds).
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
+    /// Run without the shared-prefix kvstore (every prompt computed from scratch).
+    #[arg(long)]
+    no_kvstore: bool,
+    /// The kvstore's SWA policy: full, periodic:P or zero.
+    #[arg(long, default_value = "periodic:1024")]
+    swa_policy: String,
+    /// Where the kvstore keeps its files (default: `kvstore/` in the log directory).
+    #[arg(long)]
+    kvstore_dir: Option<PathBuf>,
+    /// Disk the kvstore may use.
+    #[arg(long, default_value = "4GiB")]
+    kvstore_capacity: String,
 }
 
 fn default_model() -> Result<PathBuf> {
@@ -100,11 +113,44 @@ async fn up(a: UpArgs) -> Result<()> {
 
     let mut procs: Vec<ServiceProcess> = Vec::new();
     let mut peers = Vec::new();
+    // The kvstore first: prefill workers and the router are pointed at it.
+    let kvstore_url = if a.no_kvstore {
+        None
+    } else {
+        let (port, metrics_port) = (free_port(), free_port());
+        let dir = a.kvstore_dir.clone().unwrap_or_else(|| log_dir.join("kvstore"));
+        let args: Vec<String> = vec![
+            "--dir".into(),
+            dir.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--metrics-listen".into(),
+            format!("127.0.0.1:{metrics_port}"),
+            "--swa-policy".into(),
+            a.swa_policy.clone(),
+            "--capacity".into(),
+            a.kvstore_capacity.clone(),
+            "--staging-bytes".into(),
+            "256MiB".into(),
+        ];
+        let url = format!("http://127.0.0.1:{port}");
+        let mut p = ServiceProcess::spawn("kvstore", &find_binary("kvstore")?, &args, &env, url.clone(), &log_dir)?
+            .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+        eprintln!("starting the kvstore ({}, {}) in {} ...", a.swa_policy, a.kvstore_capacity, dir.display());
+        p.wait_healthy(timeout).await?;
+        procs.push(p);
+        Some(url)
+    };
     let roles =
         std::iter::repeat_n(("decode", &bins.2), a.decode).chain(std::iter::repeat_n(("prefill", &bins.1), a.prefill));
     for (i, (role, bin)) in roles.enumerate() {
         let (port, metrics_port) = (free_port(), free_port());
         let mut args = common.clone();
+        if role == "prefill"
+            && let Some(url) = &kvstore_url
+        {
+            args.extend(["--kvstore".into(), url.clone()]);
+        }
         args.extend(["--listen".into(), format!("127.0.0.1:{port}")]);
         args.extend(["--metrics-listen".into(), format!("127.0.0.1:{metrics_port}")]);
         let url = format!("http://127.0.0.1:{port}");
@@ -119,7 +165,7 @@ async fn up(a: UpArgs) -> Result<()> {
         model.display(),
         log_dir.display()
     );
-    for p in procs.iter_mut() {
+    for p in procs.iter_mut().filter(|p| p.name != "kvstore") {
         p.wait_healthy(timeout).await?;
     }
     let mut router_args = vec![
@@ -133,6 +179,9 @@ async fn up(a: UpArgs) -> Result<()> {
     match &a.etcd {
         Some(e) => router_args.extend(["--etcd".into(), e.clone()]),
         None => router_args.extend(["--peers".into(), peers.join(",")]),
+    }
+    if let Some(url) = &kvstore_url {
+        router_args.extend(["--kvstore".into(), url.clone()]);
     }
     let router_url = format!("http://{}", a.grpc);
     let mut router = ServiceProcess::spawn("router", &bins.0, &router_args, &env, router_url.clone(), &log_dir)?
@@ -216,8 +265,14 @@ async fn sample(router: &str) -> Result<()> {
     .await?;
     let (u, t) = (fin.usage.unwrap_or_default(), fin.timings.unwrap_or_default());
     println!(
-        "\n  [{} prompt + {} generated tokens; time to first token {:.1} ms (prefill {:.1} ms, KV transfer {:.2} ms), total {:.1} ms]",
-        u.prompt_tokens, u.completion_tokens, t.time_to_first_token_ms, t.prefill_ms, t.kv_transfer_ms, t.total_ms
+        "\n  [{} prompt ({} cached) + {} generated tokens; time to first token {:.1} ms (prefill {:.1} ms, KV transfer {:.2} ms), total {:.1} ms]",
+        u.prompt_tokens,
+        u.cached_tokens,
+        u.completion_tokens,
+        t.time_to_first_token_ms,
+        t.prefill_ms,
+        t.kv_transfer_ms,
+        t.total_ms
     );
     Ok(())
 }
