@@ -4,6 +4,7 @@
 //! - [`backend`]: the [`Backend`] trait the engine's forward pass is written against,
 //!   and the weight/parameter bundles its fused ops take.
 //! - [`cpu`]: the CPU backend (GEMMs through the `gemm` crate, rayon across cores).
+//! - `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled kernels, cuBLAS).
 //! - [`reference`]: slow, obviously-correct versions of every op, computed from whole
 //!   token histories; every backend is tested against them by one shared test body.
 //! - `kv_layout`: byte geometry of pages and state-cache slots (from `model-spec`).
@@ -14,6 +15,8 @@
 
 pub mod backend;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod mapped;
 pub mod plan;
 pub mod quant;

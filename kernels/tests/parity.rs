@@ -3,7 +3,8 @@
 //! Outputs are poisoned with NaN before each call so an element a backend forgets to
 //! write fails the comparison. Sequence-aware ops are driven through uneven chunk
 //! schedules with two sequences sharing batches, and compared with reference math
-//! over whole token histories. A CUDA backend runs the same `check_*` functions.
+//! over whole token histories. The CUDA backend (feature `cuda`) runs the same `check_*`
+//! functions on device 0; without a GPU those tests say they are skipped and pass.
 
 use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing};
 use kernels::quant::{bf16_to_f32, f32_to_bf16};
@@ -24,6 +25,10 @@ struct Tolerances {
 }
 
 const F32_TOL: Tolerances = Tolerances { matmul: 1e-5, elementwise: 1e-5, moe: 2e-5, attention: 2e-5 };
+/// CUDA: f32 arithmetic in another order (parallel reductions, split-bf16 tensor-core
+/// products for many rows, device `expf`/`sincosf`).
+#[cfg(feature = "cuda")]
+const CUDA_TOL: Tolerances = Tolerances { matmul: 1e-4, elementwise: 1e-5, moe: 1e-4, attention: 1e-4 };
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
     (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732).collect()
@@ -508,4 +513,54 @@ fn cpu_sequence_ops_match_reference_bf16_storage() {
     // Entries are rounded to bf16 on both sides; what remains is f32-vs-f64 arithmetic
     // and the odd element whose rounding lands on the other side of a bf16 step.
     check_sequence_ops(&CpuBackend::new(), EntryDtype::Bf16, 1e-2);
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use kernels::cuda::CudaBackend;
+    use std::sync::OnceLock;
+
+    /// One backend for every test of this binary (kernels compile once); `None`, with a
+    /// note on stderr, where there is no usable GPU.
+    fn gpu(test: &str) -> Option<&'static CudaBackend> {
+        static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+        match B.get_or_init(|| CudaBackend::new(0).map_err(|e| e.to_string())) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                eprintln!("SKIPPED {test}: no CUDA device ({e})");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_row_ops_match_reference() {
+        let Some(b) = gpu("cuda_row_ops_match_reference") else { return };
+        check_row_ops(b, &CUDA_TOL);
+    }
+
+    #[test]
+    fn cuda_hyper_connections_match_reference() {
+        let Some(b) = gpu("cuda_hyper_connections_match_reference") else { return };
+        check_hc(b, &CUDA_TOL);
+    }
+
+    #[test]
+    fn cuda_moe_matches_reference() {
+        let Some(b) = gpu("cuda_moe_matches_reference") else { return };
+        check_moe(b, &CUDA_TOL);
+    }
+
+    #[test]
+    fn cuda_sequence_ops_match_reference_f32_storage() {
+        let Some(b) = gpu("cuda_sequence_ops_match_reference_f32_storage") else { return };
+        check_sequence_ops(b, EntryDtype::F32, CUDA_TOL.attention);
+    }
+
+    #[test]
+    fn cuda_sequence_ops_match_reference_bf16_storage() {
+        let Some(b) = gpu("cuda_sequence_ops_match_reference_bf16_storage") else { return };
+        check_sequence_ops(b, EntryDtype::Bf16, 1e-2);
+    }
 }

@@ -1,0 +1,273 @@
+//! Attention over window + compressed entries, the lightning indexer's top-k, and the
+//! window-ring update, on the GPU.
+
+use cudarc::driver::DeviceRepr;
+
+use super::CudaBackend;
+use super::memory::{CudaBuf, CudaIdx, dtype_code};
+use super::runtime::{cfg, cfg_elems, launch};
+use crate::backend::{KvState, Selection};
+use crate::kv_layout::{AttnKind, Branch, KvLayout};
+use crate::plan::BatchPlan;
+
+/// Largest head dimension the attention kernel holds per warp.
+const ATT_HD_MAX: usize = 512;
+/// Keys per shared-memory tile (`ATT_T` in attention.cu).
+const ATT_T: usize = 16;
+
+/// `struct IndexGeom` in indexer.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct IndexGeom {
+    heads: i32,
+    dim: i32,
+    ratio: i32,
+    n_max: i32,
+    dtype: i32,
+    page_elems: i32,
+    page_off: i32,
+    per_page: i32,
+}
+
+// SAFETY: #[repr(C)] ints, laid out as the C struct.
+unsafe impl DeviceRepr for IndexGeom {}
+
+/// `struct AttnGeom` in attention.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct AttnGeom {
+    heads: i32,
+    hd: i32,
+    window: i32,
+    kind: i32,
+    ratio: i32,
+    top_k: i32,
+    ring_dtype: i32,
+    ring_elems: i32,
+    ring_off: i32,
+    page_dtype: i32,
+    page_elems: i32,
+    page_off: i32,
+    per_page: i32,
+    splits: i32,
+    keys_per_split: i32,
+    scale: f32,
+}
+
+// SAFETY: #[repr(C)] ints and a float, laid out as the C struct.
+unsafe impl DeviceRepr for AttnGeom {}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn index_topk(
+    b: &CudaBackend,
+    kv: &KvState<CudaBackend>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &CudaBuf,
+    weights: &CudaBuf,
+    heads: usize,
+    top_k: usize,
+) -> Selection<CudaBackend> {
+    let lk = &layout.layers[layer];
+    assert_eq!(lk.kind(), AttnKind::Csa, "layer {layer} has no indexer");
+    let dim = lk.spec.index_dim;
+    let rows = plan.rows();
+    assert_eq!(q.len, rows * heads * dim, "indexer q is not [rows, heads, index_dim]");
+    assert_eq!(weights.len, rows * heads, "indexer weights are not [rows, heads]");
+    let g = &b.gpu;
+    let sel = CudaIdx { mem: g.alloc::<i32>(rows * top_k), len: rows * top_k };
+    if rows == 0 || top_k == 0 {
+        return Selection { indices: sel, top_k };
+    }
+    let ratio = lk.spec.ratio;
+    let n_max = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).max().unwrap_or(0);
+    let dp = b.plans.get(g, plan);
+    let scores = b.alloc_buf(rows * n_max);
+    if n_max > top_k {
+        let smem = (heads * dim + heads) * 4;
+        assert!(smem <= 48 * 1024, "indexer q of {heads}x{dim} exceeds the kernel's shared memory");
+        let geom = IndexGeom {
+            heads: heads as i32,
+            dim: dim as i32,
+            ratio: ratio as i32,
+            n_max: n_max as i32,
+            dtype: dtype_code(layout.dtype),
+            page_elems: layout.page_elems as i32,
+            page_off: lk.page_offset(Branch::Indexer) as i32,
+            per_page: lk.entries_per_page(layout.block) as i32,
+        };
+        launch!(
+            g,
+            "index_scores",
+            cfg((n_max.div_ceil(256) as u32, rows as u32, 1), 256, smem as u32),
+            g.ptr(&q.mem),
+            g.ptr(&weights.mem),
+            g.ptr(&dp.positions),
+            g.ptr(&dp.row_seq),
+            g.ptr(&dp.seqs),
+            g.ptr(&dp.pages),
+            g.ptr(&kv.pages.mem),
+            g.ptr(&scores.mem),
+            geom,
+        );
+    }
+    launch!(
+        g,
+        "topk_select",
+        cfg((rows as u32, 1, 1), 1024, 0),
+        g.ptr(&scores.mem),
+        n_max as i32,
+        g.ptr(&dp.positions),
+        ratio as i32,
+        top_k as i32,
+        g.ptr(&sel.mem),
+    );
+    Selection { indices: sel, top_k }
+}
+
+/// Splits of the key axis: enough blocks to fill the GPU when rows are few, each split
+/// a whole number of tiles.
+fn key_splits(sms: usize, blocks: usize, n_max: usize) -> (usize, usize) {
+    let want = (2 * sms).div_ceil(blocks.max(1));
+    let splits = want.clamp(1, n_max.div_ceil(4 * ATT_T).max(1));
+    let per = n_max.div_ceil(splits).div_ceil(ATT_T) * ATT_T;
+    (n_max.div_ceil(per.max(1)).max(1), per.max(ATT_T))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attention(
+    b: &CudaBackend,
+    kv: &KvState<CudaBackend>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &CudaBuf,
+    new_kv: &CudaBuf,
+    selected: Option<&Selection<CudaBackend>>,
+    sinks: &CudaBuf,
+    heads: usize,
+    scale: f32,
+    out: &mut CudaBuf,
+) {
+    let lk = &layout.layers[layer];
+    let hd = lk.spec.head_dim;
+    let rows = plan.rows();
+    assert!(hd <= ATT_HD_MAX, "head_dim {hd} exceeds the CUDA attention kernel's {ATT_HD_MAX}");
+    assert_eq!(q.len, rows * heads * hd, "attention q is not [rows, heads, head_dim]");
+    assert_eq!(new_kv.len, rows * hd, "attention new_kv is not [rows, head_dim]");
+    assert_eq!(out.len, rows * heads * hd, "attention output is not [rows, heads, head_dim]");
+    assert_eq!(sinks.len, heads, "one sink per head");
+    if rows == 0 {
+        return;
+    }
+    let (kind, top_k) = match (lk.kind(), selected) {
+        (AttnKind::Window, _) => (0, 0),
+        (AttnKind::Csa, Some(s)) => (1, s.top_k),
+        (AttnKind::Csa, None) => panic!("CSA layer {layer} attention needs the indexer's selection"),
+        (AttnKind::Hca, _) => (2, 0),
+    };
+    let g = &b.gpu;
+    let dp = b.plans.get(g, plan);
+    let window = layout.window;
+    let n_max = plan
+        .positions
+        .iter()
+        .map(|&t| {
+            let t = t as usize;
+            (t + 1).min(window)
+                + match kind {
+                    1 => top_k,
+                    2 => (t + 1) / lk.spec.ratio,
+                    _ => 0,
+                }
+        })
+        .max()
+        .unwrap_or(1);
+    let hgroups = heads.div_ceil(8);
+    let (splits, per) = key_splits(g.sms, rows * hgroups, n_max);
+    let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
+    let geom = AttnGeom {
+        heads: heads as i32,
+        hd: hd as i32,
+        window: window as i32,
+        kind,
+        ratio: lk.spec.ratio.max(1) as i32,
+        top_k: top_k as i32,
+        ring_dtype: dtype_code(layout.dtype),
+        ring_elems: layout.ring_elems as i32,
+        ring_off: lk.ring as i32,
+        page_dtype: dtype_code(layout.dtype),
+        page_elems: layout.page_elems as i32,
+        page_off: lk.page_offset(Branch::Main) as i32,
+        per_page: lk.entries_per_page(layout.block).max(1) as i32,
+        splits: splits as i32,
+        keys_per_split: per as i32,
+        scale,
+    };
+    launch!(
+        g,
+        "attention",
+        cfg((hgroups as u32, splits as u32, rows as u32), 256, 0),
+        g.ptr(&q.mem),
+        g.ptr(&new_kv.mem),
+        g.ptr(&kv.rings.mem),
+        g.ptr(&kv.pages.mem),
+        g.ptr(&dp.pages),
+        selected.map(|s| g.ptr(&s.indices.mem)).unwrap_or(0),
+        g.ptr(&sinks.mem),
+        g.ptr(&dp.positions),
+        g.ptr(&dp.row_seq),
+        g.ptr(&dp.seqs),
+        g.ptr(&out.mem),
+        part.as_ref().map(|p| g.ptr(&p.mem)).unwrap_or(0),
+        geom,
+    );
+    if let Some(part) = &part {
+        launch!(
+            g,
+            "attention_merge",
+            cfg(((rows * heads) as u32, 1, 1), 128, 0),
+            g.ptr(&part.mem),
+            g.ptr(&sinks.mem),
+            g.ptr(&out.mem),
+            heads as i32,
+            hd as i32,
+            splits as i32
+        );
+    }
+}
+
+pub(crate) fn store_window(
+    b: &CudaBackend,
+    kv: &mut KvState<CudaBackend>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    new_kv: &CudaBuf,
+) {
+    let lk = &layout.layers[layer];
+    let hd = lk.spec.head_dim;
+    let rows = plan.rows();
+    assert_eq!(new_kv.len, rows * hd, "store_window new_kv is not [rows, head_dim]");
+    if rows == 0 {
+        return;
+    }
+    let g = &b.gpu;
+    let dp = b.plans.get(g, plan);
+    launch!(
+        g,
+        "store_window",
+        cfg_elems(rows * hd),
+        g.ptr(&new_kv.mem),
+        g.ptr(&kv.rings.mem),
+        g.ptr(&dp.row_seq),
+        g.ptr(&dp.seqs),
+        rows as i32,
+        hd as i32,
+        layout.window as i32,
+        dtype_code(layout.dtype),
+        layout.ring_elems as i32,
+        lk.ring as i32,
+    );
+}

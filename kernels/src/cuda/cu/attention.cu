@@ -1,0 +1,188 @@
+// Attention over each row's window (ring entries before this step, this step's new_kv
+// rows) and its compressed entries (every visible one for HCA, the indexer's selection
+// for CSA), one softmax per head with the sink in the denominator. K = V, shared by all
+// heads (MQA), so a block loads a tile of keys once into shared memory and its 8 warps
+// (one head each) reuse it. For few rows the key axis is split across blocks; partial
+// (max, sum, weighted sum) triples are merged in split order by `attention_merge`, so
+// results do not depend on scheduling.
+
+#define ATT_T 16
+#define ATT_HD_MAX 512
+#define ATT_DPL (ATT_HD_MAX / 32)
+
+struct AttnGeom {
+    int heads, hd, window, kind, ratio, top_k;
+    int ring_dtype, ring_elems, ring_off;
+    int page_dtype, page_elems, page_off, per_page;
+    int splits, keys_per_split;
+    float scale;
+};
+
+// Where key j of row r lives: 0 = new_kv (f32), 1 = ring, 2 = page, -1 = no key.
+__device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n_win, const int* seq,
+                                          const u32* pages, const int* sel_row, long long* off) {
+    const int first = t + 1 - n_win;
+    if (j < n_win) {
+        const int p = first + j;
+        const int start = seq[SEQ_START];
+        if (p >= start) {
+            *off = (long long)(seq[SEQ_FIRST_ROW] + p - start) * g.hd;
+            return 0;
+        }
+        *off = (long long)seq[SEQ_SLOT] * g.ring_elems + g.ring_off + (long long)(p % g.window) * g.hd;
+        return 1;
+    }
+    const int c = j - n_win;
+    const int i = g.kind == 1 ? sel_row[c] : c;
+    if (i < 0) return -1;
+    const u32 page = pages[seq[SEQ_PAGE_OFF] + i / g.per_page];
+    *off = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.hd;
+    return 2;
+}
+
+// grid (ceil(heads/8), splits, rows), 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+    attention(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
+              const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
+              float* out, float* part, AttnGeom g) {
+    __shared__ float keys[ATT_T * ATT_HD_MAX];
+    __shared__ int src_kind[ATT_T];
+    __shared__ long long src_off[ATT_T];
+    const int r = blockIdx.z, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int h = blockIdx.x * 8 + warp;
+    const bool active = h < g.heads;
+    const int t = (int)positions[r];
+    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
+    const int n_win = min(t + 1, g.window);
+    const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
+    const int n = n_win + n_comp;
+    const int j0 = split * g.keys_per_split;
+    const int j1 = min(n, j0 + g.keys_per_split);
+    const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+
+    float qv[ATT_DPL], acc[ATT_DPL];
+#pragma unroll
+    for (int i = 0; i < ATT_DPL; i++) {
+        int d = lane + 32 * i;
+        qv[i] = (active && d < g.hd) ? q[((long long)r * g.heads + h) * g.hd + d] : 0.0f;
+        acc[i] = 0.0f;
+    }
+    float m = NEG_INF, s = 0.0f;
+
+    for (int jt = j0; jt < j1; jt += ATT_T) {
+        const int nt = min(ATT_T, j1 - jt);
+        if (threadIdx.x < ATT_T) {
+            long long off = 0;
+            int kind = threadIdx.x < nt ? key_source(g, jt + threadIdx.x, t, n_win, seq, pages, sel_row, &off) : -1;
+            src_kind[threadIdx.x] = kind;
+            src_off[threadIdx.x] = off;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < nt * g.hd; e += blockDim.x) {
+            const int kk = e / g.hd, d = e % g.hd;
+            const int kind = src_kind[kk];
+            const long long off = src_off[kk] + d;
+            float v = 0.0f;
+            if (kind == 0) v = new_kv[off];
+            else if (kind == 1) v = load_entry(rings, g.ring_dtype, off);
+            else if (kind == 2) v = load_entry(page_base, g.page_dtype, off);
+            keys[kk * ATT_HD_MAX + d] = v;
+        }
+        __syncthreads();
+        if (active) {
+            float lg[ATT_T];
+            float mt = NEG_INF;
+#pragma unroll
+            for (int kk = 0; kk < ATT_T; kk++) {
+                float l = NEG_INF;
+                if (kk < nt) {
+                    float p = 0.0f;
+#pragma unroll
+                    for (int i = 0; i < ATT_DPL; i++) {
+                        int d = lane + 32 * i;
+                        if (d < g.hd) p += qv[i] * keys[kk * ATT_HD_MAX + d];
+                    }
+                    p = warp_sum(p) * g.scale;
+                    if (src_kind[kk] >= 0) l = p;
+                }
+                lg[kk] = l;
+                mt = fmaxf(mt, l);
+            }
+            const float m_new = fmaxf(m, mt);
+            if (m_new != NEG_INF) {
+                const float corr = expf(m - m_new);
+                s *= corr;
+#pragma unroll
+                for (int i = 0; i < ATT_DPL; i++) acc[i] *= corr;
+#pragma unroll
+                for (int kk = 0; kk < ATT_T; kk++) {
+                    const float p = expf(lg[kk] - m_new);
+                    s += p;
+#pragma unroll
+                    for (int i = 0; i < ATT_DPL; i++) {
+                        int d = lane + 32 * i;
+                        if (d < g.hd) acc[i] += p * keys[kk * ATT_HD_MAX + d];
+                    }
+                }
+                m = m_new;
+            }
+        }
+        __syncthreads();
+    }
+    if (!active) return;
+    if (g.splits == 1) {
+        const float sink = sinks[h];
+        const float mf = fmaxf(m, sink);
+        const float corr = expf(m - mf);
+        const float den = s * corr + expf(sink - mf);
+        float* o = out + ((long long)r * g.heads + h) * g.hd;
+#pragma unroll
+        for (int i = 0; i < ATT_DPL; i++) {
+            int d = lane + 32 * i;
+            if (d < g.hd) o[d] = acc[i] * corr / den;
+        }
+    } else {
+        float* pp = part + (((long long)r * g.heads + h) * g.splits + split) * (g.hd + 2);
+#pragma unroll
+        for (int i = 0; i < ATT_DPL; i++) {
+            int d = lane + 32 * i;
+            if (d < g.hd) pp[d] = acc[i];
+        }
+        if (lane == 0) {
+            pp[g.hd] = m;
+            pp[g.hd + 1] = s;
+        }
+    }
+}
+
+// One block per (row, head): merge the splits' partials with the sink, in split order.
+extern "C" __global__ void attention_merge(const float* part, const float* sinks, float* out, int heads, int hd,
+                                           int splits) {
+    const int rh = blockIdx.x, h = rh % heads;
+    const float* pp = part + (long long)rh * splits * (hd + 2);
+    const float sink = sinks[h];
+    float mx = sink;
+    for (int sp = 0; sp < splits; sp++) mx = fmaxf(mx, pp[sp * (hd + 2) + hd]);
+    float den = expf(sink - mx);
+    for (int sp = 0; sp < splits; sp++) den += pp[sp * (hd + 2) + hd + 1] * expf(pp[sp * (hd + 2) + hd] - mx);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float v = 0.0f;
+        for (int sp = 0; sp < splits; sp++) v += pp[sp * (hd + 2) + d] * expf(pp[sp * (hd + 2) + hd] - mx);
+        out[(long long)rh * hd + d] = v / den;
+    }
+}
+
+// Window ring update: each sequence's last `window` rows of new_kv go to slot p % window.
+extern "C" __global__ void store_window(const float* new_kv, u8* rings, const int* row_seq, const int* seqs, int rows,
+                                        int hd, int window, int dtype, int ring_elems, int ring_off) {
+    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)rows * hd) return;
+    const int r = (int)(idx / hd), c = (int)(idx % hd);
+    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
+    const int j = r - seq[SEQ_FIRST_ROW];
+    if (j + window < seq[SEQ_ROWS]) return;
+    const int p = seq[SEQ_START] + j;
+    const long long at = (long long)seq[SEQ_SLOT] * ring_elems + ring_off + (long long)(p % window) * hd + c;
+    store_entry(rings, dtype, at, new_kv[idx]);
+}

@@ -1,0 +1,102 @@
+// Shared helpers for every sluice kernel. The sources are concatenated into one NVRTC
+// program (no include paths needed), so nothing here may assume a CUDA header.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define WARP 32
+#define NEG_INF (__int_as_float(0xff800000))
+
+// bf16 <-> f32. Round to nearest even, NaN kept quiet: the same bits as the `half`
+// crate produces on the CPU, so values stored on either device are interchangeable.
+__device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+}
+__device__ __forceinline__ float round_bf16(float f) { return bf2f(f2bf(f)); }
+
+// FP8 e4m3fn (no infinities; NaN is never produced by checkpoints we load).
+__device__ __forceinline__ float fp8_to_f32(u32 b) {
+    u32 s = (b & 0x80u) << 24;
+    u32 e = (b >> 3) & 0xfu;
+    u32 m = b & 7u;
+    float v = e == 0 ? (float)m * (1.0f / 512.0f) : __uint_as_float(((e + 120u) << 23) | (m << 20));
+    return __uint_as_float(__float_as_uint(v) | s);
+}
+
+// Entry storage (pages, rings): 0 = f32, 1 = bf16.
+__device__ __forceinline__ float load_entry(const u8* base, int dtype, long long i) {
+    return dtype == 0 ? ((const float*)base)[i] : bf2f(((const u16*)base)[i]);
+}
+__device__ __forceinline__ void store_entry(u8* base, int dtype, long long i, float v) {
+    if (dtype == 0) ((float*)base)[i] = v;
+    else ((u16*)base)[i] = f2bf(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) part[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        int nw = blockDim.x >> 5;
+        float s = lane < nw ? part[lane] : 0.0f;
+        s = warp_sum(s);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Rotary table passed by value: one frequency per rotated pair.
+struct RopeParams {
+    float inv_freq[64];
+    float attention_factor;
+    int pairs;
+};
+
+// Rotate one head's last 2*pairs values, interleaved pairs (2j, 2j+1), as the CPU does:
+// the angle is an f32 product, cos/sin of that f32.
+__device__ __forceinline__ void rope_pair(float* a, float* b, float pos, float inv_freq, float att, bool inverse) {
+    float s, c;
+    sincosf(pos * inv_freq, &s, &c);
+    c *= att;
+    s *= att;
+    if (inverse) s = -s;
+    float x = *a, y = *b;
+    *a = x * c - y * s;
+    *b = y * c + x * s;
+}
+
+// What the sequence-aware kernels know of a batch (see plan upload in devplan.rs):
+// per sequence 8 ints.
+#define SEQ_FIRST_ROW 0
+#define SEQ_ROWS 1
+#define SEQ_START 2
+#define SEQ_SLOT 3
+#define SEQ_PAGE_OFF 4
+#define SEQ_NPAGES 5
+#define SEQ_FINAL_UNTIL 6
+#define SEQ_STRIDE 8

@@ -1,0 +1,148 @@
+// Few-row products y = x · Wᵀ (decode: 1–8 rows), bound by streaming the weights once.
+// A block of 8 warps covers `opb` outputs; each output's K is split over 8/opb warps,
+// lanes stride over 16-byte weight chunks, and every weight chunk is used for all rows
+// before the next one is loaded. Activations stay f32 and accumulation is f32, so the
+// result matches the CPU's widened-bf16 dot products to rounding.
+//
+// Grouped products (the attention output's block-diagonal projection) read x at
+// column (o / g_out) * K; plain products pass g_out = N.
+//
+// WT: 0 = f32 weights, 1 = bf16, 2 = FP8 e4m3 with one f32 scale per 128x128 block.
+// DUAL: also read a second weight (w3) and emit the clamped SwiGLU of the pair.
+
+template <int WT>
+__device__ constexpr int chunk_elems() { return WT == 2 ? 16 : 8; }
+
+// Load chunk `c` (chunk_elems<WT>() weights) of row `o` as f32.
+template <int WT>
+__device__ __forceinline__ void load_chunk(const void* w, const float* scales, int o, int K, int c, float* wf) {
+    if (WT == 0) {
+        const float4* p = (const float4*)((const float*)w + (long long)o * K) + 2 * c;
+        float4 a = __ldg(p), b = __ldg(p + 1);
+        wf[0] = a.x; wf[1] = a.y; wf[2] = a.z; wf[3] = a.w;
+        wf[4] = b.x; wf[5] = b.y; wf[6] = b.z; wf[7] = b.w;
+    } else if (WT == 1) {
+        uint4 q = __ldg((const uint4*)((const u16*)w + (long long)o * K) + c);
+        wf[0] = __uint_as_float(q.x << 16); wf[1] = __uint_as_float(q.x & 0xffff0000u);
+        wf[2] = __uint_as_float(q.y << 16); wf[3] = __uint_as_float(q.y & 0xffff0000u);
+        wf[4] = __uint_as_float(q.z << 16); wf[5] = __uint_as_float(q.z & 0xffff0000u);
+        wf[6] = __uint_as_float(q.w << 16); wf[7] = __uint_as_float(q.w & 0xffff0000u);
+    } else {
+        uint4 q = __ldg((const uint4*)((const u8*)w + (long long)o * K) + c);
+        float s = scales[(o / 128) * ((K + 127) / 128) + (c * 16) / 128];
+        u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 16; i++) wf[i] = fp8_to_f32((words[i / 4] >> (8 * (i % 4))) & 0xffu) * s;
+    }
+}
+
+template <int WT>
+__device__ __forceinline__ float load_one(const void* w, const float* scales, int o, int K, int k) {
+    long long i = (long long)o * K + k;
+    if (WT == 0) return ((const float*)w)[i];
+    if (WT == 1) return bf2f(((const u16*)w)[i]);
+    return fp8_to_f32(((const u8*)w)[i]) * scales[(o / 128) * ((K + 127) / 128) + k / 128];
+}
+
+template <int R, int WT, bool DUAL>
+__device__ void gemv_body(float* out, const float* x, const void* w, const void* w3, const float* scales,
+                          const float* scales3, int rows, int N, int K, int x_stride, int out_stride, int g_out,
+                          int opb, int vec, float limit) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int wpo = 8 / opb;
+    const int o = blockIdx.x * opb + warp / wpo;
+    const int gl = (warp % wpo) * 32 + lane, stride = wpo * 32;
+    float acc[R], acc3[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) { acc[r] = 0.0f; acc3[r] = 0.0f; }
+    if (o < N) {
+        const float* xb = x + (long long)(o / g_out) * K;
+        if (vec) {
+            constexpr int CE = chunk_elems<WT>();
+            const int nch = K / CE;
+#pragma unroll 2
+            for (int c = gl; c < nch; c += stride) {
+                float wf[CE], wf3[CE];
+                load_chunk<WT>(w, scales, o, K, c, wf);
+                if (DUAL) load_chunk<WT>(w3, scales3, o, K, c, wf3);
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (r < rows) {
+                        const float4* xp = (const float4*)(xb + (long long)r * x_stride + c * CE);
+#pragma unroll
+                        for (int q = 0; q < CE / 4; q++) {
+                            float4 a = xp[q];
+                            acc[r] += wf[4 * q] * a.x + wf[4 * q + 1] * a.y + wf[4 * q + 2] * a.z + wf[4 * q + 3] * a.w;
+                            if (DUAL)
+                                acc3[r] += wf3[4 * q] * a.x + wf3[4 * q + 1] * a.y + wf3[4 * q + 2] * a.z +
+                                           wf3[4 * q + 3] * a.w;
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int k = gl; k < K; k += stride) {
+                float wv = load_one<WT>(w, scales, o, K, k);
+                float wv3 = DUAL ? load_one<WT>(w3, scales3, o, K, k) : 0.0f;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (r < rows) {
+                        float xv = xb[(long long)r * x_stride + k];
+                        acc[r] += wv * xv;
+                        if (DUAL) acc3[r] += wv3 * xv;
+                    }
+                }
+            }
+        }
+    }
+    __shared__ float red[8][R];
+    __shared__ float red3[8][R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float s = warp_sum(acc[r]);
+        float s3 = DUAL ? warp_sum(acc3[r]) : 0.0f;
+        if (lane == 0) {
+            red[warp][r] = s;
+            if (DUAL) red3[warp][r] = s3;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < opb * R) {
+        int ob = threadIdx.x / R, r = threadIdx.x % R;
+        int o2 = blockIdx.x * opb + ob;
+        if (o2 < N && r < rows) {
+            float s = 0.0f, s3 = 0.0f;
+            for (int sl = 0; sl < wpo; sl++) {
+                s += red[ob * wpo + sl][r];
+                if (DUAL) s3 += red3[ob * wpo + sl][r];
+            }
+            if (DUAL) {
+                float g = fminf(s, limit);
+                float u = fminf(fmaxf(s3, -limit), limit);
+                s = g / (1.0f + expf(-g)) * u;
+            }
+            out[(long long)r * out_stride + o2] = s;
+        }
+    }
+}
+
+#define GEMV_KERNEL(R, WT, DUAL, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
+        float* out, const float* x, const void* w, const void* w3, const float* scales, const float* scales3,       \
+        int rows, int N, int K, int x_stride, int out_stride, int g_out, int opb, int vec, float limit) {           \
+        gemv_body<R, WT, DUAL>(out, x, w, w3, scales, scales3, rows, N, K, x_stride, out_stride, g_out, opb, vec,  \
+                               limit);                                                                              \
+    }
+
+#define GEMV_ALL_R(WT, DUAL, BASE) \
+    GEMV_KERNEL(1, WT, DUAL, BASE##_r1) \
+    GEMV_KERNEL(2, WT, DUAL, BASE##_r2) \
+    GEMV_KERNEL(4, WT, DUAL, BASE##_r4) \
+    GEMV_KERNEL(8, WT, DUAL, BASE##_r8)
+
+GEMV_ALL_R(0, false, gemv_f32)
+GEMV_ALL_R(1, false, gemv_bf16)
+GEMV_ALL_R(2, false, gemv_fp8)
+GEMV_ALL_R(0, true, swiglu_f32)
+GEMV_ALL_R(1, true, swiglu_bf16)
+GEMV_ALL_R(2, true, swiglu_fp8)

@@ -1,0 +1,107 @@
+// Manifold-constrained hyper-connections. The mixing logits come from an unweighted
+// RMSNorm of the flattened streams followed by a product; the norm is one scalar per
+// row, so the product runs on the raw streams (gemv/cuBLAS) and the kernels here scale
+// its result by 1/rms before the sigmoids and the Sinkhorn projection.
+
+#define HC_MAX 8
+
+// Biases travel by value: (2 + hc) * hc <= 80 for hc <= 8.
+struct F80 {
+    float v[80];
+};
+
+// One block per row. mix[rows, (2+hc)*hc] = W · streams (un-normalised).
+extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
+                                         float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
+                                         float hc_eps, float* collapsed, float* post, float* comb) {
+    const int r = blockIdx.x;
+    const int width = hc * d;
+    const float* s = streams + (long long)r * width;
+    __shared__ float pre_s[HC_MAX];
+    __shared__ float c[HC_MAX * HC_MAX];
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += s[i] * s[i];
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
+    const int mixn = (2 + hc) * hc;
+    const float* m = mix + (long long)r * mixn;
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < hc; j++) {
+            pre_s[j] = sigmoidf_(m[j] * inv * s_pre + base.v[j]) + hc_eps;
+            post[r * hc + j] = 2.0f * sigmoidf_(m[hc + j] * inv * s_post + base.v[hc + j]);
+        }
+        for (int i = 0; i < hc * hc; i++) c[i] = m[2 * hc + i] * inv * s_comb + base.v[2 * hc + i];
+        // Sinkhorn: row softmax + eps, column-normalise, then iters-1 row/column rounds.
+        for (int j = 0; j < hc; j++) {
+            float mx = NEG_INF;
+            for (int k = 0; k < hc; k++) mx = fmaxf(mx, c[j * hc + k]);
+            float sum = 0.0f;
+            for (int k = 0; k < hc; k++) {
+                c[j * hc + k] = expf(c[j * hc + k] - mx);
+                sum += c[j * hc + k];
+            }
+            for (int k = 0; k < hc; k++) c[j * hc + k] = c[j * hc + k] / sum + hc_eps;
+        }
+        for (int it = 0; it < iters; it++) {
+            if (it > 0) {
+                for (int j = 0; j < hc; j++) {
+                    float sum = 0.0f;
+                    for (int k = 0; k < hc; k++) sum += c[j * hc + k];
+                    sum += hc_eps;
+                    for (int k = 0; k < hc; k++) c[j * hc + k] /= sum;
+                }
+            }
+            for (int k = 0; k < hc; k++) {
+                float sum = 0.0f;
+                for (int j = 0; j < hc; j++) sum += c[j * hc + k];
+                sum += hc_eps;
+                for (int j = 0; j < hc; j++) c[j * hc + k] /= sum;
+            }
+        }
+        for (int i = 0; i < hc * hc; i++) comb[(long long)r * hc * hc + i] = c[i];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < hc; j++) acc += pre_s[j] * s[j * d + i];
+        collapsed[(long long)r * d + i] = acc;
+    }
+}
+
+// streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].
+extern "C" __global__ void hc_post(float* streams, const float* out, const float* post, const float* comb, int rows,
+                                   int hc, int d) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * d) return;
+    int r = (int)(i / d), x = (int)(i % d);
+    float* s = streams + (long long)r * hc * d;
+    float old[HC_MAX];
+    for (int j = 0; j < hc; j++) old[j] = s[j * d + x];
+    const float o = out[i];
+    const float* c = comb + (long long)r * hc * hc;
+    for (int k = 0; k < hc; k++) {
+        float v = post[r * hc + k] * o;
+        for (int j = 0; j < hc; j++) v += c[j * hc + k] * old[j];
+        s[k * d + x] = v;
+    }
+}
+
+// Final collapse: out[r, :] = Σ_j (sigmoid(mix_j/rms · scale + base_j) + eps) · streams[r, j, :].
+extern "C" __global__ void hc_head_finish(const float* streams, const float* mix, F80 base, float scale,
+                                          int hc, int d, float norm_eps, float hc_eps, float* out) {
+    const int r = blockIdx.x;
+    const int width = hc * d;
+    const float* s = streams + (long long)r * width;
+    __shared__ float pre_s[HC_MAX];
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += s[i] * s[i];
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
+    if (threadIdx.x < hc) pre_s[threadIdx.x] = sigmoidf_(mix[r * hc + threadIdx.x] * inv * scale + base.v[threadIdx.x]) + hc_eps;
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < hc; j++) acc += pre_s[j] * s[j * d + i];
+        out[(long long)r * d + i] = acc;
+    }
+}

@@ -1,0 +1,66 @@
+// Mixture-of-experts routing and combination. Expert products run through the
+// gemv/cuBLAS paths on the rows each expert received.
+
+struct F512 {
+    float v[512];
+};
+
+__device__ __forceinline__ float softplus_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// One thread per row: scores sqrt(softplus(logit)); experts by the hash table rows
+// (`hash_rows[r*k..]`, gathered by token on the host) or by top-k of score + bias
+// (ties to the lower expert id, as the CPU sorts); weights = normalised chosen scores
+// times `route_scale`.
+extern "C" __global__ void moe_route(const float* logits, int rows, int n_exp, int k, const u32* hash_rows, F512 bias,
+                                     float route_scale, int* experts, float* weights) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    const float* l = logits + (long long)r * n_exp;
+    int* chosen = experts + (long long)r * k;
+    if (hash_rows) {
+        for (int j = 0; j < k; j++) chosen[j] = (int)hash_rows[(long long)r * k + j];
+    } else {
+        for (int j = 0; j < k; j++) {
+            int best = -1;
+            float best_key = 0.0f;
+            for (int e = 0; e < n_exp; e++) {
+                bool taken = false;
+                for (int q = 0; q < j; q++) taken |= chosen[q] == e;
+                if (taken) continue;
+                float key = sqrtf(softplus_(l[e])) + bias.v[e];
+                if (best < 0 || key > best_key) {
+                    best = e;
+                    best_key = key;
+                }
+            }
+            chosen[j] = best;
+        }
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < k; j++) sum += sqrtf(softplus_(l[chosen[j]]));
+    for (int j = 0; j < k; j++) weights[(long long)r * k + j] = sqrtf(softplus_(l[chosen[j]])) / (sum + 1e-20f) * route_scale;
+}
+
+// out[rows_of[i], :] += weights[widx[i]] · y[i, :] for i in order (one thread per column,
+// so a row listed twice is still summed in order).
+extern "C" __global__ void moe_accumulate(float* out, const float* y, const int* rows_of, const int* widx,
+                                          const float* weights, int n, int d) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d) return;
+    for (int i = 0; i < n; i++) out[(long long)rows_of[i] * d + c] += weights[widx[i]] * y[(long long)i * d + c];
+}
+
+// out += y (elementwise).
+extern "C" __global__ void add_into(float* out, const float* y, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] += y[i];
+}
+
+// g = silu(min(g, limit)) * clamp(u, -limit, limit), in place in g.
+extern "C" __global__ void swiglu_act(float* g, const float* u, long long n, float limit) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float a = fminf(g[i], limit);
+    float b = fminf(fmaxf(u[i], -limit), limit);
+    g[i] = a / (1.0f + expf(-a)) * b;
+}

@@ -1,0 +1,141 @@
+//! mHC on the GPU: the mixing product runs on the raw streams (the unweighted RMSNorm
+//! is one scalar per row, applied by the finishing kernel), then one block per row does
+//! the sigmoids, the Sinkhorn projection and the collapse.
+
+use cudarc::driver::DeviceRepr;
+
+use super::CudaBackend;
+use super::matmul::{Operand, matmul};
+use super::memory::CudaBuf;
+use super::runtime::{cfg, cfg_elems, launch};
+use crate::backend::{HcHeadWeights, HcWeights};
+
+/// Largest number of residual streams the kernels handle.
+const HC_MAX: usize = 8;
+
+/// Mixing biases by value ((2 + hc) · hc ≤ 80).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct F80 {
+    v: [f32; 80],
+}
+
+// SAFETY: a plain #[repr(C)] float array, `struct F80` in hc.cu.
+unsafe impl DeviceRepr for F80 {}
+
+fn f80(v: &[f32]) -> F80 {
+    assert!(v.len() <= 80, "mHC bias of {} values exceeds the CUDA kernels' 80", v.len());
+    let mut a = F80 { v: [0.0; 80] };
+    a.v[..v.len()].copy_from_slice(v);
+    a
+}
+
+fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -> CudaBuf {
+    let out = b.alloc_buf(rows * w.rows);
+    let g = &b.gpu;
+    let op =
+        Operand { x: g.ptr(&streams.mem), x_stride: w.cols, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups: 1 };
+    matmul(g, op, w);
+    out
+}
+
+pub(crate) fn hc_pre(
+    b: &CudaBackend,
+    streams: &CudaBuf,
+    rows: usize,
+    w: &HcWeights<CudaBackend>,
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) {
+    let (hc, d) = (w.hc, w.hidden);
+    assert!(hc <= HC_MAX, "{hc} residual streams exceed the CUDA kernels' {HC_MAX}");
+    assert_eq!(streams.len, rows * hc * d, "hc_pre streams are not [rows, hc, hidden]");
+    assert_eq!((collapsed.len, post.len, comb.len), (rows * d, rows * hc, rows * hc * hc), "hc_pre outputs");
+    if rows == 0 {
+        return;
+    }
+    let m = mix(b, streams, rows, &w.mix);
+    let g = &b.gpu;
+    launch!(
+        g,
+        "hc_pre_finish",
+        cfg((rows as u32, 1, 1), 256, 0),
+        g.ptr(&streams.mem),
+        g.ptr(&m.mem),
+        f80(&w.base),
+        w.scale[0],
+        w.scale[1],
+        w.scale[2],
+        hc as i32,
+        d as i32,
+        w.sinkhorn_iters as i32,
+        w.norm_eps,
+        w.hc_eps,
+        g.ptr(&collapsed.mem),
+        g.ptr(&post.mem),
+        g.ptr(&comb.mem),
+    );
+}
+
+pub(crate) fn hc_post(
+    b: &CudaBackend,
+    streams: &mut CudaBuf,
+    rows: usize,
+    hc: usize,
+    out: &CudaBuf,
+    post: &CudaBuf,
+    comb: &CudaBuf,
+) {
+    assert!(hc <= HC_MAX, "{hc} residual streams exceed the CUDA kernels' {HC_MAX}");
+    if rows == 0 {
+        return;
+    }
+    let d = out.len / rows;
+    assert_eq!(streams.len, rows * hc * d, "hc_post streams are not [rows, hc, hidden]");
+    let g = &b.gpu;
+    launch!(
+        g,
+        "hc_post",
+        cfg_elems(rows * d),
+        g.ptr(&streams.mem),
+        g.ptr(&out.mem),
+        g.ptr(&post.mem),
+        g.ptr(&comb.mem),
+        rows as i32,
+        hc as i32,
+        d as i32
+    );
+}
+
+pub(crate) fn hc_head(
+    b: &CudaBackend,
+    streams: &CudaBuf,
+    rows: usize,
+    w: &HcHeadWeights<CudaBackend>,
+    out: &mut CudaBuf,
+) {
+    let (hc, d) = (w.hc, w.hidden);
+    assert!(hc <= HC_MAX, "{hc} residual streams exceed the CUDA kernels' {HC_MAX}");
+    assert_eq!(streams.len, rows * hc * d, "hc_head streams are not [rows, hc, hidden]");
+    assert_eq!(out.len, rows * d, "hc_head output is not [rows, hidden]");
+    if rows == 0 {
+        return;
+    }
+    let m = mix(b, streams, rows, &w.mix);
+    let g = &b.gpu;
+    launch!(
+        g,
+        "hc_head_finish",
+        cfg((rows as u32, 1, 1), 256, 0),
+        g.ptr(&streams.mem),
+        g.ptr(&m.mem),
+        f80(&w.base),
+        w.scale,
+        hc as i32,
+        d as i32,
+        w.norm_eps,
+        w.hc_eps,
+        g.ptr(&out.mem),
+    );
+}

@@ -1,0 +1,328 @@
+//! The CUDA backend: f32 activations, weights and KV storage in device memory, kernels
+//! compiled at run time with NVRTC for the device's architecture (sm_90 on Hopper),
+//! GEMMs through cuBLAS. The driver, NVRTC and cuBLAS are loaded when a backend is
+//! created, so a binary built with this module runs (CPU-only) on machines without
+//! CUDA; [`CudaBackend::new`] then says what is missing.
+//!
+//! Module map:
+//! - `runtime`: context, stream, cuBLAS handle, kernel table, copies and the `launch!`
+//!   macro (every call checked).
+//! - `nvrtc`: compilation of `cu/*.cu` and the on-disk PTX cache.
+//! - `memory`: the buffer types ([`CudaBuf`], [`CudaWeight`], [`CudaKv`], [`CudaIdx`]).
+//! - `devplan`: the batch plan in device memory, uploaded once per step.
+//! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
+//! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
+//!
+//! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
+
+mod attention;
+mod compress;
+mod devplan;
+mod hc;
+mod matmul;
+mod memory;
+mod moe;
+mod nvrtc;
+mod rows;
+pub(crate) mod runtime;
+
+use crate::EntryDtype;
+use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection};
+use crate::kv_layout::{Branch, KvLayout};
+use crate::plan::BatchPlan;
+use crate::rope::RopeTable;
+
+pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
+pub use runtime::{CudaError, driver_present};
+
+/// One GPU. Cheap to share by reference; create one per device and process.
+pub struct CudaBackend {
+    gpu: runtime::Gpu,
+    plans: devplan::PlanCache,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend({})", self.describe())
+    }
+}
+
+impl CudaBackend {
+    /// Open device `ordinal`, compile (or load cached) kernels.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        Ok(CudaBackend { gpu: runtime::Gpu::new(ordinal)?, plans: devplan::PlanCache::default() })
+    }
+
+    /// Number of CUDA devices, 0 when there is no driver.
+    pub fn device_count() -> usize {
+        if !driver_present() {
+            return 0;
+        }
+        if cudarc::driver::result::init().is_err() {
+            return 0;
+        }
+        cudarc::driver::CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+    }
+
+    /// Where the kernels came from (compiled now or the PTX cache), for start-up logs.
+    pub fn kernel_origin(&self) -> &str {
+        &self.gpu.ptx_origin
+    }
+
+    /// Multiprocessors of the device.
+    pub fn multiprocessors(&self) -> usize {
+        self.gpu.sms
+    }
+
+    /// Wait for all issued work (for timing from the host).
+    pub fn synchronize(&self) {
+        self.gpu.sync();
+    }
+
+    /// Bytes of device memory `(free, total)`.
+    pub fn memory_info(&self) -> (usize, usize) {
+        self.gpu.ctx.mem_get_info().unwrap_or((0, self.gpu.total_mem))
+    }
+
+    /// Time `f` with device events on the backend's stream, in milliseconds.
+    pub fn time_ms<R>(&self, f: impl FnOnce() -> R) -> (R, f32) {
+        let g = &self.gpu;
+        let start = g.stream.record_event(None).unwrap_or_else(|e| runtime::fail("event record", e));
+        let r = f();
+        let end = g.stream.record_event(None).unwrap_or_else(|e| runtime::fail("event record", e));
+        end.synchronize().unwrap_or_else(|e| runtime::fail("event synchronize", e));
+        (r, start.elapsed_ms(&end).unwrap_or_else(|e| runtime::fail("event timing", e)))
+    }
+
+    /// Device-to-device copy of one whole KV storage into another of the same size
+    /// (bench set-up: fill many sequences from one prefill).
+    pub fn kv_copy(&self, src: &CudaKv, src_elem: usize, dst: &mut CudaKv, dst_elem: usize, elems: usize) {
+        assert_eq!(src.dtype, dst.dtype, "kv_copy between dtypes");
+        let sz = src.dtype.size();
+        assert!(src_elem + elems <= src.len && dst_elem + elems <= dst.len, "kv_copy out of range");
+        if elems == 0 {
+            return;
+        }
+        let s = src.mem.slice(src_elem * sz..(src_elem + elems) * sz);
+        let mut d = dst.mem.slice_mut(dst_elem * sz..(dst_elem + elems) * sz);
+        self.gpu.stream.memcpy_dtod(&s, &mut d).unwrap_or_else(|e| runtime::fail("device-to-device copy", e));
+    }
+
+    fn alloc_buf(&self, len: usize) -> CudaBuf {
+        CudaBuf { mem: self.gpu.alloc(len), len }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buf = CudaBuf;
+    type Weight = CudaWeight;
+    type Kv = CudaKv;
+    type Idx = CudaIdx;
+
+    fn describe(&self) -> String {
+        let g = &self.gpu;
+        format!(
+            "cuda:{} ({}, sm_{}{}, {} SMs, {:.0} GiB)",
+            g.ordinal,
+            g.name,
+            g.cc.0,
+            g.cc.1,
+            g.sms,
+            g.total_mem as f64 / (1u64 << 30) as f64
+        )
+    }
+
+    fn zeros(&self, len: usize) -> CudaBuf {
+        CudaBuf { mem: self.gpu.zeros(len), len }
+    }
+
+    fn upload(&self, data: &[f32]) -> CudaBuf {
+        CudaBuf { mem: self.gpu.upload(data), len: data.len() }
+    }
+
+    fn download(&self, buf: &CudaBuf) -> Vec<f32> {
+        let mut out = vec![0f32; buf.len];
+        self.gpu.read(&buf.mem, 0, &mut out);
+        out
+    }
+
+    fn gather_rows(&self, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {
+        rows::gather_rows(self, src, width, rows)
+    }
+
+    fn weight(&self, m: HostMatrix) -> CudaWeight {
+        memory::upload_weight(&self.gpu, m)
+    }
+
+    fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
+        (w.rows, w.cols)
+    }
+
+    fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> CudaKv {
+        CudaKv { mem: self.gpu.zeros::<u8>(elems * dtype.size()), dtype, len: elems }
+    }
+
+    fn kv_read(&self, kv: &CudaKv, offset: usize, elems: usize) -> Vec<u8> {
+        let sz = kv.dtype.size();
+        assert!(offset + elems <= kv.len, "kv_read past the end of the storage");
+        let mut out = vec![0u8; elems * sz];
+        self.gpu.read(&kv.mem, offset * sz, &mut out);
+        out
+    }
+
+    fn kv_write(&self, kv: &mut CudaKv, offset: usize, bytes: &[u8]) {
+        let sz = kv.dtype.size();
+        assert_eq!(bytes.len() % sz, 0, "kv_write of a partial element");
+        assert!(offset * sz + bytes.len() <= kv.len * sz, "kv_write past the end of the storage");
+        self.gpu.write(&mut kv.mem, offset * sz, bytes);
+    }
+
+    fn buf_read(&self, buf: &CudaBuf, offset: usize, len: usize) -> Vec<f32> {
+        assert!(offset + len <= buf.len, "buf_read past the end of the buffer");
+        let mut out = vec![0f32; len];
+        self.gpu.read(&buf.mem, offset, &mut out);
+        out
+    }
+
+    fn buf_write(&self, buf: &mut CudaBuf, offset: usize, data: &[f32]) {
+        assert!(offset + data.len() <= buf.len, "buf_write past the end of the buffer");
+        self.gpu.write(&mut buf.mem, offset, data);
+    }
+
+    fn idx_download(&self, idx: &CudaIdx) -> Vec<i32> {
+        let mut out = vec![0i32; idx.len];
+        self.gpu.read(&idx.mem, 0, &mut out);
+        out
+    }
+
+    fn embed(&self, table: &CudaWeight, tokens: &[u32], out: &mut CudaBuf) {
+        rows::embed(self, table, tokens, out)
+    }
+
+    fn matmul(&self, x: &CudaBuf, rows: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        assert_eq!(x.len, rows * w.cols, "matmul input is not [rows, {}]", w.cols);
+        assert_eq!(out.len, rows * w.rows, "matmul output is not [rows, {}]", w.rows);
+        let g = &self.gpu;
+        let op = matmul::Operand {
+            x: g.ptr(&x.mem),
+            x_stride: w.cols,
+            out: g.ptr(&out.mem),
+            out_stride: w.rows,
+            rows,
+            groups: 1,
+        };
+        matmul::matmul(g, op, w);
+    }
+
+    fn grouped_matmul(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        assert!(groups > 0 && w.rows.is_multiple_of(groups), "grouped weight rows not divisible by groups");
+        assert_eq!(x.len, rows * groups * w.cols, "grouped_matmul input shape");
+        assert_eq!(out.len, rows * w.rows, "grouped_matmul output shape");
+        let g = &self.gpu;
+        let op = matmul::Operand {
+            x: g.ptr(&x.mem),
+            x_stride: groups * w.cols,
+            out: g.ptr(&out.mem),
+            out_stride: w.rows,
+            rows,
+            groups,
+        };
+        matmul::matmul(g, op, w);
+    }
+
+    fn rms_norm(&self, x: &mut CudaBuf, dim: usize, weight: Option<&CudaBuf>, eps: f32) {
+        rows::rms_norm(self, x, dim, weight, eps)
+    }
+
+    fn rope(&self, x: &mut CudaBuf, heads: usize, head_dim: usize, positions: &[u32], rope: &RopeTable, inverse: bool) {
+        rows::rope(self, x, heads, head_dim, positions, rope, inverse)
+    }
+
+    fn scale(&self, x: &mut CudaBuf, factor: f32) {
+        rows::scale(self, x, factor)
+    }
+
+    fn round_to(&self, x: &mut CudaBuf, dtype: EntryDtype) {
+        rows::round_to(self, x, dtype)
+    }
+
+    fn hc_pre(
+        &self,
+        streams: &CudaBuf,
+        rows: usize,
+        w: &HcWeights<Self>,
+        collapsed: &mut CudaBuf,
+        post: &mut CudaBuf,
+        comb: &mut CudaBuf,
+    ) {
+        hc::hc_pre(self, streams, rows, w, collapsed, post, comb)
+    }
+
+    fn hc_post(&self, streams: &mut CudaBuf, rows: usize, hc: usize, out: &CudaBuf, post: &CudaBuf, comb: &CudaBuf) {
+        hc::hc_post(self, streams, rows, hc, out, post, comb)
+    }
+
+    fn hc_head(&self, streams: &CudaBuf, rows: usize, w: &HcHeadWeights<Self>, out: &mut CudaBuf) {
+        hc::hc_head(self, streams, rows, w, out)
+    }
+
+    fn moe(&self, x: &CudaBuf, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut CudaBuf) {
+        moe::moe(self, x, rows, tokens, w, out)
+    }
+
+    fn compress(
+        &self,
+        kv: &mut KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        branch: Branch,
+        plan: &BatchPlan,
+        proj_kv: &CudaBuf,
+        proj_score: &CudaBuf,
+        p: &CompressorParams<'_, Self>,
+    ) {
+        compress::compress(self, kv, layout, layer, branch, plan, proj_kv, proj_score, p)
+    }
+
+    fn index_topk(
+        &self,
+        kv: &KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &CudaBuf,
+        weights: &CudaBuf,
+        heads: usize,
+        top_k: usize,
+    ) -> Selection<Self> {
+        attention::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k)
+    }
+
+    fn attention(
+        &self,
+        kv: &KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &CudaBuf,
+        new_kv: &CudaBuf,
+        selected: Option<&Selection<Self>>,
+        sinks: &CudaBuf,
+        heads: usize,
+        scale: f32,
+        out: &mut CudaBuf,
+    ) {
+        attention::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out)
+    }
+
+    fn store_window(
+        &self,
+        kv: &mut KvState<Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        new_kv: &CudaBuf,
+    ) {
+        attention::store_window(self, kv, layout, layer, plan, new_kv)
+    }
+}

@@ -1,0 +1,151 @@
+//! Row-wise ops on the GPU: embedding gather, row gather, RMSNorm, RoPE, scaling and
+//! storage rounding.
+
+use cudarc::driver::DeviceRepr;
+
+use super::CudaBackend;
+use super::memory::{CudaBuf, CudaWeight, WeightData};
+use super::runtime::{cfg, cfg_elems, launch};
+use crate::EntryDtype;
+use crate::rope::RopeTable;
+
+/// Most rotated pairs a head may have (the kernel's by-value table).
+pub(crate) const ROPE_MAX_PAIRS: usize = 64;
+
+/// A [`RopeTable`] as the kernels take it, by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct RopeParams {
+    inv_freq: [f32; ROPE_MAX_PAIRS],
+    attention_factor: f32,
+    pairs: i32,
+}
+
+// SAFETY: plain #[repr(C)] floats and ints, laid out as `struct RopeParams` in common.cuh.
+unsafe impl DeviceRepr for RopeParams {}
+
+impl RopeParams {
+    pub(crate) fn new(t: &RopeTable) -> Self {
+        let n = t.inv_freq.len();
+        assert!(n <= ROPE_MAX_PAIRS, "RoPE over {} dims exceeds the CUDA kernels' {}", 2 * n, 2 * ROPE_MAX_PAIRS);
+        let mut inv_freq = [0f32; ROPE_MAX_PAIRS];
+        inv_freq[..n].copy_from_slice(&t.inv_freq);
+        RopeParams { inv_freq, attention_factor: t.attention_factor, pairs: n as i32 }
+    }
+}
+
+pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &mut CudaBuf) {
+    let d = table.cols;
+    assert_eq!(out.len, tokens.len() * d, "embed output is not [tokens, {d}]");
+    if let Some(&t) = tokens.iter().find(|&&t| t as usize >= table.rows) {
+        panic!("token id {t} outside the embedding table ({} rows)", table.rows);
+    }
+    if tokens.is_empty() {
+        return;
+    }
+    let g = &b.gpu;
+    let tok = g.upload(tokens);
+    let (rows, cols) = (tokens.len() as i32, d as i32);
+    let c = cfg_elems(tokens.len() * d);
+    let (o, t) = (g.ptr(&out.mem), g.ptr(&tok));
+    match &table.data {
+        WeightData::F32(w) => launch!(g, "embed_f32", c, o, g.ptr(w), t, rows, cols),
+        WeightData::Bf16(w) => launch!(g, "embed_bf16", c, o, g.ptr(w), t, rows, cols),
+        WeightData::Fp8 { codes, scales } => {
+            launch!(g, "embed_fp8", c, o, g.ptr(codes), g.ptr(scales), t, rows, cols)
+        }
+    }
+}
+
+pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {
+    let g = &b.gpu;
+    let out = b.alloc_buf(rows.len() * width);
+    if rows.is_empty() || width == 0 {
+        return out;
+    }
+    let n_src = src.len / width;
+    assert!(rows.iter().all(|&r| r < n_src), "gather_rows index outside {n_src} rows");
+    let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+    let idx = g.upload(&idx);
+    launch!(
+        g,
+        "gather_rows",
+        cfg_elems(rows.len() * width),
+        g.ptr(&out.mem),
+        g.ptr(&src.mem),
+        g.ptr(&idx),
+        rows.len() as i32,
+        width as i32
+    );
+    out
+}
+
+pub(crate) fn rms_norm(b: &CudaBackend, x: &mut CudaBuf, dim: usize, weight: Option<&CudaBuf>, eps: f32) {
+    assert!(dim > 0 && x.len.is_multiple_of(dim), "rms_norm length not a multiple of {dim}");
+    if let Some(w) = weight {
+        assert_eq!(w.len, dim, "rms_norm weight length");
+    }
+    let rows = x.len / dim;
+    if rows == 0 {
+        return;
+    }
+    let g = &b.gpu;
+    let threads = if dim >= 1024 { 256 } else { 128 };
+    let w = weight.map(|w| g.ptr(&w.mem)).unwrap_or(0);
+    launch!(g, "rms_norm", cfg((rows as u32, 1, 1), threads, 0), g.ptr(&x.mem), w, dim as i32, eps);
+}
+
+pub(crate) fn rope(
+    b: &CudaBackend,
+    x: &mut CudaBuf,
+    heads: usize,
+    head_dim: usize,
+    positions: &[u32],
+    table: &RopeTable,
+    inverse: bool,
+) {
+    assert_eq!(x.len, positions.len() * heads * head_dim, "rope input is not [rows, heads, head_dim]");
+    assert!(table.dims() <= head_dim, "rope dims {} exceed head_dim {head_dim}", table.dims());
+    let n = positions.len() * heads * table.inv_freq.len();
+    if n == 0 {
+        return;
+    }
+    let g = &b.gpu;
+    let cached = b.plans.positions_of(positions);
+    let temp;
+    let pos = match &cached {
+        Some(p) => g.ptr(&p.positions),
+        None => {
+            temp = g.upload(positions);
+            g.ptr(&temp)
+        }
+    };
+    launch!(
+        g,
+        "rope",
+        cfg_elems(n),
+        g.ptr(&x.mem),
+        pos,
+        positions.len() as i32,
+        heads as i32,
+        head_dim as i32,
+        RopeParams::new(table),
+        inverse as i32
+    );
+}
+
+pub(crate) fn scale(b: &CudaBackend, x: &mut CudaBuf, factor: f32) {
+    if x.len == 0 {
+        return;
+    }
+    let g = &b.gpu;
+    launch!(g, "scale_f32", cfg_elems(x.len), g.ptr(&x.mem), x.len as i64, factor);
+}
+
+pub(crate) fn round_to(b: &CudaBackend, x: &mut CudaBuf, dtype: EntryDtype) {
+    if dtype == EntryDtype::F32 || x.len == 0 {
+        return;
+    }
+    let g = &b.gpu;
+    launch!(g, "round_to_bf16", cfg_elems(x.len), g.ptr(&x.mem), x.len as i64);
+}

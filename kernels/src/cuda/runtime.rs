@@ -1,0 +1,250 @@
+//! The GPU a [`super::CudaBackend`] drives: context, one stream, cuBLAS handle and the
+//! loaded kernels, plus allocation, copies and launches with every return code checked.
+//!
+//! Everything runs on one stream in issue order, so kernels need no events between them
+//! and cudarc's per-buffer event tracking is switched off (it would add two event
+//! records per launch argument). Host-visible results come back through synchronous
+//! copies. Thread affinity: the context is bound to the calling thread before each
+//! driver call that needs it (cudarc does this), so any thread may use the backend,
+//! though the engine drives it from one.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+
+use super::nvrtc;
+
+/// Why a CUDA backend could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver: libcuda could not be loaded (no NVIDIA GPU or driver on this machine)")]
+    NoDriver,
+    #[error("CUDA library {0} could not be loaded; put its directory on LD_LIBRARY_PATH")]
+    NoLibrary(&'static str),
+    #[error("CUDA device {ordinal} is not available ({count} device(s) present)")]
+    NoDevice { ordinal: usize, count: i32 },
+    #[error("CUDA driver call failed: {0}")]
+    Driver(String),
+    #[error("kernel compilation failed: {0}")]
+    Compile(String),
+}
+
+/// Every kernel the sources define; looked up once at start.
+const KERNELS: &[&str] = &[
+    "embed_f32",
+    "embed_bf16",
+    "embed_fp8",
+    "gather_rows",
+    "rms_norm",
+    "rope",
+    "scale_f32",
+    "round_to_bf16",
+    "split_bf16",
+    "add_halves",
+    "fp8_to_bf16",
+    "gemv_f32_r1",
+    "gemv_f32_r2",
+    "gemv_f32_r4",
+    "gemv_f32_r8",
+    "gemv_bf16_r1",
+    "gemv_bf16_r2",
+    "gemv_bf16_r4",
+    "gemv_bf16_r8",
+    "gemv_fp8_r1",
+    "gemv_fp8_r2",
+    "gemv_fp8_r4",
+    "gemv_fp8_r8",
+    "swiglu_f32_r1",
+    "swiglu_f32_r2",
+    "swiglu_f32_r4",
+    "swiglu_f32_r8",
+    "swiglu_bf16_r1",
+    "swiglu_bf16_r2",
+    "swiglu_bf16_r4",
+    "swiglu_bf16_r8",
+    "swiglu_fp8_r1",
+    "swiglu_fp8_r2",
+    "swiglu_fp8_r4",
+    "swiglu_fp8_r8",
+    "hc_pre_finish",
+    "hc_post",
+    "hc_head_finish",
+    "moe_route",
+    "moe_accumulate",
+    "add_into",
+    "swiglu_act",
+    "compress_entries",
+    "compress_store",
+    "index_scores",
+    "topk_select",
+    "attention",
+    "attention_merge",
+    "store_window",
+];
+
+pub(crate) struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// cuBLAS handles are not safe to use from two threads at once.
+    pub blas: Mutex<CudaBlas>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    pub sms: usize,
+    pub name: String,
+    pub cc: (i32, i32),
+    pub total_mem: usize,
+    pub ordinal: usize,
+    /// Where the kernels came from (compiled now, or the PTX cache file).
+    pub ptx_origin: String,
+}
+
+/// Whether this process can load the CUDA driver at all (false on machines without an
+/// NVIDIA driver; nothing else is touched).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+fn drv<E: std::fmt::Debug>(e: E) -> CudaError {
+    CudaError::Driver(format!("{e:?}"))
+}
+
+impl Gpu {
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        // SAFETY: dlopen probes only.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(CudaError::NoLibrary("libnvrtc"));
+        }
+        // SAFETY: as above.
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(CudaError::NoLibrary("libcublas"));
+        }
+        cudarc::driver::result::init().map_err(drv)?;
+        let count = CudaContext::device_count().map_err(drv)?;
+        if ordinal as i32 >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv)?;
+        // SAFETY: every launch and copy of this backend goes to the one stream below, in
+        // issue order, so the per-buffer events cudarc would otherwise record are not
+        // needed to order them.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(drv)?;
+        let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
+        let cc = ctx.compute_capability().map_err(drv)?;
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv)? as usize;
+        let (module, ptx_origin) = nvrtc::load(&ctx, cc)?;
+        let mut funcs = HashMap::new();
+        for &name in KERNELS {
+            let f = module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e:?}")))?;
+            funcs.insert(name, f);
+        }
+        Ok(Gpu {
+            name: ctx.name().map_err(drv)?,
+            total_mem: ctx.total_mem().map_err(drv)?,
+            ctx,
+            stream,
+            blas: Mutex::new(blas),
+            funcs,
+            sms,
+            cc,
+            ordinal,
+            ptx_origin,
+        })
+    }
+
+    pub fn func(&self, name: &str) -> &CudaFunction {
+        self.funcs.get(name).unwrap_or_else(|| panic!("unknown CUDA kernel {name}"))
+    }
+
+    /// Uninitialised device memory of `len` elements (at least one, so every buffer has
+    /// a real address). Stream-ordered: freed memory is reused without a device sync.
+    pub fn alloc<T: DeviceRepr>(&self, len: usize) -> CudaSlice<T> {
+        // SAFETY: callers write every element they later read (kernels fully cover
+        // their outputs; `zeros` memsets).
+        unsafe { self.stream.alloc::<T>(len.max(1)) }.unwrap_or_else(|e| fail("allocation", e))
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
+        self.stream.alloc_zeros::<T>(len.max(1)).unwrap_or_else(|e| fail("allocation", e))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> CudaSlice<T> {
+        let mut dst = self.alloc::<T>(data.len());
+        if !data.is_empty() {
+            self.stream.memcpy_htod(data, &mut dst).unwrap_or_else(|e| fail("host-to-device copy", e));
+        }
+        dst
+    }
+
+    /// Copy `out.len()` elements starting at element `offset` to the host and wait.
+    pub fn read<T: DeviceRepr>(&self, src: &CudaSlice<T>, offset: usize, out: &mut [T]) {
+        if out.is_empty() {
+            return;
+        }
+        let view = src.slice(offset..offset + out.len());
+        self.stream.memcpy_dtoh(&view, out).unwrap_or_else(|e| fail("device-to-host copy", e));
+        self.sync();
+    }
+
+    pub fn write<T: DeviceRepr>(&self, dst: &mut CudaSlice<T>, offset: usize, data: &[T]) {
+        if data.is_empty() {
+            return;
+        }
+        let mut view = dst.slice_mut(offset..offset + data.len());
+        self.stream.memcpy_htod(data, &mut view).unwrap_or_else(|e| fail("host-to-device copy", e));
+    }
+
+    pub fn memset_zero<T: DeviceRepr + ValidAsZeroBits>(&self, dst: &mut CudaSlice<T>) {
+        self.stream.memset_zeros(dst).unwrap_or_else(|e| fail("memset", e));
+    }
+
+    /// Wait for everything issued so far, and surface asynchronous kernel faults.
+    pub fn sync(&self) {
+        self.stream.synchronize().unwrap_or_else(|e| fail("stream synchronize", e));
+    }
+
+    /// Raw device address of a buffer, for kernel arguments.
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        let (p, _guard) = s.device_ptr(&self.stream);
+        p
+    }
+}
+
+/// A CUDA failure inside an op: the device state is unknown, so there is nothing to
+/// recover; stop with the driver's message.
+pub(crate) fn fail<E: std::fmt::Debug>(what: &str, e: E) -> ! {
+    panic!("CUDA {what} failed: {e:?}")
+}
+
+/// `grid` blocks of `block` threads, `smem` bytes of dynamic shared memory.
+pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> cudarc::driver::LaunchConfig {
+    cudarc::driver::LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem }
+}
+
+/// One thread per element, 256 per block.
+pub(crate) fn cfg_elems(n: usize) -> cudarc::driver::LaunchConfig {
+    cfg(((n.div_ceil(256)).max(1) as u32, 1, 1), 256, 0)
+}
+
+/// Launch kernel `$name` with `$cfg` and the given arguments (device addresses as u64,
+/// ints as i32, floats as f32, `#[repr(C)]` structs by value), checking the launch.
+macro_rules! launch {
+    ($gpu:expr, $name:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
+        let gpu: &$crate::cuda::runtime::Gpu = $gpu;
+        let f = gpu.func($name);
+        let mut b = gpu.stream.launch_builder(f);
+        $( let a = $arg; cudarc::driver::PushKernelArg::arg(&mut b, &a); )*
+        // SAFETY: the argument list matches the kernel's C signature (checked by the
+        // parity suite on a GPU); buffers passed are live device allocations of the
+        // sizes the kernel indexes, as each call site establishes.
+        unsafe { b.launch($cfg) }.unwrap_or_else(|e| $crate::cuda::runtime::fail(&format!("launch of {}", $name), e));
+    }};
+}
+pub(crate) use launch;
