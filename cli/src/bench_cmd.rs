@@ -20,6 +20,10 @@ pub enum BenchCmd {
     Engine(EngineArgs),
     /// GB/s of the KV sender between two processes, next to ucx_perftest.
     Transfer(bench_transfer::TransferArgs),
+    /// Sequential write and read GB/s of pages through the kvstore, next to fio.
+    Kvstore(crate::bench_kvstore::KvstoreArgs),
+    /// Per SWA policy: bytes stored per shared prefix, tokens recomputed and TTFT on a hit vs cold.
+    Prefix(crate::bench_prefix::PrefixArgs),
 }
 
 #[derive(Args)]
@@ -67,6 +71,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
     match cmd {
         BenchCmd::Engine(a) => engine(a),
         BenchCmd::Transfer(a) => bench_transfer::run(a),
+        BenchCmd::Kvstore(a) => crate::bench_kvstore::run(a),
+        BenchCmd::Prefix(a) => crate::bench_prefix::run(a),
     }
 }
 

@@ -4,17 +4,23 @@
 //! Module map:
 //! - `model_cmd`: `sluice model init|inspect`.
 //! - `generate_cmd`: `sluice generate` (in-process, or through a router).
-//! - `up_cmd`: `sluice up`, a local cluster of child processes.
+//! - `up_cmd`: `sluice up`, a local cluster of child processes (started by `local`).
+//! - `local`: starting and stopping a local cluster.
 //! - `client`: the gRPC client of the router.
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
 //! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest).
+//! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
+//! - `bench_prefix`: `sluice bench prefix` (the SWA policy table: bytes, recompute, TTFT).
 //! - `args`: shared argument parsing helpers.
 
 mod args;
 mod bench_cmd;
+mod bench_kvstore;
+mod bench_prefix;
 mod bench_transfer;
 mod client;
 mod generate_cmd;
+mod local;
 mod model_cmd;
 mod up_cmd;
 

@@ -11,6 +11,20 @@ pub async fn bind(addr: &str) -> std::io::Result<TcpListener> {
     })
 }
 
+/// Accepted connections of a gRPC server, with Nagle's algorithm off: tonic only sets
+/// TCP_NODELAY on connections it accepts itself, and small RPC messages otherwise wait
+/// for the peer's delayed ACK (~40 ms) before they go out.
+pub fn incoming(
+    listener: TcpListener,
+) -> impl futures::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + 'static {
+    use futures::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+        let s = s?;
+        s.set_nodelay(true)?;
+        Ok(s)
+    })
+}
+
 /// The URL peers should use for a listener: `advertise` when given (the address other
 /// hosts can reach), else the bound address (loopback or a specific interface).
 pub fn advertised_url(bound: SocketAddr, advertise: Option<&str>) -> String {

@@ -1,10 +1,11 @@
 //! The bulk path of Get: a thread that owns a UCX sender and writes records into
 //! callers' registered memory. The sender is `!Send` (its worker is single-threaded),
-//! so requests come to it over a channel.
+//! so requests come to it over a channel. A job's records arrive one by one as the
+//! store reads them, so reading the next record from disk overlaps writing this one.
 
 use std::sync::Arc;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use transfer::{RegionSpec, RemoteWrite, SendStats, Sender, TransferError};
@@ -23,7 +24,8 @@ pub struct Piece {
 pub struct Job {
     pub address: Vec<u8>,
     pub regions: Vec<RegionSpec>,
-    pub records: Vec<Arc<Vec<u8>>>,
+    /// Records as they are read: (index, bytes); the job ends when the sender hangs up.
+    pub records: mpsc::Receiver<(usize, Arc<Vec<u8>>)>,
     pub pieces: Vec<Piece>,
     pub timeout: Duration,
 }
@@ -53,17 +55,7 @@ impl Bulk {
                     }
                 };
                 for (job, reply) in rx {
-                    let writes: Vec<RemoteWrite<'_>> = job
-                        .pieces
-                        .iter()
-                        .map(|p| RemoteWrite {
-                            region: &job.regions[p.region],
-                            offset: p.offset,
-                            bytes: &job.records[p.record][p.from..p.from + p.len],
-                        })
-                        .collect();
-                    let result = sender.write(&job.address, &writes, job.timeout);
-                    let _ = reply.send(result);
+                    let _ = reply.send(write_job(&mut sender, job));
                 }
             })
             .map_err(|e| TransferError::Thread(e.to_string()))?;
@@ -71,10 +63,34 @@ impl Bulk {
         Ok(Bulk { tx })
     }
 
-    /// Write the job's pieces; resolves once they are in the caller's memory.
+    /// Write the job's pieces as its records arrive; resolves once every record that
+    /// arrived is in the caller's memory (or the first failure).
     pub async fn write(&self, job: Job) -> Result<SendStats, TransferError> {
         let (reply, rx) = oneshot::channel();
         self.tx.send((job, reply)).map_err(|_| TransferError::Thread("the bulk thread exited".into()))?;
         rx.await.map_err(|_| TransferError::Thread("the bulk thread exited".into()))?
     }
+}
+
+/// Each record's pieces, written (and flushed) as the record arrives, all within the
+/// job's timeout.
+fn write_job(sender: &mut Sender, job: Job) -> Result<SendStats, TransferError> {
+    let started = Instant::now();
+    let deadline = started + job.timeout;
+    let mut bytes = 0;
+    for (i, record) in job.records.iter() {
+        let writes: Vec<RemoteWrite<'_>> = job
+            .pieces
+            .iter()
+            .filter(|p| p.record == i)
+            .map(|p| RemoteWrite {
+                region: &job.regions[p.region],
+                offset: p.offset,
+                bytes: &record[p.from..p.from + p.len],
+            })
+            .collect();
+        let left = deadline.saturating_duration_since(Instant::now());
+        bytes += sender.write(&job.address, &writes, left)?.bytes;
+    }
+    Ok(SendStats { bytes, elapsed: started.elapsed() })
 }

@@ -102,7 +102,7 @@ pub async fn run(
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(KvStoreServer::new(service::Shared(service)))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled());
+        .serve_with_incoming_shutdown(cluster::net::incoming(listener), shutdown.cancelled());
     let on_stop = async {
         reporter.set_not_serving::<KvStoreServer<service::Shared>>().await;
     };

@@ -8,16 +8,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster::telemetry::KvstoreMetrics;
+use cluster::telemetry::propagation;
 use model_spec::{BLOCK_TOKENS, SwaPolicy};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::kv_store_server::KvStore;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 use transfer::{Landing, RegionSpec};
 
 use crate::bulk::{self, Bulk};
 use crate::ranges::Ranges;
 use crate::record::{Key, Kind, Pools, checksum};
-use crate::store::{Accept, Offer, ReadError, Store};
+use crate::store::{Accept, Offer, Store};
 
 /// An accepted put waiting for its bytes.
 struct PendingPut {
@@ -63,6 +65,13 @@ fn pools(p: Option<&pb::PoolBytes>) -> Pools {
         hca: p.hca,
         swa: p.swa,
     })
+}
+
+/// A span for one call, a child of the caller's trace (W3C context in the metadata).
+fn span_for<T>(name: &'static str, request: &Request<T>) -> tracing::Span {
+    let span = tracing::info_span!("kvstore", op = name, records = tracing::field::Empty);
+    propagation::set_parent(&span, request.metadata());
+    span
 }
 
 fn region(r: &pb::RemoteRegion) -> RegionSpec {
@@ -176,114 +185,130 @@ impl KvStore for Shared {
     }
 
     async fn lookup(&self, request: Request<pb::LookupRequest>) -> Result<Response<pb::LookupReply>, Status> {
-        let keys = request.into_inner().keys.iter().map(|k| key(k, "lookup")).collect::<Result<Vec<_>, _>>()?;
-        let (n, snapshots) = self.store.lookup(&keys, BLOCK_TOKENS as u64);
-        Ok(Response::new(pb::LookupReply {
-            cached_blocks: n as u32,
-            snapshots: snapshots.into_iter().map(|s| s as u32).collect(),
-        }))
+        let span = span_for("lookup", &request);
+        async move {
+            let keys = request.into_inner().keys.iter().map(|k| key(k, "lookup")).collect::<Result<Vec<_>, _>>()?;
+            let (n, snapshots) = self.store.lookup(&keys, BLOCK_TOKENS as u64);
+            Ok(Response::new(pb::LookupReply {
+                cached_blocks: n as u32,
+                snapshots: snapshots.into_iter().map(|s| s as u32).collect(),
+            }))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn begin_put(&self, request: Request<pb::BeginPutRequest>) -> Result<Response<pb::BeginPutReply>, Status> {
-        let req = request.into_inner();
-        let offers = req
-            .records
-            .iter()
-            .map(|r| {
-                Ok(Offer {
-                    key: key(&r.key, "put")?,
-                    kind: kind(r.kind)?,
-                    parent: if r.parent.is_empty() { None } else { Some(key(&r.parent, "put parent")?) },
-                    depth: r.depth,
-                    len: r.len,
-                    pools: pools(r.pools.as_ref()),
+        let span = span_for("begin_put", &request);
+        async move {
+            let req = request.into_inner();
+            let offers = req
+                .records
+                .iter()
+                .map(|r| {
+                    Ok(Offer {
+                        key: key(&r.key, "put")?,
+                        kind: kind(r.kind)?,
+                        parent: if r.parent.is_empty() { None } else { Some(key(&r.parent, "put parent")?) },
+                        depth: r.depth,
+                        len: r.len,
+                        pools: pools(r.pools.as_ref()),
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, Status>>()?;
-        let answers = self.store.offer(&offers);
-        for a in &answers {
-            if *a == Accept::TooLarge {
-                self.metrics.dropped("too_large");
+                .collect::<Result<Vec<_>, Status>>()?;
+            tracing::Span::current().record("records", offers.len());
+            let answers = self.store.offer(&offers);
+            for a in &answers {
+                if *a == Accept::TooLarge {
+                    self.metrics.dropped("too_large");
+                }
             }
-        }
-        let accepted: Vec<Offer> =
-            offers.iter().zip(&answers).filter(|(_, a)| **a == Accept::Yes).map(|(o, _)| o.clone()).collect();
-        let mut reply = pb::BeginPutReply {
-            accepted: answers.iter().map(|a| *a == Accept::Yes).collect(),
-            ucx_address: self.ucx_address.clone(),
-            staging: Some(pb::RemoteRegion {
-                base: self.landing.spec.base,
-                len: self.landing.spec.len,
-                rkey: self.landing.spec.rkey.clone(),
-            }),
-            lease_ms: self.put_lease.as_millis() as u64,
-            ..Default::default()
-        };
-        if accepted.is_empty() {
-            reply.accepted.iter_mut().for_each(|a| *a = false);
-            return Ok(Response::new(reply));
-        }
-        let mut st = self.staging();
-        let mut offsets = Vec::with_capacity(accepted.len());
-        for o in &accepted {
-            match st.ranges.alloc(o.len) {
-                Some(at) => offsets.push(at),
-                None => break,
+            let accepted: Vec<Offer> =
+                offers.iter().zip(&answers).filter(|(_, a)| **a == Accept::Yes).map(|(o, _)| o.clone()).collect();
+            let mut reply = pb::BeginPutReply {
+                accepted: answers.iter().map(|a| *a == Accept::Yes).collect(),
+                ucx_address: self.ucx_address.clone(),
+                staging: Some(pb::RemoteRegion {
+                    base: self.landing.spec.base,
+                    len: self.landing.spec.len,
+                    rkey: self.landing.spec.rkey.clone(),
+                }),
+                lease_ms: self.put_lease.as_millis() as u64,
+                ..Default::default()
+            };
+            if accepted.is_empty() {
+                reply.accepted.iter_mut().for_each(|a| *a = false);
+                return Ok(Response::new(reply));
             }
-        }
-        if offsets.len() < accepted.len() {
-            for (o, &at) in accepted.iter().zip(&offsets) {
-                st.ranges.release(at, o.len);
+            let mut st = self.staging();
+            let mut offsets = Vec::with_capacity(accepted.len());
+            for o in &accepted {
+                match st.ranges.alloc(o.len) {
+                    Some(at) => offsets.push(at),
+                    None => break,
+                }
             }
-            drop(st);
-            self.store.withdraw(&accepted.iter().map(|o| (o.key, o.kind)).collect::<Vec<_>>());
-            for _ in &accepted {
-                self.metrics.dropped("staging_full");
+            if offsets.len() < accepted.len() {
+                for (o, &at) in accepted.iter().zip(&offsets) {
+                    st.ranges.release(at, o.len);
+                }
+                drop(st);
+                self.store.withdraw(&accepted.iter().map(|o| (o.key, o.kind)).collect::<Vec<_>>());
+                for _ in &accepted {
+                    self.metrics.dropped("staging_full");
+                }
+                reply.accepted.iter_mut().for_each(|a| *a = false);
+                return Ok(Response::new(reply));
             }
-            reply.accepted.iter_mut().for_each(|a| *a = false);
-            return Ok(Response::new(reply));
+            let id = format!("put-{}", self.next_put.fetch_add(1, Ordering::Relaxed));
+            reply.offsets = offsets.clone();
+            reply.put_id = id.clone();
+            st.puts.insert(id, PendingPut { offers: accepted, offsets, deadline: Instant::now() + self.put_lease });
+            Ok(Response::new(reply))
         }
-        let id = format!("put-{}", self.next_put.fetch_add(1, Ordering::Relaxed));
-        reply.offsets = offsets.clone();
-        reply.put_id = id.clone();
-        st.puts.insert(id, PendingPut { offers: accepted, offsets, deadline: Instant::now() + self.put_lease });
-        Ok(Response::new(reply))
+        .instrument(span)
+        .await
     }
 
     async fn commit_put(&self, request: Request<pb::CommitPutRequest>) -> Result<Response<pb::CommitPutReply>, Status> {
-        let req = request.into_inner();
-        let pending = self.staging().puts.remove(&req.put_id).ok_or_else(|| {
-            Status::not_found(format!("no put {} (its lease ended, or it was committed)", req.put_id))
-        })?;
-        if req.checksums.len() != pending.offers.len() {
-            let mut st = self.staging();
-            self.release(&mut st, &pending);
-            return Err(Status::invalid_argument(format!(
-                "{} checksums for {} accepted records",
-                req.checksums.len(),
-                pending.offers.len()
-            )));
-        }
-        let (mut stored, mut rejected) = (0, 0);
-        for ((o, &at), &sum) in pending.offers.iter().zip(&pending.offsets).zip(&req.checksums) {
-            let bytes = self.landing.bytes(at as usize, o.len as usize);
-            let result = if checksum(bytes) != sum {
-                self.metrics.dropped("checksum");
-                self.store.withdraw(&[(o.key, o.kind)]);
-                Err("checksum")
-            } else {
-                self.store.commit(o, bytes.to_vec())
-            };
-            match result {
-                Ok(()) => stored += 1,
-                Err(_) => rejected += 1,
+        let span = span_for("commit_put", &request);
+        async move {
+            let req = request.into_inner();
+            let pending = self.staging().puts.remove(&req.put_id).ok_or_else(|| {
+                Status::not_found(format!("no put {} (its lease ended, or it was committed)", req.put_id))
+            })?;
+            if req.checksums.len() != pending.offers.len() {
+                let mut st = self.staging();
+                self.release(&mut st, &pending);
+                return Err(Status::invalid_argument(format!(
+                    "{} checksums for {} accepted records",
+                    req.checksums.len(),
+                    pending.offers.len()
+                )));
             }
+            let (mut stored, mut rejected) = (0, 0);
+            for ((o, &at), &sum) in pending.offers.iter().zip(&pending.offsets).zip(&req.checksums) {
+                let bytes = self.landing.bytes(at as usize, o.len as usize);
+                let result = if checksum(bytes) != sum {
+                    self.metrics.dropped("checksum");
+                    self.store.withdraw(&[(o.key, o.kind)]);
+                    Err("checksum")
+                } else {
+                    self.store.commit(o, bytes.to_vec())
+                };
+                match result {
+                    Ok(()) => stored += 1,
+                    Err(_) => rejected += 1,
+                }
+            }
+            let mut st = self.staging();
+            for (o, &at) in pending.offers.iter().zip(&pending.offsets) {
+                st.ranges.release(at, o.len);
+            }
+            Ok(Response::new(pb::CommitPutReply { stored, rejected }))
         }
-        let mut st = self.staging();
-        for (o, &at) in pending.offers.iter().zip(&pending.offsets) {
-            st.ranges.release(at, o.len);
-        }
-        Ok(Response::new(pb::CommitPutReply { stored, rejected }))
+        .instrument(span)
+        .await
     }
 
     async fn abort_put(&self, request: Request<pb::AbortPutRequest>) -> Result<Response<pb::AbortPutReply>, Status> {
@@ -296,46 +321,73 @@ impl KvStore for Shared {
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Result<Response<pb::GetReply>, Status> {
-        let started = Instant::now();
-        let req = request.into_inner();
-        if req.keys.len() != req.kinds.len() {
-            return Err(Status::invalid_argument(format!("{} keys but {} kinds", req.keys.len(), req.kinds.len())));
+        let span = span_for("get", &request);
+        async move {
+            let started = Instant::now();
+            let req = request.into_inner();
+            if req.keys.len() != req.kinds.len() {
+                return Err(Status::invalid_argument(format!("{} keys but {} kinds", req.keys.len(), req.kinds.len())));
+            }
+            let wanted = req
+                .keys
+                .iter()
+                .zip(&req.kinds)
+                .map(|(k, &t)| Ok((key(k, "get")?, kind(t)?)))
+                .collect::<Result<Vec<_>, Status>>()?;
+            tracing::Span::current().record("records", wanted.len());
+            let pinned = self.store.pin(&wanted).map_err(|e| Status::not_found(e.to_string()))?;
+            let (lens, checksums) = (pinned.lens(), pinned.checksums());
+            let pieces = match KvService::pieces(&req, &lens) {
+                Ok(p) => p,
+                Err(e) => {
+                    self.store.unpin(pinned);
+                    return Err(e);
+                }
+            };
+            // Read on a blocking thread, record by record, while the bulk thread writes the
+            // ones already read.
+            let (tx, records) = std::sync::mpsc::channel();
+            let store = self.store.clone();
+            let reader = tokio::task::spawn_blocking(move || {
+                let mut result = Ok(());
+                for i in 0..lens.len() {
+                    match store.load(&pinned, i) {
+                        Ok(r) => {
+                            if tx.send((i, r.data)).is_err() {
+                                break; // the writer failed; it reports why
+                            }
+                        }
+                        Err(e) => {
+                            result = Err(e);
+                            break;
+                        }
+                    }
+                }
+                store.unpin(pinned);
+                result
+            });
+            let job = bulk::Job {
+                address: req.ucx_address.clone(),
+                regions: req.regions.iter().map(region).collect(),
+                records,
+                pieces,
+                timeout: if req.deadline_ms == 0 {
+                    self.get_timeout
+                } else {
+                    // What is left of the caller's wait; nothing may land after it.
+                    Duration::from_millis(req.deadline_ms).saturating_sub(started.elapsed()).min(self.get_timeout)
+                },
+            };
+            let written = self.bulk.write(job).await;
+            let read = reader.await.map_err(|e| Status::internal(format!("read task: {e}")))?;
+            read.map_err(|e| Status::data_loss(e.to_string()))?;
+            let stats =
+                written.map_err(|e| Status::unavailable(format!("writing into the caller's memory failed: {e}")))?;
+            self.metrics.get_seconds.observe(started.elapsed().as_secs_f64());
+            Ok(Response::new(pb::GetReply { checksums, bytes: stats.bytes }))
         }
-        let wanted = req
-            .keys
-            .iter()
-            .zip(&req.kinds)
-            .map(|(k, &t)| Ok((key(k, "get")?, kind(t)?)))
-            .collect::<Result<Vec<_>, Status>>()?;
-        let store = self.store.clone();
-        let records = tokio::task::spawn_blocking(move || store.read(&wanted))
-            .await
-            .map_err(|e| Status::internal(format!("read task: {e}")))?
-            .map_err(|e| match e {
-                ReadError::Missing(_) => Status::not_found(e.to_string()),
-                ReadError::Corrupt(_) => Status::data_loss(e.to_string()),
-            })?;
-        let lens: Vec<usize> = records.iter().map(|r| r.data.len()).collect();
-        let pieces = KvService::pieces(&req, &lens)?;
-        let job = bulk::Job {
-            address: req.ucx_address.clone(),
-            regions: req.regions.iter().map(region).collect(),
-            records: records.iter().map(|r| r.data.clone()).collect(),
-            pieces,
-            timeout: if req.deadline_ms == 0 {
-                self.get_timeout
-            } else {
-                // What is left of the caller's wait; nothing may land after it.
-                Duration::from_millis(req.deadline_ms).saturating_sub(started.elapsed()).min(self.get_timeout)
-            },
-        };
-        let stats = self
-            .bulk
-            .write(job)
-            .await
-            .map_err(|e| Status::unavailable(format!("writing into the caller's memory failed: {e}")))?;
-        self.metrics.get_seconds.observe(started.elapsed().as_secs_f64());
-        Ok(Response::new(pb::GetReply { checksums: records.iter().map(|r| r.checksum).collect(), bytes: stats.bytes }))
+        .instrument(span)
+        .await
     }
 
     async fn delete(&self, request: Request<pb::DeleteRequest>) -> Result<Response<pb::DeleteReply>, Status> {

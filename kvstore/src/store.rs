@@ -101,6 +101,23 @@ pub struct Read {
     pub pools: Pools,
 }
 
+/// Records pinned for reading ([`Store::pin`]); give them back with [`Store::unpin`].
+pub struct Pinned {
+    wanted: Vec<(Key, Kind)>,
+    plan: Vec<(Rec, Option<Arc<File>>)>,
+}
+
+impl Pinned {
+    /// Payload bytes of each record.
+    pub fn lens(&self) -> Vec<usize> {
+        self.plan.iter().map(|(r, _)| r.len as usize).collect()
+    }
+
+    pub fn checksums(&self) -> Vec<u64> {
+        self.plan.iter().map(|(r, _)| r.checksum).collect()
+    }
+}
+
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ReadError {
     #[error("record {0} is not stored")]
@@ -339,60 +356,68 @@ impl Store {
     /// from disk is checked against its checksum; one that fails is dropped from the
     /// index and reported, never returned.
     pub fn read(&self, wanted: &[(Key, Kind)]) -> Result<Vec<Read>, ReadError> {
+        let pinned = self.pin(wanted)?;
+        let out: Result<Vec<Read>, ReadError> = (0..wanted.len()).map(|i| self.load(&pinned, i)).collect();
+        self.unpin(pinned);
+        out
+    }
+
+    /// Pin records for reading (all or none: `Missing` names the first absent one).
+    /// Their lengths are known at once; [`Self::load`] reads them one at a time, so a
+    /// reader can send one while reading the next.
+    pub fn pin(&self, wanted: &[(Key, Kind)]) -> Result<Pinned, ReadError> {
         let mut plan = Vec::with_capacity(wanted.len());
-        {
-            let mut s = self.lock();
-            for (i, (key, kind)) in wanted.iter().enumerate() {
-                let Some(rec) = s.index.get(key, *kind).cloned() else {
-                    unpin(&mut s, &wanted[..i]);
-                    return Err(ReadError::Missing(i));
-                };
-                s.index.get_mut(key, *kind).expect("present").pins += 1;
-                let file = rec.disk().and_then(|(seg, _)| s.files.get(&seg).cloned());
-                plan.push((rec, file));
-            }
-        }
-        let mut out = Vec::with_capacity(plan.len());
-        let mut bad = None;
-        for (i, (rec, file)) in plan.into_iter().enumerate() {
-            let data = match (&rec.loc, file) {
-                (Loc::Queued(d), _) => Ok(d.clone()),
-                (Loc::Disk { offset, .. }, Some(f)) => read_record(&f, *offset).and_then(|(h, payload)| {
-                    let (key, kind) = wanted[i];
-                    if h.key != key || h.kind != kind || h.payload_checksum != rec.checksum {
-                        Err(io::Error::new(io::ErrorKind::InvalidData, "the record there is another one"))
-                    } else {
-                        Ok(Arc::new(payload))
-                    }
-                }),
-                (Loc::Disk { .. }, None) => Err(io::Error::new(io::ErrorKind::NotFound, "segment gone")),
-            };
-            match data {
-                Ok(d) => out.push(Read { data: d, checksum: rec.checksum, pools: rec.pools }),
-                Err(e) => {
-                    tracing::error!(error = %e, record = i, "a stored record failed its check; dropping it");
-                    bad = Some(i);
-                    break;
-                }
-            }
-        }
         let mut s = self.lock();
-        unpin(&mut s, wanted);
-        if let Some(i) = bad {
-            self.metrics.corrupt.inc();
-            let (key, kind) = wanted[i];
-            s.drop_record(&key, kind);
-            if kind == Kind::Page {
-                s.drop_record(&key, Kind::Snapshot);
+        for (i, (key, kind)) in wanted.iter().enumerate() {
+            let Some(rec) = s.index.get(key, *kind).cloned() else {
+                unpin(&mut s, &wanted[..i]);
+                return Err(ReadError::Missing(i));
+            };
+            s.index.get_mut(key, *kind).expect("present").pins += 1;
+            let file = rec.disk().and_then(|(seg, _)| s.files.get(&seg).cloned());
+            plan.push((rec, file));
+        }
+        Ok(Pinned { wanted: wanted.to_vec(), plan })
+    }
+
+    /// Read pinned record `i`, checked. One that fails its check is dropped from the
+    /// index (with its snapshot, for a page) and reported as `Corrupt`.
+    pub fn load(&self, pinned: &Pinned, i: usize) -> Result<Read, ReadError> {
+        let (rec, file) = &pinned.plan[i];
+        let (key, kind) = pinned.wanted[i];
+        let data = match (&rec.loc, file) {
+            (Loc::Queued(d), _) => Ok(d.clone()),
+            (Loc::Disk { offset, .. }, Some(f)) => read_record(f, *offset).and_then(|(h, payload)| {
+                if h.key != key || h.kind != kind || h.payload_checksum != rec.checksum {
+                    Err(io::Error::new(io::ErrorKind::InvalidData, "the record there is another one"))
+                } else {
+                    Ok(Arc::new(payload))
+                }
+            }),
+            (Loc::Disk { .. }, None) => Err(io::Error::new(io::ErrorKind::NotFound, "segment gone")),
+        };
+        match data {
+            Ok(d) => {
+                self.metrics.read(&rec.pools.labelled());
+                Ok(Read { data: d, checksum: rec.checksum, pools: rec.pools })
             }
-            self.publish(&s);
-            return Err(ReadError::Corrupt(i));
+            Err(e) => {
+                tracing::error!(error = %e, record = i, "a stored record failed its check; dropping it");
+                self.metrics.corrupt.inc();
+                let mut s = self.lock();
+                s.drop_record(&key, kind);
+                if kind == Kind::Page {
+                    s.drop_record(&key, Kind::Snapshot);
+                }
+                self.publish(&s);
+                Err(ReadError::Corrupt(i))
+            }
         }
-        drop(s);
-        for r in &out {
-            self.metrics.read(&r.pools.labelled());
-        }
-        Ok(out)
+    }
+
+    /// Let pinned records be evicted again.
+    pub fn unpin(&self, pinned: Pinned) {
+        unpin(&mut self.lock(), &pinned.wanted);
     }
 
     /// Delete `keys` and everything chained after them (or everything, with `all`).
@@ -550,6 +575,9 @@ fn recover(cfg: &StoreConfig) -> Result<(Shared, u64), StoreError> {
     Ok((s, ids.last().map_or(1, |l| l + 1)))
 }
 
+/// How long the writer waits for more work before it fsyncs what it wrote.
+const SYNC_AFTER_IDLE: Duration = Duration::from_millis(200);
+
 /// The thread that owns appending.
 struct Writer {
     store: Arc<Store>,
@@ -558,6 +586,9 @@ struct Writer {
 
 impl Writer {
     fn run(mut self) {
+        // Written but not yet fsynced; synced once the writer has been idle for
+        // SYNC_AFTER_IDLE (and at every segment rotation and at shutdown), so a stream of
+        // puts is not cut into many small synchronous flushes.
         let mut dirty = false;
         loop {
             let next = {
@@ -570,14 +601,18 @@ impl Writer {
                         break None;
                     }
                     if dirty {
-                        break None;
+                        let (g, timeout) = self.store.work.wait_timeout(s, SYNC_AFTER_IDLE).expect("not poisoned");
+                        s = g;
+                        if timeout.timed_out() && s.queue.is_empty() {
+                            break None;
+                        }
+                    } else {
+                        s = self.store.work.wait(s).expect("not poisoned");
                     }
-                    s = self.store.work.wait(s).expect("not poisoned");
                 }
             };
             let Some((key, kind, parent, depth, pools, data, sum)) = next else {
                 if dirty {
-                    // Idle: make what was written durable before sleeping.
                     if let Err(e) = self.active.sync() {
                         tracing::warn!(error = %e, "kvstore: fsync failed");
                     }

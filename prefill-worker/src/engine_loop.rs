@@ -460,7 +460,11 @@ impl State {
         let _ = a.job.reply.send(reply);
         // Off the request's path: its KV is with the decode worker (or failed to get
         // there); the blocks the store lacks go to it before the pages are reused.
-        self.put_blocks(&a.job.request_id, &a.job.tokens, a.job.prefix.as_ref(), &a.seq, &a.snapshots);
+        let span = tracing::info_span!("prefix_cache.put", request_id = %a.job.request_id);
+        set_parent_context(&span, a.job.trace.clone());
+        span.in_scope(|| {
+            self.put_blocks(&a.job.request_id, &a.job.tokens, a.job.prefix.as_ref(), &a.seq, &a.snapshots)
+        });
         self.engine.release(a.seq);
     }
 

@@ -138,7 +138,7 @@ pub async fn run(
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(PrefillServer::new(service))
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled());
+        .serve_with_incoming_shutdown(cluster::net::incoming(listener), shutdown.cancelled());
     // On SIGTERM: leave discovery and report NOT_SERVING first, so routers stop placing
     // work here, then let running requests finish (bounded by --drain-timeout-s).
     let on_stop = async {

@@ -87,6 +87,7 @@ impl PrefillService {
     async fn serve_restore<T>(
         &self,
         reservation_id: &str,
+        trace: cluster::telemetry::TraceContext,
         restore: Option<oneshot::Receiver<RestoreTarget>>,
         reply: oneshot::Receiver<T>,
     ) -> Result<T, oneshot::error::RecvError> {
@@ -95,7 +96,9 @@ impl PrefillService {
             tokio::select! {
                 r = &mut reply => return r,
                 target = rx => if let Ok(t) = target {
-                    let result = cache.fetch(&t.keys, &t.page_ids, t.slot, t.snapshot).await;
+                    let span = tracing::info_span!("prefix_cache.fetch", blocks = t.keys.len(), snapshot = t.snapshot);
+                    propagation::set_parent_context(&span, trace);
+                    let result = cache.fetch(&t.keys, &t.page_ids, t.slot, t.snapshot).instrument(span).await;
                     let _ = self.engine.send(Command::Restored { reservation_id: reservation_id.to_string(), result });
                 },
             }
@@ -141,7 +144,9 @@ impl Prefill for PrefillService {
         propagation::set_parent_context(&queue_span, trace.clone());
         let lease = Duration::from_millis(r.lease_ms.max(1));
         let started = Instant::now();
-        let prefix = self.lookup(&r.tokens).await;
+        let lookup_span = tracing::info_span!("prefix_cache.lookup", request_id = %r.request_id);
+        propagation::set_parent_context(&lookup_span, trace.clone());
+        let prefix = self.lookup(&r.tokens).instrument(lookup_span).await;
         let restoring = prefix.as_ref().is_some_and(|p| p.plan.restore != model_spec::Restore::Cold);
         let (restore_tx, restore_rx) = oneshot::channel();
         let (tx, rx) = oneshot::channel();
@@ -161,7 +166,7 @@ impl Prefill for PrefillService {
         };
         self.engine.send(Command::Prefill(Box::new(job))).map_err(|_| Status::unavailable("prefill engine stopped"))?;
         let mut guard = CancelOnDrop { engine: self.engine.clone(), reservation_id: Some(r.reservation_id.clone()) };
-        let waited = self.serve_restore(&r.reservation_id, restoring.then_some(restore_rx), rx);
+        let waited = self.serve_restore(&r.reservation_id, trace.clone(), restoring.then_some(restore_rx), rx);
         let done = match tokio::time::timeout(lease, waited).await {
             Ok(Ok(result)) => result?,
             Ok(Err(_)) => return Err(Status::unavailable("prefill engine stopped")),

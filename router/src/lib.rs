@@ -120,10 +120,7 @@ pub async fn run(
         .layer(PropagateRequestIdLayer::x_request_id())
         .add_service(health)
         .add_service(GenerationServer::new(grpc::GenerationService { ctx: ctx.clone(), limits: limits() }))
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(grpc),
-            shutdown.clone().cancelled_owned(),
-        );
+        .serve_with_incoming_shutdown(cluster::net::incoming(grpc), shutdown.clone().cancelled_owned());
     let app = http::router(Arc::new(http::HttpState { ctx, limits: limits() }))
         .merge(cluster::telemetry::serve::routes(registry, Some(refresh)))
         .layer(PropagateRequestIdLayer::x_request_id())

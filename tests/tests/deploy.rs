@@ -238,9 +238,11 @@ fn all_on_values_turn_every_option_on() {
     assert_eq!(flag(&kv_args, "--swa-policy"), Some("full"));
     assert_eq!(flag(&kv_args, "--dir"), Some("/var/lib/sluice/kvstore"));
     // Prefill workers and the router find the store through its Service.
-    let prefill_args = strings(&pod_spec(find(&docs, "StatefulSet", "sluice-prod-prefill")).unwrap()["containers"][0]["args"]);
+    let prefill_args =
+        strings(&pod_spec(find(&docs, "StatefulSet", "sluice-prod-prefill")).unwrap()["containers"][0]["args"]);
     assert_eq!(flag(&prefill_args, "--kvstore"), Some("http://sluice-prod-kvstore:50081"));
-    let router_args = strings(&pod_spec(find(&docs, "Deployment", "sluice-prod-router")).unwrap()["containers"][0]["args"]);
+    let router_args =
+        strings(&pod_spec(find(&docs, "Deployment", "sluice-prod-router")).unwrap()["containers"][0]["args"]);
     assert_eq!(flag(&router_args, "--kvstore"), Some("http://sluice-prod-kvstore:50081"));
     for role in ["prefill", "decode"] {
         let pod = pod_spec(find(&docs, "StatefulSet", &format!("sluice-prod-{role}"))).unwrap();

@@ -307,3 +307,62 @@ async fn one_request_is_one_trace_across_all_three_services() {
     }
     assert_eq!(seen_ids, ids.into_iter().collect::<HashSet<_>>());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_kvstore_the_trace_reaches_into_the_store() {
+    let receiver = Receiver::default();
+    let endpoint = receiver.start().await;
+    let spec = Spec {
+        extra_env: vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "200".into()),
+        ],
+        kvstore: Some(sluice_e2e::KvSpec::policy("full")),
+        ..Spec::new(1, 1)
+    };
+    let c = TestCluster::start(spec).await;
+    // The same 400-token prompt twice: the first is computed and put, the second restored.
+    let p = prompt(400, 7, VOCAB);
+    for i in 0..2 {
+        let mut req = ids_request(p.clone(), 3);
+        req.request_id = format!("kv-trace-{i}");
+        let g = c.generate(req).await.expect("a good request");
+        if i == 0 {
+            c.wait_kvstore(3, 3).await;
+        } else {
+            assert!(g.fin.usage.unwrap().cached_tokens > 0, "the second request hits");
+        }
+    }
+    let kv_op = |s: &Span| (s.service == "kvstore").then(|| s.attribute("op")).flatten();
+    let deadline = Instant::now() + WITHIN;
+    let (first, second) = loop {
+        let traces = receiver.traces();
+        let with_ops = |ops: &[&str]| {
+            traces.values().find(|t| ops.iter().all(|op| t.iter().any(|s| kv_op(s).as_deref() == Some(*op)))).cloned()
+        };
+        if let (Some(a), Some(b)) = (with_ops(&["lookup", "begin_put", "commit_put"]), with_ops(&["lookup", "get"]))
+            && complete(&a)
+            && complete(&b)
+        {
+            break (a, b);
+        }
+        assert!(Instant::now() < deadline, "no traces reaching the kvstore after {WITHIN:?}: {traces:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    for spans in [&first, &second] {
+        let services: HashSet<&str> = spans.iter().map(|s| s.service.as_str()).collect();
+        assert_eq!(services, HashSet::from(["router", "prefill-worker", "decode-worker", "kvstore"]));
+        let by_id: HashMap<&[u8], &Span> = spans.iter().map(|s| (s.id.as_slice(), s)).collect();
+        for s in spans.iter().filter(|s| s.service == "kvstore") {
+            let parent =
+                by_id.get(s.parent.as_slice()).unwrap_or_else(|| panic!("kvstore span without its parent: {s:?}"));
+            let expected = match kv_op(s).as_deref() {
+                Some("lookup") => ["prefix_cache.lookup", "prefix_lookup"].as_slice(),
+                Some("get") => &["prefix_cache.fetch"],
+                Some("begin_put" | "commit_put") => &["prefix_cache.put"],
+                other => panic!("unexpected kvstore op {other:?}"),
+            };
+            assert!(expected.contains(&parent.name.as_str()), "kvstore {:?} under {}", kv_op(s), parent.name);
+        }
+    }
+}
