@@ -47,6 +47,10 @@ pub struct KvstoreArgs {
     /// The fio binary to compare with.
     #[arg(long, default_value = "fio")]
     fio: PathBuf,
+    /// `UCX_TLS` of the store and this client (shared memory: both run on this host).
+    /// An explicit UCX_TLS in the environment wins.
+    #[arg(long, default_value = "shm")]
+    tls: String,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -60,6 +64,16 @@ struct Row {
 
 pub fn run(a: KvstoreArgs) -> Result<()> {
     ensure!(a.record_bytes >= 4096 && a.batch > 0, "--record-bytes must be at least 4096 and --batch at least 1");
+    // UCX reads UCX_TLS when this process creates its contexts: run again with it set.
+    if std::env::var_os("UCX_TLS").is_none() {
+        let status = Command::new(std::env::current_exe()?)
+            .args(std::env::args_os().skip(1))
+            .env("UCX_TLS", &a.tls)
+            .status()
+            .context("running the benchmark again with UCX_TLS set")?;
+        ensure!(status.success(), "the benchmark failed ({status})");
+        return Ok(());
+    }
     let records = (a.total / a.record_bytes).max(a.batch as u64) as usize;
     let root = match &a.dir {
         Some(d) => d.clone(),
@@ -149,18 +163,25 @@ async fn through_store(a: &KvstoreArgs, root: &Path, dir: &Path, records: usize)
         let data: Vec<Vec<u8>> = (0..a.batch).map(|i| record_bytes(i, len)).collect();
         let mut sender = Sender::new()?;
         let started = Instant::now();
+        let mut pending = None;
         for first in (0..records).step_by(a.batch) {
             let n = a.batch.min(records - first);
-            put_batch(&mut client, &mut sender, first, &data[..n]).await?;
+            let commit = put_batch(&mut client, &mut sender, first, &data[..n]).await?;
+            if let Some(previous) = pending.replace(commit) {
+                previous.await??;
+            }
         }
-        let t_put = started.elapsed().as_secs_f64();
+        if let Some(last) = pending {
+            last.await??;
+        }
+        let offered = started.elapsed().as_secs_f64();
         wait_drained(&mut client).await?;
-        let t_drain = started.elapsed().as_secs_f64();
+        let drained = started.elapsed().as_secs_f64();
         for seg in kvstore::segment::list(dir)? {
             std::fs::File::open(kvstore::segment::path(dir, seg))?.sync_all()?;
         }
         let write = started.elapsed().as_secs_f64();
-        eprintln!("PHASES put {t_put:.3} drain {t_drain:.3} sync {write:.3}");
+        eprintln!("write phases: puts committed {offered:.2} s, writer drained {drained:.2} s, fsynced {write:.2} s");
 
         for seg in kvstore::segment::list(dir)? {
             drop_cache(&kvstore::segment::path(dir, seg))?;
@@ -186,13 +207,14 @@ async fn through_store(a: &KvstoreArgs, root: &Path, dir: &Path, records: usize)
     result
 }
 
+/// Offer and write one batch; returns its commit, running.
 async fn put_batch(
     client: &mut KvStoreClient<Channel>,
     sender: &mut Sender,
     first: usize,
     data: &[Vec<u8>],
-) -> Result<()> {
-    let records = (0..data.len())
+) -> Result<tokio::task::JoinHandle<Result<()>>> {
+    let records: Vec<pb::PutRecord> = (0..data.len())
         .map(|i| pb::PutRecord {
             key: key(first + i),
             parent: if first + i == 0 { vec![] } else { key(first + i - 1) },
@@ -202,10 +224,17 @@ async fn put_batch(
             pools: Some(pb::PoolBytes { csa_main: data[i].len() as u64, ..Default::default() }),
         })
         .collect();
-    let t0 = Instant::now();
-    let reply = client.begin_put(pb::BeginPutRequest { records }).await?.into_inner();
-    let t1 = Instant::now();
-    ensure!(reply.accepted.iter().all(|a| *a), "the store declined records (staging too small?)");
+    // The keys are new, so a decline means the staging area is full of records the disk
+    // writer has not written yet: wait for it (a prefill worker would drop the put).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let reply = loop {
+        let reply = client.begin_put(pb::BeginPutRequest { records: records.clone() }).await?.into_inner();
+        if reply.accepted.iter().all(|a| *a) {
+            break reply;
+        }
+        ensure!(Instant::now() < deadline, "the store kept declining records for a minute");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
     let staging = reply.staging.as_ref().context("no staging region")?;
     let staging = RegionSpec { base: staging.base, len: staging.len, rkey: staging.rkey.clone() };
     let writes: Vec<RemoteWrite<'_>> = data
@@ -214,20 +243,15 @@ async fn put_batch(
         .map(|(d, &offset)| RemoteWrite { region: &staging, offset, bytes: d })
         .collect();
     sender.write(&reply.ucx_address, &writes, Duration::from_secs(60))?;
-    let t2 = Instant::now();
     let checksums = data.iter().map(|d| xxh3_64(d)).collect();
-    let t3 = Instant::now();
-    let done = client.commit_put(pb::CommitPutRequest { put_id: reply.put_id, checksums }).await?.into_inner();
-    let t4 = Instant::now();
-    eprintln!(
-        "BATCH begin {:.1} write {:.1} sum {:.1} commit {:.1} ms",
-        (t1 - t0).as_secs_f64() * 1e3,
-        (t2 - t1).as_secs_f64() * 1e3,
-        (t3 - t2).as_secs_f64() * 1e3,
-        (t4 - t3).as_secs_f64() * 1e3
-    );
-    ensure!(done.rejected == 0, "the store rejected {} records (write queue full?)", done.rejected);
-    Ok(())
+    // The commit runs while the next batch is offered and written (two in flight, as two
+    // prefill workers putting at once would have).
+    let mut client = client.clone();
+    Ok(tokio::spawn(async move {
+        let done = client.commit_put(pb::CommitPutRequest { put_id: reply.put_id, checksums }).await?.into_inner();
+        ensure!(done.rejected == 0, "the store rejected {} records (write queue full?)", done.rejected);
+        Ok(())
+    }))
 }
 
 async fn get_batch(

@@ -70,7 +70,12 @@ impl LocalCluster {
             common.extend(["--etcd".into(), e.clone()]);
         }
         // Children inherit the rest of the environment (OTEL_*, SLUICE_LOG_FORMAT, UCX_*).
-        let env = vec![("RUST_LOG".to_string(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))];
+        let mut env = vec![("RUST_LOG".to_string(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))];
+        // Everything runs on this host: KV moves through shared memory unless the caller
+        // chose transports (left alone, UCX may carry large puts over loopback TCP).
+        if std::env::var_os("UCX_TLS").is_none() {
+            env.push(("UCX_TLS".into(), "shm".into()));
+        }
         let mut procs: Vec<ServiceProcess> = Vec::new();
 
         // The kvstore first: prefill workers and the router are pointed at it.

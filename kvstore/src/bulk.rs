@@ -3,12 +3,13 @@
 //! so requests come to it over a channel. A job's records arrive one by one as the
 //! store reads them, so reading the next record from disk overlaps writing this one.
 
-use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 use transfer::{RegionSpec, RemoteWrite, SendStats, Sender, TransferError};
+
+use crate::record::Payload;
 
 /// One range of a record, written at `offset` of region `region`.
 #[derive(Clone, Debug)]
@@ -25,7 +26,7 @@ pub struct Job {
     pub address: Vec<u8>,
     pub regions: Vec<RegionSpec>,
     /// Records as they are read: (index, bytes); the job ends when the sender hangs up.
-    pub records: mpsc::Receiver<(usize, Arc<Vec<u8>>)>,
+    pub records: mpsc::Receiver<(usize, Payload)>,
     pub pieces: Vec<Piece>,
     pub timeout: Duration,
 }
@@ -79,6 +80,7 @@ fn write_job(sender: &mut Sender, job: Job) -> Result<SendStats, TransferError> 
     let deadline = started + job.timeout;
     let mut bytes = 0;
     for (i, record) in job.records.iter() {
+        let record: &[u8] = (*record).as_ref();
         let writes: Vec<RemoteWrite<'_>> = job
             .pieces
             .iter()

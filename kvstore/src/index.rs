@@ -7,15 +7,14 @@
 //! read.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
-use crate::record::{HEADER_LEN, Key, Kind, Pools};
+use crate::record::{HEADER_LEN, Key, Kind, Payload, Pools};
 
 /// Where a record's bytes are.
 #[derive(Clone, Debug)]
 pub enum Loc {
     /// Accepted, waiting for the writer (served from memory meanwhile).
-    Queued(Arc<Vec<u8>>),
+    Queued(Payload),
     Disk {
         seg: u64,
         offset: u64,

@@ -21,6 +21,15 @@ const MAGIC: &[u8; 8] = b"SLKVREC1";
 /// A block key: chained prefix hash salted with the model fingerprint.
 pub type Key = [u8; 32];
 
+/// A record's bytes in memory: read from disk, or still in the staging area a writer
+/// put them in (accepted puts are queued for disk from there, without a copy).
+pub type Payload = std::sync::Arc<dyn RecordBytes>;
+
+/// What a [`Payload`] can be: bytes shared across threads.
+pub trait RecordBytes: AsRef<[u8]> + Send + Sync + std::fmt::Debug {}
+
+impl<T: AsRef<[u8]> + Send + Sync + std::fmt::Debug> RecordBytes for T {}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
     /// One block's compressed KV, all layers.

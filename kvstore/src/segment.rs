@@ -62,14 +62,16 @@ impl Segment {
     /// cut back to where it was, so no partial record stays behind.
     pub fn append(&mut self, header: &Header, payload: &[u8]) -> io::Result<u64> {
         let at = self.size;
-        let mut buf = Vec::with_capacity(HEADER_LEN + payload.len());
-        buf.extend_from_slice(&header.encode());
-        buf.extend_from_slice(payload);
-        if let Err(e) = self.file.write_all_at(&buf, at) {
+        // Two writes rather than one of a copied buffer: payloads are large.
+        let written = self
+            .file
+            .write_all_at(&header.encode(), at)
+            .and_then(|()| self.file.write_all_at(payload, at + HEADER_LEN as u64));
+        if let Err(e) = written {
             let _ = self.file.set_len(at);
             return Err(e);
         }
-        self.size = at + buf.len() as u64;
+        self.size = at + (HEADER_LEN + payload.len()) as u64;
         Ok(at)
     }
 

@@ -28,21 +28,46 @@ struct PendingPut {
     deadline: Instant,
 }
 
-struct Staging {
-    ranges: Ranges,
-    puts: HashMap<String, PendingPut>,
+/// Bytes of a committed put, left where its writer put them: queued for disk from
+/// there and served from there until the disk writer and every reader are done with
+/// them; the staging range is given back when the last of them lets go.
+struct Staged {
+    landing: Arc<Landing>,
+    ranges: Arc<Mutex<Ranges>>,
+    offset: u64,
+    len: u64,
+}
+
+impl AsRef<[u8]> for Staged {
+    fn as_ref(&self) -> &[u8] {
+        self.landing.bytes(self.offset as usize, self.len as usize)
+    }
+}
+
+impl std::fmt::Debug for Staged {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Staged({} bytes at {})", self.len, self.offset)
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        self.ranges.lock().expect("not poisoned").release(self.offset, self.len);
+    }
 }
 
 pub struct KvService {
     pub store: Arc<Store>,
     pub policy: SwaPolicy,
     pub metrics: KvstoreMetrics,
-    pub landing: Landing,
+    pub landing: Arc<Landing>,
     pub ucx_address: Vec<u8>,
     pub bulk: Bulk,
     pub put_lease: Duration,
     pub get_timeout: Duration,
-    staging: Mutex<Staging>,
+    /// Free ranges of the staging area, and puts waiting for their commit.
+    ranges: Arc<Mutex<Ranges>>,
+    puts: Mutex<HashMap<String, PendingPut>>,
     next_put: AtomicU64,
 }
 
@@ -90,42 +115,51 @@ impl KvService {
         put_lease: Duration,
         get_timeout: Duration,
     ) -> Self {
-        let ranges = Ranges::new(landing.len() as u64);
+        let ranges = Arc::new(Mutex::new(Ranges::new(landing.len() as u64)));
         KvService {
             store,
             policy,
             metrics,
-            landing,
+            landing: Arc::new(landing),
             ucx_address,
             bulk,
             put_lease,
             get_timeout,
-            staging: Mutex::new(Staging { ranges, puts: HashMap::new() }),
+            ranges,
+            puts: Mutex::new(HashMap::new()),
             next_put: AtomicU64::new(1),
         }
     }
 
-    fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
-        self.staging.lock().expect("not poisoned")
+    fn ranges(&self) -> std::sync::MutexGuard<'_, Ranges> {
+        self.ranges.lock().expect("not poisoned")
+    }
+
+    fn puts(&self) -> std::sync::MutexGuard<'_, HashMap<String, PendingPut>> {
+        self.puts.lock().expect("not poisoned")
     }
 
     /// Give back the staging of puts whose writers did not commit in time.
     pub fn expire_puts(&self) -> usize {
         let now = Instant::now();
-        let mut st = self.staging();
-        let expired: Vec<String> =
-            st.puts.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| id.clone()).collect();
-        for id in &expired {
-            let p = st.puts.remove(id).expect("listed");
-            self.release(&mut st, &p);
+        let expired: Vec<PendingPut> = {
+            let mut puts = self.puts();
+            let ids: Vec<String> = puts.iter().filter(|(_, p)| p.deadline <= now).map(|(id, _)| id.clone()).collect();
+            ids.iter().map(|id| puts.remove(id).expect("listed")).collect()
+        };
+        for p in &expired {
+            self.release(p);
         }
         expired.len()
     }
 
-    fn release(&self, st: &mut Staging, p: &PendingPut) {
+    /// Give back a put's staging ranges and reservations.
+    fn release(&self, p: &PendingPut) {
+        let mut ranges = self.ranges();
         for (o, &at) in p.offers.iter().zip(&p.offsets) {
-            st.ranges.release(at, o.len);
+            ranges.release(at, o.len);
         }
+        drop(ranges);
         let records: Vec<(Key, Kind)> = p.offers.iter().map(|o| (o.key, o.kind)).collect();
         self.store.withdraw(&records);
     }
@@ -240,19 +274,19 @@ impl KvStore for Shared {
                 reply.accepted.iter_mut().for_each(|a| *a = false);
                 return Ok(Response::new(reply));
             }
-            let mut st = self.staging();
+            let mut ranges = self.ranges();
             let mut offsets = Vec::with_capacity(accepted.len());
             for o in &accepted {
-                match st.ranges.alloc(o.len) {
+                match ranges.alloc(o.len) {
                     Some(at) => offsets.push(at),
                     None => break,
                 }
             }
             if offsets.len() < accepted.len() {
                 for (o, &at) in accepted.iter().zip(&offsets) {
-                    st.ranges.release(at, o.len);
+                    ranges.release(at, o.len);
                 }
-                drop(st);
+                drop(ranges);
                 self.store.withdraw(&accepted.iter().map(|o| (o.key, o.kind)).collect::<Vec<_>>());
                 for _ in &accepted {
                     self.metrics.dropped("staging_full");
@@ -263,7 +297,8 @@ impl KvStore for Shared {
             let id = format!("put-{}", self.next_put.fetch_add(1, Ordering::Relaxed));
             reply.offsets = offsets.clone();
             reply.put_id = id.clone();
-            st.puts.insert(id, PendingPut { offers: accepted, offsets, deadline: Instant::now() + self.put_lease });
+            drop(ranges);
+            self.puts().insert(id, PendingPut { offers: accepted, offsets, deadline: Instant::now() + self.put_lease });
             Ok(Response::new(reply))
         }
         .instrument(span)
@@ -274,12 +309,11 @@ impl KvStore for Shared {
         let span = span_for("commit_put", &request);
         async move {
             let req = request.into_inner();
-            let pending = self.staging().puts.remove(&req.put_id).ok_or_else(|| {
+            let pending = self.puts().remove(&req.put_id).ok_or_else(|| {
                 Status::not_found(format!("no put {} (its lease ended, or it was committed)", req.put_id))
             })?;
             if req.checksums.len() != pending.offers.len() {
-                let mut st = self.staging();
-                self.release(&mut st, &pending);
+                self.release(&pending);
                 return Err(Status::invalid_argument(format!(
                     "{} checksums for {} accepted records",
                     req.checksums.len(),
@@ -288,22 +322,21 @@ impl KvStore for Shared {
             }
             let (mut stored, mut rejected) = (0, 0);
             for ((o, &at), &sum) in pending.offers.iter().zip(&pending.offsets).zip(&req.checksums) {
-                let bytes = self.landing.bytes(at as usize, o.len as usize);
-                let result = if checksum(bytes) != sum {
+                // From here the range belongs to the record: it is given back when the
+                // record is on disk and unread, or at once if it is not stored.
+                let staged =
+                    Staged { landing: self.landing.clone(), ranges: self.ranges.clone(), offset: at, len: o.len };
+                let result = if checksum(staged.as_ref()) != sum {
                     self.metrics.dropped("checksum");
                     self.store.withdraw(&[(o.key, o.kind)]);
                     Err("checksum")
                 } else {
-                    self.store.commit(o, bytes.to_vec())
+                    self.store.commit(o, Arc::new(staged), sum)
                 };
                 match result {
                     Ok(()) => stored += 1,
                     Err(_) => rejected += 1,
                 }
-            }
-            let mut st = self.staging();
-            for (o, &at) in pending.offers.iter().zip(&pending.offsets) {
-                st.ranges.release(at, o.len);
             }
             Ok(Response::new(pb::CommitPutReply { stored, rejected }))
         }
@@ -313,9 +346,9 @@ impl KvStore for Shared {
 
     async fn abort_put(&self, request: Request<pb::AbortPutRequest>) -> Result<Response<pb::AbortPutReply>, Status> {
         let id = request.into_inner().put_id;
-        let mut st = self.staging();
-        if let Some(p) = st.puts.remove(&id) {
-            self.release(&mut st, &p);
+        let pending = self.puts().remove(&id);
+        if let Some(p) = pending {
+            self.release(&p);
         }
         Ok(Response::new(pb::AbortPutReply {}))
     }

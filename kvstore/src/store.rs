@@ -24,7 +24,7 @@ use cluster::telemetry::KvstoreMetrics;
 use thiserror::Error;
 
 use crate::index::{Index, Loc, Rec};
-use crate::record::{HEADER_LEN, Header, Key, Kind, Pools, checksum, parse_tombstone, tombstone_payload};
+use crate::record::{HEADER_LEN, Header, Key, Kind, Payload, Pools, checksum, parse_tombstone, tombstone_payload};
 use crate::segment::{self, Segment, read_record};
 
 #[derive(Clone, Debug)]
@@ -96,7 +96,7 @@ pub enum Accept {
 /// A record's bytes as read.
 #[derive(Clone, Debug)]
 pub struct Read {
-    pub data: Arc<Vec<u8>>,
+    pub data: Payload,
     pub checksum: u64,
     pub pools: Pools,
 }
@@ -145,7 +145,7 @@ struct Queued {
     parent: Option<Key>,
     depth: u32,
     pools: Pools,
-    data: Arc<Vec<u8>>,
+    data: Payload,
     checksum: u64,
 }
 
@@ -160,9 +160,28 @@ struct Shared {
     seg_size: HashMap<u64, u64>,
     seg_live: HashMap<u64, u64>,
     stop: bool,
+    /// Records holding bytes of each pool, and those bytes (kept as the index changes,
+    /// so the gauges cost nothing to refresh).
+    pool_records: [u64; 4],
+    pool_bytes: [u64; 4],
 }
 
 impl Shared {
+    /// Count a record into (`add`) or out of the per-pool totals.
+    fn tally(&mut self, rec: &Rec, add: bool) {
+        for (i, (_, b)) in rec.pools.labelled().iter().enumerate() {
+            if *b > 0 {
+                if add {
+                    self.pool_records[i] += 1;
+                    self.pool_bytes[i] += b;
+                } else {
+                    self.pool_records[i] = self.pool_records[i].saturating_sub(1);
+                    self.pool_bytes[i] = self.pool_bytes[i].saturating_sub(*b);
+                }
+            }
+        }
+    }
+
     fn disk_bytes(&self) -> u64 {
         self.seg_size.values().sum()
     }
@@ -186,14 +205,17 @@ impl Shared {
     fn drop_record(&mut self, key: &Key, kind: Kind) -> Option<Rec> {
         let rec = self.index.remove(key, kind)?;
         self.unaccount(&rec);
+        self.tally(&rec, false);
         Some(rec)
     }
 
     /// Put a record into the index, replacing (and unaccounting) an older copy.
     fn index_record(&mut self, key: Key, kind: Kind, parent: Option<Key>, depth: u32, rec: Rec) {
         self.account(&rec);
+        self.tally(&rec, true);
         if let Some(old) = self.index.insert(key, kind, parent, depth, rec) {
             self.unaccount(&old);
+            self.tally(&old, false);
         }
     }
 }
@@ -252,18 +274,8 @@ impl Store {
 
     /// Refresh the gauges from the state.
     fn publish(&self, s: &Shared) {
-        let (_, _, stored) = s.index.totals();
-        let (mut counts, mut bytes) = ([0u64; 4], [0u64; 4]);
-        for (_, _, r) in s.index.records() {
-            for (i, (_, b)) in r.pools.labelled().iter().enumerate() {
-                if *b > 0 {
-                    counts[i] += 1;
-                    bytes[i] += b;
-                }
-            }
-        }
-        let labels = stored.labelled();
-        let rows: Vec<(&str, u64, u64)> = (0..4).map(|i| (labels[i].0, counts[i], bytes[i])).collect();
+        let labels = Pools::default().labelled();
+        let rows: Vec<(&str, u64, u64)> = (0..4).map(|i| (labels[i].0, s.pool_records[i], s.pool_bytes[i])).collect();
         self.metrics.set_stored(&rows);
         self.metrics.disk_bytes.set(s.disk_bytes() as i64);
         self.metrics.capacity_bytes.set(self.cfg.capacity as i64);
@@ -323,21 +335,20 @@ impl Store {
         }
     }
 
-    /// Store an accepted record: it is readable at once and written behind. Fails
-    /// (dropping it) when the write queue is full.
-    pub fn commit(&self, offer: &Offer, data: Vec<u8>) -> Result<(), &'static str> {
+    /// Store an accepted record whose bytes were checked against `sum`: it is readable
+    /// at once and written behind (from `data`, wherever it lives). Fails (dropping it)
+    /// when the write queue is full.
+    pub fn commit(&self, offer: &Offer, data: Payload, sum: u64) -> Result<(), &'static str> {
+        let len = (*data).as_ref().len() as u64;
         let mut s = self.lock();
         s.inflight.remove(&(offer.key, offer.kind));
-        if s.queued_bytes + data.len() as u64 > self.cfg.queue_bytes {
+        if s.queued_bytes + len > self.cfg.queue_bytes {
             self.metrics.dropped("queue_full");
             return Err("queue_full");
         }
-        let data = Arc::new(data);
-        let sum = checksum(&data);
-        let rec =
-            Rec { loc: Loc::Queued(data.clone()), len: data.len() as u64, checksum: sum, pools: offer.pools, pins: 0 };
+        let rec = Rec { loc: Loc::Queued(data.clone()), len, checksum: sum, pools: offer.pools, pins: 0 };
         s.index_record(offer.key, offer.kind, offer.parent, offer.depth, rec);
-        s.queued_bytes += data.len() as u64;
+        s.queued_bytes += len;
         s.queue.push_back(Queued {
             key: offer.key,
             kind: offer.kind,
@@ -391,7 +402,7 @@ impl Store {
                 if h.key != key || h.kind != kind || h.payload_checksum != rec.checksum {
                     Err(io::Error::new(io::ErrorKind::InvalidData, "the record there is another one"))
                 } else {
-                    Ok(Arc::new(payload))
+                    Ok(Arc::new(payload) as Payload)
                 }
             }),
             (Loc::Disk { .. }, None) => Err(io::Error::new(io::ErrorKind::NotFound, "segment gone")),
@@ -518,6 +529,8 @@ fn recover(cfg: &StoreConfig) -> Result<(Shared, u64), StoreError> {
         seg_size: HashMap::new(),
         seg_live: HashMap::new(),
         stop: false,
+        pool_records: [0; 4],
+        pool_bytes: [0; 4],
     };
     let started = Instant::now();
     for (i, &id) in ids.iter().enumerate() {
@@ -561,6 +574,7 @@ fn recover(cfg: &StoreConfig) -> Result<(Shared, u64), StoreError> {
     }
     for (_, _, rec) in s.index.prune_unreachable() {
         s.unaccount(&rec);
+        s.tally(&rec, false);
     }
     let (pages, snapshots, _) = s.index.totals();
     tracing::info!(
@@ -627,7 +641,7 @@ impl Writer {
         let _ = self.active.sync();
     }
 
-    fn still_wanted(&self, key: &Key, kind: Kind, data: &Arc<Vec<u8>>) -> bool {
+    fn still_wanted(&self, key: &Key, kind: Kind, data: &Payload) -> bool {
         if kind == Kind::Tombstone {
             return true;
         }
@@ -645,14 +659,15 @@ impl Writer {
         parent: Option<Key>,
         depth: u32,
         pools: Pools,
-        data: &Arc<Vec<u8>>,
+        data: &Payload,
         sum: u64,
     ) {
-        let header = Header { kind, depth, key, parent, pools, payload_len: data.len() as u64, payload_checksum: sum };
+        let bytes: &[u8] = (**data).as_ref();
+        let header = Header { kind, depth, key, parent, pools, payload_len: bytes.len() as u64, payload_checksum: sum };
         let mut outcome: Result<Option<(u64, u64)>, &'static str> = Ok(None);
         if self.still_wanted(&key, kind, data) {
             outcome = self.make_room(header.total_len()).and_then(|()| {
-                self.append(&header, data).map(Some).map_err(|e| {
+                self.append(&header, bytes).map(Some).map_err(|e| {
                     tracing::warn!(error = %e, "kvstore: a record could not be written; serving continues");
                     "write_error"
                 })
@@ -661,7 +676,7 @@ impl Writer {
         let store = self.store.clone();
         let mut s = store.lock();
         let q = s.queue.pop_front().expect("the writer is the only consumer");
-        s.queued_bytes -= q.data.len() as u64;
+        s.queued_bytes -= (*q.data).as_ref().len() as u64;
         let ours = |s: &Shared| matches!(s.index.get(&key, kind).map(|r| &r.loc), Some(Loc::Queued(d)) if Arc::ptr_eq(d, data));
         match outcome {
             Ok(Some((seg, offset))) if kind != Kind::Tombstone => {

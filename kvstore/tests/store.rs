@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use cluster::telemetry::KvstoreMetrics;
-use kvstore::record::{Key, Kind, Pools};
+use kvstore::record::{Key, Kind, Pools, checksum};
 use kvstore::store::{Accept, Offer, ReadError, Store, StoreConfig};
 
 const FLUSH: Duration = Duration::from_secs(30);
@@ -69,7 +69,9 @@ fn put_chain(s: &Store, chain: u8, blocks: u32, page: usize, snap: Snapshots) {
     let answers = s.offer(&offers);
     for (o, a) in offers.iter().zip(answers) {
         if a == Accept::Yes {
-            s.commit(o, payload(&o.key, o.kind, o.len as usize)).unwrap();
+            let bytes = payload(&o.key, o.kind, o.len as usize);
+            let sum = checksum(&bytes);
+            s.commit(o, Arc::new(bytes), sum).unwrap();
         }
     }
 }
@@ -81,7 +83,11 @@ fn disk_usage(dir: &Path) -> u64 {
 fn check_read(s: &Store, chain: u8, depth: u32, kind: Kind, len: usize) -> Result<(), ReadError> {
     let k = key(chain, depth);
     let r = s.read(&[(k, kind)])?;
-    assert_eq!(*r[0].data, payload(&k, kind, len), "record {chain}/{depth} {kind:?} came back different");
+    assert_eq!(
+        (*r[0].data).as_ref(),
+        payload(&k, kind, len).as_slice(),
+        "record {chain}/{depth} {kind:?} came back different"
+    );
     Ok(())
 }
 
@@ -286,5 +292,33 @@ fn readers_racing_eviction_get_whole_records_or_a_miss() {
     assert!(ok > 0, "readers read");
     assert!(missing > 0 || s.stats().evictions > 0, "eviction ran while they read");
     assert!(disk_usage(dir.path()) <= 4 << 20);
+    s.shutdown();
+}
+
+#[test]
+fn pool_gauges_follow_puts_evictions_and_deletes() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = cluster::telemetry::metrics::registry("kvstore-test");
+    let s = Store::open(cfg(dir.path(), 3 << 20, 512 << 10), KvstoreMetrics::new(&registry)).unwrap();
+    let gauge = |name: &str, pool: &str| -> u64 {
+        let text = cluster::telemetry::metrics::encode(&registry);
+        let series = format!("{name}{{pool=\"{pool}\"}} ");
+        text.lines().find_map(|l| l.strip_prefix(&series)).unwrap().trim().parse().unwrap()
+    };
+    let check = |s: &Store| {
+        let st = s.stats();
+        assert_eq!(gauge("sluice_kvstore_stored_bytes", "swa"), st.stored.swa);
+        assert_eq!(gauge("sluice_kvstore_stored_bytes", "csa_main"), st.stored.csa_main);
+        assert_eq!(gauge("sluice_kvstore_entries", "swa"), st.snapshots);
+        assert_eq!(gauge("sluice_kvstore_entries", "hca"), st.pages);
+    };
+    for chain in 1..=12u8 {
+        put_chain(&s, chain, 4, 40_000, Some((100_000, |d| d % 2 == 1)));
+        assert!(s.flush(FLUSH));
+        check(&s);
+    }
+    assert!(s.stats().evictions > 0);
+    s.delete(&[key(12, 1)], false);
+    check(&s);
     s.shutdown();
 }
