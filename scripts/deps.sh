@@ -7,6 +7,8 @@
 #   ucx-utils          ucx_info / ucx_perftest (transfer benchmark peer)
 #   etcd-server        real etcd for discovery tests
 #   python3-venv       a venv for the deploy tests' pinned helm and kubernetes-validate (PyPI)
+#   prometheus         a real Prometheus server and promtool for the telemetry and deploy tests
+#   fio                the peer of `sluice bench kvstore` (and its smoke test)
 set -euo pipefail
 need=()
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
@@ -16,6 +18,8 @@ command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils)
 command -v etcd >/dev/null 2>&1 || [ -n "${SLUICE_ETCD_BIN:-}" ] || need+=(etcd-server)
 # `python3 -m venv --help` works without Debian's python3-venv; creating one needs ensurepip.
 python3 -m venv --help >/dev/null 2>&1 && python3 -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || need+=(prometheus)
+command -v fio >/dev/null 2>&1 || need+=(fio)
 if ((${#need[@]})); then
   sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"

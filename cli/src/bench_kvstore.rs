@@ -66,11 +66,13 @@ pub fn run(a: KvstoreArgs) -> Result<()> {
     ensure!(a.record_bytes >= 4096 && a.batch > 0, "--record-bytes must be at least 4096 and --batch at least 1");
     // UCX reads UCX_TLS when this process creates its contexts: run again with it set.
     if std::env::var_os("UCX_TLS").is_none() {
-        let status = Command::new(std::env::current_exe()?)
-            .args(std::env::args_os().skip(1))
-            .env("UCX_TLS", &a.tls)
-            .status()
-            .context("running the benchmark again with UCX_TLS set")?;
+        let mut again = Command::new(std::env::current_exe()?);
+        again.args(std::env::args_os().skip(1)).env("UCX_TLS", &a.tls);
+        // UCX logs to stdout by default; keep stdout for the report.
+        if std::env::var_os("UCX_LOG_FILE").is_none() {
+            again.env("UCX_LOG_FILE", "/dev/stderr");
+        }
+        let status = again.status().context("running the benchmark again with UCX_TLS set")?;
         ensure!(status.success(), "the benchmark failed ({status})");
         return Ok(());
     }
@@ -83,7 +85,7 @@ pub fn run(a: KvstoreArgs) -> Result<()> {
     let store_dir = root.join("store");
     let _ = std::fs::remove_dir_all(&store_dir);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let (write, read) = rt.block_on(through_store(&a, &root, &store_dir, records))?;
+    let (write, read) = rt.block_on(through_store(&a, &store_dir, records))?;
     let bytes = records as u64 * a.record_bytes;
     let fio_write = fio(&a, &root, "write", bytes)?;
     let fio_read = fio(&a, &root, "read", bytes)?;
@@ -132,7 +134,7 @@ fn key(i: usize) -> Vec<u8> {
 
 /// Seconds to write `records` records through the store and make them durable, and to
 /// read them back from a cold page cache.
-async fn through_store(a: &KvstoreArgs, root: &Path, dir: &Path, records: usize) -> Result<(f64, f64)> {
+async fn through_store(a: &KvstoreArgs, dir: &Path, records: usize) -> Result<(f64, f64)> {
     let len = a.record_bytes as usize;
     let batch_bytes = (a.batch * len) as u64;
     let port = free_port();
@@ -156,7 +158,8 @@ async fn through_store(a: &KvstoreArgs, root: &Path, dir: &Path, records: usize)
         (1u64 << 30).max(batch_bytes * 2).to_string(),
     ];
     let url = format!("http://127.0.0.1:{port}");
-    let mut store = ServiceProcess::spawn("kvstore", &find_binary("kvstore")?, &args, &[], url.clone(), root)?;
+    let logs = tempfile::tempdir()?;
+    let mut store = ServiceProcess::spawn("kvstore", &find_binary("kvstore")?, &args, &[], url.clone(), logs.path())?;
     store.wait_healthy(Duration::from_secs(60)).await?;
     let result = async {
         let mut client = KvStoreClient::connect(url).await?;
