@@ -29,7 +29,7 @@ const CUSTOM_KINDS: [&str; 2] = ["ServiceMonitor", "PrometheusRule"];
 
 /// The metric names dashboards and alerts may use (docs/metrics.md; the names are the
 /// contract with cluster's telemetry module). Histograms also expose _bucket/_count/_sum.
-const COUNTERS_AND_GAUGES: [&str; 20] = [
+const COUNTERS_AND_GAUGES: [&str; 37] = [
     "sluice_build_info",
     "sluice_requests_total",
     "sluice_prompt_tokens_total",
@@ -50,14 +50,33 @@ const COUNTERS_AND_GAUGES: [&str; 20] = [
     "sluice_decode_requests_waiting",
     "sluice_kv_state_slots_used",
     "sluice_kv_state_slots_total",
+    "sluice_prefix_cache_recompute_tokens_total",
+    "sluice_prefix_cache_errors_total",
+    "sluice_prefix_cache_put_bytes_total",
+    "sluice_kvstore_lookups_total",
+    "sluice_kvstore_query_tokens_total",
+    "sluice_kvstore_hit_tokens_total",
+    "sluice_kvstore_miss_tokens_total",
+    "sluice_kvstore_read_bytes_total",
+    "sluice_kvstore_written_bytes_total",
+    "sluice_kvstore_entries",
+    "sluice_kvstore_stored_bytes",
+    "sluice_kvstore_evictions_total",
+    "sluice_kvstore_disk_bytes",
+    "sluice_kvstore_capacity_bytes",
+    "sluice_kvstore_put_dropped_total",
+    "sluice_kvstore_write_errors_total",
+    "sluice_kvstore_corrupt_records_total",
 ];
-const HISTOGRAMS: [&str; 6] = [
+const HISTOGRAMS: [&str; 8] = [
     "sluice_request_ttft_seconds",
     "sluice_request_inter_token_latency_seconds",
     "sluice_request_e2e_seconds",
     "sluice_request_queue_seconds",
     "sluice_kv_transfer_seconds",
     "sluice_decode_step_seconds",
+    "sluice_prefix_cache_restore_seconds",
+    "sluice_kvstore_get_seconds",
 ];
 
 fn repo() -> PathBuf {
@@ -732,10 +751,11 @@ async fn dashboard_and_alert_metrics_are_exposed_by_the_services() {
     used.extend(read("deploy/prometheus/alerts.yaml").lines().flat_map(metric_names));
     assert!(used.len() >= 20, "the dashboard and alerts query {} metrics: {used:?}", used.len());
 
-    let c = TestCluster::start(Spec::new(1, 1)).await;
+    let spec = Spec { kvstore: Some(sluice_e2e::KvSpec::policy("periodic:1024")), ..Spec::new(1, 1) };
+    let c = TestCluster::start(spec).await;
     let mut exposed = BTreeMap::new();
     let mut text = String::new();
-    for service in ["router", "prefill-0", "decode-0"] {
+    for service in ["router", "prefill-0", "decode-0", "kvstore"] {
         let scraped = c.scrape(service).await;
         for line in scraped.lines() {
             if let Some([name, kind]) =
