@@ -1,6 +1,6 @@
 //! Parsers for argument values clap cannot express directly.
 
-use engine::EntryDtype;
+use engine::{Device, EntryDtype};
 
 /// A comma-separated list of token ids.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +26,11 @@ pub fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
     EntryDtype::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use f32 or bf16"))
 }
 
+/// `--device`: `cpu` or `cuda:N`.
+pub fn device(s: &str) -> Result<Device, String> {
+    Device::parse(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -36,5 +41,7 @@ mod tests {
         assert!(token_ids("1,x").unwrap_err().contains("item 2 (`x`)"));
         assert!(token_ids("").is_err());
         assert!(kv_dtype("fp16").is_err());
+        assert_eq!(device("cuda:1").unwrap(), Device::Cuda(1));
+        assert!(device("cuda:").unwrap_err().contains("cpu or cuda:N"));
     }
 }

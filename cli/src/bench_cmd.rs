@@ -1,6 +1,7 @@
 //! `sluice bench engine`: prefill throughput and decode step time of the CPU engine,
 //! measured the same way tools/bench/transformers_cpu.py measures transformers so the
-//! two can be put side by side. Also dispatches `sluice bench transfer`
+//! two can be put side by side; with `--device cuda:N`, the GPU benchmark of
+//! `bench_engine`. Also dispatches `sluice bench transfer`
 //! (`bench_transfer`).
 
 use std::path::PathBuf;
@@ -9,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
-use engine::{CpuBackend, Engine, EngineOptions, EntryDtype, Logits};
+use engine::{CpuBackend, Device, Engine, EngineOptions, EntryDtype, Logits};
 use serde_json::json;
 
 use crate::{args, bench_transfer};
@@ -28,8 +29,8 @@ pub enum BenchCmd {
 
 #[derive(Args)]
 pub struct EngineArgs {
-    /// Model directory; without it the `small` preset (seed 0) is written to a
-    /// temporary directory first.
+    /// Model directory; without it the `small` preset (seed 0; `flash-bench` on a GPU)
+    /// is written to a temporary directory first.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Prompt length for the prefill measurement.
@@ -49,6 +50,11 @@ pub struct EngineArgs {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// cpu, or cuda:N for the GPU benchmark (contexts x batches, see the options below).
+    #[arg(long, default_value = "cpu", value_parser = args::device)]
+    device: Device,
+    #[command(flatten)]
+    gpu: crate::bench_engine::GpuBenchArgs,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -78,16 +84,28 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
 
 fn engine(a: EngineArgs) -> Result<()> {
     let _tmp;
+    let preset = if a.device.is_cuda() { Preset::FlashBench } else { Preset::Small };
     let dir = match &a.model {
         Some(d) => d.clone(),
         None => {
             _tmp = tempfile::tempdir()?;
-            let d = _tmp.path().join("small");
-            eprintln!("no --model: writing the small preset to {} ...", d.display());
-            write_checkpoint(&d, &InitOptions { preset: Preset::Small, seed: 0, dtype: WeightDtype::Bf16 })?;
+            let d = _tmp.path().join(preset.name());
+            eprintln!("no --model: writing the {} preset to {} ...", preset.name(), d.display());
+            write_checkpoint(&d, &InitOptions { preset, seed: 0, dtype: WeightDtype::Bf16 })?;
             d
         }
     };
+    if let Device::Cuda(ordinal) = a.device {
+        let common = crate::bench_engine::Common {
+            dir: &dir,
+            ordinal,
+            kv_dtype: a.kv_dtype,
+            decode_steps: a.decode_steps,
+            repeat: a.repeat,
+            json: a.json,
+        };
+        return crate::bench_engine::run(common, &a.gpu);
+    }
     let pages_per_seq = (a.prompt_tokens + a.decode_steps).div_ceil(128) + 1;
     let opts = EngineOptions {
         kv_dtype: a.kv_dtype,

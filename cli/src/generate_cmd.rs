@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use engine::generate::{GenerateRequest, generate};
 use engine::sampling::SamplingParams;
-use engine::{CpuBackend, Engine, EngineOptions, EntryDtype};
+use engine::{AnyEngine, Device, EngineOptions, EntryDtype};
 use serde_json::json;
 
 use crate::args::{self, TokenIds};
@@ -51,6 +51,9 @@ pub struct GenerateArgs {
     /// KV entry storage: f32 (conformance) or bf16.
     #[arg(long, default_value = "f32", value_parser = args::kv_dtype)]
     kv_dtype: EntryDtype,
+    /// Compute device for --model: cpu, or cuda:N (a GPU of this machine).
+    #[arg(long, default_value = "cpu", value_parser = args::device, conflicts_with = "router")]
+    device: Device,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -83,8 +86,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     sampling.validate()?;
     let needed_pages = (prompt_ids.len() + a.max_tokens).div_ceil(128) + 1;
     let opts = EngineOptions { kv_dtype: a.kv_dtype, max_pages: needed_pages, max_sequences: 1, ..Default::default() };
-    let mut engine = Engine::load(&model, CpuBackend::new(), opts)
-        .with_context(|| format!("loading model from {}", model.display()))?;
+    let mut engine = AnyEngine::load(&model, a.device, opts)
+        .with_context(|| format!("loading model from {} on {}", model.display(), a.device))?;
     let req = GenerateRequest {
         prompt: prompt_ids,
         max_tokens: a.max_tokens,
@@ -96,14 +99,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         writeln!(out, "{:>6}  {:>8}  {:>10}  top alternatives", "step", "token", "logprob")?;
     }
     let mut step = 0;
-    let generation = generate(&mut engine, &req, |s| {
+    let generation = engine::with_engine!(&mut engine, e => generate(e, &req, |s| {
         if !a.json {
             let alts: Vec<String> = s.top.iter().map(|(t, lp)| format!("{t}:{lp:.4}")).collect();
             let _ = writeln!(out, "{step:>6}  {:>8}  {:>10.5}  {}", s.token, s.logprob, alts.join(" "));
             let _ = out.flush();
         }
         step += 1;
-    })?;
+    }))?;
     if a.json {
         let v = json!({
             "tokens": generation.tokens.iter().map(|s| s.token).collect::<Vec<_>>(),

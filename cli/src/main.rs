@@ -8,6 +8,7 @@
 //! - `local`: starting and stopping a local cluster.
 //! - `client`: the gRPC client of the router.
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
+//! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark).
 //! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest).
 //! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
 //! - `bench_prefix`: `sluice bench prefix` (the SWA policy table: bytes, recompute, TTFT).
@@ -15,6 +16,7 @@
 
 mod args;
 mod bench_cmd;
+mod bench_engine;
 mod bench_kvstore;
 mod bench_prefix;
 mod bench_transfer;

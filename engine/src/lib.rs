@@ -7,6 +7,8 @@
 //! - [`kv`]: page pool, state-cache slots, sequences and their byte export/import.
 //! - [`engine`]: model + KV memory; batched steps of prefill chunks and decode tokens.
 //! - [`handoff`]: sequences filled or read by another process (disaggregated serving).
+//! - [`staging`]: a sequence's KV bytes copied between engine (e.g. GPU) memory and host buffers.
+//! - [`device`]: `--device cpu|cuda:N`, and [`AnyEngine`] for a device chosen at run time.
 //! - [`prefix`]: sequences resumed from a prefix cache (pages + snapshot, or a window rebuild).
 //! - [`sampling`]: greedy / temperature / top-k / top-p sampling with logprobs.
 //! - [`generate`]: in-process generation loop.
@@ -16,6 +18,7 @@
 #![forbid(unsafe_code)]
 
 pub mod checkpoint;
+pub mod device;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;
@@ -27,9 +30,13 @@ pub mod kv;
 pub mod model;
 pub mod prefix;
 pub mod sampling;
+pub mod staging;
 
+pub use device::{AnyEngine, Device, DeviceError};
 pub use engine::{Engine, EngineOptions, Logits, ProvidedKv, StepInput};
 pub use error::EngineError;
+#[cfg(feature = "cuda")]
+pub use kernels::cuda::CudaBackend;
 pub use kernels::{CpuBackend, EntryDtype};
 pub use model_spec::{Fingerprint, block_hash, config};
 

@@ -1,6 +1,8 @@
-//! Built-in model shapes for `sluice model init`. Both keep V4's structure (all three
-//! attention kinds, hash and top-k MoE layers, 128-token window, YaRN on compressor
-//! layers, 4 residual streams) at sizes a CPU runs comfortably.
+//! Built-in model shapes for `sluice model init`. All keep V4's structure (all three
+//! attention kinds or CSA/HCA interleave, hash and top-k MoE layers, 128-token window,
+//! YaRN on compressor layers, 4 residual streams): `tiny` and `small` at sizes a CPU
+//! runs comfortably, `flash-bench` with V4-Flash's attention at full size for the GPU
+//! benchmark.
 
 use serde_json::{Value, json};
 
@@ -10,6 +12,11 @@ pub enum Preset {
     Tiny,
     /// ~70M parameters: the local cluster's default model and the CPU benchmark.
     Small,
+    /// V4-Flash attention dimensions (hidden 4096, 64 heads x 512, q_lora 1024, indexer
+    /// 64 x 128, top-k 512, window 128, CSA/HCA interleave) in 4 layers with a small MoE
+    /// (8 experts of 1024, top-2, one shared) and a 32K vocabulary: ~1.2G parameters,
+    /// the GPU benchmark's checkpoint (`sluice bench engine --device cuda:0`).
+    FlashBench,
 }
 
 impl Preset {
@@ -17,6 +24,7 @@ impl Preset {
         match s {
             "tiny" => Some(Preset::Tiny),
             "small" => Some(Preset::Small),
+            "flash-bench" => Some(Preset::FlashBench),
             _ => None,
         }
     }
@@ -25,6 +33,7 @@ impl Preset {
         match self {
             Preset::Tiny => "tiny",
             Preset::Small => "small",
+            Preset::FlashBench => "flash-bench",
         }
     }
 
@@ -52,6 +61,17 @@ impl Preset {
                 vec![0, 4, 128, 4, 128, 4, 128, 4, 0],
                 2,
                 32768,
+            ),
+            Preset::FlashBench => (
+                json!({
+                    "vocab_size": 32768, "hidden_size": 4096, "moe_intermediate_size": 1024, "num_hidden_layers": 4,
+                    "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024,
+                    "o_groups": 8, "o_lora_rank": 1024, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512
+                }),
+                vec![4, 128, 4, 128, 0],
+                1,
+                1048576,
             ),
         };
         let mut v = shape;

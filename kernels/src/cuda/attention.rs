@@ -5,7 +5,7 @@ use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
-use super::runtime::{cfg, cfg_elems, launch};
+use super::runtime::{Gpu, cfg, cfg_elems, launch};
 use crate::backend::{KvState, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
@@ -83,6 +83,8 @@ pub(crate) fn index_topk(
     let ratio = lk.spec.ratio;
     let n_max = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).max().unwrap_or(0);
     let dp = b.plans.get(g, plan);
+    let visible: usize = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).sum();
+    g.traffic.add_kv(visible * dim * layout.dtype.size());
     let scores = b.alloc_buf(rows * n_max);
     if n_max > top_k {
         let smem = (heads * dim + heads) * 4;
@@ -112,18 +114,84 @@ pub(crate) fn index_topk(
             geom,
         );
     }
+    select_topk(g, g.ptr(&scores.mem), n_max, g.ptr(&dp.positions), rows, ratio, top_k, g.ptr(&sel.mem));
+    Selection { indices: sel, top_k }
+}
+
+/// Rows of more candidates than this are split over several blocks.
+const TOPK_ONE_BLOCK_MAX: usize = 16384;
+/// Candidates per block on the multi-block path.
+const TOPK_CHUNK: usize = 8192;
+
+/// Top-`k` of each row's first `(position + 1) / ratio` scores (`scores[rows, n_max]`),
+/// ascending entry ids into `out[rows, k]`, -1 past the visible count.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn select_topk(
+    g: &Gpu,
+    scores: u64,
+    n_max: usize,
+    positions: u64,
+    rows: usize,
+    ratio: usize,
+    k: usize,
+    out: u64,
+) {
+    let (n_max_i, ratio_i, k_i) = (n_max as i32, ratio as i32, k as i32);
+    if n_max <= TOPK_ONE_BLOCK_MAX {
+        launch!(g, "topk_select", cfg((rows as u32, 1, 1), 1024, 0), scores, n_max_i, positions, ratio_i, k_i, out);
+        return;
+    }
+    let slices = n_max.div_ceil(TOPK_CHUNK);
+    let grid = (slices as u32, rows as u32, 1);
+    let state = g.alloc::<u32>(4 * rows);
+    let ghist = g.zeros::<u32>(2048 * rows);
+    let tickets = g.zeros::<u32>(rows);
+    let counts = g.alloc::<u32>(2 * slices * rows);
+    let chunk = TOPK_CHUNK as i32;
+    for pass in 0..3i32 {
+        launch!(
+            g,
+            "topk_hist",
+            cfg(grid, 1024, 0),
+            scores,
+            n_max_i,
+            positions,
+            ratio_i,
+            k_i,
+            pass,
+            chunk,
+            g.ptr(&state),
+            g.ptr(&ghist),
+            g.ptr(&tickets)
+        );
+    }
     launch!(
         g,
-        "topk_select",
-        cfg((rows as u32, 1, 1), 1024, 0),
-        g.ptr(&scores.mem),
-        n_max as i32,
-        g.ptr(&dp.positions),
-        ratio as i32,
-        top_k as i32,
-        g.ptr(&sel.mem),
+        "topk_count",
+        cfg(grid, 1024, 0),
+        scores,
+        n_max_i,
+        positions,
+        ratio_i,
+        k_i,
+        chunk,
+        g.ptr(&state),
+        g.ptr(&counts)
     );
-    Selection { indices: sel, top_k }
+    launch!(
+        g,
+        "topk_write",
+        cfg(grid, 1024, 0),
+        scores,
+        n_max_i,
+        positions,
+        ratio_i,
+        k_i,
+        chunk,
+        g.ptr(&state),
+        g.ptr(&counts),
+        out
+    );
 }
 
 /// Splits of the key axis: enough blocks to fill the GPU when rows are few, each split
@@ -184,6 +252,20 @@ pub(crate) fn attention(
         })
         .max()
         .unwrap_or(1);
+    let keys: usize = plan
+        .positions
+        .iter()
+        .map(|&t| {
+            let t = t as usize;
+            (t + 1).min(window)
+                + match kind {
+                    1 => top_k.min((t + 1) / lk.spec.ratio),
+                    2 => (t + 1) / lk.spec.ratio,
+                    _ => 0,
+                }
+        })
+        .sum();
+    g.traffic.add_kv(keys * hd * layout.dtype.size());
     let hgroups = heads.div_ceil(8);
     let (splits, per) = key_splits(g.sms, rows * hgroups, n_max);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };

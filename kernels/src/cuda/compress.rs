@@ -81,11 +81,16 @@ pub(crate) fn compress(
     };
     let (entries, n) = dp.entries(g, ratio);
     if n > 0 {
-        let threads = if dim >= 256 { 256 } else { 128 };
+        // Token groups: one for CSA's 8 sources, four for HCA's 128 (see compress.cu).
+        let n_src = if lk.kind() == AttnKind::Csa { 2 * ratio } else { ratio };
+        let tg = (n_src / 16).clamp(1, 4);
+        let threads = (dim.next_multiple_of(32).min(512) * tg).min(1024);
+        let smem = (3 * tg + 1) * dim * 4;
+        assert!(smem <= 48 * 1024, "compressor entry of {dim} dims exceeds the kernel's shared memory");
         launch!(
             g,
             "compress_entries",
-            cfg((n as u32, 1, 1), threads, (dim * 4) as u32),
+            cfg((n as u32, 1, 1), threads as u32, smem as u32),
             g.ptr(&*entries),
             g.ptr(&dp.seqs),
             g.ptr(&dp.pages),
@@ -97,6 +102,7 @@ pub(crate) fn compress(
             g.ptr(&kv.pages.mem),
             geom,
             RopeParams::new(p.rope),
+            tg as i32,
         );
     }
     launch!(

@@ -5,8 +5,8 @@
 //!   once with f32 activations and f32 accumulation.
 //! - More rows (prefill): cuBLAS. f32 weights use a plain f32 GEMM (no TF32). bf16 and
 //!   FP8 weights use bf16 tensor cores: the activations are split into two bf16 parts
-//!   (`x ≈ hi + lo`, ~16 mantissa bits together), both multiplied in one GEMM with twice
-//!   the rows and summed, which keeps the result near the f32 product while running at
+//!   (`x ≈ hi + lo`, ~16 mantissa bits together), multiplied by two GEMMs accumulating
+//!   into the f32 output, which keeps the result near the f32 product while running at
 //!   tensor-core speed; FP8 weights are first widened to bf16 in a scratch buffer.
 
 use std::ffi::c_void;
@@ -102,8 +102,9 @@ fn cublas_gemm(
     n: usize,
     k: usize,
     groups: usize,
+    beta: f32,
 ) {
-    let (alpha, beta) = (1f32, 0f32);
+    let alpha = 1f32;
     let blas = gpu.blas.lock().expect("cuBLAS handle poisoned");
     // SAFETY: A is groups × (m × k) weights, B holds n rows of ldb values whose group g
     // starts at column g·k, C holds n rows of ldc values whose group g starts at g·m; all
@@ -155,6 +156,7 @@ fn gemm(gpu: &Gpu, op: Operand, w: &CudaWeight) {
             op.rows,
             k,
             op.groups,
+            0.0,
         ),
         WeightData::Bf16(_) | WeightData::Fp8 { .. } => {
             let widened;
@@ -187,26 +189,26 @@ fn gemm(gpu: &Gpu, op: Operand, w: &CudaWeight) {
             let half = op.rows * x_width;
             let sp = gpu.ptr(&split);
             launch!(gpu, "split_bf16", cfg_elems(half), sp, sp + 2 * half as u64, xs, half as i64);
-            let tmp = gpu.alloc::<f32>(2 * op.rows * n);
-            let tp = gpu.ptr(&tmp);
-            cublas_gemm(
-                gpu,
-                wp,
-                cudaDataType::CUDA_R_16BF,
-                sp,
-                cudaDataType::CUDA_R_16BF,
-                x_width,
-                tp,
-                n,
-                g_out,
-                2 * op.rows,
-                k,
-                op.groups,
-            );
-            if op.out_stride != n {
-                fail("split product", "strided outputs are only supported by gemv");
+            // out = W·hi, then out += W·lo: two products on the tensor cores into the
+            // f32 output (no temporary; the weights are read twice, which only matters
+            // where gemv runs instead).
+            for (half_at, beta) in [(0u64, 0f32), (2 * half as u64, 1f32)] {
+                cublas_gemm(
+                    gpu,
+                    wp,
+                    cudaDataType::CUDA_R_16BF,
+                    sp + half_at,
+                    cudaDataType::CUDA_R_16BF,
+                    x_width,
+                    op.out,
+                    op.out_stride,
+                    g_out,
+                    op.rows,
+                    k,
+                    op.groups,
+                    beta,
+                );
             }
-            launch!(gpu, "add_halves", cfg_elems(op.rows * n), op.out, tp, (op.rows * n) as i64);
         }
     }
 }
@@ -217,6 +219,7 @@ pub(crate) fn matmul(gpu: &Gpu, op: Operand, w: &CudaWeight) {
         return;
     }
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
+    gpu.traffic.add_weights(w.device_bytes());
     if op.rows <= GEMV_MAX_ROWS {
         gemv(gpu, op, w, None, 0.0);
     } else {
@@ -231,6 +234,7 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
     if op.rows <= GEMV_MAX_ROWS && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
+        gpu.traffic.add_weights(w1.device_bytes() + w3.device_bytes());
         gemv(gpu, op, w1, Some(w3), limit);
         return;
     }

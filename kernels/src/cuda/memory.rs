@@ -172,6 +172,21 @@ pub struct CudaIdx {
     pub(crate) len: usize,
 }
 
+impl CudaIdx {
+    /// Indices from the host (tests and benchmarks build selections this way).
+    pub fn from_host(b: &super::CudaBackend, v: &[i32]) -> Self {
+        CudaIdx { mem: b.gpu().upload(v), len: v.len() }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 impl std::fmt::Debug for CudaIdx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaIdx({})", self.len)

@@ -39,6 +39,10 @@ pub use runtime::{CudaError, driver_present};
 pub struct CudaBackend {
     gpu: runtime::Gpu,
     plans: devplan::PlanCache,
+    /// `SLUICE_CUDA_PROFILE=1`: every op synchronises before and after and its wall
+    /// time is added up per op name (for finding where a step goes; it removes the
+    /// overlap of host launches with device work, so totals exceed unprofiled steps).
+    profile: Option<std::sync::Mutex<std::collections::BTreeMap<&'static str, (f64, u64)>>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -50,7 +54,8 @@ impl std::fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// Open device `ordinal`, compile (or load cached) kernels.
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
-        Ok(CudaBackend { gpu: runtime::Gpu::new(ordinal)?, plans: devplan::PlanCache::default() })
+        let profile = std::env::var("SLUICE_CUDA_PROFILE").is_ok_and(|v| v == "1").then(Default::default);
+        Ok(CudaBackend { gpu: runtime::Gpu::new(ordinal)?, plans: devplan::PlanCache::default(), profile })
     }
 
     /// Number of CUDA devices, 0 when there is no driver.
@@ -62,6 +67,11 @@ impl CudaBackend {
             return 0;
         }
         cudarc::driver::CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.gpu.ordinal
     }
 
     /// Where the kernels came from (compiled now or the PTX cache), for start-up logs.
@@ -87,9 +97,15 @@ impl CudaBackend {
     /// Time `f` with device events on the backend's stream, in milliseconds.
     pub fn time_ms<R>(&self, f: impl FnOnce() -> R) -> (R, f32) {
         let g = &self.gpu;
-        let start = g.stream.record_event(None).unwrap_or_else(|e| runtime::fail("event record", e));
+        let start = g
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap_or_else(|e| runtime::fail("event record", e));
         let r = f();
-        let end = g.stream.record_event(None).unwrap_or_else(|e| runtime::fail("event record", e));
+        let end = g
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap_or_else(|e| runtime::fail("event record", e));
         end.synchronize().unwrap_or_else(|e| runtime::fail("event synchronize", e));
         (r, start.elapsed_ms(&end).unwrap_or_else(|e| runtime::fail("event timing", e)))
     }
@@ -106,6 +122,89 @@ impl CudaBackend {
         let s = src.mem.slice(src_elem * sz..(src_elem + elems) * sz);
         let mut d = dst.mem.slice_mut(dst_elem * sz..(dst_elem + elems) * sz);
         self.gpu.stream.memcpy_dtod(&s, &mut d).unwrap_or_else(|e| runtime::fail("device-to-device copy", e));
+    }
+
+    /// Bytes of weights and of KV entries the ops issued since the last call must read
+    /// at least (each once), and reset the counters.
+    pub fn take_traffic(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering;
+        let t = &self.gpu.traffic;
+        (t.weights.swap(0, Ordering::Relaxed), t.kv.swap(0, Ordering::Relaxed))
+    }
+
+    /// Device-to-device copy bandwidth over `bytes`-sized buffers (bytes read plus bytes
+    /// written per second, median of `reps` timed copies after a warm-up), GB/s.
+    pub fn copy_bandwidth_gbs(&self, bytes: usize, reps: usize) -> f64 {
+        let g = &self.gpu;
+        let src = g.zeros::<u8>(bytes);
+        let mut dst = g.alloc::<u8>(bytes);
+        let mut times = Vec::with_capacity(reps);
+        for i in 0..reps + 1 {
+            let ((), ms) = self.time_ms(|| {
+                g.stream.memcpy_dtod(&src, &mut dst).unwrap_or_else(|e| runtime::fail("device-to-device copy", e))
+            });
+            if i > 0 {
+                times.push(ms as f64);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        2.0 * bytes as f64 / (times[times.len() / 2] / 1e3) / 1e9
+    }
+
+    /// Median time in microseconds of the indexer's top-k selection alone (radix select
+    /// and ordered compaction, one block or several per row as `index_topk` chooses) for
+    /// one row of `n` random scores keeping `k`.
+    pub fn time_topk_us(&self, n: usize, k: usize, reps: usize) -> f64 {
+        let g = &self.gpu;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let scores: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32
+            })
+            .collect();
+        let s = g.upload(&scores);
+        let pos = g.upload(&[(4 * n - 1) as u32]);
+        let out = g.alloc::<i32>(k);
+        let mut times = Vec::with_capacity(reps);
+        for i in 0..reps + 1 {
+            let ((), ms) = self.time_ms(|| {
+                attention::select_topk(g, g.ptr(&s), n, g.ptr(&pos), 1, 4, k, g.ptr(&out));
+            });
+            if i > 0 {
+                times.push(ms as f64 * 1e3);
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        times[times.len() / 2]
+    }
+
+    /// Per-op `(name, seconds, calls)` since the last call, when profiling is on
+    /// (`SLUICE_CUDA_PROFILE=1`), largest first.
+    pub fn take_profile(&self) -> Option<Vec<(&'static str, f64, u64)>> {
+        let mut p = self.profile.as_ref()?.lock().expect("profile poisoned");
+        let mut v: Vec<_> = std::mem::take(&mut *p).into_iter().map(|(k, (t, n))| (k, t, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Some(v)
+    }
+
+    fn prof<R>(&self, name: &'static str, f: impl FnOnce() -> R) -> R {
+        let Some(p) = &self.profile else { return f() };
+        self.gpu.sync();
+        let t = std::time::Instant::now();
+        let r = f();
+        self.gpu.sync();
+        let mut p = p.lock().expect("profile poisoned");
+        let e = p.entry(name).or_default();
+        e.0 += t.elapsed().as_secs_f64();
+        e.1 += 1;
+        r
+    }
+
+    pub(crate) fn gpu(&self) -> &runtime::Gpu {
+        &self.gpu
     }
 
     fn alloc_buf(&self, len: usize) -> CudaBuf {
@@ -142,12 +241,12 @@ impl Backend for CudaBackend {
 
     fn download(&self, buf: &CudaBuf) -> Vec<f32> {
         let mut out = vec![0f32; buf.len];
-        self.gpu.read(&buf.mem, 0, &mut out);
+        self.prof("download", || self.gpu.read(&buf.mem, 0, &mut out));
         out
     }
 
     fn gather_rows(&self, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {
-        rows::gather_rows(self, src, width, rows)
+        self.prof("gather_rows", || rows::gather_rows(self, src, width, rows))
     }
 
     fn weight(&self, m: HostMatrix) -> CudaWeight {
@@ -196,7 +295,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, tokens: &[u32], out: &mut CudaBuf) {
-        rows::embed(self, table, tokens, out)
+        self.prof("embed", || rows::embed(self, table, tokens, out))
     }
 
     fn matmul(&self, x: &CudaBuf, rows: usize, w: &CudaWeight, out: &mut CudaBuf) {
@@ -211,7 +310,9 @@ impl Backend for CudaBackend {
             rows,
             groups: 1,
         };
-        matmul::matmul(g, op, w);
+        self.prof(if rows <= matmul::GEMV_MAX_ROWS { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || {
+            matmul::matmul(g, op, w)
+        });
     }
 
     fn grouped_matmul(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight, out: &mut CudaBuf) {
@@ -227,23 +328,23 @@ impl Backend for CudaBackend {
             rows,
             groups,
         };
-        matmul::matmul(g, op, w);
+        self.prof("grouped_matmul", || matmul::matmul(g, op, w));
     }
 
     fn rms_norm(&self, x: &mut CudaBuf, dim: usize, weight: Option<&CudaBuf>, eps: f32) {
-        rows::rms_norm(self, x, dim, weight, eps)
+        self.prof("rms_norm", || rows::rms_norm(self, x, dim, weight, eps))
     }
 
     fn rope(&self, x: &mut CudaBuf, heads: usize, head_dim: usize, positions: &[u32], rope: &RopeTable, inverse: bool) {
-        rows::rope(self, x, heads, head_dim, positions, rope, inverse)
+        self.prof("rope", || rows::rope(self, x, heads, head_dim, positions, rope, inverse))
     }
 
     fn scale(&self, x: &mut CudaBuf, factor: f32) {
-        rows::scale(self, x, factor)
+        self.prof("scale", || rows::scale(self, x, factor))
     }
 
     fn round_to(&self, x: &mut CudaBuf, dtype: EntryDtype) {
-        rows::round_to(self, x, dtype)
+        self.prof("round_to", || rows::round_to(self, x, dtype))
     }
 
     fn hc_pre(
@@ -255,19 +356,19 @@ impl Backend for CudaBackend {
         post: &mut CudaBuf,
         comb: &mut CudaBuf,
     ) {
-        hc::hc_pre(self, streams, rows, w, collapsed, post, comb)
+        self.prof("hc_pre", || hc::hc_pre(self, streams, rows, w, collapsed, post, comb))
     }
 
     fn hc_post(&self, streams: &mut CudaBuf, rows: usize, hc: usize, out: &CudaBuf, post: &CudaBuf, comb: &CudaBuf) {
-        hc::hc_post(self, streams, rows, hc, out, post, comb)
+        self.prof("hc_post", || hc::hc_post(self, streams, rows, hc, out, post, comb))
     }
 
     fn hc_head(&self, streams: &CudaBuf, rows: usize, w: &HcHeadWeights<Self>, out: &mut CudaBuf) {
-        hc::hc_head(self, streams, rows, w, out)
+        self.prof("hc_head", || hc::hc_head(self, streams, rows, w, out))
     }
 
     fn moe(&self, x: &CudaBuf, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut CudaBuf) {
-        moe::moe(self, x, rows, tokens, w, out)
+        self.prof("moe", || moe::moe(self, x, rows, tokens, w, out))
     }
 
     fn compress(
@@ -281,7 +382,7 @@ impl Backend for CudaBackend {
         proj_score: &CudaBuf,
         p: &CompressorParams<'_, Self>,
     ) {
-        compress::compress(self, kv, layout, layer, branch, plan, proj_kv, proj_score, p)
+        self.prof("compress", || compress::compress(self, kv, layout, layer, branch, plan, proj_kv, proj_score, p))
     }
 
     fn index_topk(
@@ -295,7 +396,7 @@ impl Backend for CudaBackend {
         heads: usize,
         top_k: usize,
     ) -> Selection<Self> {
-        attention::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k)
+        self.prof("index_topk", || attention::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k))
     }
 
     fn attention(
@@ -312,7 +413,9 @@ impl Backend for CudaBackend {
         scale: f32,
         out: &mut CudaBuf,
     ) {
-        attention::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out)
+        self.prof("attention", || {
+            attention::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out)
+        })
     }
 
     fn store_window(
@@ -323,6 +426,6 @@ impl Backend for CudaBackend {
         plan: &BatchPlan,
         new_kv: &CudaBuf,
     ) {
-        attention::store_window(self, kv, layout, layer, plan, new_kv)
+        self.prof("store_window", || attention::store_window(self, kv, layout, layer, plan, new_kv))
     }
 }

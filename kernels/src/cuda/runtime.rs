@@ -9,6 +9,7 @@
 //! though the engine drives it from one.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
@@ -42,7 +43,6 @@ const KERNELS: &[&str] = &[
     "scale_f32",
     "round_to_bf16",
     "split_bf16",
-    "add_halves",
     "fp8_to_bf16",
     "gemv_f32_r1",
     "gemv_f32_r2",
@@ -79,10 +79,32 @@ const KERNELS: &[&str] = &[
     "compress_store",
     "index_scores",
     "topk_select",
+    "topk_hist",
+    "topk_count",
+    "topk_write",
     "attention",
     "attention_merge",
     "store_window",
 ];
+
+/// Bytes the ops must move through device memory at least (each weight and each KV
+/// entry read once), counted on the host as ops are issued; the benchmark divides them
+/// by the step time to get the achieved bandwidth.
+#[derive(Default)]
+pub(crate) struct Traffic {
+    pub weights: AtomicU64,
+    pub kv: AtomicU64,
+}
+
+impl Traffic {
+    pub fn add_weights(&self, bytes: usize) {
+        self.weights.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub fn add_kv(&self, bytes: usize) {
+        self.kv.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+}
 
 pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -97,6 +119,7 @@ pub(crate) struct Gpu {
     pub ordinal: usize,
     /// Where the kernels came from (compiled now, or the PTX cache file).
     pub ptx_origin: String,
+    pub traffic: Traffic,
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -156,6 +179,7 @@ impl Gpu {
             cc,
             ordinal,
             ptx_origin,
+            traffic: Traffic::default(),
         })
     }
 

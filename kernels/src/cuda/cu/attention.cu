@@ -117,12 +117,16 @@ extern "C" __global__ void __launch_bounds__(256)
                 for (int i = 0; i < ATT_DPL; i++) acc[i] *= corr;
 #pragma unroll
                 for (int kk = 0; kk < ATT_T; kk++) {
-                    const float p = expf(lg[kk] - m_new);
-                    s += p;
+                    // Slots past the tile's keys hold stale shared memory (possibly NaN
+                    // bits): skip them rather than multiply them by zero.
+                    if (kk < nt) {
+                        const float p = expf(lg[kk] - m_new);
+                        s += p;
 #pragma unroll
-                    for (int i = 0; i < ATT_DPL; i++) {
-                        int d = lane + 32 * i;
-                        if (d < g.hd) acc[i] += p * keys[kk * ATT_HD_MAX + d];
+                        for (int i = 0; i < ATT_DPL; i++) {
+                            int d = lane + 32 * i;
+                            if (d < g.hd) acc[i] += p * keys[kk * ATT_HD_MAX + d];
+                        }
                     }
                 }
                 m = m_new;

@@ -12,49 +12,79 @@ struct CompressGeom {
     float eps;
 };
 
+// Source u of entry i: token and channel offset (u < prev: previous window's first half).
+__device__ __forceinline__ void comp_source(const CompressGeom& g, int i, int prev, int u, int* p, int* off) {
+    *p = u < prev ? g.ratio * (i - 1) + u : g.ratio * i + (u - prev);
+    *off = u < prev ? 0 : (g.overlap ? g.dim : 0);
+}
+
+// Block layout: `tg` token groups of blockDim/tg threads; a thread keeps an online
+// softmax (max, sum, weighted sum) per channel over its group's tokens, one exp per
+// token, and the groups are merged through shared memory. CSA entries (8 sources) use
+// one group; HCA entries (128 sources) several, so each thread has fewer dependent
+// steps and more loads in flight. Dynamic shared memory: (3·tg + 1)·dim floats.
 extern "C" __global__ void compress_entries(const int* entries, const int* seqs, const u32* pages,
                                             const float* proj_kv, const float* proj_score, const float* ape,
                                             const float* norm, const float* comp, u8* page_base, CompressGeom g,
-                                            RopeParams rp) {
-    extern __shared__ float ent[];
+                                            RopeParams rp, int tg) {
+    extern __shared__ float sm[];
+    float* ent = sm;
+    float* pm = sm + g.dim;
+    float* ps = pm + tg * g.dim;
+    float* pn = ps + tg * g.dim;
     const int sq = entries[2 * blockIdx.x], i = entries[2 * blockIdx.x + 1];
     const int* seq = seqs + sq * SEQ_STRIDE;
     const int first_row = seq[SEQ_FIRST_ROW], start = seq[SEQ_START], slot = seq[SEQ_SLOT];
     const float* ring_kv = comp + (long long)slot * g.comp_elems + g.comp_off;
     const float* ring_sc = ring_kv + (long long)g.slots * g.width;
     const int prev = (g.overlap && i > 0) ? g.ratio : 0;
-    const int cur_off = g.overlap ? g.dim : 0;
     const int n_src = prev + g.ratio;
-    for (int c = threadIdx.x; c < g.dim; c += blockDim.x) {
-        // Source u < prev: token ratio*(i-1)+u, first-half channel; else ratio*i+(u-prev), cur_off.
-        float m = NEG_INF;
-        for (int u = 0; u < n_src; u++) {
-            int p = u < prev ? g.ratio * (i - 1) + u : g.ratio * i + (u - prev);
-            int ch = (u < prev ? 0 : cur_off) + c;
-            float sc = p >= start ? proj_score[(long long)(first_row + p - start) * g.width + ch] +
-                                        ape[(p % g.ratio) * g.width + ch]
-                                  : ring_sc[(p % g.slots) * g.width + ch];
-            m = fmaxf(m, sc);
-        }
-        float num = 0.0f, den = 0.0f;
-        for (int u = 0; u < n_src; u++) {
-            int p = u < prev ? g.ratio * (i - 1) + u : g.ratio * i + (u - prev);
-            int ch = (u < prev ? 0 : cur_off) + c;
+    const int ct = blockDim.x / tg, grp = threadIdx.x / ct, lane_c = threadIdx.x % ct;
+    for (int c = lane_c; c < g.dim; c += ct) {
+        float m = NEG_INF, sum = 0.0f, num = 0.0f;
+#pragma unroll 4
+        for (int u = grp; u < n_src; u += tg) {
+            int p, off;
+            comp_source(g, i, prev, u, &p, &off);
+            const int ch = off + c;
             float sc, kv;
             if (p >= start) {
-                long long at = (long long)(first_row + p - start) * g.width + ch;
+                const long long at = (long long)(first_row + p - start) * g.width + ch;
                 sc = proj_score[at] + ape[(p % g.ratio) * g.width + ch];
                 kv = proj_kv[at];
             } else {
-                int at = (p % g.slots) * g.width + ch;
+                const int at = (p % g.slots) * g.width + ch;
                 sc = ring_sc[at];
                 kv = ring_kv[at];
             }
-            float e = expf(sc - m);
-            den += e;
-            num += e * kv;
+            if (sc <= m) {
+                const float e = expf(sc - m);
+                sum += e;
+                num += e * kv;
+            } else {
+                const float a = expf(m - sc);
+                sum = sum * a + 1.0f;
+                num = num * a + kv;
+                m = sc;
+            }
         }
-        ent[c] = num / den;
+        pm[grp * g.dim + c] = m;
+        ps[grp * g.dim + c] = sum;
+        pn[grp * g.dim + c] = num;
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < g.dim; c += blockDim.x) {
+        float m = NEG_INF;
+        for (int t = 0; t < tg; t++) m = fmaxf(m, pm[t * g.dim + c]);
+        float sum = 0.0f, num = 0.0f;
+        for (int t = 0; t < tg; t++) {
+            const float mt = pm[t * g.dim + c];
+            if (mt == NEG_INF) continue;
+            const float a = expf(mt - m);
+            sum += ps[t * g.dim + c] * a;
+            num += pn[t * g.dim + c] * a;
+        }
+        ent[c] = num / sum;
     }
     float ss = 0.0f;
     for (int c = threadIdx.x; c < g.dim; c += blockDim.x) ss += ent[c] * ent[c];

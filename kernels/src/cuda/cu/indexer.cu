@@ -64,78 +64,75 @@ __device__ __forceinline__ u32 fkey(float f) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// One block (1024 threads) per row. Radix select over the 32 key bits, 8 at a time,
-// finds the k-th largest key T and how many keys equal to T to keep; a final pass in
-// index order keeps every key > T and the lowest-indexed keys == T (the CPU's tie
-// order), compacted with warp ballots so the output is ascending.
-extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scores, int n_max, const u32* positions,
-                                                               int ratio, int k, int* out) {
-    const int r = blockIdx.x;
-    const int n = (int)((positions[r] + 1) / (u32)ratio);
-    const float* s = scores + (long long)r * n_max;
-    int* o = out + (long long)r * k;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
-    if (n <= k) {
-        for (int j = tid; j < k; j += blockDim.x) o[j] = j < n ? j : -1;
-        return;
+// Radix select in three digits of 11, 11 and 10 bits, most significant first.
+#define TK_BINS 2048
+__device__ __forceinline__ int tk_shift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
+__device__ __forceinline__ u32 tk_bits(int pass) { return pass == 2 ? 0x3ffu : 0x7ffu; }
+
+// Histogram add with the warp's equal bins merged first: scores cluster in few top
+// bins, and one shared-memory atomic per distinct bin per warp avoids serialising the
+// whole block on one address. Every lane of the warp must call it.
+__device__ __forceinline__ void tk_hist_add(u32* hist, u32 bin, bool active) {
+    const u32 key = active ? bin : 0xffffffffu;
+    const u32 peers = __match_any_sync(0xffffffffu, key);
+    if (active && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
+}
+
+// With blockDim.x == 1024: the bin b (of `nbins`, counted from the top) where the count
+// of keys in bins above b is < `remaining` <= that count plus hist[b]. Thread 0 of the
+// answer writes (*bin, *above). Every thread must call it.
+__device__ void tk_find_bin(const u32* hist, int nbins, u32 remaining, u32* bin, u32* above) {
+    __shared__ u32 warp_tot[32];
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int per = nbins / 1024;
+    u32 local = 0;
+    for (int q = 0; q < per; q++) local += hist[nbins - 1 - (tid * per + q)];
+    u32 incl = local;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        u32 v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
     }
-    __shared__ u32 hist[256];
-    __shared__ u32 sh_prefix, sh_remaining;
+    if (lane == 31) warp_tot[w] = incl;
+    __syncthreads();
+    if (w == 0) {
+        u32 t = warp_tot[lane], x = t;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            u32 v = __shfl_up_sync(0xffffffffu, x, off);
+            if (lane >= off) x += v;
+        }
+        warp_tot[lane] = x - t;
+    }
+    __syncthreads();
+    incl += warp_tot[w];
+    u32 acc = incl - local;
+    if (acc < remaining && incl >= remaining) {
+        for (int q = 0; q < per; q++) {
+            u32 c = hist[nbins - 1 - (tid * per + q)];
+            if (acc + c >= remaining) {
+                *bin = (u32)(nbins - 1 - (tid * per + q));
+                *above = acc;
+                break;
+            }
+            acc += c;
+        }
+    }
+    __syncthreads();
+}
+
+// Keep keys > T and the first `remaining` keys == T in index order over [lo, hi),
+// writing ascending indices from o[base_sel]; eq_before counts the keys == T before lo.
+// Every thread of the block must call it.
+__device__ void tk_compact(const float* s, int lo, int hi, u32 T, u32 remaining, u32 base_eq, u32 base_sel, int* o) {
     __shared__ u32 cnt_eq[32], cnt_sel[32];
-    u32 prefix = 0, mask = 0, remaining = (u32)k;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = tid; b < 256; b += blockDim.x) hist[b] = 0;
-        __syncthreads();
-        for (int i = tid; i < n; i += blockDim.x) {
-            u32 key = fkey(s[i]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-        }
-        __syncthreads();
-        if (w == 0) {
-            // Bins from the top: lane l holds bins 255-8l .. 248-8l; find the first bin
-            // where the count from the top reaches `remaining`.
-            u32 local[8];
-            u32 tot = 0;
-#pragma unroll
-            for (int q = 0; q < 8; q++) {
-                local[q] = hist[255 - 8 * lane - q];
-                tot += local[q];
-            }
-            u32 incl = tot;
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                u32 v = __shfl_up_sync(0xffffffffu, incl, off);
-                if (lane >= off) incl += v;
-            }
-            u32 above = incl - tot;
-            bool hit = above < remaining && incl >= remaining;
-            if (hit) {
-                u32 acc = above;
-#pragma unroll
-                for (int q = 0; q < 8; q++) {
-                    if (acc + local[q] >= remaining) {
-                        sh_prefix = prefix | ((u32)(255 - 8 * lane - q) << shift);
-                        sh_remaining = remaining - acc;
-                        break;
-                    }
-                    acc += local[q];
-                }
-            }
-        }
-        __syncthreads();
-        prefix = sh_prefix;
-        remaining = sh_remaining;
-        mask |= 255u << shift;
-        __syncthreads();
-    }
-    const u32 T = prefix;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
     const u32 lt_mask = (1u << lane) - 1u;
-    u32 base_eq = 0, base_sel = 0;
-    for (int start = 0; start < n; start += blockDim.x) {
+    for (int start = lo; start < hi; start += blockDim.x) {
         const int i = start + tid;
-        const u32 key = i < n ? fkey(s[i]) : 0u;
-        const bool gt = i < n && key > T;
-        const bool eq = i < n && key == T;
+        const u32 key = i < hi ? fkey(s[i]) : 0u;
+        const bool gt = i < hi && key > T;
+        const bool eq = i < hi && key == T;
         const u32 beq = __ballot_sync(0xffffffffu, eq);
         if (lane == 0) cnt_eq[w] = __popc(beq);
         __syncthreads();
@@ -158,4 +155,146 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scor
         base_sel += sel_total;
         __syncthreads();
     }
+}
+
+// One block (1024 threads) per row: the three radix passes over the row's scores in
+// shared-memory histograms, then the ordered compaction. Used while rows are short.
+extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scores, int n_max, const u32* positions,
+                                                               int ratio, int k, int* out) {
+    const int r = blockIdx.x;
+    const int n = (int)((positions[r] + 1) / (u32)ratio);
+    const float* s = scores + (long long)r * n_max;
+    int* o = out + (long long)r * k;
+    const int tid = threadIdx.x;
+    if (n <= k) {
+        for (int j = tid; j < k; j += blockDim.x) o[j] = j < n ? j : -1;
+        return;
+    }
+    __shared__ u32 hist[TK_BINS];
+    __shared__ u32 sh_bin, sh_above;
+    u32 prefix = 0, mask = 0, remaining = (u32)k;
+    for (int pass = 0; pass < 3; pass++) {
+        const int shift = tk_shift(pass);
+        const u32 bits = tk_bits(pass);
+        for (int b = tid; b < TK_BINS; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        for (int base = 0; base < n; base += blockDim.x) {
+            const int i = base + tid;
+            const u32 key = i < n ? fkey(s[i]) : 0u;
+            tk_hist_add(hist, (key >> shift) & bits, i < n && (key & mask) == prefix);
+        }
+        __syncthreads();
+        tk_find_bin(hist, (int)bits + 1, remaining, &sh_bin, &sh_above);
+        prefix |= sh_bin << shift;
+        remaining -= sh_above;
+        mask |= bits << shift;
+        __syncthreads();
+    }
+    tk_compact(s, 0, n, prefix, remaining, 0, 0, o);
+}
+
+// Long rows: the same selection spread over `gridDim.x` blocks per row, each over a
+// slice of `chunk` scores. Per pass, blocks add their slice's histogram into `ghist`
+// and the last block to finish (a ticket counter) picks the digit, updates the row's
+// (prefix, mask, remaining) in `state` and clears the histogram for the next pass.
+extern "C" __global__ void __launch_bounds__(1024) topk_hist(const float* scores, int n_max, const u32* positions,
+                                                             int ratio, int k, int pass, int chunk, u32* state,
+                                                             u32* ghist, u32* tickets) {
+    const int r = blockIdx.y;
+    const int n = (int)((positions[r] + 1) / (u32)ratio);
+    if (n <= k) return;
+    const float* s = scores + (long long)r * n_max;
+    const int tid = threadIdx.x;
+    __shared__ u32 hist[TK_BINS];
+    __shared__ u32 sh_bin, sh_above;
+    __shared__ bool last;
+    const u32 prefix = pass == 0 ? 0u : state[4 * r], mask = pass == 0 ? 0u : state[4 * r + 1];
+    const u32 remaining = pass == 0 ? (u32)k : state[4 * r + 2];
+    const int shift = tk_shift(pass);
+    const u32 bits = tk_bits(pass);
+    for (int b = tid; b < TK_BINS; b += blockDim.x) hist[b] = 0;
+    __syncthreads();
+    const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    for (int base = lo; base < hi; base += blockDim.x) {
+        const int i = base + tid;
+        const u32 key = i < hi ? fkey(s[i]) : 0u;
+        tk_hist_add(hist, (key >> shift) & bits, i < hi && (key & mask) == prefix);
+    }
+    __syncthreads();
+    u32* gh = ghist + (long long)r * TK_BINS;
+    for (int b = tid; b <= (int)bits; b += blockDim.x)
+        if (hist[b]) atomicAdd(&gh[b], hist[b]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(&tickets[r], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int b = tid; b < TK_BINS; b += blockDim.x) {
+        hist[b] = b <= (int)bits ? __ldcg(&gh[b]) : 0u;
+        gh[b] = 0;
+    }
+    __syncthreads();
+    tk_find_bin(hist, (int)bits + 1, remaining, &sh_bin, &sh_above);
+    if (tid == 0) {
+        state[4 * r] = prefix | (sh_bin << shift);
+        state[4 * r + 1] = mask | (bits << shift);
+        state[4 * r + 2] = remaining - sh_above;
+        tickets[r] = 0;
+    }
+}
+
+// Per slice: keys > T and keys == T (T and the tie budget from `state`).
+extern "C" __global__ void __launch_bounds__(1024) topk_count(const float* scores, int n_max, const u32* positions,
+                                                              int ratio, int k, int chunk, const u32* state,
+                                                              u32* counts) {
+    const int r = blockIdx.y;
+    const int n = (int)((positions[r] + 1) / (u32)ratio);
+    if (n <= k) return;
+    const float* s = scores + (long long)r * n_max;
+    const u32 T = state[4 * r];
+    const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    u32 gt = 0, eq = 0;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        const u32 key = fkey(s[i]);
+        gt += key > T;
+        eq += key == T;
+    }
+    gt = (u32)block_sum((float)gt);
+    eq = (u32)block_sum((float)eq);
+    if (threadIdx.x == 0) {
+        counts[((long long)r * gridDim.x + blockIdx.x) * 2] = gt;
+        counts[((long long)r * gridDim.x + blockIdx.x) * 2 + 1] = eq;
+    }
+}
+
+// Per slice: its place in the row's output from the counts of the slices before it,
+// then the ordered compaction of the slice.
+extern "C" __global__ void __launch_bounds__(1024) topk_write(const float* scores, int n_max, const u32* positions,
+                                                              int ratio, int k, int chunk, const u32* state,
+                                                              const u32* counts, int* out) {
+    const int r = blockIdx.y;
+    const int n = (int)((positions[r] + 1) / (u32)ratio);
+    int* o = out + (long long)r * k;
+    if (n <= k) {
+        if (blockIdx.x == 0)
+            for (int j = threadIdx.x; j < k; j += blockDim.x) o[j] = j < n ? j : -1;
+        return;
+    }
+    const u32 T = state[4 * r], remaining = state[4 * r + 2];
+    __shared__ u32 base_eq, base_sel;
+    if (threadIdx.x == 0) {
+        u32 eq_before = 0, sel_before = 0;
+        for (int b = 0; b < (int)blockIdx.x; b++) {
+            const u32 gt = counts[((long long)r * gridDim.x + b) * 2], eq = counts[((long long)r * gridDim.x + b) * 2 + 1];
+            const u32 take = eq_before >= remaining ? 0u : min(eq, remaining - eq_before);
+            sel_before += gt + take;
+            eq_before += eq;
+        }
+        base_eq = eq_before;
+        base_sel = sel_before;
+    }
+    __syncthreads();
+    const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
+    tk_compact(scores + (long long)r * n_max, lo, hi, T, remaining, base_eq, base_sel, o);
 }

@@ -59,8 +59,8 @@ extern "C" __global__ void round_to_bf16(float* x, long long n) {
 }
 
 // x[rows, k] -> hi[rows, k] = bf16(x), lo[rows, k] = bf16(x - hi): two bf16 operands
-// whose sum carries ~16 mantissa bits, so a bf16 tensor-core product of each against
-// bf16 weights, summed, is close to the f32 product.
+// whose sum carries ~16 mantissa bits, so bf16 tensor-core products of each against
+// bf16 weights, accumulated, come close to the f32 product.
 extern "C" __global__ void split_bf16(u16* hi, u16* lo, const float* x, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
@@ -68,12 +68,6 @@ extern "C" __global__ void split_bf16(u16* hi, u16* lo, const float* x, long lon
     u16 h = f2bf(v);
     hi[i] = h;
     lo[i] = f2bf(v - bf2f(h));
-}
-
-// out[r, c] = t[r, c] + t[rows + r, c] (the two halves of a split product).
-extern "C" __global__ void add_halves(float* out, const float* t, long long half_n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < half_n) out[i] = t[i] + t[half_n + i];
 }
 
 // Dequantise FP8 e4m3 weights [rows, cols] with one f32 scale per 128x128 block to bf16.

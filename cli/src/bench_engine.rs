@@ -1,0 +1,310 @@
+//! `sluice bench engine --device cuda:N`: the GPU engine benchmark. Measured in one run
+//! on one device:
+//!
+//! - the device's copy bandwidth (1 GiB device-to-device copies; bytes read + written),
+//!   the ceiling the decode step's achieved bandwidth is compared with;
+//! - prefill throughput: the median of one-shot prefills of `--prefill-tokens`;
+//! - decode step time per (context, batch): one sequence is prefilled to the context,
+//!   exported and imported `batch` times (identical histories, so the set-up costs one
+//!   prefill), then every sequence gets its own token each step (so routing differs
+//!   between rows) and the median of `--decode-steps` wall-clock steps is reported (a
+//!   step returns logits on the host, so it includes every launch and the sync);
+//! - the bytes a step must move (each weight it uses and each KV entry it reads, once,
+//!   counted by the backend as it issues the ops) over the step time: achieved GB/s;
+//! - the indexer's top-k alone over `--topk-candidates` scores at batch 1, and the
+//!   compressor kernel alone over a `--compress-tokens` prefill at V4-Flash widths.
+//!
+//! tools/bench/gpu_vs_transformers.sh runs this next to transformers eager on the same
+//! GPU and checkpoint.
+
+use std::path::Path;
+
+use anyhow::Result;
+use clap::Args;
+use engine::EntryDtype;
+#[cfg(feature = "cuda")]
+use {
+    crate::bench_cmd::bench_prompt,
+    anyhow::{Context, bail},
+    engine::kv::Sequence,
+    engine::{CudaBackend, Engine, EngineOptions, Logits},
+    kernels::backend::{CompressorParams, KvState},
+    kernels::{AttnKind, Backend, BatchPlan, Branch, KvLayout, LayerSpec, RopeTable},
+    serde_json::{Value, json},
+    std::time::Instant,
+};
+
+#[derive(Args, Clone, Debug)]
+pub struct GpuBenchArgs {
+    /// GPU benchmark: context lengths (tokens already in each sequence) of the decode steps.
+    #[arg(long, value_delimiter = ',', default_value = "8192,65536")]
+    pub contexts: Vec<usize>,
+    /// GPU benchmark: batch sizes (sequences decoded together).
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    pub batches: Vec<usize>,
+    /// GPU benchmark: prompt length of the prefill throughput measurement.
+    #[arg(long, default_value_t = 8192)]
+    pub prefill_tokens: usize,
+    /// GPU benchmark: longest prefill chunk (also used to fill long contexts).
+    #[arg(long, default_value_t = 8192)]
+    pub chunk_tokens: usize,
+    /// GPU benchmark: time the indexer's top-k alone over this many candidates (0: skip).
+    #[arg(long, default_value_t = 262144)]
+    pub topk_candidates: usize,
+    /// GPU benchmark: time the compressor kernel alone over a prefill this long (0: skip).
+    #[arg(long, default_value_t = 8192)]
+    pub compress_tokens: usize,
+}
+
+#[cfg(feature = "cuda")]
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub struct Common<'a> {
+    pub dir: &'a Path,
+    pub ordinal: usize,
+    pub kv_dtype: EntryDtype,
+    pub decode_steps: usize,
+    pub repeat: usize,
+    pub json: bool,
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
+    let _ = (c, a);
+    anyhow::bail!("this sluice was built without CUDA support (feature `cuda`)")
+}
+
+#[cfg(feature = "cuda")]
+pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
+    if a.contexts.is_empty() || a.batches.is_empty() || a.batches.contains(&0) {
+        bail!("--contexts and --batches need at least one value each, batches at least 1");
+    }
+    let backend = engine::device::cuda_backend(c.ordinal)?;
+    let describe = backend.describe();
+    eprintln!("{describe}; kernels: {}", backend.kernel_origin());
+    let copy_gbs = backend.copy_bandwidth_gbs(1 << 30, 10);
+
+    let max_ctx = *a.contexts.iter().max().expect("non-empty");
+    let max_batch = *a.batches.iter().max().expect("non-empty");
+    let pages_per_seq = (max_ctx.max(a.prefill_tokens) + c.decode_steps + 2).div_ceil(128) + 1;
+    let opts = EngineOptions {
+        kv_dtype: c.kv_dtype,
+        max_pages: pages_per_seq * (max_batch + 2),
+        max_sequences: max_batch + 2,
+        max_chunk_tokens: a.chunk_tokens.max(1),
+    };
+    let t = Instant::now();
+    let mut engine = Engine::load(c.dir, backend, opts).with_context(|| format!("loading {}", c.dir.display()))?;
+    let load_s = t.elapsed().as_secs_f64();
+    let vocab = engine.config().vocab_size;
+    let (free, total) = engine.model.backend.memory_info();
+    eprintln!(
+        "loaded in {load_s:.1} s; device memory {:.1} of {:.1} GiB free",
+        free as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64
+    );
+
+    // Warm-up: kernels loaded, cuBLAS handles and the allocator's pool primed.
+    let mut seq = engine.open_sequence()?;
+    engine.prefill(&mut seq, &bench_prompt(a.prefill_tokens.min(512), vocab, 7), Logits::Last)?;
+    engine.decode(&mut [&mut seq], &[1])?;
+    engine.release(seq);
+
+    // Prefill throughput.
+    let prompt = bench_prompt(a.prefill_tokens, vocab, 1);
+    let mut prefill_s = Vec::new();
+    let mut prefill_traffic = (0, 0);
+    for _ in 0..c.repeat.max(1) {
+        let mut seq = engine.open_sequence()?;
+        engine.model.backend.take_traffic();
+        let t = Instant::now();
+        engine.prefill(&mut seq, &prompt, Logits::Last)?;
+        prefill_s.push(t.elapsed().as_secs_f64());
+        prefill_traffic = engine.model.backend.take_traffic();
+        engine.release(seq);
+    }
+    let prefill_tps = a.prefill_tokens as f64 / median(prefill_s.clone());
+    eprintln!("prefill {} tokens: {prefill_tps:.0} tokens/s", a.prefill_tokens);
+    print_profile(&engine.model.backend, &format!("{} prefills of {} tokens", c.repeat.max(1), a.prefill_tokens));
+
+    let mut decode_rows = Vec::new();
+    for &ctx in &a.contexts {
+        let mut template = engine.open_sequence()?;
+        engine.prefill(&mut template, &bench_prompt(ctx, vocab, 100 + ctx as u64), Logits::Last)?;
+        let bytes = engine.export(&template);
+        engine.release(template);
+        engine.model.backend.take_profile();
+        for &batch in &a.batches {
+            let mut seqs: Vec<Sequence> = (0..batch).map(|_| engine.import(&bytes)).collect::<Result<_, _>>()?;
+            let mut next: Vec<u32> = bench_prompt(batch, vocab, 1000 + batch as u64);
+            let mut steps = Vec::new();
+            let mut traffic = Vec::new();
+            // One untimed step first: the plan shape and buffers of this batch are new.
+            for i in 0..c.decode_steps + 1 {
+                let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
+                engine.model.backend.take_traffic();
+                let t = Instant::now();
+                let out = engine.decode(&mut refs, &next)?;
+                let dt = t.elapsed().as_secs_f64();
+                let (w, kv) = engine.model.backend.take_traffic();
+                if i > 0 {
+                    steps.push(dt);
+                    traffic.push((w + kv) as f64);
+                }
+                next = out.iter().map(|l| engine::sampling::argmax(l)).collect();
+            }
+            for s in seqs {
+                engine.release(s);
+            }
+            let step = median(steps);
+            let bytes_per_step = traffic.iter().sum::<f64>() / traffic.len() as f64;
+            let gbs = bytes_per_step / step / 1e9;
+            eprintln!(
+                "decode ctx {ctx} batch {batch}: {:.3} ms/step, {:.0} MB/step, {gbs:.0} GB/s ({:.0}% of copy)",
+                step * 1e3,
+                bytes_per_step / 1e6,
+                100.0 * gbs / copy_gbs
+            );
+            print_profile(
+                &engine.model.backend,
+                &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps + 1),
+            );
+            decode_rows.push(json!({
+                "context": ctx, "batch": batch, "ms_per_step": step * 1e3,
+                "tokens_per_s": batch as f64 / step, "bytes_per_step": bytes_per_step,
+                "achieved_gb_s": gbs, "fraction_of_copy": gbs / copy_gbs,
+            }));
+        }
+    }
+
+    let topk_us = if a.topk_candidates > 0 {
+        let k = engine.config().index_topk;
+        Some(engine.model.backend.time_topk_us(a.topk_candidates, k, 50))
+    } else {
+        None
+    };
+    let compress = if a.compress_tokens > 0 {
+        Some(compress_bench(&engine.model.backend, a.compress_tokens, c.kv_dtype, c.repeat.max(5)))
+    } else {
+        None
+    };
+
+    let report = json!({
+        "engine": "sluice",
+        "device": describe,
+        "model": c.dir.display().to_string(),
+        "kv_dtype": c.kv_dtype.name(),
+        "copy_gb_s": copy_gbs,
+        "load_s": load_s,
+        "prefill_tokens": a.prefill_tokens,
+        "prefill_tokens_per_s": prefill_tps,
+        "prefill_bytes": prefill_traffic.0 + prefill_traffic.1,
+        "decode": decode_rows,
+        "topk": topk_us.map(|us| json!({"candidates": a.topk_candidates, "k": engine.config().index_topk, "us": us})),
+        "compress": compress,
+    });
+    if c.json {
+        println!("{report}");
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+/// Where the time went, per op (only with `SLUICE_CUDA_PROFILE=1`).
+#[cfg(feature = "cuda")]
+fn print_profile(b: &CudaBackend, what: &str) {
+    let Some(p) = b.take_profile() else { return };
+    let total: f64 = p.iter().map(|x| x.1).sum();
+    eprintln!("profile of {what} (synchronised per op; {:.1} ms in ops):", total * 1e3);
+    for (name, t, n) in p {
+        eprintln!("  {name:<18} {:>9.2} ms {:>5.1}% {n:>7} calls", t * 1e3, 100.0 * t / total);
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn print_table(r: &Value) {
+    println!("sluice engine on {} (KV {})", r["device"].as_str().unwrap_or("?"), r["kv_dtype"].as_str().unwrap_or("?"));
+    println!("  copy bandwidth        {:>10.0} GB/s", r["copy_gb_s"].as_f64().unwrap_or(0.0));
+    println!(
+        "  prefill {:>6} tokens {:>10.0} tokens/s",
+        r["prefill_tokens"].as_u64().unwrap_or(0),
+        r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0)
+    );
+    println!("  {:>8} {:>6} {:>10} {:>10} {:>9} {:>7}", "context", "batch", "ms/step", "MB/step", "GB/s", "% copy");
+    for d in r["decode"].as_array().into_iter().flatten() {
+        println!(
+            "  {:>8} {:>6} {:>10.3} {:>10.1} {:>9.0} {:>6.0}%",
+            d["context"].as_u64().unwrap_or(0),
+            d["batch"].as_u64().unwrap_or(0),
+            d["ms_per_step"].as_f64().unwrap_or(0.0),
+            d["bytes_per_step"].as_f64().unwrap_or(0.0) / 1e6,
+            d["achieved_gb_s"].as_f64().unwrap_or(0.0),
+            100.0 * d["fraction_of_copy"].as_f64().unwrap_or(0.0)
+        );
+    }
+    if let Some(t) = r["topk"].as_object() {
+        println!("  top-{} of {} candidates: {:.1} us", t["k"], t["candidates"], t["us"].as_f64().unwrap_or(0.0));
+    }
+    for c in r["compress"].as_array().into_iter().flatten() {
+        println!(
+            "  compressor {} ({} tokens): {:.1} us, {:.0} GB/s",
+            c["kind"].as_str().unwrap_or("?"),
+            c["tokens"],
+            c["us"].as_f64().unwrap_or(0.0),
+            c["gb_s"].as_f64().unwrap_or(0.0)
+        );
+    }
+}
+
+/// The compressor kernels alone (pooling, norm, RoPE, page writes and the ring update)
+/// over one prefill of `tokens` at V4-Flash widths: CSA (ratio 4, 2 × 512 channels)
+/// and HCA (ratio 128, 512). Bytes: the kv and score projections and the position bias
+/// read once, the entries and the ring written once.
+#[cfg(feature = "cuda")]
+fn compress_bench(b: &CudaBackend, tokens: usize, dtype: EntryDtype, reps: usize) -> Value {
+    let mut out = Vec::new();
+    for (kind, ratio) in [(AttnKind::Csa, 4usize), (AttnKind::Hca, 128)] {
+        let spec = LayerSpec { kind, ratio, head_dim: 512, index_dim: if kind == AttnKind::Csa { 128 } else { 0 } };
+        let layout = KvLayout::new(128, 128, dtype, &[spec]);
+        let lk = &layout.layers[0];
+        let width = lk.comp_width(Branch::Main);
+        let pages = tokens.div_ceil(128);
+        let mut kv = KvState::<CudaBackend> {
+            pages: b.kv_alloc(pages * layout.page_elems, dtype),
+            rings: b.kv_alloc(layout.ring_elems, dtype),
+            comp: b.kv_alloc(layout.comp_elems, EntryDtype::F32),
+        };
+        let toks = vec![0u32; tokens];
+        let plan = BatchPlan::new(vec![(0, (0..pages as u32).collect(), 0, &toks)]);
+        let noise = |n: usize, salt: u64| -> Vec<f32> {
+            bench_prompt(n, 1 << 20, salt).into_iter().map(|v| v as f32 / (1 << 19) as f32 - 1.0).collect()
+        };
+        let proj_kv = b.upload(&noise(tokens * width, 1));
+        let proj_score = b.upload(&noise(tokens * width, 2));
+        let ape = b.upload(&noise(ratio * width, 3));
+        let norm = b.upload(&vec![1.0; 512]);
+        let rope = RopeTable::plain(160000.0, 64);
+        let p = CompressorParams::<CudaBackend> { ape: &ape, norm: &norm, eps: 1e-6, rope: &rope };
+        let mut times = Vec::new();
+        for i in 0..reps + 1 {
+            let ((), ms) =
+                b.time_ms(|| b.compress(&mut kv, &layout, 0, Branch::Main, &plan, &proj_kv, &proj_score, &p));
+            if i > 0 {
+                times.push(ms as f64);
+            }
+        }
+        let ms = median(times);
+        let entries = tokens / ratio;
+        let slots = lk.comp_slots();
+        let bytes = 2 * tokens * width * 4 + ratio * width * 4 + entries * 512 * dtype.size() + 2 * slots * width * 4;
+        out.push(json!({
+            "kind": kind.name(), "ratio": ratio, "tokens": tokens, "us": ms * 1e3,
+            "bytes": bytes, "gb_s": bytes as f64 / (ms / 1e3) / 1e9,
+        }));
+    }
+    Value::Array(out)
+}

@@ -1,0 +1,294 @@
+//! The CUDA engine against the reference fixtures and against the CPU engine.
+//!
+//! - Every conformance fixture (tests/golden, written by tools/golden/generate.py from
+//!   transformers): one-shot, chunked and token-by-token prefill logits and greedy
+//!   decoding, as `conformance.rs` runs them on the CPU, on CUDA device 0.
+//! - The `small` preset with bf16 KV: CUDA and CPU engines fed the same prompts in
+//!   uneven chunks and batched decode steps give the same logits (max|Δ|/max|ref| ≤ 1e-2)
+//!   and the same greedy tokens; a sequence exported from the GPU continues on the CPU
+//!   (and one staged out of GPU memory into a CPU engine's reserved pages) with the
+//!   tokens the GPU produces, so KV bytes mean the same on both devices.
+//!
+//! Without a GPU every test prints that it is skipped and passes. On the device machine
+//! the fixtures are found under `engine/tests/golden` of the working directory when the
+//! build's source path is absent (prebuilt test executables).
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+
+use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
+use engine::{CpuBackend, CudaBackend, Engine, EngineOptions, EntryDtype, Logits, StepInput};
+use safetensors::SafeTensors;
+use serde_json::Value;
+
+/// Fixture logits vs transformers (f32 reference): the CPU engine holds 1e-4; the GPU
+/// sums in other orders and multiplies many-row products on tensor cores in split bf16.
+const FIXTURE_TOL: f32 = 1e-3;
+/// CUDA vs CPU engine with bf16 weights and bf16 KV.
+const ENGINE_TOL: f32 = 1e-2;
+
+fn gpu(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn golden_dir(name: &str) -> PathBuf {
+    let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
+    let base = if built.exists() { built } else { PathBuf::from("engine/tests/golden") };
+    base.join(name)
+}
+
+struct Case {
+    prompt: Vec<u32>,
+    chunks: Vec<usize>,
+    greedy: Vec<u32>,
+    prefill: Vec<f32>,
+    decode: Vec<f32>,
+}
+
+fn cases(name: &str) -> Vec<Case> {
+    let dir = golden_dir(name);
+    let meta: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let bytes = std::fs::read(dir.join("expected.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let floats = |n: &str| -> Vec<f32> {
+        st.tensor(n).unwrap().data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    let ids = |v: &Value| -> Vec<u32> { v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect() };
+    meta["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| Case {
+            prompt: ids(&c["prompt"]),
+            chunks: ids(&c["chunks"]).into_iter().map(|x| x as usize).collect(),
+            greedy: ids(&c["greedy_tokens"]),
+            prefill: floats(&format!("case{i}.prefill")),
+            decode: floats(&format!("case{i}.decode")),
+        })
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    got.iter().zip(want).map(|(g, w)| if g.is_nan() { f32::INFINITY } else { (g - w).abs() }).fold(0f32, f32::max)
+        / scale
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
+}
+
+/// Worst error seen per check; asserted at the end so one run reports every number.
+#[derive(Default)]
+struct Errors(Vec<(String, f32, f32)>);
+
+impl Errors {
+    fn check(&mut self, what: String, got: &[f32], want: &[f32], tol: f32) {
+        let e = rel_err(got, want);
+        self.0.push((what, e, tol));
+    }
+
+    fn finish(self, name: &str) {
+        let worst = self.0.iter().fold(0f32, |m, (_, e, _)| m.max(*e));
+        eprintln!("PARITY {name}: {} checks, max|Δ|/max|ref| = {worst:.2e}", self.0.len());
+        let bad: Vec<String> = self
+            .0
+            .iter()
+            .filter(|(_, e, t)| e.is_nan() || e > t)
+            .map(|(w, e, t)| format!("{w}: {e:.3e} > {t:.0e}"))
+            .collect();
+        assert!(bad.is_empty(), "{name}: {}", bad.join("; "));
+    }
+}
+
+fn run_fixture(name: &str, model: &str) {
+    let Some(b) = gpu(&format!("fixture {name}/{model}")) else { return };
+    let opts = EngineOptions { kv_dtype: EntryDtype::F32, max_pages: 64, max_sequences: 4, max_chunk_tokens: 4096 };
+    let mut engine = Engine::load(&golden_dir(name).join(model), b, opts).expect("load fixture model");
+    let vocab = engine.config().vocab_size;
+    let mut errs = Errors::default();
+    for (i, case) in cases(name).iter().enumerate() {
+        let what = |s: &str| format!("case {i} (length {}) {s}", case.prompt.len());
+
+        let mut seq = engine.open_sequence().unwrap();
+        let one_shot = engine.prefill(&mut seq, &case.prompt, Logits::All).unwrap();
+        errs.check(what("one-shot prefill"), &one_shot, &case.prefill, FIXTURE_TOL);
+        engine.release(seq);
+
+        let mut seq = engine.open_sequence().unwrap();
+        let mut chunked = Vec::new();
+        let mut at = 0;
+        for &c in &case.chunks {
+            chunked.extend(engine.prefill(&mut seq, &case.prompt[at..at + c], Logits::All).unwrap());
+            at += c;
+        }
+        errs.check(what("chunked prefill"), &chunked, &case.prefill, FIXTURE_TOL);
+        let mut next = argmax(&chunked[chunked.len() - vocab..]);
+        for (step, &want_tok) in case.greedy.iter().enumerate() {
+            assert_eq!(next, want_tok, "{name} {}: greedy token {step}", what(""));
+            let logits = engine.decode(&mut [&mut seq], &[next]).unwrap().remove(0);
+            errs.check(
+                what(&format!("decode step {step}")),
+                &logits,
+                &case.decode[step * vocab..(step + 1) * vocab],
+                FIXTURE_TOL,
+            );
+            next = argmax(&logits);
+        }
+        engine.release(seq);
+
+        let n = case.prompt.len().min(140);
+        let mut seq = engine.open_sequence().unwrap();
+        let mut single = Vec::new();
+        for t in &case.prompt[..n] {
+            single.extend(engine.prefill(&mut seq, std::slice::from_ref(t), Logits::All).unwrap());
+        }
+        errs.check(what("token-by-token"), &single, &case.prefill[..n * vocab], FIXTURE_TOL);
+        engine.release(seq);
+    }
+    let stats = engine.pool_stats();
+    assert_eq!((stats.pages_used, stats.slots_used), (0, 0), "{name}: pages or slots leaked");
+    errs.finish(&format!("{name}/{model}"));
+}
+
+#[test]
+fn cuda_tiny_official_layout_f32() {
+    run_fixture("tiny-official", "model");
+}
+
+#[test]
+fn cuda_tiny_hf_layout() {
+    run_fixture("tiny-hf", "model");
+}
+
+#[test]
+fn cuda_tiny_transformers_save_pretrained_layout() {
+    run_fixture("tiny-hf", "model-saved");
+}
+
+#[test]
+fn cuda_tiny_quantised_fp8_fp4_sharded() {
+    run_fixture("tiny-quant", "model");
+}
+
+#[test]
+fn cuda_tiny_preset_written_by_sluice_model_init() {
+    run_fixture("tiny-init", "model");
+}
+
+fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ salt;
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Three sequences of different lengths prefilled in uneven chunks (two of them in one
+/// batch), then decoded together greedily; returns every step's logits and the tokens.
+fn drive<B: kernels::Backend>(e: &mut Engine<B>, steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<u32>>, Vec<u8>) {
+    let vocab = e.config().vocab_size;
+    let prompts = [prompt(700, vocab, 1), prompt(260, vocab, 2), prompt(5, vocab, 3)];
+    let mut seqs: Vec<_> = (0..3).map(|_| e.open_sequence().unwrap()).collect();
+    let mut logits = Vec::new();
+    let mut last = vec![Vec::new(); 3];
+    let (a, rest) = seqs.split_at_mut(1);
+    // Sequence 0 alone in two uneven chunks, then 1 and 2 in one batch.
+    logits.push(e.prefill(&mut a[0], &prompts[0][..333], Logits::All).unwrap());
+    last[0] = e.prefill(&mut a[0], &prompts[0][333..], Logits::Last).unwrap();
+    let (s1, s2) = rest.split_at_mut(1);
+    let out = e
+        .step(&mut [
+            StepInput { seq: &mut s1[0], tokens: &prompts[1], logits: Logits::All },
+            StepInput { seq: &mut s2[0], tokens: &prompts[2], logits: Logits::Last },
+        ])
+        .unwrap();
+    last[1] = out[0][out[0].len() - vocab..].to_vec();
+    logits.push(out[0].clone());
+    last[2] = out[1].clone();
+    let mut next: Vec<u32> = last.iter().map(|l| argmax(l)).collect();
+    let mut tokens = vec![next.clone()];
+    for _ in 0..steps {
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let out = e.decode(&mut refs, &next).unwrap();
+        next = out.iter().map(|l| argmax(l)).collect();
+        tokens.push(next.clone());
+        logits.extend(out);
+    }
+    let exported = e.export(&seqs[0]);
+    for s in seqs {
+        e.release(s);
+    }
+    (logits, tokens, exported)
+}
+
+fn small_model() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(&dir.path().join("m"), &InitOptions { preset: Preset::Small, seed: 5, dtype: WeightDtype::Bf16 })
+        .unwrap();
+    dir
+}
+
+fn opts() -> EngineOptions {
+    EngineOptions { kv_dtype: EntryDtype::Bf16, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 }
+}
+
+#[test]
+fn cuda_engine_matches_cpu_engine_and_kv_moves_between_them() {
+    let Some(b) = gpu("cuda_engine_matches_cpu_engine_and_kv_moves_between_them") else { return };
+    let dir = small_model();
+    let model = dir.path().join("m");
+    let mut gpu_e = Engine::load(&model, b, opts()).unwrap();
+    let mut cpu_e = Engine::load(&model, CpuBackend::new(), opts()).unwrap();
+    assert_eq!(gpu_e.fingerprint, cpu_e.fingerprint, "one model, one fingerprint on both devices");
+    let steps = 24;
+    let (gl, gt, gpu_export) = drive(&mut gpu_e, steps);
+    let (cl, ct, _) = drive(&mut cpu_e, steps);
+    assert_eq!(gt, ct, "greedy tokens differ between CUDA and CPU");
+    let mut errs = Errors::default();
+    for (i, (g, c)) in gl.iter().zip(&cl).enumerate() {
+        errs.check(format!("logits block {i}"), g, c, ENGINE_TOL);
+    }
+    errs.finish("small preset cuda vs cpu (bf16 KV)");
+
+    // The GPU's export continues on the CPU exactly as it would on the GPU.
+    let vocab = gpu_e.config().vocab_size;
+    let cont = prompt(3, vocab, 9);
+    let mut on_cpu = cpu_e.import(&gpu_export).unwrap();
+    let mut on_gpu = gpu_e.import(&gpu_export).unwrap();
+    let a = cpu_e.prefill(&mut on_cpu, &cont, Logits::Last).unwrap();
+    let b = gpu_e.prefill(&mut on_gpu, &cont, Logits::Last).unwrap();
+    assert_eq!(argmax(&a), argmax(&b), "next token after importing GPU KV on the CPU");
+    assert!(rel_err(&b, &a) <= ENGINE_TOL, "logits after import: {:.3e}", rel_err(&b, &a));
+
+    // Staging: copy the GPU sequence's bytes out and into pages a CPU engine reserved.
+    let sz = gpu_e.seq_byte_sizes();
+    let tokens = on_gpu.len();
+    let mut pages = vec![0u8; tokens.div_ceil(128) * sz.page];
+    let (mut rings, mut comp) = (vec![0u8; sz.rings], vec![0u8; sz.comp]);
+    gpu_e.copy_sequence_out(&on_gpu, tokens, &mut pages, &mut rings, &mut comp).unwrap();
+    let mut staged = cpu_e.reserve(tokens + 8).unwrap();
+    cpu_e.copy_sequence_in(&staged, &pages, &rings, &comp).unwrap();
+    cpu_e.mark_filled(&mut staged, tokens).unwrap();
+    let next = argmax(&b);
+    let x = cpu_e.decode(&mut [&mut staged], &[next]).unwrap().remove(0);
+    let y = gpu_e.decode(&mut [&mut on_gpu], &[next]).unwrap().remove(0);
+    assert_eq!(argmax(&x), argmax(&y), "next token after staging GPU KV into a CPU engine");
+    assert!(rel_err(&y, &x) <= ENGINE_TOL, "logits after staging: {:.3e}", rel_err(&y, &x));
+    // Wrong sizes are refused, not truncated.
+    assert!(gpu_e.copy_sequence_out(&on_gpu, tokens, &mut pages[1..], &mut rings, &mut comp).is_err());
+    gpu_e.release(on_gpu);
+    for s in [on_cpu, staged] {
+        cpu_e.release(s);
+    }
+}
