@@ -98,7 +98,7 @@ fn cuda_products_match_cpu_at_flash_shapes() {
         for dtype in ["f32", "bf16", "fp8"] {
             let w = weight(&mut rng, n, k, 0.05, dtype);
             let (gw, cw) = (g.weight(w.clone()), c.weight(w));
-            for rows in [1, 3, 8, 33] {
+            for rows in [1, 3, 8, 20, 33] {
                 let x = rand_vec(&mut rng, rows * k, 1.0);
                 let mut out = poisoned(g, rows * n);
                 g.matmul(&g.upload(&x), rows, &gw, &mut out);
@@ -197,7 +197,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         norm_eps: 1e-6,
         hc_eps: 1e-6,
     };
-    for rows in [1, 8, 40] {
+    for rows in [1, 8, 29, 40] {
         let s = rand_vec(&mut rng, rows * hc * d, 1.0);
         let out = rand_vec(&mut rng, rows * d, 1.0);
         let (mut col, mut post, mut comb) =

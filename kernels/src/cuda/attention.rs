@@ -14,6 +14,8 @@ use crate::plan::BatchPlan;
 const ATT_HD_MAX: usize = 512;
 /// Keys per shared-memory tile (`ATT_T` in attention.cu).
 const ATT_T: usize = 16;
+/// Heads (warps) sharing one block's key tiles.
+const ATT_HEADS_PER_BLOCK: usize = 16;
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -121,7 +123,7 @@ pub(crate) fn index_topk(
 /// Rows of more candidates than this are split over several blocks.
 const TOPK_ONE_BLOCK_MAX: usize = 16384;
 /// Candidates per block on the multi-block path.
-const TOPK_CHUNK: usize = 8192;
+const TOPK_CHUNK: usize = 2048;
 
 /// Top-`k` of each row's first `(position + 1) / ratio` scores (`scores[rows, n_max]`),
 /// ascending entry ids into `out[rows, k]`, -1 past the visible count.
@@ -266,7 +268,7 @@ pub(crate) fn attention(
         })
         .sum();
     g.traffic.add_kv(keys * hd * layout.dtype.size());
-    let hgroups = heads.div_ceil(8);
+    let hgroups = heads.div_ceil(ATT_HEADS_PER_BLOCK);
     let (splits, per) = key_splits(g.sms, rows * hgroups, n_max);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     let geom = AttnGeom {
@@ -290,7 +292,7 @@ pub(crate) fn attention(
     launch!(
         g,
         "attention",
-        cfg((hgroups as u32, splits as u32, rows as u32), 256, 0),
+        cfg((hgroups as u32, splits as u32, rows as u32), (32 * ATT_HEADS_PER_BLOCK.min(heads)) as u32, 0),
         g.ptr(&q.mem),
         g.ptr(&new_kv.mem),
         g.ptr(&kv.rings.mem),

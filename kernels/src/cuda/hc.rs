@@ -1,12 +1,13 @@
 //! mHC on the GPU: the mixing product runs on the raw streams (the unweighted RMSNorm
 //! is one scalar per row, applied by the finishing kernel), then one block per row does
-//! the sigmoids, the Sinkhorn projection and the collapse.
+//! the sigmoids, the Sinkhorn projection and the collapse. Prefill-sized batches take
+//! the product in `mix_rows` (few outputs, long rows), decode batches in gemv.
 
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
-use super::matmul::{Operand, matmul};
-use super::memory::CudaBuf;
+use super::matmul::{GEMV_MAX_ROWS, Operand, matmul};
+use super::memory::{CudaBuf, WeightData};
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::backend::{HcHeadWeights, HcWeights};
 
@@ -30,9 +31,37 @@ fn f80(v: &[f32]) -> F80 {
     a
 }
 
+/// Outputs the many-row mixing kernel handles (`MAXN` in hc.cu).
+const MIX_ROWS_MAX_N: usize = 24;
+/// Rows per block of that kernel (`ROWS` in hc.cu).
+const MIX_ROWS_PER_BLOCK: usize = 4;
+
 fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -> CudaBuf {
     let out = b.alloc_buf(rows * w.rows);
     let g = &b.gpu;
+    let kernel = match &w.data {
+        WeightData::F32(d) => Some(("mix_rows_f32", g.ptr(d))),
+        WeightData::Bf16(d) => Some(("mix_rows_bf16", g.ptr(d))),
+        WeightData::Fp8 { .. } => None,
+    };
+    if rows > GEMV_MAX_ROWS
+        && w.rows <= MIX_ROWS_MAX_N
+        && let Some((name, wp)) = kernel
+    {
+        g.traffic.add_weights(w.device_bytes());
+        launch!(
+            g,
+            name,
+            cfg((rows.div_ceil(MIX_ROWS_PER_BLOCK) as u32, 1, 1), 256, 0),
+            g.ptr(&out.mem),
+            g.ptr(&streams.mem),
+            wp,
+            rows as i32,
+            w.rows as i32,
+            w.cols as i32
+        );
+        return out;
+    }
     let op =
         Operand { x: g.ptr(&streams.mem), x_stride: w.cols, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups: 1 };
     matmul(g, op, w);

@@ -123,10 +123,20 @@ pub(crate) fn moe(
             d as i32
         );
         let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit);
+        // A row listed twice for one expert (a hash table may repeat an expert) must be
+        // summed in order: then one thread walks each column; otherwise every element
+        // has its own thread.
+        let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
+        seen.dedup();
+        let (name, c) = if seen.len() == n {
+            ("moe_accumulate_rows", cfg_elems(n * d))
+        } else {
+            ("moe_accumulate", cfg((d.div_ceil(256) as u32, 1, 1), 256, 0))
+        };
         launch!(
             g,
-            "moe_accumulate",
-            cfg((d.div_ceil(256) as u32, 1, 1), 256, 0),
+            name,
+            c,
             g.ptr(&out.mem),
             g.ptr(&y.mem),
             lp + 4 * at as u64,

@@ -1,7 +1,7 @@
 // Attention over each row's window (ring entries before this step, this step's new_kv
 // rows) and its compressed entries (every visible one for HCA, the indexer's selection
 // for CSA), one softmax per head with the sink in the denominator. K = V, shared by all
-// heads (MQA), so a block loads a tile of keys once into shared memory and its 8 warps
+// heads (MQA), so a block loads a tile of keys once into shared memory and its 16 warps
 // (one head each) reuse it. For few rows the key axis is split across blocks; partial
 // (max, sum, weighted sum) triples are merged in split order by `attention_merge`, so
 // results do not depend on scheduling.
@@ -40,8 +40,8 @@ __device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n
     return 2;
 }
 
-// grid (ceil(heads/8), splits, rows), 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
+// grid (ceil(heads / warps), splits, rows), one warp per head (up to 16 warps).
+extern "C" __global__ void __launch_bounds__(512)
     attention(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
               const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
               float* out, float* part, AttnGeom g) {
@@ -50,7 +50,7 @@ extern "C" __global__ void __launch_bounds__(256)
     __shared__ long long src_off[ATT_T];
     const int r = blockIdx.z, split = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int h = blockIdx.x * 8 + warp;
+    const int h = blockIdx.x * (blockDim.x >> 5) + warp;
     const bool active = h < g.heads;
     const int t = (int)positions[r];
     const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
@@ -79,15 +79,19 @@ extern "C" __global__ void __launch_bounds__(256)
             src_off[threadIdx.x] = off;
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < nt * g.hd; e += blockDim.x) {
-            const int kk = e / g.hd, d = e % g.hd;
+        for (int kk = 0; kk < nt; kk++) {
             const int kind = src_kind[kk];
-            const long long off = src_off[kk] + d;
-            float v = 0.0f;
-            if (kind == 0) v = new_kv[off];
-            else if (kind == 1) v = load_entry(rings, g.ring_dtype, off);
-            else if (kind == 2) v = load_entry(page_base, g.page_dtype, off);
-            keys[kk * ATT_HD_MAX + d] = v;
+            const long long off = src_off[kk];
+            float* dst = keys + kk * ATT_HD_MAX;
+            if (kind == 0) {
+                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = new_kv[off + d];
+            } else if (kind == 1) {
+                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = load_entry(rings, g.ring_dtype, off + d);
+            } else if (kind == 2) {
+                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = load_entry(page_base, g.page_dtype, off + d);
+            } else {
+                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = 0.0f;
+            }
         }
         __syncthreads();
         if (active) {

@@ -42,30 +42,43 @@ extern "C" __global__ void compress_entries(const int* entries, const int* seqs,
     const int ct = blockDim.x / tg, grp = threadIdx.x / ct, lane_c = threadIdx.x % ct;
     for (int c = lane_c; c < g.dim; c += ct) {
         float m = NEG_INF, sum = 0.0f, num = 0.0f;
-#pragma unroll 4
-        for (int u = grp; u < n_src; u += tg) {
-            int p, off;
-            comp_source(g, i, prev, u, &p, &off);
-            const int ch = off + c;
-            float sc, kv;
-            if (p >= start) {
-                const long long at = (long long)(first_row + p - start) * g.width + ch;
-                sc = proj_score[at] + ape[(p % g.ratio) * g.width + ch];
-                kv = proj_kv[at];
-            } else {
-                const int at = (p % g.slots) * g.width + ch;
-                sc = ring_sc[at];
-                kv = ring_kv[at];
+        // Four sources' loads issued before any of them is used.
+        for (int u0 = grp; u0 < n_src; u0 += 4 * tg) {
+            float scv[4], kvv[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int u = u0 + q * tg;
+                scv[q] = NEG_INF;
+                kvv[q] = 0.0f;
+                if (u < n_src) {
+                    int p, off;
+                    comp_source(g, i, prev, u, &p, &off);
+                    const int ch = off + c;
+                    if (p >= start) {
+                        const long long at = (long long)(first_row + p - start) * g.width + ch;
+                        scv[q] = proj_score[at] + ape[(p % g.ratio) * g.width + ch];
+                        kvv[q] = proj_kv[at];
+                    } else {
+                        const int at = (p % g.slots) * g.width + ch;
+                        scv[q] = ring_sc[at];
+                        kvv[q] = ring_kv[at];
+                    }
+                }
             }
-            if (sc <= m) {
-                const float e = expf(sc - m);
-                sum += e;
-                num += e * kv;
-            } else {
-                const float a = expf(m - sc);
-                sum = sum * a + 1.0f;
-                num = num * a + kv;
-                m = sc;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float sc = scv[q], kv = kvv[q];
+                if (sc == NEG_INF) continue;
+                if (sc <= m) {
+                    const float e = expf(sc - m);
+                    sum += e;
+                    num += e * kv;
+                } else {
+                    const float a = expf(m - sc);
+                    sum = sum * a + 1.0f;
+                    num = num * a + kv;
+                    m = sc;
+                }
             }
         }
         pm[grp * g.dim + c] = m;

@@ -105,3 +105,57 @@ extern "C" __global__ void hc_head_finish(const float* streams, const float* mix
         out[(long long)r * d + i] = acc;
     }
 }
+
+// The mixing product for many rows: out[r, n] = Σ_k W[n, k] · x[r, k] with few outputs
+// (N ≤ MAXN, e.g. 24) and long rows (hc · hidden). A block of 256 threads takes ROWS
+// rows and all N outputs, so the small weight (L2-resident) is read once per ROWS rows
+// instead of once per output tile as a general GEMM would tile it.
+template <int ROWS, int MAXN, int WT>
+__device__ void mix_rows_body(float* out, const float* x, const void* w, int rows, int N, int K) {
+    const int r0 = blockIdx.x * ROWS;
+    float acc[ROWS][MAXN];
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+#pragma unroll
+        for (int n = 0; n < MAXN; n++) acc[i][n] = 0.0f;
+    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+        float xv[ROWS];
+#pragma unroll
+        for (int i = 0; i < ROWS; i++) xv[i] = r0 + i < rows ? x[(long long)(r0 + i) * K + k] : 0.0f;
+#pragma unroll
+        for (int n = 0; n < MAXN; n++) {
+            if (n < N) {
+                const float wv = WT == 0 ? ((const float*)w)[(long long)n * K + k] : bf2f(((const u16*)w)[(long long)n * K + k]);
+#pragma unroll
+                for (int i = 0; i < ROWS; i++) acc[i][n] += wv * xv[i];
+            }
+        }
+    }
+    __shared__ float red[8][ROWS * MAXN];
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < ROWS; i++)
+#pragma unroll
+        for (int n = 0; n < MAXN; n++) {
+            const float v = warp_sum(acc[i][n]);
+            if (lane == 0) red[wp][i * MAXN + n] = v;
+        }
+    __syncthreads();
+    for (int t = threadIdx.x; t < ROWS * MAXN; t += blockDim.x) {
+        const int i = t / MAXN, n = t % MAXN;
+        if (n < N && r0 + i < rows) {
+            float s = 0.0f;
+            for (int q = 0; q < (int)(blockDim.x >> 5); q++) s += red[q][t];
+            out[(long long)(r0 + i) * N + n] = s;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mix_rows_f32(float* out, const float* x, const void* w, int rows,
+                                                               int N, int K) {
+    mix_rows_body<4, 24, 0>(out, x, w, rows, N, K);
+}
+extern "C" __global__ void __launch_bounds__(256) mix_rows_bf16(float* out, const float* x, const void* w, int rows,
+                                                                int N, int K) {
+    mix_rows_body<4, 24, 1>(out, x, w, rows, N, K);
+}

@@ -50,6 +50,15 @@ extern "C" __global__ void moe_accumulate(float* out, const float* y, const int*
     for (int i = 0; i < n; i++) out[(long long)rows_of[i] * d + c] += weights[widx[i]] * y[(long long)i * d + c];
 }
 
+// The same when no row appears twice in the list: one thread per (listed row, column).
+extern "C" __global__ void moe_accumulate_rows(float* out, const float* y, const int* rows_of, const int* widx,
+                                               const float* weights, int n, int d) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)n * d) return;
+    const int i = (int)(t / d), c = (int)(t % d);
+    out[(long long)rows_of[i] * d + c] += weights[widx[i]] * y[t];
+}
+
 // out += y (elementwise).
 extern "C" __global__ void add_into(float* out, const float* y, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
