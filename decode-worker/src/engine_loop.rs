@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use cluster::telemetry::DecodeMetrics;
 use engine::kv::Sequence;
 use engine::sampling::{Sampled, Sampler, SamplingParams};
-use engine::{CpuBackend, Engine, EngineError};
+use engine::{Engine, EngineError};
+use kernels::Backend;
 use sluice_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
@@ -93,8 +94,8 @@ fn fail(events: &EventTx, span: &Span, status: Status) {
     let _ = events.send(Err(status));
 }
 
-struct State {
-    engine: Engine<CpuBackend>,
+struct State<B: Backend> {
+    engine: Engine<B>,
     table: Table<Sequence>,
     running: Vec<Running>,
     waiting: VecDeque<Running>,
@@ -103,7 +104,7 @@ struct State {
 
 /// Start the engine thread; it runs until every sender of the returned channel is gone,
 /// then frees everything it holds.
-pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
+pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
     let (tx, rx) = std_mpsc::channel();
     std::thread::Builder::new().name("decode-engine".into()).spawn(move || {
         let mut s = State { table: Table::new(cfg.lease), engine, running: Vec::new(), waiting: VecDeque::new(), cfg };
@@ -127,7 +128,7 @@ fn engine_status(e: EngineError) -> Status {
     }
 }
 
-impl State {
+impl<B: Backend> State<B> {
     fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
         self.publish();
         loop {
@@ -251,6 +252,8 @@ impl State {
             )));
         }
         let e = self.table.commit(&req.reservation_id, tokens, Instant::now()).map_err(table_status)?;
+        // A device engine's KV landed in its host mirror: bring it in before decoding.
+        self.engine.stage_in(&e.seq, tokens.div_ceil(self.engine.cache.layout.block), true);
         self.engine.mark_filled(&mut e.seq, tokens).map_err(engine_status)?;
         Ok(())
     }

@@ -66,17 +66,15 @@ pub async fn run(
         tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?
     };
     let max_position = engine.config().max_position;
-    let fingerprint = engine.fingerprint.hex();
+    let fingerprint = engine::with_engine!(&engine, e => e.fingerprint.hex());
     let lease = Duration::from_millis(cfg.lease_ms);
-    let tx = engine_loop::spawn(
-        engine,
-        engine_loop::LoopConfig {
-            max_batch: cfg.max_batch,
-            lease,
-            step_delay: Duration::from_millis(cfg.debug_step_delay_ms),
-            metrics: recorder,
-        },
-    )?;
+    let loop_cfg = engine_loop::LoopConfig {
+        max_batch: cfg.max_batch,
+        lease,
+        step_delay: Duration::from_millis(cfg.debug_step_delay_ms),
+        metrics: recorder,
+    };
+    let tx = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
     let _metrics = cluster::telemetry::serve::spawn(metrics, registry);
     let service = service::DecodeService {

@@ -1,6 +1,9 @@
 //! The decode worker's KV memory: UCX regions (so prefill workers can write pages
-//! straight into them) handed to the engine as its page pool and state cache.
+//! straight into them) — the engine's own memory on the CPU, a host mirror the engine
+//! copies in from after each commit when it runs on a GPU.
 
+use engine::device::{AnyEngine, Device};
+use engine::mirror::HostMirror;
 use engine::{CpuBackend, Engine, EngineOptions, ProvidedKv};
 use model_spec::ModelConfig;
 use transfer::{Receiver, RegionSpec, RegisteredKv, WireGeometry};
@@ -18,27 +21,39 @@ pub struct TargetTemplate {
     pub logits: RegionSpec,
 }
 
-pub fn build(cfg: &DecodeConfig, receiver: &Receiver) -> Result<(Engine<CpuBackend>, TargetTemplate), WorkerError> {
+/// The engine on `--device`, with its KV where peers can write it.
+pub fn build(cfg: &DecodeConfig, receiver: &Receiver) -> Result<(AnyEngine, TargetTemplate), WorkerError> {
     let model_cfg = ModelConfig::from_file(&cfg.model.join("config.json"))?;
     let layout = model_cfg.kv_layout(cfg.kv_dtype);
     let kv = RegisteredKv::allocate(receiver, &layout, cfg.max_pages, cfg.max_sequences, Some(model_cfg.vocab_size))?;
     let logits = kv.logits.clone().expect("asked for a logits region");
-    let provided = ProvidedKv { state: kv.state, slot_logits: kv.slot_logits };
+    let (pages, rings, comp) = (kv.pages.clone(), kv.rings.clone(), kv.comp.clone());
     let opts = EngineOptions {
         kv_dtype: cfg.kv_dtype,
         max_pages: cfg.max_pages,
         max_sequences: cfg.max_sequences,
         max_chunk_tokens: 2048,
     };
-    let engine = Engine::load_with_state(&cfg.model, CpuBackend::new(), opts, Some(provided))?;
-    let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
-    let template = TargetTemplate {
-        geometry,
-        ucx_address: receiver.address().to_vec(),
-        pages: kv.pages,
-        rings: kv.rings,
-        comp: kv.comp,
-        logits,
+    let engine = match cfg.device {
+        Device::Cpu => {
+            let provided = ProvidedKv { state: kv.state, slot_logits: kv.slot_logits };
+            AnyEngine::Cpu(Engine::load_with_state(&cfg.model, CpuBackend::new(), opts, Some(provided))?)
+        }
+        device => {
+            let mut engine =
+                AnyEngine::load(&cfg.model, device, opts).map_err(|e| WorkerError::Config(e.to_string()))?;
+            let mirror = HostMirror { state: kv.state, slot_logits: kv.slot_logits };
+            engine::with_engine!(&mut engine, e => e.set_mirror(mirror))?;
+            tracing::info!(
+                %device,
+                "KV lives in GPU memory; prefill workers write into a registered host mirror, copied in at commit \
+                 (UCX does not register CUDA memory here)"
+            );
+            engine
+        }
     };
+    let fingerprint = engine::with_engine!(&engine, e => e.fingerprint.clone());
+    let geometry = WireGeometry::new(&layout, &fingerprint, model_cfg.vocab_size);
+    let template = TargetTemplate { geometry, ucx_address: receiver.address().to_vec(), pages, rings, comp, logits };
     Ok((engine, template))
 }

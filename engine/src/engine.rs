@@ -58,6 +58,9 @@ pub struct Engine<B: Backend> {
     pub cache: KvCache<B>,
     pub fingerprint: Fingerprint,
     pub options: EngineOptions,
+    /// Host memory transports use for this engine's KV when its own is out of their
+    /// reach (see [`crate::mirror`]); `None` when the KV is host memory already.
+    pub mirror: Option<crate::mirror::HostMirror>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -97,7 +100,7 @@ impl<B: Backend> Engine<B> {
             device = %model.backend.describe(),
             "model loaded"
         );
-        Ok(Engine { model, cache, fingerprint, options })
+        Ok(Engine { model, cache, fingerprint, options, mirror: None })
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -45,15 +45,14 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
-    /// Bytes of the pages holding `tokens` tokens of `seq` and of its state slot
-    /// (`None` when the backend keeps KV outside host memory).
+    /// Bytes of the pages holding `tokens` tokens of `seq` and of its state slot, in
+    /// host memory: the engine's own, or its host mirror (what peers wrote there, or
+    /// what [`Self::stage_out`] copied there). `None` when the backend keeps KV outside
+    /// host memory and there is no mirror.
     pub fn sequence_bytes(&self, seq: &Sequence, tokens: usize) -> Option<SeqBytes<'_>> {
-        let b = &self.model.backend;
         let l = &self.cache.layout;
         let (pb, rb, cb) = (l.page_bytes(), l.ring_elems * l.dtype.size(), l.comp_elems * 4);
-        let pages = b.kv_host_bytes(&self.cache.state.pages)?;
-        let rings = b.kv_host_bytes(&self.cache.state.rings)?;
-        let comp = b.kv_host_bytes(&self.cache.state.comp)?;
+        let (pages, rings, comp) = self.host_regions()?;
         let used = tokens.div_ceil(l.block).min(seq.pages.len());
         Some(SeqBytes {
             pages: seq.pages[..used].iter().map(|&p| &pages[p as usize * pb..(p as usize + 1) * pb]).collect(),
@@ -64,7 +63,11 @@ impl<B: Backend> Engine<B> {
 
     /// Bytes of the logits slot of `seq` (`None` without a logits region).
     pub fn slot_logits_bytes(&self, seq: &Sequence) -> Option<&[u8]> {
-        let bytes = self.model.backend.kv_host_bytes(self.cache.slot_logits.as_ref()?)?;
+        let bytes = match (&self.mirror, &self.cache.slot_logits) {
+            (Some(m), _) => m.logits_bytes()?,
+            (None, Some(own)) => self.model.backend.kv_host_bytes(own)?,
+            (None, None) => return None,
+        };
         let per = self.config().vocab_size * 4;
         bytes.get(seq.slot * per..(seq.slot + 1) * per)
     }

@@ -9,6 +9,7 @@
 //! - [`handoff`]: sequences filled or read by another process (disaggregated serving).
 //! - [`staging`]: a sequence's KV bytes copied between engine (e.g. GPU) memory and host buffers.
 //! - [`device`]: `--device cpu|cuda:N`, and [`AnyEngine`] for a device chosen at run time.
+//! - [`mirror`]: host memory transports use for engines whose KV is on a device.
 //! - [`prefix`]: sequences resumed from a prefix cache (pages + snapshot, or a window rebuild).
 //! - [`sampling`]: greedy / temperature / top-k / top-p sampling with logprobs.
 //! - [`generate`]: in-process generation loop.
@@ -27,6 +28,7 @@ pub mod handoff;
 pub mod init;
 pub mod inspect;
 pub mod kv;
+pub mod mirror;
 pub mod model;
 pub mod prefix;
 pub mod sampling;

@@ -22,6 +22,10 @@ pub struct PrefillConfig {
     /// Model directory (config.json, safetensors).
     #[arg(long, env = "SLUICE_MODEL")]
     pub model: PathBuf,
+    /// Where the model computes: cpu, or cuda:N (KV then lives in GPU memory and moves
+    /// through a registered host mirror).
+    #[arg(long, env = "SLUICE_DEVICE", default_value = "cpu")]
+    pub device: engine::device::Device,
     /// Name the model is served as (default: the directory name).
     #[arg(long, env = "SLUICE_MODEL_NAME")]
     pub model_name: Option<String>,

@@ -22,7 +22,8 @@ use cluster::telemetry::metrics::KV_POOLS;
 use cluster::telemetry::propagation::set_parent_context;
 use cluster::telemetry::{PrefillMetrics, TraceContext};
 use engine::kv::Sequence;
-use engine::{CpuBackend, Engine, Logits, StepInput};
+use engine::{Engine, Logits, StepInput};
+use kernels::Backend;
 use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 use tonic::Status;
@@ -127,8 +128,8 @@ struct Active {
     snapshots: Vec<(usize, Vec<u8>)>,
 }
 
-struct State {
-    engine: Engine<CpuBackend>,
+struct State<B: Backend> {
+    engine: Engine<B>,
     sender: Sender,
     geometry: WireGeometry,
     queue: VecDeque<Job>,
@@ -158,7 +159,7 @@ const KEPT_TOMBSTONES: usize = 4096;
 
 const KEPT_DUMPS: usize = 16;
 
-pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
+pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
     let (tx, rx) = std_mpsc::channel();
     let (ready_tx, ready_rx) = std_mpsc::channel();
     std::thread::Builder::new().name("prefill-engine".into()).spawn(move || {
@@ -195,7 +196,7 @@ pub fn spawn(engine: Engine<CpuBackend>, cfg: LoopConfig) -> std::io::Result<std
     Ok(tx)
 }
 
-impl State {
+impl<B: Backend> State<B> {
     fn run(&mut self, rx: std_mpsc::Receiver<Command>) {
         let rx = &rx;
         self.publish();
@@ -476,6 +477,8 @@ impl State {
             return Err(Status::deadline_exceeded("the reservation's lease ended before its prefill finished"));
         }
         let n = a.job.tokens.len();
+        // A device engine's KV goes out through its host mirror.
+        self.engine.stage_out(&a.seq, n);
         let bytes =
             self.engine.sequence_bytes(&a.seq, n).ok_or_else(|| Status::internal("KV memory is not readable"))?;
         let logit_bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();

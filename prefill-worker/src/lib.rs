@@ -68,12 +68,13 @@ pub async fn run(
     let recorder = cluster::telemetry::PrefillMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
     let (engine, regions) = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
+    let (fp, layout) = engine::with_engine!(&engine, e => (e.fingerprint.clone(), e.model.layout.clone()));
     let cache = match &cfg.kvstore {
         Some(url) => Some(
             prefix_cache::PrefixCache::new(
                 url,
-                engine.fingerprint.clone(),
-                engine.model.layout.clone(),
+                fp.clone(),
+                layout.clone(),
                 engine.config().num_layers,
                 regions,
                 Duration::from_millis(cfg.kvstore_timeout_ms),
@@ -82,20 +83,18 @@ pub async fn run(
         ),
         None => None,
     };
-    let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
+    let geometry = WireGeometry::new(&layout, &fp, engine.config().vocab_size);
     let (vocab, max_position) = (engine.config().vocab_size, engine.config().max_position);
-    let fingerprint = engine.fingerprint.hex();
-    let tx = engine_loop::spawn(
-        engine,
-        engine_loop::LoopConfig {
-            token_budget: cfg.token_budget,
-            transfer_timeout: Duration::from_millis(cfg.transfer_timeout_ms),
-            keep_dumps: cfg.debug_hooks,
-            transfer_delay: Duration::from_millis(cfg.debug_transfer_delay_ms),
-            metrics: recorder.clone(),
-            cache: cache.clone().map(|c| (c, tokio::runtime::Handle::current())),
-        },
-    )?;
+    let fingerprint = fp.hex();
+    let loop_cfg = engine_loop::LoopConfig {
+        token_budget: cfg.token_budget,
+        transfer_timeout: Duration::from_millis(cfg.transfer_timeout_ms),
+        keep_dumps: cfg.debug_hooks,
+        transfer_delay: Duration::from_millis(cfg.debug_transfer_delay_ms),
+        metrics: recorder.clone(),
+        cache: cache.clone().map(|c| (c, tokio::runtime::Handle::current())),
+    };
+    let tx = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
     let _metrics = cluster::telemetry::serve::spawn(metrics, registry);
     let service = service::PrefillService {

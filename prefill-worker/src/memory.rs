@@ -2,6 +2,8 @@
 //! and state cache, so a kvstore can write cached pages and window snapshots straight
 //! into a prompt's pages and slot (and the UCX sender sends from registered memory).
 
+use engine::device::{AnyEngine, Device};
+use engine::mirror::HostMirror;
 use engine::{CpuBackend, Engine, EngineOptions, ProvidedKv};
 use model_spec::ModelConfig;
 use transfer::{Receiver, RegionSpec, RegisteredKv};
@@ -17,19 +19,40 @@ pub struct KvRegions {
     pub comp: RegionSpec,
 }
 
-pub fn build(cfg: &PrefillConfig, receiver: &Receiver) -> Result<(Engine<CpuBackend>, KvRegions), WorkerError> {
+/// The engine on `--device`: on the CPU its KV memory is the registered regions; on a
+/// GPU the regions are a host mirror it stages through (out before a send or a put, in
+/// after a restore).
+pub fn build(cfg: &PrefillConfig, receiver: &Receiver) -> Result<(AnyEngine, KvRegions), WorkerError> {
     let model_cfg = ModelConfig::from_file(&cfg.model.join("config.json"))?;
     let layout = model_cfg.kv_layout(cfg.kv_dtype);
     let kv = RegisteredKv::allocate(receiver, &layout, cfg.max_pages, cfg.max_sequences, None)?;
-    let regions =
-        KvRegions { ucx_address: receiver.address().to_vec(), pages: kv.pages, rings: kv.rings, comp: kv.comp };
-    let provided = ProvidedKv { state: kv.state, slot_logits: None };
+    let regions = KvRegions {
+        ucx_address: receiver.address().to_vec(),
+        pages: kv.pages.clone(),
+        rings: kv.rings.clone(),
+        comp: kv.comp.clone(),
+    };
     let opts = EngineOptions {
         kv_dtype: cfg.kv_dtype,
         max_pages: cfg.max_pages,
         max_sequences: cfg.max_sequences,
         max_chunk_tokens: cfg.token_budget,
     };
-    let engine = Engine::load_with_state(&cfg.model, CpuBackend::new(), opts, Some(provided))?;
+    let engine = match cfg.device {
+        Device::Cpu => {
+            let provided = ProvidedKv { state: kv.state, slot_logits: None };
+            AnyEngine::Cpu(Engine::load_with_state(&cfg.model, CpuBackend::new(), opts, Some(provided))?)
+        }
+        device => {
+            let mut engine =
+                AnyEngine::load(&cfg.model, device, opts).map_err(|e| WorkerError::Config(e.to_string()))?;
+            engine::with_engine!(&mut engine, e => e.set_mirror(HostMirror { state: kv.state, slot_logits: None }))?;
+            tracing::info!(
+                %device,
+                "KV lives in GPU memory; transfers go through a registered host mirror (UCX does not register CUDA memory here)"
+            );
+            engine
+        }
+    };
     Ok((engine, regions))
 }

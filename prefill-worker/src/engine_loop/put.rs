@@ -10,7 +10,7 @@ use engine::kv::Sequence;
 use super::State;
 use crate::prefix_cache::{Prefix, PutRecord};
 
-impl State {
+impl<B: kernels::Backend> State<B> {
     /// Offer the complete blocks of `tokens` (in `seq`) and the `snapshots` taken.
     pub(super) fn put_blocks(
         &mut self,
@@ -26,7 +26,10 @@ impl State {
         if full == 0 {
             return;
         }
-        let Some(bytes) = self.engine.sequence_bytes(seq, full * layout.block) else { return };
+        let tokens_put = full * layout.block;
+        self.engine.stage_out(seq, tokens_put);
+        let layout = &self.engine.cache.layout;
+        let Some(bytes) = self.engine.sequence_bytes(seq, tokens_put) else { return };
         let p = layout.pool_bytes_per_block();
         let pools =
             pb::PoolBytes { csa_main: p.csa_main as u64, csa_indexer: p.csa_index as u64, hca: p.hca as u64, swa: 0 };

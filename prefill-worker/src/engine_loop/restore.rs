@@ -47,7 +47,7 @@ pub struct Restoring {
 /// Slack on top of a fetch's timeout before its memory is trusted to be left alone.
 const FETCH_MARGIN: Duration = Duration::from_secs(1);
 
-impl State {
+impl<B: kernels::Backend> State<B> {
     /// Ask for a prompt's prefix to be filled, when its lookup found one; otherwise
     /// hand the prompt back to start cold.
     pub(super) fn start_restore(&mut self, mut job: Job, mut seq: Sequence) -> Option<(Job, Sequence)> {
@@ -98,6 +98,8 @@ impl State {
         let block = self.engine.cache.layout.block;
         let prefix_tokens = blocks * block;
         let finished = outcome.and_then(|()| {
+            // A device engine's prefix landed in its host mirror: bring it in.
+            self.engine.stage_in(&seq, blocks, snapshot);
             let state = if snapshot { PrefixState::Snapshot } else { PrefixState::Rebuild };
             self.engine
                 .finish_restore(&mut seq, &job.tokens[..prefix_tokens], state)
@@ -158,7 +160,8 @@ impl State {
                 return Err(format!("cached page {i} arrived damaged"));
             }
         }
-        if r.snapshot && xxh3_64(&self.engine.snapshot(&r.seq)) != sums[r.blocks] {
+        let landed_snapshot = || self.engine.host_snapshot(&r.seq).unwrap_or_default();
+        if r.snapshot && xxh3_64(&landed_snapshot()) != sums[r.blocks] {
             return Err("the cached window snapshot arrived damaged".into());
         }
         Ok(())
