@@ -274,6 +274,7 @@ fn all_on_values_turn_every_option_on() {
         let env: BTreeMap<&str, &Value> =
             c["env"].as_array().unwrap().iter().map(|e| (e["name"].as_str().unwrap(), e)).collect();
         assert_eq!(env["UCX_TLS"]["value"], "rc,sm,self");
+        assert_eq!(flag(&strings(&c["args"]), "--device"), Some("cuda:0"), "{role} computes on its GPU");
         assert_eq!(env["UCX_NET_DEVICES"]["value"], "mlx5_0:1");
         assert_eq!(env["UCX_RNDV_THRESH"]["value"], "8192");
     }
@@ -545,6 +546,7 @@ fn broken_values_fail_check_config() {
         ("decode-worker", "--etcd", "http://sluice-etcd"),
         ("router", "--http-listen", "0.0.0.0:http"),
         ("router", "--max-concurrency", "0"),
+        ("prefill-worker", "--device", "tpu:0"),
     ];
     for (binary, name, value) in cases {
         let inv = of(binary);
