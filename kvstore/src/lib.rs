@@ -9,7 +9,8 @@
 //! - [`segment`]: append-only segment files, scans that stop at torn tails.
 //! - [`index`]: the in-memory index and the eviction order (pure logic).
 //! - [`ranges`]: staging-area allocation (pure logic).
-//! - [`store`]: the storage engine: recovery, write-behind, capacity, compaction.
+//! - [`store`]: the storage engine: index and queue, recovery, reads, deletes.
+//! - `writer`: the disk writer thread: write-behind, capacity, compaction, eviction.
 //! - `bulk`: the thread that writes gets into callers' memory over UCX.
 //! - `service`: the gRPC adapter.
 #![forbid(unsafe_code)]
@@ -22,6 +23,7 @@ pub mod record;
 pub mod segment;
 mod service;
 pub mod store;
+mod writer;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -24,7 +24,7 @@ use cluster::telemetry::KvstoreMetrics;
 use thiserror::Error;
 
 use crate::index::{Index, Loc, Rec};
-use crate::record::{HEADER_LEN, Header, Key, Kind, Payload, Pools, checksum, parse_tombstone, tombstone_payload};
+use crate::record::{HEADER_LEN, Key, Kind, Payload, Pools, checksum, parse_tombstone, tombstone_payload};
 use crate::segment::{self, Segment, read_record};
 
 #[derive(Clone, Debug)]
@@ -139,31 +139,31 @@ pub struct Stats {
     pub evictions: u64,
 }
 
-struct Queued {
-    key: Key,
-    kind: Kind,
-    parent: Option<Key>,
-    depth: u32,
-    pools: Pools,
-    data: Payload,
-    checksum: u64,
+pub(crate) struct Queued {
+    pub(crate) key: Key,
+    pub(crate) kind: Kind,
+    pub(crate) parent: Option<Key>,
+    pub(crate) depth: u32,
+    pub(crate) pools: Pools,
+    pub(crate) data: Payload,
+    pub(crate) checksum: u64,
 }
 
-struct Shared {
-    index: Index,
-    queue: VecDeque<Queued>,
-    queued_bytes: u64,
-    inflight: HashSet<(Key, Kind)>,
+pub(crate) struct Shared {
+    pub(crate) index: Index,
+    pub(crate) queue: VecDeque<Queued>,
+    pub(crate) queued_bytes: u64,
+    pub(crate) inflight: HashSet<(Key, Kind)>,
     /// Readable segments.
-    files: HashMap<u64, Arc<File>>,
+    pub(crate) files: HashMap<u64, Arc<File>>,
     /// Bytes per segment file, and how many of them belong to live records.
-    seg_size: HashMap<u64, u64>,
-    seg_live: HashMap<u64, u64>,
-    stop: bool,
+    pub(crate) seg_size: HashMap<u64, u64>,
+    pub(crate) seg_live: HashMap<u64, u64>,
+    pub(crate) stop: bool,
     /// Records holding bytes of each pool, and those bytes (kept as the index changes,
     /// so the gauges cost nothing to refresh).
-    pool_records: [u64; 4],
-    pool_bytes: [u64; 4],
+    pub(crate) pool_records: [u64; 4],
+    pub(crate) pool_bytes: [u64; 4],
 }
 
 impl Shared {
@@ -182,12 +182,12 @@ impl Shared {
         }
     }
 
-    fn disk_bytes(&self) -> u64 {
+    pub(crate) fn disk_bytes(&self) -> u64 {
         self.seg_size.values().sum()
     }
 
     /// Forget a record's bytes on disk (they become dead space).
-    fn unaccount(&mut self, rec: &Rec) {
+    pub(crate) fn unaccount(&mut self, rec: &Rec) {
         if let Some((seg, _)) = rec.disk()
             && let Some(l) = self.seg_live.get_mut(&seg)
         {
@@ -195,14 +195,14 @@ impl Shared {
         }
     }
 
-    fn account(&mut self, rec: &Rec) {
+    pub(crate) fn account(&mut self, rec: &Rec) {
         if let Some((seg, _)) = rec.disk() {
             *self.seg_live.entry(seg).or_default() += rec.total();
         }
     }
 
     /// Remove a record from the index and its bytes from the live count.
-    fn drop_record(&mut self, key: &Key, kind: Kind) -> Option<Rec> {
+    pub(crate) fn drop_record(&mut self, key: &Key, kind: Kind) -> Option<Rec> {
         let rec = self.index.remove(key, kind)?;
         self.unaccount(&rec);
         self.tally(&rec, false);
@@ -221,15 +221,15 @@ impl Shared {
 }
 
 pub struct Store {
-    cfg: StoreConfig,
-    shared: Mutex<Shared>,
+    pub(crate) cfg: StoreConfig,
+    pub(crate) shared: Mutex<Shared>,
     /// Wakes the writer (work queued, or stop).
-    work: Condvar,
+    pub(crate) work: Condvar,
     /// Wakes waiters in [`Store::flush`] when the queue empties.
-    drained: Condvar,
-    metrics: KvstoreMetrics,
-    writer: Mutex<Option<JoinHandle<()>>>,
-    evictions: std::sync::atomic::AtomicU64,
+    pub(crate) drained: Condvar,
+    pub(crate) metrics: KvstoreMetrics,
+    pub(crate) writer: Mutex<Option<JoinHandle<()>>>,
+    pub(crate) evictions: std::sync::atomic::AtomicU64,
 }
 
 impl Store {
@@ -258,7 +258,7 @@ impl Store {
         }
         let handle = std::thread::Builder::new().name("kvstore-writer".into()).spawn({
             let store = store.clone();
-            move || Writer { store, active }.run()
+            move || crate::writer::Writer::new(store, active).run()
         })?;
         *store.writer.lock().expect("not poisoned") = Some(handle);
         Ok(store)
@@ -268,12 +268,12 @@ impl Store {
         &self.cfg
     }
 
-    fn lock(&self) -> MutexGuard<'_, Shared> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Shared> {
         self.shared.lock().expect("the store lock is never poisoned: no panics while held")
     }
 
     /// Refresh the gauges from the state.
-    fn publish(&self, s: &Shared) {
+    pub(crate) fn publish(&self, s: &Shared) {
         let labels = Pools::default().labelled();
         let rows: Vec<(&str, u64, u64)> = (0..4).map(|i| (labels[i].0, s.pool_records[i], s.pool_bytes[i])).collect();
         self.metrics.set_stored(&rows);
@@ -587,269 +587,4 @@ fn recover(cfg: &StoreConfig) -> Result<(Shared, u64), StoreError> {
         "kvstore index recovered"
     );
     Ok((s, ids.last().map_or(1, |l| l + 1)))
-}
-
-/// How long the writer waits for more work before it fsyncs what it wrote.
-const SYNC_AFTER_IDLE: Duration = Duration::from_millis(200);
-
-/// The thread that owns appending.
-struct Writer {
-    store: Arc<Store>,
-    active: Segment,
-}
-
-impl Writer {
-    fn run(mut self) {
-        // Written but not yet fsynced; synced once the writer has been idle for
-        // SYNC_AFTER_IDLE (and at every segment rotation and at shutdown), so a stream of
-        // puts is not cut into many small synchronous flushes.
-        let mut dirty = false;
-        loop {
-            let next = {
-                let mut s = self.store.lock();
-                loop {
-                    if let Some(q) = s.queue.front() {
-                        break Some((q.key, q.kind, q.parent, q.depth, q.pools, q.data.clone(), q.checksum));
-                    }
-                    if s.stop {
-                        break None;
-                    }
-                    if dirty {
-                        let (g, timeout) = self.store.work.wait_timeout(s, SYNC_AFTER_IDLE).expect("not poisoned");
-                        s = g;
-                        if timeout.timed_out() && s.queue.is_empty() {
-                            break None;
-                        }
-                    } else {
-                        s = self.store.work.wait(s).expect("not poisoned");
-                    }
-                }
-            };
-            let Some((key, kind, parent, depth, pools, data, sum)) = next else {
-                if dirty {
-                    if let Err(e) = self.active.sync() {
-                        tracing::warn!(error = %e, "kvstore: fsync failed");
-                    }
-                    dirty = false;
-                    continue;
-                }
-                break;
-            };
-            self.write_one(key, kind, parent, depth, pools, &data, sum);
-            dirty = true;
-        }
-        let _ = self.active.sync();
-    }
-
-    fn still_wanted(&self, key: &Key, kind: Kind, data: &Payload) -> bool {
-        if kind == Kind::Tombstone {
-            return true;
-        }
-        let s = self.store.lock();
-        matches!(s.index.get(key, kind).map(|r| &r.loc), Some(Loc::Queued(d)) if Arc::ptr_eq(d, data))
-    }
-
-    /// Append one queued record (unless it was deleted or evicted meanwhile), making
-    /// room first.
-    #[allow(clippy::too_many_arguments)]
-    fn write_one(
-        &mut self,
-        key: Key,
-        kind: Kind,
-        parent: Option<Key>,
-        depth: u32,
-        pools: Pools,
-        data: &Payload,
-        sum: u64,
-    ) {
-        let bytes: &[u8] = (**data).as_ref();
-        let header = Header { kind, depth, key, parent, pools, payload_len: bytes.len() as u64, payload_checksum: sum };
-        let mut outcome: Result<Option<(u64, u64)>, &'static str> = Ok(None);
-        if self.still_wanted(&key, kind, data) {
-            outcome = self.make_room(header.total_len()).and_then(|()| {
-                self.append(&header, bytes).map(Some).map_err(|e| {
-                    tracing::warn!(error = %e, "kvstore: a record could not be written; serving continues");
-                    "write_error"
-                })
-            });
-        }
-        let store = self.store.clone();
-        let mut s = store.lock();
-        let q = s.queue.pop_front().expect("the writer is the only consumer");
-        s.queued_bytes -= (*q.data).as_ref().len() as u64;
-        let ours = |s: &Shared| matches!(s.index.get(&key, kind).map(|r| &r.loc), Some(Loc::Queued(d)) if Arc::ptr_eq(d, data));
-        match outcome {
-            Ok(Some((seg, offset))) if kind != Kind::Tombstone => {
-                if ours(&s) {
-                    let rec = s.index.get_mut(&key, kind).expect("ours");
-                    rec.loc = Loc::Disk { seg, offset };
-                    let rec = rec.clone();
-                    s.account(&rec);
-                    self.store.metrics.written(&pools.labelled());
-                }
-            }
-            Ok(_) => {}
-            Err(reason) => {
-                if reason == "write_error" {
-                    self.store.metrics.write_errors.inc();
-                } else {
-                    self.store.metrics.dropped(reason);
-                }
-                if ours(&s) {
-                    s.drop_record(&key, kind);
-                    if kind == Kind::Page {
-                        s.drop_record(&key, Kind::Snapshot);
-                    }
-                }
-            }
-        }
-        self.store.publish(&s);
-        if s.queue.is_empty() {
-            self.store.drained.notify_all();
-        }
-    }
-
-    /// Append to the active segment (starting a new one when this record would not
-    /// fit); returns (segment, offset).
-    fn append(&mut self, header: &Header, payload: &[u8]) -> io::Result<(u64, u64)> {
-        if self.active.size > 0 && self.active.size + header.total_len() > self.store.cfg.segment_bytes {
-            self.rotate()?;
-        }
-        let before = self.active.size;
-        let result = self.active.append(header, payload);
-        let mut s = self.store.lock();
-        s.seg_size.insert(self.active.id, self.active.size);
-        if let Err(e) = result {
-            debug_assert_eq!(self.active.size, before);
-            return Err(e);
-        }
-        drop(s);
-        result.map(|offset| (self.active.id, offset))
-    }
-
-    fn rotate(&mut self) -> io::Result<()> {
-        self.active.sync()?;
-        let next = Segment::create(&self.store.cfg.dir, self.active.id + 1)?;
-        let mut s = self.store.lock();
-        s.files.insert(next.id, next.file.clone());
-        s.seg_size.insert(next.id, 0);
-        s.seg_live.entry(next.id).or_default();
-        drop(s);
-        self.active = next;
-        Ok(())
-    }
-
-    /// Reclaim space until `need` more bytes fit under the capacity less one segment
-    /// of headroom: compact the segment with the most dead bytes, or, when there is
-    /// none, evict.
-    fn make_room(&mut self, need: u64) -> Result<(), &'static str> {
-        let cfg = &self.store.cfg;
-        let limit = cfg.capacity - cfg.segment_bytes;
-        loop {
-            let (disk, candidate, active_dead) = {
-                let s = self.store.lock();
-                let dead = |id: &u64| s.seg_size[id].saturating_sub(*s.seg_live.get(id).unwrap_or(&0));
-                let candidate = s
-                    .seg_size
-                    .keys()
-                    .filter(|id| **id != self.active.id && dead(id) > 0)
-                    .max_by_key(|id| (dead(id), std::cmp::Reverse(**id)))
-                    .copied();
-                (s.disk_bytes(), candidate, dead(&self.active.id))
-            };
-            if disk + need <= limit {
-                return Ok(());
-            }
-            if let Some(seg) = candidate {
-                if let Err(e) = self.compact(seg) {
-                    tracing::warn!(segment = seg, error = %e, "kvstore: compaction failed");
-                    return Err("write_error");
-                }
-                continue;
-            }
-            if active_dead > 0 {
-                self.rotate().map_err(|_| "write_error")?;
-                continue;
-            }
-            let mut s = self.store.lock();
-            let Some((key, kind)) = s.index.victim() else {
-                return Err("no_room");
-            };
-            let mut evicted = vec![(key, kind)];
-            if kind == Kind::Page && s.index.has(&key, Kind::Snapshot) {
-                evicted.push((key, Kind::Snapshot));
-            }
-            for (k, kind) in evicted {
-                if let Some(rec) = s.drop_record(&k, kind) {
-                    self.store.metrics.evicted(&rec.pools.labelled());
-                    self.store.evictions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-            self.store.publish(&s);
-        }
-    }
-
-    /// Copy a segment's live records (and the tombstones still needed) to the active
-    /// segment, then delete it.
-    fn compact(&mut self, seg: u64) -> io::Result<()> {
-        let file = {
-            let s = self.store.lock();
-            match s.files.get(&seg) {
-                Some(f) => f.clone(),
-                None => return Ok(()),
-            }
-        };
-        let size = self.store.lock().seg_size[&seg];
-        let view = Segment { id: seg, file: file.clone(), size };
-        let (found, _) = view.scan(false)?;
-        for f in found {
-            let h = f.header;
-            if h.kind == Kind::Tombstone {
-                let needed = f
-                    .tombstone
-                    .as_deref()
-                    .and_then(parse_tombstone)
-                    .is_some_and(|(kseg, _)| kseg != seg && self.store.lock().files.contains_key(&kseg));
-                if needed {
-                    let payload = f.tombstone.expect("parsed above");
-                    self.append(&h, &payload)?;
-                }
-                continue;
-            }
-            let live = self.store.lock().index.get(&h.key, h.kind).and_then(Rec::disk) == Some((seg, f.offset));
-            if !live {
-                continue;
-            }
-            let (_, payload) = match read_record(&file, f.offset) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::error!(segment = seg, offset = f.offset, error = %e, "kvstore: dropping a damaged record");
-                    self.store.metrics.corrupt.inc();
-                    let mut s = self.store.lock();
-                    s.drop_record(&h.key, h.kind);
-                    continue;
-                }
-            };
-            let (nseg, noff) = self.append(&h, &payload)?;
-            let mut s = self.store.lock();
-            if s.index.get(&h.key, h.kind).and_then(Rec::disk) == Some((seg, f.offset)) {
-                let rec = s.index.get_mut(&h.key, h.kind).expect("live");
-                rec.loc = Loc::Disk { seg: nseg, offset: noff };
-                let rec = rec.clone();
-                *s.seg_live.entry(nseg).or_default() += rec.total();
-            }
-        }
-        // The copies must be durable before the originals go.
-        self.active.sync()?;
-        {
-            let mut s = self.store.lock();
-            s.files.remove(&seg);
-            s.seg_size.remove(&seg);
-            s.seg_live.remove(&seg);
-            self.store.publish(&s);
-        }
-        std::fs::remove_file(segment::path(&self.store.cfg.dir, seg))?;
-        tracing::debug!(segment = seg, "kvstore: segment compacted");
-        Ok(())
-    }
 }
