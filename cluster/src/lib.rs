@@ -9,6 +9,7 @@
 //! - [`peers`]: the static `--peers` list.
 //! - [`net`]: listeners and advertised addresses.
 //! - [`shutdown`]: a cancellation token for SIGINT/SIGTERM.
+//! - [`service_main`]: what every service binary's `main` does around its `run`.
 //! - [`telemetry`]: Prometheus metrics and their `/metrics` endpoint, logs, OTLP traces and
 //!   W3C trace context across gRPC calls.
 //! - `testing` (cargo feature `testing`): a real etcd server per test, for this crate's tests and
@@ -19,6 +20,7 @@ pub mod discovery;
 pub mod launch;
 pub mod net;
 pub mod peers;
+pub mod service_main;
 pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "testing")]
