@@ -53,43 +53,45 @@ pub(crate) fn moe(
     if rows == 0 {
         return;
     }
-    let logits = b.alloc_buf(rows * n_exp);
-    let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
-    matmul(g, op, &w.gate);
+    let (chosen, weights) = b.prof("moe: router", || {
+        let logits = b.alloc_buf(rows * n_exp);
+        let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
+        matmul(g, op, &w.gate);
 
-    let mut bias = F512 { v: [0.0; MAX_EXPERTS] };
-    let hash_rows = match &w.routing {
-        Routing::TopK { bias: bv } => {
-            bias.v[..bv.len()].copy_from_slice(bv);
-            None
-        }
-        Routing::Hash { tid2eid } => {
-            let mut rows_k = Vec::with_capacity(rows * k);
-            for &t in &tokens[..rows] {
-                rows_k.extend_from_slice(&tid2eid[t as usize * k..(t as usize + 1) * k]);
+        let mut bias = F512 { v: [0.0; MAX_EXPERTS] };
+        let hash_rows = match &w.routing {
+            Routing::TopK { bias: bv } => {
+                bias.v[..bv.len()].copy_from_slice(bv);
+                None
             }
-            Some(g.upload(&rows_k))
-        }
-    };
-    let experts = g.alloc::<i32>(rows * k);
-    let weights = b.alloc_buf(rows * k);
-    launch!(
-        g,
-        "moe_route",
-        cfg((rows.div_ceil(128) as u32, 1, 1), 128, 0),
-        g.ptr(&logits.mem),
-        rows as i32,
-        n_exp as i32,
-        k as i32,
-        hash_rows.as_ref().map(|h| g.ptr(h)).unwrap_or(0),
-        bias,
-        w.route_scale,
-        g.ptr(&experts),
-        g.ptr(&weights.mem),
-    );
-    let mut chosen = vec![0i32; rows * k];
-    g.read(&experts, 0, &mut chosen);
-
+            Routing::Hash { tid2eid } => {
+                let mut rows_k = Vec::with_capacity(rows * k);
+                for &t in &tokens[..rows] {
+                    rows_k.extend_from_slice(&tid2eid[t as usize * k..(t as usize + 1) * k]);
+                }
+                Some(g.upload(&rows_k))
+            }
+        };
+        let experts = g.alloc::<i32>(rows * k);
+        let weights = b.alloc_buf(rows * k);
+        launch!(
+            g,
+            "moe_route",
+            cfg((rows.div_ceil(128) as u32, 1, 1), 128, 0),
+            g.ptr(&logits.mem),
+            rows as i32,
+            n_exp as i32,
+            k as i32,
+            hash_rows.as_ref().map(|h| g.ptr(h)).unwrap_or(0),
+            bias,
+            w.route_scale,
+            g.ptr(&experts),
+            g.ptr(&weights.mem),
+        );
+        let mut chosen = vec![0i32; rows * k];
+        g.read(&experts, 0, &mut chosen);
+        (chosen, weights)
+    });
     // Rows per expert in expert order; the list holds row ids, then weight indices.
     let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); w.experts.len()];
     for (i, &e) in chosen.iter().enumerate() {
@@ -104,51 +106,55 @@ pub(crate) fn moe(
     let list = g.upload(&list);
     let lp = g.ptr(&list);
 
-    g.memset_zero(&mut out.mem);
-    let mut at = 0usize;
-    for (e, assigned) in per_expert.iter().enumerate() {
-        let n = assigned.len();
-        if n == 0 {
-            continue;
+    b.prof("moe: experts", || {
+        g.memset_zero(&mut out.mem);
+        let mut at = 0usize;
+        for (e, assigned) in per_expert.iter().enumerate() {
+            let n = assigned.len();
+            if n == 0 {
+                continue;
+            }
+            let xg = b.alloc_buf(n * d);
+            launch!(
+                g,
+                "gather_rows",
+                cfg_elems(n * d),
+                g.ptr(&xg.mem),
+                g.ptr(&x.mem),
+                lp + 4 * at as u64,
+                n as i32,
+                d as i32
+            );
+            let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit);
+            // A row listed twice for one expert (a hash table may repeat an expert) must be
+            // summed in order: then one thread walks each column; otherwise every element
+            // has its own thread.
+            let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
+            seen.dedup();
+            let (name, c) = if seen.len() == n {
+                ("moe_accumulate_rows", cfg_elems(n * d))
+            } else {
+                ("moe_accumulate", cfg((d.div_ceil(256) as u32, 1, 1), 256, 0))
+            };
+            launch!(
+                g,
+                name,
+                c,
+                g.ptr(&out.mem),
+                g.ptr(&y.mem),
+                lp + 4 * at as u64,
+                lp + 4 * (total + at) as u64,
+                g.ptr(&weights.mem),
+                n as i32,
+                d as i32
+            );
+            at += n;
         }
-        let xg = b.alloc_buf(n * d);
-        launch!(
-            g,
-            "gather_rows",
-            cfg_elems(n * d),
-            g.ptr(&xg.mem),
-            g.ptr(&x.mem),
-            lp + 4 * at as u64,
-            n as i32,
-            d as i32
-        );
-        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit);
-        // A row listed twice for one expert (a hash table may repeat an expert) must be
-        // summed in order: then one thread walks each column; otherwise every element
-        // has its own thread.
-        let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
-        seen.dedup();
-        let (name, c) = if seen.len() == n {
-            ("moe_accumulate_rows", cfg_elems(n * d))
-        } else {
-            ("moe_accumulate", cfg((d.div_ceil(256) as u32, 1, 1), 256, 0))
-        };
-        launch!(
-            g,
-            name,
-            c,
-            g.ptr(&out.mem),
-            g.ptr(&y.mem),
-            lp + 4 * at as u64,
-            lp + 4 * (total + at) as u64,
-            g.ptr(&weights.mem),
-            n as i32,
-            d as i32
-        );
-        at += n;
-    }
+    });
     if let Some(shared) = &w.shared {
-        let y = expert(b, g.ptr(&x.mem), rows, shared, w.swiglu_limit);
-        launch!(g, "add_into", cfg_elems(rows * d), g.ptr(&out.mem), g.ptr(&y.mem), (rows * d) as i64);
+        b.prof("moe: shared", || {
+            let y = expert(b, g.ptr(&x.mem), rows, shared, w.swiglu_limit);
+            launch!(g, "add_into", cfg_elems(rows * d), g.ptr(&out.mem), g.ptr(&y.mem), (rows * d) as i64);
+        });
     }
 }

@@ -159,6 +159,7 @@ impl Gpu {
         // issue order, so the per-buffer events cudarc would otherwise record are not
         // needed to order them.
         unsafe { ctx.disable_event_tracking() };
+        keep_pool_memory(&ctx)?;
         let stream = ctx.new_stream().map_err(drv)?;
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
         let cc = ctx.compute_capability().map_err(drv)?;
@@ -242,6 +243,29 @@ impl Gpu {
         let (p, _guard) = s.device_ptr(&self.stream);
         p
     }
+}
+
+/// Keep freed memory in the device's stream-ordered pool. Its default release threshold
+/// is 0, so every stream synchronisation (each decode step, each MoE routing read)
+/// hands the pool's memory back to the driver and the next allocations map it again;
+/// with the threshold at the maximum, a step's temporaries are reused from the pool.
+fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), CudaError> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the context is current on this thread (CudaContext::new binds it); the
+    // out-pointer is a live local.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) }.result().map_err(drv)?;
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` is the device's default pool; the attribute takes a u64 by pointer.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(drv)
 }
 
 /// A CUDA failure inside an op: the device state is unknown, so there is nothing to
