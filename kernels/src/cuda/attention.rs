@@ -16,6 +16,12 @@ const ATT_HD_MAX: usize = 512;
 const ATT_T: usize = 16;
 /// Heads (warps) sharing one block's key tiles.
 const ATT_HEADS_PER_BLOCK: usize = 16;
+/// Heads per block of the tensor-core kernel (`TC_HEADS` in attention_mma.cu).
+const MMA_HEADS_PER_BLOCK: usize = 32;
+/// Rows from which the tensor-core kernel runs: one block per row and 32 heads fills
+/// the GPU without key splits. Fewer rows (decode) take the SIMT kernel, which splits
+/// the key axis across blocks.
+const MMA_MIN_ROWS: usize = 64;
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -268,8 +274,9 @@ pub(crate) fn attention(
         })
         .sum();
     g.traffic.add_kv(keys * hd * layout.dtype.size());
-    let hgroups = heads.div_ceil(ATT_HEADS_PER_BLOCK);
-    let (splits, per) = key_splits(g.sms, rows * hgroups, n_max);
+    let mma = use_mma(layout, layer, rows);
+    let hgroups = heads.div_ceil(if mma { MMA_HEADS_PER_BLOCK } else { ATT_HEADS_PER_BLOCK });
+    let (splits, per) = if mma { (1, n_max) } else { key_splits(g.sms, rows * hgroups, n_max) };
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     let geom = AttnGeom {
         heads: heads as i32,
@@ -289,10 +296,12 @@ pub(crate) fn attention(
         keys_per_split: per as i32,
         scale,
     };
+    let (kernel, threads) =
+        if mma { ("attention_mma", 256) } else { ("attention", 32 * ATT_HEADS_PER_BLOCK.min(heads)) };
     launch!(
         g,
-        "attention",
-        cfg((hgroups as u32, splits as u32, rows as u32), (32 * ATT_HEADS_PER_BLOCK.min(heads)) as u32, 0),
+        kernel,
+        cfg((hgroups as u32, splits as u32, rows as u32), threads as u32, 0),
         g.ptr(&q.mem),
         g.ptr(&new_kv.mem),
         g.ptr(&kv.rings.mem),
@@ -320,6 +329,25 @@ pub(crate) fn attention(
             splits as i32
         );
     }
+}
+
+/// Whether this layer's attention runs on the tensor cores: prefill-sized batches over
+/// bf16 entries (exact as bf16 operands) whose geometry the kernel handles (head_dim a
+/// multiple of 64, every entry 16-byte aligned). `SLUICE_CUDA_ATTENTION=simt` keeps the
+/// SIMT kernel everywhere (for comparisons).
+fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
+    static SIMT_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let simt_only = *SIMT_ONLY.get_or_init(|| std::env::var("SLUICE_CUDA_ATTENTION").is_ok_and(|v| v == "simt"));
+    let lk = &layout.layers[layer];
+    let hd = lk.spec.head_dim;
+    let aligned =
+        [layout.ring_elems, lk.ring, layout.page_elems, lk.page_offset(Branch::Main), hd].iter().all(|v| v % 8 == 0);
+    !simt_only
+        && rows >= MMA_MIN_ROWS
+        && layout.dtype == crate::EntryDtype::Bf16
+        && hd.is_multiple_of(64)
+        && hd <= ATT_HD_MAX
+        && aligned
 }
 
 pub(crate) fn store_window(

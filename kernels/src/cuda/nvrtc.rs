@@ -25,6 +25,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("compress.cu", include_str!("cu/compress.cu")),
     ("indexer.cu", include_str!("cu/indexer.cu")),
     ("attention.cu", include_str!("cu/attention.cu")),
+    ("attention_mma.cu", include_str!("cu/attention_mma.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

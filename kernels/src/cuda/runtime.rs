@@ -87,6 +87,7 @@ const KERNELS: &[&str] = &[
     "topk_write",
     "attention",
     "attention_merge",
+    "attention_mma",
     "store_window",
 ];
 

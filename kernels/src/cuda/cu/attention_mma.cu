@@ -1,0 +1,245 @@
+// Tensor-core attention for prefill-sized batches over bf16 KV entries (attention.cu
+// defines AttnGeom, key_source and the SIMT kernel that decode and f32 KV use).
+//
+// The SIMT kernel spends ~90% of an 8K prefill's attention time on one-warp-per-head dot
+// products in f32. Here both products run on the tensor cores (mma.sync m16n8k16, bf16
+// in, f32 accumulate): a block takes one row and 32 heads; its 8 warps are 2 head groups
+// (the mma's 16 rows) × 4 dim groups (head_dim / 4 dims each). Keys are exact in bf16
+// (pages and rings store bf16; this step's new_kv was rounded to the entry dtype before
+// attention), and the f32 operands (q and the softmax weights) are split into two bf16
+// halves, x ≈ hi + lo, multiplied separately into the same f32 accumulator: ~16 mantissa
+// bits, so results stay within f32-summation-order distance of the SIMT kernel.
+//
+// Per tile of 16 keys: load keys to shared memory (double-buffered), each warp computes
+// its dim group's partial logits [16 heads × 16 keys], the partials are summed in a fixed
+// order and the online softmax runs with 8 threads per head, then each warp rescales its
+// output accumulator [16 heads × head_dim/4] and adds P·V. No key splits: every row is
+// one block per 32 heads, so the result is deterministic.
+
+#define TC_KEYS 16
+#define TC_KSTRIDE (ATT_HD_MAX + 8)  // bf16 per key row: the pad spreads rows over banks
+#define TC_HEADS 32
+#define TC_PSTRIDE (TC_KEYS + 8)
+#define TC_DGROUPS 4
+#define TC_KSTEPS_MAX (ATT_HD_MAX / TC_DGROUPS / 16)
+#define TC_NTILES_MAX (ATT_HD_MAX / TC_DGROUPS / 8)
+
+__device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+// (a, b) ≈ (hi + lo) per element, both halves packed as bf16 pairs.
+__device__ __forceinline__ void split_pair(float a, float b, u32* hi, u32* lo) {
+    const u16 ah = f2bf(a), bh = f2bf(b);
+    *hi = pack_bf16x2(ah, bh);
+    *lo = pack_bf16x2(f2bf(a - bf2f(ah)), f2bf(b - bf2f(bh)));
+}
+
+// c[16×8] += a[16×16] · b[16×8], bf16 operands, f32 accumulators.
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u32 b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+// grid (ceil(heads / 32), 1, rows), 256 threads. Requires bf16 entries, head_dim a
+// multiple of 64 (≤ 512) and 16-byte-aligned entry offsets (checked by the launcher).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    attention_mma(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
+                  const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
+                  float* out, float* /* part: unused, same arguments as `attention` */, AttnGeom g) {
+    __shared__ __align__(16) u16 kt[2][TC_KEYS * TC_KSTRIDE];
+    __shared__ float sp[TC_DGROUPS][TC_HEADS][TC_KEYS];
+    __shared__ __align__(16) u16 ph[2][TC_HEADS * TC_PSTRIDE];
+    __shared__ float corr_s[TC_HEADS], m_s[TC_HEADS], s_s[TC_HEADS];
+
+    const int r = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int hg = warp / TC_DGROUPS, dg = warp % TC_DGROUPS;
+    const int h_base = blockIdx.x * TC_HEADS;
+    const int dw = g.hd / TC_DGROUPS, nk = dw >> 4, nn = dw >> 3;
+    const int d_base = dg * dw;
+    const int t = (int)positions[r];
+    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
+    const int n_win = min(t + 1, g.window);
+    const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
+    const int n = n_win + n_comp;
+    const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+
+    // This warp's q fragments (rows: heads gid and gid + 8 of its group; columns: its dims).
+    u32 qh[TC_KSTEPS_MAX][4], ql[TC_KSTEPS_MAX][4];
+    {
+        const int ha = h_base + hg * 16 + gid, hb = ha + 8;
+        const float* qa = q + ((long long)r * g.heads + ha) * g.hd + d_base + 2 * tig;
+        const float* qb = q + ((long long)r * g.heads + hb) * g.hd + d_base + 2 * tig;
+#pragma unroll
+        for (int k = 0; k < TC_KSTEPS_MAX; k++) {
+            if (k < nk) {
+                const float2 z = make_float2(0.0f, 0.0f);
+                const float2 a0 = ha < g.heads ? *(const float2*)(qa + 16 * k) : z;
+                const float2 b0 = hb < g.heads ? *(const float2*)(qb + 16 * k) : z;
+                const float2 a1 = ha < g.heads ? *(const float2*)(qa + 16 * k + 8) : z;
+                const float2 b1 = hb < g.heads ? *(const float2*)(qb + 16 * k + 8) : z;
+                split_pair(a0.x, a0.y, &qh[k][0], &ql[k][0]);
+                split_pair(b0.x, b0.y, &qh[k][1], &ql[k][1]);
+                split_pair(a1.x, a1.y, &qh[k][2], &ql[k][2]);
+                split_pair(b1.x, b1.y, &qh[k][3], &ql[k][3]);
+            }
+        }
+    }
+    float acc[TC_NTILES_MAX][4];
+#pragma unroll
+    for (int i = 0; i < TC_NTILES_MAX; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+    // Softmax state: 8 threads per head, two keys of each tile per thread.
+    const int sh = threadIdx.x >> 3, sk = (threadIdx.x & 7) * 2;
+    float m_run = NEG_INF, s_run = 0.0f;
+    const int chunks = g.hd >> 3;  // 16-byte pieces of one key
+
+    int buf = 0;
+    for (int jt = 0; jt < n; jt += TC_KEYS, buf ^= 1) {
+        const int nt = min(TC_KEYS, n - jt);
+        u16* kb = kt[buf];
+        // 1. Keys into shared memory as bf16; missing keys (past the end, unselected) as 0.
+        for (int i = threadIdx.x; i < TC_KEYS * chunks; i += blockDim.x) {
+            const int kk = i / chunks, c = i - kk * chunks;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (kk < nt) {
+                long long off = 0;
+                const int kind = key_source(g, jt + kk, t, n_win, seq, pages, sel_row, &off);
+                if (kind == 0) {
+                    const float4 a = *(const float4*)(new_kv + off + c * 8);
+                    const float4 b = *(const float4*)(new_kv + off + c * 8 + 4);
+                    v = make_uint4(pack_bf16x2(f2bf(a.x), f2bf(a.y)), pack_bf16x2(f2bf(a.z), f2bf(a.w)),
+                                   pack_bf16x2(f2bf(b.x), f2bf(b.y)), pack_bf16x2(f2bf(b.z), f2bf(b.w)));
+                } else if (kind == 1) {
+                    v = *(const uint4*)((const u16*)rings + off + c * 8);
+                } else if (kind == 2) {
+                    v = *(const uint4*)((const u16*)page_base + off + c * 8);
+                }
+            }
+            *(uint4*)(kb + kk * TC_KSTRIDE + c * 8) = v;
+        }
+        __syncthreads();
+
+        // 2. Partial logits over this warp's dims: [16 heads × 16 keys].
+        {
+            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int k = 0; k < TC_KSTEPS_MAX; k++) {
+                if (k < nk) {
+                    const int d = d_base + 16 * k + 2 * tig;
+#pragma unroll
+                    for (int n8 = 0; n8 < 2; n8++) {
+                        const u16* kr = kb + (n8 * 8 + gid) * TC_KSTRIDE + d;
+                        const u32 b0 = *(const u32*)kr, b1 = *(const u32*)(kr + 8);
+                        mma_bf16_16816(sc[n8], qh[k], b0, b1);
+                        mma_bf16_16816(sc[n8], ql[k], b0, b1);
+                    }
+                }
+            }
+            const int ha = hg * 16 + gid;
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++) {
+                const int key = n8 * 8 + 2 * tig;
+                sp[dg][ha][key] = sc[n8][0];
+                sp[dg][ha][key + 1] = sc[n8][1];
+                sp[dg][ha + 8][key] = sc[n8][2];
+                sp[dg][ha + 8][key + 1] = sc[n8][3];
+            }
+        }
+        __syncthreads();
+
+        // 3. Online softmax per head; the weights go to shared memory as bf16 halves.
+        {
+            float l[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int kk = sk + e, j = jt + kk;
+                const bool valid = kk < nt && (j < n_win || g.kind != 1 || sel_row[j - n_win] >= 0);
+                const float v = ((sp[0][sh][kk] + sp[1][sh][kk]) + sp[2][sh][kk]) + sp[3][sh][kk];
+                l[e] = valid ? v * g.scale : NEG_INF;
+            }
+            float mt = fmaxf(l[0], l[1]);
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 4));
+            const float m_new = fmaxf(m_run, mt);
+            float c = 1.0f, p0 = 0.0f, p1 = 0.0f;
+            if (m_new != NEG_INF) {
+                c = expf(m_run - m_new);
+                p0 = expf(l[0] - m_new);
+                p1 = expf(l[1] - m_new);
+            }
+            s_run = s_run * c + (p0 + p1);
+            m_run = m_new;
+            u32 hi, lo;
+            split_pair(p0, p1, &hi, &lo);
+            *(u32*)(ph[0] + sh * TC_PSTRIDE + sk) = hi;
+            *(u32*)(ph[1] + sh * TC_PSTRIDE + sk) = lo;
+            if ((threadIdx.x & 7) == 0) corr_s[sh] = c;
+        }
+        __syncthreads();
+
+        // 4. Rescale this warp's output rows and add P·V over its dims.
+        {
+            const int ha = hg * 16 + gid;
+            const float ca = corr_s[ha], cb = corr_s[ha + 8];
+            u32 pah[4], pal[4];
+            const u16* p0 = ph[0] + ha * TC_PSTRIDE + 2 * tig;
+            const u16* p1 = ph[1] + ha * TC_PSTRIDE + 2 * tig;
+            pah[0] = *(const u32*)p0;
+            pah[1] = *(const u32*)(p0 + 8 * TC_PSTRIDE);
+            pah[2] = *(const u32*)(p0 + 8);
+            pah[3] = *(const u32*)(p0 + 8 * TC_PSTRIDE + 8);
+            pal[0] = *(const u32*)p1;
+            pal[1] = *(const u32*)(p1 + 8 * TC_PSTRIDE);
+            pal[2] = *(const u32*)(p1 + 8);
+            pal[3] = *(const u32*)(p1 + 8 * TC_PSTRIDE + 8);
+            const u16* vk = kb + (2 * tig) * TC_KSTRIDE + d_base + gid;
+#pragma unroll
+            for (int n8 = 0; n8 < TC_NTILES_MAX; n8++) {
+                if (n8 < nn) {
+                    acc[n8][0] *= ca;
+                    acc[n8][1] *= ca;
+                    acc[n8][2] *= cb;
+                    acc[n8][3] *= cb;
+                    const u16* v = vk + 8 * n8;
+                    const u32 b0 = pack_bf16x2(v[0], v[TC_KSTRIDE]);
+                    const u32 b1 = pack_bf16x2(v[8 * TC_KSTRIDE], v[9 * TC_KSTRIDE]);
+                    mma_bf16_16816(acc[n8], pah, b0, b1);
+                    mma_bf16_16816(acc[n8], pal, b0, b1);
+                }
+            }
+        }
+    }
+
+    // Softmax totals per head, then the sink and the normalisation.
+    s_run += __shfl_xor_sync(0xffffffffu, s_run, 1);
+    s_run += __shfl_xor_sync(0xffffffffu, s_run, 2);
+    s_run += __shfl_xor_sync(0xffffffffu, s_run, 4);
+    if ((threadIdx.x & 7) == 0) {
+        m_s[sh] = m_run;
+        s_s[sh] = s_run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int hl = hg * 16 + gid + 8 * half, h = h_base + hl;
+        if (h >= g.heads) continue;
+        const float m = m_s[hl], sink = sinks[h];
+        const float mf = fmaxf(m, sink);
+        const float corr = expf(m - mf);
+        const float f = corr / (s_s[hl] * corr + expf(sink - mf));
+        float* o = out + ((long long)r * g.heads + h) * g.hd + d_base + 2 * tig;
+#pragma unroll
+        for (int n8 = 0; n8 < TC_NTILES_MAX; n8++) {
+            if (n8 < nn) *(float2*)(o + 8 * n8) = make_float2(acc[n8][2 * half] * f, acc[n8][2 * half + 1] * f);
+        }
+    }
+}
