@@ -681,23 +681,31 @@ fn cuda_indexer_topk_over_many_candidates_matches_cpu() {
         gs.b.kv_write(&mut gs.kv.pages, at, &k);
         cs.b.kv_write(&mut cs.kv.pages, at, &k);
     }
-    let toks = [0u32; 2];
+    let toks = [0u32; 6];
     let table: Vec<u32> = (0..pages as u32).collect();
-    let plan = BatchPlan::new(vec![(0, table.clone(), ctx - 1, &toks[..1]), (1, table, 40_000, &toks[1..])]);
-    let q = rand_vec(&mut rng, 2 * IDX_HEADS * IDX_DIM, 0.3);
-    let w = rand_vec(&mut rng, 2 * IDX_HEADS, 1.0);
-    let gsel = g.idx_download(
-        &gs.b.index_topk(&gs.kv, &layout, 0, &plan, &gs.b.upload(&q), &gs.b.upload(&w), IDX_HEADS, TOP_K).indices,
-    );
-    let csel = cs.b.index_topk(&cs.kv, &layout, 0, &plan, &q, &w, IDX_HEADS, TOP_K).indices;
-    for r in 0..2 {
-        let (gr, cr) = (&gsel[r * TOP_K..(r + 1) * TOP_K], &csel[r * TOP_K..(r + 1) * TOP_K]);
-        assert!(gr.windows(2).all(|p| p[0] < p[1]), "row {r}: selection is not ascending");
-        let same = gr.iter().filter(|i| cr.binary_search(i).is_ok()).count();
-        eprintln!(
-            "PARITY topk row {r} ({} candidates): {same}/{TOP_K} identical",
-            (plan.positions[r] as usize + 1) / 4
+    // Two rows of different lengths, then six rows of the long sequence's last tokens
+    // (more slices than the GPU has SMs).
+    let plans = [
+        BatchPlan::new(vec![(0, table.clone(), ctx - 1, &toks[..1]), (1, table.clone(), 40_000, &toks[1..2])]),
+        BatchPlan::new(vec![(0, table, ctx - 6, &toks[..])]),
+    ];
+    for plan in &plans {
+        let rows = plan.rows();
+        let q = rand_vec(&mut rng, rows * IDX_HEADS * IDX_DIM, 0.3);
+        let w = rand_vec(&mut rng, rows * IDX_HEADS, 1.0);
+        let gsel = g.idx_download(
+            &gs.b.index_topk(&gs.kv, &layout, 0, plan, &gs.b.upload(&q), &gs.b.upload(&w), IDX_HEADS, TOP_K).indices,
         );
-        assert!(same + 2 >= TOP_K, "row {r}: only {same} of {TOP_K} selected entries agree");
+        let csel = cs.b.index_topk(&cs.kv, &layout, 0, plan, &q, &w, IDX_HEADS, TOP_K).indices;
+        for r in 0..rows {
+            let (gr, cr) = (&gsel[r * TOP_K..(r + 1) * TOP_K], &csel[r * TOP_K..(r + 1) * TOP_K]);
+            assert!(gr.windows(2).all(|p| p[0] < p[1]), "row {r}: selection is not ascending");
+            let same = gr.iter().filter(|i| cr.binary_search(i).is_ok()).count();
+            eprintln!(
+                "PARITY topk {rows} rows, row {r} ({} candidates): {same}/{TOP_K} identical",
+                (plan.positions[r] as usize + 1) / 4
+            );
+            assert!(same + 2 >= TOP_K, "row {r}: only {same} of {TOP_K} selected entries agree");
+        }
     }
 }

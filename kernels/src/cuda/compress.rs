@@ -1,13 +1,14 @@
-//! The compressors on the GPU: one fused kernel computes every entry this batch
-//! completes (pooling, norm, RoPE, page write), then the ring keeps each sequence's
-//! last window(s) of projections for the entries later steps complete.
+//! The compressors on the GPU: every entry this batch completes is pooled by a kernel
+//! spread over (channel chunk, entry) blocks, then normed, rotated and written to its
+//! page by one block per entry; the ring keeps each sequence's last window(s) of
+//! projections for the entries later steps complete.
 
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::memory::{CudaBuf, dtype_code};
 use super::rows::RopeParams;
-use super::runtime::{cfg, cfg_elems, launch};
+use super::runtime::{cfg, launch};
 use crate::backend::{CompressorParams, KvState};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
@@ -81,41 +82,51 @@ pub(crate) fn compress(
     };
     let (entries, n) = dp.entries(g, ratio);
     if n > 0 {
-        // Token groups: one for CSA's 8 sources, four for HCA's 128 (see compress.cu).
+        let pooled = b.alloc_buf(n * dim);
+        // Source groups per channel: eight sources per thread (see compress.cu).
         let n_src = if lk.kind() == AttnKind::Csa { 2 * ratio } else { ratio };
-        let tg = (n_src / 16).clamp(1, 4);
-        let threads = (dim.next_multiple_of(32).min(512) * tg).min(1024);
-        let smem = (3 * tg + 1) * dim * 4;
-        assert!(smem <= 48 * 1024, "compressor entry of {dim} dims exceeds the kernel's shared memory");
+        let groups = (n_src / 8).clamp(1, 8);
+        let per_block = 256 / groups;
         launch!(
             g,
-            "compress_entries",
-            cfg((n as u32, 1, 1), threads as u32, smem as u32),
+            "compress_pool",
+            cfg((dim.div_ceil(per_block) as u32, n as u32, 1), 256, 0),
             g.ptr(&*entries),
             g.ptr(&dp.seqs),
-            g.ptr(&dp.pages),
             g.ptr(&proj_kv.mem),
             g.ptr(&proj_score.mem),
             g.ptr(&p.ape.mem),
-            g.ptr(&p.norm.mem),
             g.ptr(&kv.comp.mem),
+            g.ptr(&pooled.mem),
+            geom,
+            groups as i32,
+        );
+        let smem = dim * 4;
+        assert!(smem <= 48 * 1024, "compressor entry of {dim} dims exceeds the kernel's shared memory");
+        launch!(
+            g,
+            "compress_finish",
+            cfg((n as u32, 1, 1), 128, smem as u32),
+            g.ptr(&*entries),
+            g.ptr(&dp.seqs),
+            g.ptr(&dp.pages),
+            g.ptr(&pooled.mem),
+            g.ptr(&p.norm.mem),
             g.ptr(&kv.pages.mem),
             geom,
             RopeParams::new(p.rope),
-            tg as i32,
         );
     }
+    let slots = lk.comp_slots();
     launch!(
         g,
         "compress_store",
-        cfg_elems(rows * width),
-        g.ptr(&dp.row_seq),
+        cfg(((slots * width).div_ceil(256) as u32, plan.seqs.len() as u32, 1), 256, 0),
         g.ptr(&dp.seqs),
         g.ptr(&proj_kv.mem),
         g.ptr(&proj_score.mem),
         g.ptr(&p.ape.mem),
         g.ptr(&kv.comp.mem),
-        rows as i32,
         geom,
     );
 }

@@ -1,6 +1,7 @@
-// The KV compressors, fused: one block per completed entry computes the per-channel
-// softmax(score)-weighted sum over the entry's window(s), the weighted RMSNorm and the
-// RoPE at position ratio·i, and writes the entry into its page. Tokens of this batch
+// The KV compressors: `compress_pool` computes the per-channel softmax(score)-weighted
+// sum over each completed entry's window(s) with the work spread over many blocks (the
+// bytes are the projections, read once), then `compress_finish` applies the weighted
+// RMSNorm and the RoPE at position ratio·i per entry and writes it into its page. Tokens of this batch
 // are read straight from the projections (score + position bias added on the fly);
 // older tokens from the sequence's compressor ring, which `compress_store` updates
 // afterwards with the last `slots` tokens of each sequence.
@@ -18,36 +19,34 @@ __device__ __forceinline__ void comp_source(const CompressGeom& g, int i, int pr
     *off = u < prev ? 0 : (g.overlap ? g.dim : 0);
 }
 
-// Block layout: `tg` token groups of blockDim/tg threads; a thread keeps an online
-// softmax (max, sum, weighted sum) per channel over its group's tokens, one exp per
-// token, and the groups are merged through shared memory. CSA entries (8 sources) use
-// one group; HCA entries (128 sources) several, so each thread has fewer dependent
-// steps and more loads in flight. Dynamic shared memory: (3·tg + 1)·dim floats.
-extern "C" __global__ void compress_entries(const int* entries, const int* seqs, const u32* pages,
-                                            const float* proj_kv, const float* proj_score, const float* ape,
-                                            const float* norm, const float* comp, u8* page_base, CompressGeom g,
-                                            RopeParams rp, int tg) {
-    extern __shared__ float sm[];
-    float* ent = sm;
-    float* pm = sm + g.dim;
-    float* ps = pm + tg * g.dim;
-    float* pn = ps + tg * g.dim;
-    const int sq = entries[2 * blockIdx.x], i = entries[2 * blockIdx.x + 1];
+// Pooling, spread for bandwidth: grid (ceil(dim / (256 / groups)), entries), 256
+// threads = (256 / groups) channels × `groups` source groups (1 for CSA's 8 sources, 8
+// for HCA's 128). A warp reads 32 consecutive channels of one source (128-byte loads);
+// each thread keeps an online softmax (max, sum, weighted sum) over its group's sources
+// with eight sources' loads issued before any is used, and the groups are merged in
+// group order through shared memory. The pooled entry (before norm and RoPE) goes to
+// `pooled` [entries, dim].
+#define POOL_GROUPS_MAX 8
+extern "C" __global__ void __launch_bounds__(256)
+    compress_pool(const int* entries, const int* seqs, const float* proj_kv, const float* proj_score,
+                  const float* ape, const float* comp, float* pooled, CompressGeom g, int groups) {
+    __shared__ float pm[POOL_GROUPS_MAX][256], ps[POOL_GROUPS_MAX][256], pn[POOL_GROUPS_MAX][256];
+    const int sq = entries[2 * blockIdx.y], i = entries[2 * blockIdx.y + 1];
     const int* seq = seqs + sq * SEQ_STRIDE;
     const int first_row = seq[SEQ_FIRST_ROW], start = seq[SEQ_START], slot = seq[SEQ_SLOT];
     const float* ring_kv = comp + (long long)slot * g.comp_elems + g.comp_off;
     const float* ring_sc = ring_kv + (long long)g.slots * g.width;
     const int prev = (g.overlap && i > 0) ? g.ratio : 0;
     const int n_src = prev + g.ratio;
-    const int ct = blockDim.x / tg, grp = threadIdx.x / ct, lane_c = threadIdx.x % ct;
-    for (int c = lane_c; c < g.dim; c += ct) {
-        float m = NEG_INF, sum = 0.0f, num = 0.0f;
-        // Four sources' loads issued before any of them is used.
-        for (int u0 = grp; u0 < n_src; u0 += 4 * tg) {
-            float scv[4], kvv[4];
+    const int cpb = blockDim.x / groups, cl = threadIdx.x % cpb, grp = threadIdx.x / cpb;
+    const int c = blockIdx.x * cpb + cl;
+    float m = NEG_INF, sum = 0.0f, num = 0.0f;
+    if (c < g.dim) {
+        for (int u0 = grp; u0 < n_src; u0 += 8 * groups) {
+            float scv[8], kvv[8];
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int u = u0 + q * tg;
+            for (int q = 0; q < 8; q++) {
+                const int u = u0 + q * groups;
                 scv[q] = NEG_INF;
                 kvv[q] = 0.0f;
                 if (u < n_src) {
@@ -66,7 +65,7 @@ extern "C" __global__ void compress_entries(const int* entries, const int* seqs,
                 }
             }
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
+            for (int q = 0; q < 8; q++) {
                 const float sc = scv[q], kv = kvv[q];
                 if (sc == NEG_INF) continue;
                 if (sc <= m) {
@@ -81,26 +80,39 @@ extern "C" __global__ void compress_entries(const int* entries, const int* seqs,
                 }
             }
         }
-        pm[grp * g.dim + c] = m;
-        ps[grp * g.dim + c] = sum;
-        pn[grp * g.dim + c] = num;
     }
+    pm[grp][cl] = m;
+    ps[grp][cl] = sum;
+    pn[grp][cl] = num;
     __syncthreads();
-    for (int c = threadIdx.x; c < g.dim; c += blockDim.x) {
-        float m = NEG_INF;
-        for (int t = 0; t < tg; t++) m = fmaxf(m, pm[t * g.dim + c]);
-        float sum = 0.0f, num = 0.0f;
-        for (int t = 0; t < tg; t++) {
-            const float mt = pm[t * g.dim + c];
-            if (mt == NEG_INF) continue;
-            const float a = expf(mt - m);
-            sum += ps[t * g.dim + c] * a;
-            num += pn[t * g.dim + c] * a;
-        }
-        ent[c] = num / sum;
+    if (grp != 0 || c >= g.dim) return;
+    float mx = NEG_INF;
+    for (int t = 0; t < groups; t++) mx = fmaxf(mx, pm[t][cl]);
+    float tot = 0.0f, acc = 0.0f;
+    for (int t = 0; t < groups; t++) {
+        const float mt = pm[t][cl];
+        if (mt == NEG_INF) continue;
+        const float a = expf(mt - mx);
+        tot += ps[t][cl] * a;
+        acc += pn[t][cl] * a;
     }
+    pooled[(long long)blockIdx.y * g.dim + c] = acc / tot;
+}
+
+// One block per entry: weighted RMSNorm of the pooled entry, RoPE at position ratio·i,
+// and the page write. Dynamic shared memory: dim floats.
+extern "C" __global__ void compress_finish(const int* entries, const int* seqs, const u32* pages, const float* pooled,
+                                           const float* norm, u8* page_base, CompressGeom g, RopeParams rp) {
+    extern __shared__ float ent[];
+    const int sq = entries[2 * blockIdx.x], i = entries[2 * blockIdx.x + 1];
+    const int* seq = seqs + sq * SEQ_STRIDE;
+    const float* src = pooled + (long long)blockIdx.x * g.dim;
     float ss = 0.0f;
-    for (int c = threadIdx.x; c < g.dim; c += blockDim.x) ss += ent[c] * ent[c];
+    for (int c = threadIdx.x; c < g.dim; c += blockDim.x) {
+        const float v = src[c];
+        ent[c] = v;
+        ss += v * v;
+    }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
     for (int c = threadIdx.x; c < g.dim; c += blockDim.x) ent[c] = norm[c] * (ent[c] * inv);
@@ -117,20 +129,21 @@ extern "C" __global__ void compress_entries(const int* entries, const int* seqs,
 }
 
 // Ring update: each sequence's last `slots` tokens of this batch go to slot t % slots
-// (kv, and score with the position bias added). One thread per (row, channel).
-extern "C" __global__ void compress_store(const int* row_seq, const int* seqs, const float* proj_kv,
-                                          const float* proj_score, const float* ape, float* comp, int rows,
-                                          CompressGeom g) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)rows * g.width) return;
-    const int r = (int)(idx / g.width), c = (int)(idx % g.width);
-    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
-    const int j = r - seq[SEQ_FIRST_ROW];
-    if (j + g.slots < seq[SEQ_ROWS]) return;
+// (kv, and score with the position bias added). grid (ceil(slots·width / 256), seqs):
+// only the rows that land in the ring are visited.
+extern "C" __global__ void compress_store(const int* seqs, const float* proj_kv, const float* proj_score,
+                                          const float* ape, float* comp, CompressGeom g) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)g.slots * g.width) return;
+    const int k = (int)(idx / g.width), c = (int)(idx % g.width);
+    const int* seq = seqs + blockIdx.y * SEQ_STRIDE;
+    const int j = seq[SEQ_ROWS] - g.slots + k;
+    if (j < 0) return;
+    const long long src = (long long)(seq[SEQ_FIRST_ROW] + j) * g.width + c;
     const int t = seq[SEQ_START] + j;
     float* ring_kv = comp + (long long)seq[SEQ_SLOT] * g.comp_elems + g.comp_off;
     float* ring_sc = ring_kv + (long long)g.slots * g.width;
     const int s = t % g.slots;
-    ring_kv[s * g.width + c] = proj_kv[idx];
-    ring_sc[s * g.width + c] = proj_score[idx] + ape[(t % g.ratio) * g.width + c];
+    ring_kv[s * g.width + c] = proj_kv[src];
+    ring_sc[s * g.width + c] = proj_score[src] + ape[(t % g.ratio) * g.width + c];
 }
