@@ -10,7 +10,17 @@ pub mod pytools;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use cluster::launch::{ServiceProcess, find_binary, free_port};
+use cluster::launch::{LaunchError, ServiceProcess, find_binary, free_port};
+
+/// Starts of one service before a lost port race fails the test (see [`lost_bind_race`]).
+const BIND_ATTEMPTS: usize = 3;
+
+/// A port from `free_port` is released before the child binds it, and an outgoing
+/// connection of any process on the machine can be given it in between (ephemeral ports
+/// come from the same range). A child that exited saying so is started again elsewhere.
+fn lost_bind_race(e: &LaunchError) -> bool {
+    matches!(e, LaunchError::Exited { log, .. } if log.contains("Address already in use"))
+}
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use http_body_util::{BodyExt, Full};
 use sluice_proto::v1 as pb;
@@ -117,9 +127,18 @@ impl TestCluster {
             match kv.url {
                 Some(url) => c.kvstore_url = Some(url),
                 None => {
-                    let port = free_port();
-                    c.kvstore_url = Some(format!("http://127.0.0.1:{port}"));
-                    c.start_kvstore().await;
+                    for attempt in 1..=BIND_ATTEMPTS {
+                        c.kvstore_url = Some(format!("http://127.0.0.1:{}", free_port()));
+                        match c.try_start_kvstore().await {
+                            Ok(()) => break,
+                            Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
+                                eprintln!(
+                                    "kvstore: its port was taken before it bound it; starting it again elsewhere"
+                                );
+                            }
+                            Err(e) => panic!("kvstore healthy: {e:?}"),
+                        }
+                    }
                 }
             }
         }
@@ -147,47 +166,70 @@ impl TestCluster {
     /// serving metrics on a port of its own ([`TestCluster::metrics_url`]).
     pub async fn add_worker(&mut self, role: &str, index: usize, extra: Vec<String>) -> String {
         let bin = find_binary(&format!("{role}-worker")).expect("worker binary");
-        let (port, metrics_port) = (free_port(), free_port());
-        let mut args = vec![
-            "--model".into(),
-            self.model.display().to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-            "--metrics-listen".into(),
-            format!("127.0.0.1:{metrics_port}"),
-        ];
-        if let Some(e) = &self.spec.etcd {
-            args.extend(["--etcd".into(), e.clone()]);
-        }
-        if self.spec.debug_hooks {
-            args.push("--debug-hooks".into());
-        }
-        if role == "decode" {
-            args.extend(self.spec.decode_args.clone());
-        }
-        if role == "prefill"
-            && let Some(url) = &self.kvstore_url
-        {
-            args.extend(["--kvstore".into(), url.clone()]);
-        }
-        args.extend(extra);
         let name = format!("{role}-{index}");
-        let mut p = ServiceProcess::spawn(
-            &name,
-            &bin,
-            &args,
-            &self.env(),
-            format!("http://127.0.0.1:{port}"),
-            &self.dir.path().join("logs"),
-        )
-        .expect("spawn worker")
-        .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
-        p.wait_healthy(READY).await.expect("worker healthy");
-        self.workers.push(p);
-        name
+        for attempt in 1..=BIND_ATTEMPTS {
+            let (port, metrics_port) = (free_port(), free_port());
+            let mut args = vec![
+                "--model".into(),
+                self.model.display().to_string(),
+                "--listen".into(),
+                format!("127.0.0.1:{port}"),
+                "--metrics-listen".into(),
+                format!("127.0.0.1:{metrics_port}"),
+            ];
+            if let Some(e) = &self.spec.etcd {
+                args.extend(["--etcd".into(), e.clone()]);
+            }
+            if self.spec.debug_hooks {
+                args.push("--debug-hooks".into());
+            }
+            if role == "decode" {
+                args.extend(self.spec.decode_args.clone());
+            }
+            if role == "prefill"
+                && let Some(url) = &self.kvstore_url
+            {
+                args.extend(["--kvstore".into(), url.clone()]);
+            }
+            args.extend(extra.iter().cloned());
+            let mut p = ServiceProcess::spawn(
+                &name,
+                &bin,
+                &args,
+                &self.env(),
+                format!("http://127.0.0.1:{port}"),
+                &self.dir.path().join("logs"),
+            )
+            .expect("spawn worker")
+            .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+            match p.wait_healthy(READY).await {
+                Ok(()) => {
+                    self.workers.push(p);
+                    return name;
+                }
+                Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
+                    eprintln!("{name}: its port was taken before it bound it; starting it again on other ports");
+                }
+                Err(e) => panic!("worker healthy: {e:?}"),
+            }
+        }
+        unreachable!("the last attempt returns or panics")
     }
 
     async fn start_router(&mut self) {
+        for attempt in 1..=BIND_ATTEMPTS {
+            match self.try_start_router().await {
+                Ok(()) => break,
+                Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
+                    eprintln!("router: its port was taken before it bound it; starting it again on other ports");
+                }
+                Err(e) => panic!("router healthy: {e:?}"),
+            }
+        }
+        self.wait_for_workers(self.spec.prefill, self.spec.decode).await;
+    }
+
+    async fn try_start_router(&mut self) -> Result<(), LaunchError> {
         let bin = find_binary("router").expect("router binary");
         let (gp, hp) = (free_port(), free_port());
         let mut args = vec![
@@ -220,15 +262,19 @@ impl TestCluster {
             ServiceProcess::spawn("router", &bin, &args, &self.env(), url.clone(), &self.dir.path().join("logs"))
                 .expect("spawn router")
                 .with_metrics_url(format!("http://127.0.0.1:{hp}/metrics"));
-        r.wait_healthy(READY).await.expect("router healthy");
+        r.wait_healthy(READY).await?;
         self.grpc = url;
         self.http = format!("127.0.0.1:{hp}");
         self.router = Some(r);
-        self.wait_for_workers(self.spec.prefill, self.spec.decode).await;
+        Ok(())
     }
 
     /// Start (or start again, on the same port and directory) the cluster's kvstore.
     pub async fn start_kvstore(&mut self) {
+        self.try_start_kvstore().await.expect("kvstore healthy");
+    }
+
+    async fn try_start_kvstore(&mut self) -> Result<(), LaunchError> {
         let kv = self.spec.kvstore.clone().expect("a cluster with a kvstore");
         let url = self.kvstore_url.clone().expect("a kvstore URL");
         let listen = url.trim_start_matches("http://").to_string();
@@ -256,8 +302,9 @@ impl TestCluster {
         let mut p = ServiceProcess::spawn(&name, &bin, &args, &self.env(), url, &self.dir.path().join("logs"))
             .expect("spawn kvstore")
             .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
-        p.wait_healthy(READY).await.expect("kvstore healthy");
+        p.wait_healthy(READY).await?;
         self.kvstore = Some(p);
+        Ok(())
     }
 
     /// Stop the kvstore: `kill -9` when `crash`, else SIGTERM (it writes out its queue).
