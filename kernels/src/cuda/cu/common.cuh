@@ -38,7 +38,8 @@ __device__ __forceinline__ void store_entry(u8* base, int dtype, long long i, fl
     else ((u16*)base)[i] = f2bf(v);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -50,9 +51,11 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ float block_sum(float v) {
-    __shared__ float part[32];
-    __shared__ float total;
+// f32 for values, u32 for counts (exact at any size). It may be called again right away.
+template <typename T>
+__device__ T block_sum(T v) {
+    __shared__ T part[32];
+    __shared__ T total;
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     v = warp_sum(v);
     __syncthreads();
@@ -60,7 +63,7 @@ __device__ float block_sum(float v) {
     __syncthreads();
     if (w == 0) {
         int nw = blockDim.x >> 5;
-        float s = lane < nw ? part[lane] : 0.0f;
+        T s = lane < nw ? part[lane] : T(0);
         s = warp_sum(s);
         if (lane == 0) total = s;
     }

@@ -260,33 +260,12 @@ extern "C" __global__ void __launch_bounds__(1024) topk_count(const float* score
         gt += key > T;
         eq += key == T;
     }
-    gt = (u32)block_sum((float)gt);
-    eq = (u32)block_sum((float)eq);
+    gt = block_sum(gt);
+    eq = block_sum(eq);
     if (threadIdx.x == 0) {
         counts[((long long)r * gridDim.x + blockIdx.x) * 2] = gt;
         counts[((long long)r * gridDim.x + blockIdx.x) * 2 + 1] = eq;
     }
-}
-
-// Block-wide sum of u32 (exact at any count, unlike block_sum's f32). Every thread must
-// call it; it may be called again right away.
-__device__ u32 block_sum_u32(u32 v) {
-    __shared__ u32 part[32];
-    __shared__ u32 total;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    __syncthreads();
-    if (lane == 0) part[w] = v;
-    __syncthreads();
-    if (w == 0) {
-        u32 t = lane < (int)(blockDim.x >> 5) ? part[lane] : 0u;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) t += __shfl_xor_sync(0xffffffffu, t, off);
-        if (lane == 0) total = t;
-    }
-    __syncthreads();
-    return total;
 }
 
 // Per slice: its place in the row's output from the counts of the slices before it,
@@ -311,8 +290,8 @@ extern "C" __global__ void __launch_bounds__(1024) topk_write(const float* score
         gt_before += counts[((long long)r * gridDim.x + b) * 2];
         eq_before += counts[((long long)r * gridDim.x + b) * 2 + 1];
     }
-    gt_before = block_sum_u32(gt_before);
-    eq_before = block_sum_u32(eq_before);
+    gt_before = block_sum(gt_before);
+    eq_before = block_sum(eq_before);
     const u32 base_eq = eq_before, base_sel = gt_before + min(eq_before, remaining);
     const int lo = blockIdx.x * chunk, hi = min(n, lo + chunk);
     tk_compact(scores + (long long)r * n_max, lo, hi, T, remaining, base_eq, base_sel, o);
