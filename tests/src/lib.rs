@@ -21,6 +21,20 @@ const BIND_ATTEMPTS: usize = 3;
 fn lost_bind_race(e: &LaunchError) -> bool {
     matches!(e, LaunchError::Exited { log, .. } if log.contains("Address already in use"))
 }
+
+/// The outcome of start attempt `attempt` of `what`: `true` once it is healthy, `false`
+/// to start it again on fresh ports after a lost port race; any other failure (or the
+/// last attempt's) fails the test.
+fn started(what: &str, attempt: usize, outcome: Result<(), LaunchError>) -> bool {
+    match outcome {
+        Ok(()) => true,
+        Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
+            eprintln!("{what}: its port was taken before it bound it; starting it again on other ports");
+            false
+        }
+        Err(e) => panic!("{what} healthy: {e:?}"),
+    }
+}
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use http_body_util::{BodyExt, Full};
 use sluice_proto::v1 as pb;
@@ -129,14 +143,8 @@ impl TestCluster {
                 None => {
                     for attempt in 1..=BIND_ATTEMPTS {
                         c.kvstore_url = Some(format!("http://127.0.0.1:{}", free_port()));
-                        match c.try_start_kvstore().await {
-                            Ok(()) => break,
-                            Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
-                                eprintln!(
-                                    "kvstore: its port was taken before it bound it; starting it again elsewhere"
-                                );
-                            }
-                            Err(e) => panic!("kvstore healthy: {e:?}"),
+                        if started("kvstore", attempt, c.try_start_kvstore().await) {
+                            break;
                         }
                     }
                 }
@@ -165,65 +173,60 @@ impl TestCluster {
     /// Start another worker (`role` = "prefill" | "decode"), named `<role>-<index>`,
     /// serving metrics on a port of its own ([`TestCluster::metrics_url`]).
     pub async fn add_worker(&mut self, role: &str, index: usize, extra: Vec<String>) -> String {
-        let bin = find_binary(&format!("{role}-worker")).expect("worker binary");
         let name = format!("{role}-{index}");
         for attempt in 1..=BIND_ATTEMPTS {
-            let (port, metrics_port) = (free_port(), free_port());
-            let mut args = vec![
-                "--model".into(),
-                self.model.display().to_string(),
-                "--listen".into(),
-                format!("127.0.0.1:{port}"),
-                "--metrics-listen".into(),
-                format!("127.0.0.1:{metrics_port}"),
-            ];
-            if let Some(e) = &self.spec.etcd {
-                args.extend(["--etcd".into(), e.clone()]);
-            }
-            if self.spec.debug_hooks {
-                args.push("--debug-hooks".into());
-            }
-            if role == "decode" {
-                args.extend(self.spec.decode_args.clone());
-            }
-            if role == "prefill"
-                && let Some(url) = &self.kvstore_url
-            {
-                args.extend(["--kvstore".into(), url.clone()]);
-            }
-            args.extend(extra.iter().cloned());
-            let mut p = ServiceProcess::spawn(
-                &name,
-                &bin,
-                &args,
-                &self.env(),
-                format!("http://127.0.0.1:{port}"),
-                &self.dir.path().join("logs"),
-            )
-            .expect("spawn worker")
-            .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
-            match p.wait_healthy(READY).await {
-                Ok(()) => {
-                    self.workers.push(p);
-                    return name;
-                }
-                Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
-                    eprintln!("{name}: its port was taken before it bound it; starting it again on other ports");
-                }
-                Err(e) => panic!("worker healthy: {e:?}"),
+            if started(&name, attempt, self.try_add_worker(role, &name, &extra).await) {
+                break;
             }
         }
-        unreachable!("the last attempt returns or panics")
+        name
+    }
+
+    async fn try_add_worker(&mut self, role: &str, name: &str, extra: &[String]) -> Result<(), LaunchError> {
+        let bin = find_binary(&format!("{role}-worker")).expect("worker binary");
+        let (port, metrics_port) = (free_port(), free_port());
+        let mut args = vec![
+            "--model".into(),
+            self.model.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--metrics-listen".into(),
+            format!("127.0.0.1:{metrics_port}"),
+        ];
+        if let Some(e) = &self.spec.etcd {
+            args.extend(["--etcd".into(), e.clone()]);
+        }
+        if self.spec.debug_hooks {
+            args.push("--debug-hooks".into());
+        }
+        if role == "decode" {
+            args.extend(self.spec.decode_args.clone());
+        }
+        if role == "prefill"
+            && let Some(url) = &self.kvstore_url
+        {
+            args.extend(["--kvstore".into(), url.clone()]);
+        }
+        args.extend(extra.iter().cloned());
+        let mut p = ServiceProcess::spawn(
+            name,
+            &bin,
+            &args,
+            &self.env(),
+            format!("http://127.0.0.1:{port}"),
+            &self.dir.path().join("logs"),
+        )
+        .expect("spawn worker")
+        .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+        p.wait_healthy(READY).await?;
+        self.workers.push(p);
+        Ok(())
     }
 
     async fn start_router(&mut self) {
         for attempt in 1..=BIND_ATTEMPTS {
-            match self.try_start_router().await {
-                Ok(()) => break,
-                Err(e) if lost_bind_race(&e) && attempt < BIND_ATTEMPTS => {
-                    eprintln!("router: its port was taken before it bound it; starting it again on other ports");
-                }
-                Err(e) => panic!("router healthy: {e:?}"),
+            if started("router", attempt, self.try_start_router().await) {
+                break;
             }
         }
         self.wait_for_workers(self.spec.prefill, self.spec.decode).await;
