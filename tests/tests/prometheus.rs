@@ -9,6 +9,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use sluice_e2e::deploy_files::{panels, root as repo};
 use sluice_e2e::pytools::pytools;
 use sluice_e2e::{KvSpec, Spec, TestCluster, http, ids_request, prompt};
 
@@ -17,10 +18,6 @@ const VOCAB: u32 = 320;
 const INTERVAL: &str = "1s";
 /// What `$__rate_interval` stands for: a few scrape intervals.
 const RATE_WINDOW: &str = "15s";
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_path_buf()
-}
 
 fn find(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
@@ -151,15 +148,6 @@ fn unfiltered(expr: &str) -> String {
                 i += 1;
             }
         }
-    }
-    out
-}
-
-fn panels(v: &Value) -> Vec<&Value> {
-    let mut out = Vec::new();
-    for p in v["panels"].as_array().into_iter().flatten() {
-        out.push(p);
-        out.extend(panels(p));
     }
     out
 }
