@@ -128,8 +128,16 @@ pub(crate) fn index_topk(
 
 /// Rows of more candidates than this are split over several blocks.
 const TOPK_ONE_BLOCK_MAX: usize = 16384;
-/// Candidates per block on the multi-block path.
+/// Candidates per block on the multi-launch path.
 const TOPK_CHUNK: usize = 2048;
+/// Largest k of the multi-block path (`TK_K_MAX` in indexer.cu: the ids are sorted in
+/// shared memory).
+const TOPK_K_MAX: usize = 2048;
+/// u32s of per-row state (`TK_STATE`) and digit histogram (`TK_DBINS`).
+const TOPK_STATE: usize = 8;
+const TOPK_DBINS: usize = 4096;
+/// A launch group's candidate lists stay under this many entries (rows × n_max).
+const TOPK_GROUP_ENTRIES: usize = 1 << 24;
 
 /// Top-`k` of each row's first `(position + 1) / ratio` scores (`scores[rows, n_max]`),
 /// ascending entry ids into `out[rows, k]`, -1 past the visible count.
@@ -149,57 +157,41 @@ pub(crate) fn select_topk(
         launch!(g, "topk_select", cfg((rows as u32, 1, 1), 1024, 0), scores, n_max_i, positions, ratio_i, k_i, out);
         return;
     }
+    assert!(k <= TOPK_K_MAX, "index top-k of {k} over {n_max} candidates: the CUDA path sorts at most {TOPK_K_MAX}");
     let slices = n_max.div_ceil(TOPK_CHUNK);
-    let grid = (slices as u32, rows as u32, 1);
-    let state = g.alloc::<u32>(4 * rows);
-    let ghist = g.zeros::<u32>(2048 * rows);
-    let tickets = g.zeros::<u32>(rows);
-    let counts = g.alloc::<u32>(2 * slices * rows);
     let chunk = TOPK_CHUNK as i32;
-    for pass in 0..3i32 {
+    let group = (TOPK_GROUP_ENTRIES / n_max).clamp(1, rows);
+    let state = g.scratch("topk_state", TOPK_STATE * group);
+    let ghist = g.scratch("topk_hist", TOPK_DBINS * group);
+    let tickets = g.scratch("topk_tickets", group);
+    let sure = g.scratch("topk_sure", k * group);
+    let cand_key = g.scratch("topk_cand_key", n_max * group);
+    let cand_idx = g.scratch("topk_cand_idx", n_max * group);
+    for r0 in (0..rows).step_by(group) {
+        let nr = group.min(rows - r0);
+        let (s, pos, o) = (scores + (4 * r0 * n_max) as u64, positions + (4 * r0) as u64, out + (4 * r0 * k) as u64);
+        let grid = cfg((slices as u32, nr as u32, 1), 1024, 0);
+        for pass in 0..2i32 {
+            launch!(g, "topk_hist", grid, s, n_max_i, pos, ratio_i, k_i, chunk, pass, state, ghist, tickets);
+        }
         launch!(
             g,
-            "topk_hist",
-            cfg(grid, 1024, 0),
-            scores,
+            "topk_gather",
+            grid,
+            s,
             n_max_i,
-            positions,
+            pos,
             ratio_i,
             k_i,
-            pass,
             chunk,
-            g.ptr(&state),
-            g.ptr(&ghist),
-            g.ptr(&tickets)
+            state,
+            tickets,
+            sure,
+            cand_key,
+            cand_idx,
+            o
         );
     }
-    launch!(
-        g,
-        "topk_count",
-        cfg(grid, 1024, 0),
-        scores,
-        n_max_i,
-        positions,
-        ratio_i,
-        k_i,
-        chunk,
-        g.ptr(&state),
-        g.ptr(&counts)
-    );
-    launch!(
-        g,
-        "topk_write",
-        cfg(grid, 1024, 0),
-        scores,
-        n_max_i,
-        positions,
-        ratio_i,
-        k_i,
-        chunk,
-        g.ptr(&state),
-        g.ptr(&counts),
-        out
-    );
 }
 
 /// Splits of the key axis: enough blocks to fill the GPU when rows are few, each split

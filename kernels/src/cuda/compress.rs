@@ -1,7 +1,7 @@
-//! The compressors on the GPU: every entry this batch completes is pooled by a kernel
-//! spread over (channel chunk, entry) blocks, then normed, rotated and written to its
-//! page by one block per entry; the ring keeps each sequence's last window(s) of
-//! projections for the entries later steps complete.
+//! The compressors on the GPU: every entry this batch completes is pooled, normed,
+//! rotated and written to its page by one kernel (one block an entry, or for HCA's long
+//! windows a few blocks an entry whose last one finishes it); the ring keeps each
+//! sequence's last window(s) of projections for the entries later steps complete.
 
 use cudarc::driver::DeviceRepr;
 
@@ -12,6 +12,11 @@ use super::runtime::{cfg, launch};
 use crate::backend::{CompressorParams, KvState};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
+
+/// Sources one block pools (`compress_entries`); more per entry split over blocks.
+const COMPRESS_CHUNK_SOURCES: usize = 16;
+/// `__launch_bounds__` of `compress_entries`: two channels per thread.
+const COMPRESS_MAX_THREADS: usize = 512;
 
 /// `struct CompressGeom` in compress.cu.
 #[repr(C)]
@@ -57,6 +62,18 @@ pub(crate) fn compress(
     assert_eq!(p.ape.len, ratio * width, "compressor position bias shape");
     assert_eq!(p.norm.len, dim, "compressor norm weight length");
     assert!(p.rope.dims() <= dim, "compressor rope dims exceed the entry");
+    // The kernel reads two channels per thread as float2 (docs/cuda.md).
+    assert!(
+        dim.is_multiple_of(2) && dim <= 2 * COMPRESS_MAX_THREADS,
+        "compressor entries of {dim} dims: the CUDA kernel needs an even count, at most {}",
+        2 * COMPRESS_MAX_THREADS
+    );
+    assert!(
+        layout.comp_elems.is_multiple_of(2) && lk.comp_offset(branch).is_multiple_of(2),
+        "compressor state is not 8-byte aligned (comp_elems {}, offset {})",
+        layout.comp_elems,
+        lk.comp_offset(branch)
+    );
     if rows == 0 {
         return;
     }
@@ -82,37 +99,32 @@ pub(crate) fn compress(
     };
     let (entries, n) = dp.entries(g, ratio);
     if n > 0 {
-        let pooled = b.alloc_buf(n * dim);
-        // Source groups per channel: eight sources per thread (see compress.cu).
+        // Sources per entry: CSA pools two overlapping windows, HCA one. Chunks of 16
+        // sources per block (HCA's 128 → 8 blocks an entry), a function of the layer
+        // alone so an entry pools the same way in every batch.
         let n_src = if lk.kind() == AttnKind::Csa { 2 * ratio } else { ratio };
-        let groups = (n_src / 8).clamp(1, 8);
-        let per_block = 256 / groups;
+        let chunks = (n_src / COMPRESS_CHUNK_SOURCES).max(1);
+        let threads = (dim / 2).div_ceil(32) * 32;
+        let (partial, tickets) = if chunks > 1 {
+            (g.scratch("compress_partial", n * chunks * 3 * dim), g.scratch("compress_tickets", n))
+        } else {
+            (0, 0)
+        };
         launch!(
             g,
-            "compress_pool",
-            cfg((dim.div_ceil(per_block) as u32, n as u32, 1), 256, 0),
+            "compress_entries",
+            cfg((chunks as u32, n as u32, 1), threads as u32, 0),
             g.ptr(&*entries),
             g.ptr(&dp.seqs),
+            g.ptr(&dp.pages),
             g.ptr(&proj_kv.mem),
             g.ptr(&proj_score.mem),
             g.ptr(&p.ape.mem),
             g.ptr(&kv.comp.mem),
-            g.ptr(&pooled.mem),
-            geom,
-            groups as i32,
-        );
-        let smem = dim * 4;
-        assert!(smem <= 48 * 1024, "compressor entry of {dim} dims exceeds the kernel's shared memory");
-        launch!(
-            g,
-            "compress_finish",
-            cfg((n as u32, 1, 1), 128, smem as u32),
-            g.ptr(&*entries),
-            g.ptr(&dp.seqs),
-            g.ptr(&dp.pages),
-            g.ptr(&pooled.mem),
             g.ptr(&p.norm.mem),
             g.ptr(&kv.pages.mem),
+            partial,
+            tickets,
             geom,
             RopeParams::new(p.rope),
         );

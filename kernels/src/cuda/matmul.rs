@@ -41,7 +41,7 @@ pub(crate) struct Operand {
 }
 
 /// Kernel-name suffix of a weight format and the weights its vector loads take at once.
-fn family(w: &CudaWeight) -> (&'static str, usize) {
+pub(crate) fn family(w: &CudaWeight) -> (&'static str, usize) {
     match &w.data {
         WeightData::F32(_) => ("f32", 8),
         WeightData::Bf16(_) => ("bf16", 8),
@@ -49,7 +49,7 @@ fn family(w: &CudaWeight) -> (&'static str, usize) {
     }
 }
 
-fn weight_ptrs(gpu: &Gpu, w: &CudaWeight) -> (u64, u64) {
+pub(crate) fn weight_ptrs(gpu: &Gpu, w: &CudaWeight) -> (u64, u64) {
     match &w.data {
         WeightData::F32(d) => (gpu.ptr(d), 0),
         WeightData::Bf16(d) => (gpu.ptr(d), 0),
@@ -58,7 +58,7 @@ fn weight_ptrs(gpu: &Gpu, w: &CudaWeight) -> (u64, u64) {
 }
 
 /// Outputs per block so the grid has about two blocks per multiprocessor or more.
-fn outputs_per_block(gpu: &Gpu, n: usize) -> usize {
+pub(crate) fn outputs_per_block(gpu: &Gpu, n: usize) -> usize {
     let want = 2 * gpu.sms;
     [8, 4, 2].into_iter().find(|&opb| n / opb >= want).unwrap_or(1)
 }

@@ -31,9 +31,19 @@ use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, HostMa
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
+use runtime::launch;
 
 pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
 pub use runtime::{CudaError, driver_present};
+
+/// A kernel's time per call, microseconds ([`CudaBackend::time_kernel_us`]).
+#[derive(Clone, Copy, Debug)]
+pub struct KernelTime {
+    /// Back to back on the device (the kernels' own time).
+    pub gpu_us: f64,
+    /// Issued and waited for alone (host launch work included).
+    pub issued_us: f64,
+}
 
 /// One GPU. Cheap to share by reference; create one per device and process.
 pub struct CudaBackend {
@@ -110,6 +120,47 @@ impl CudaBackend {
         (r, start.elapsed_ms(&end).unwrap_or_else(|e| runtime::fail("event timing", e)))
     }
 
+    /// Holds the stream for `ns` nanoseconds: work issued next queues behind it, so a
+    /// caller that times issue + wait and subtracts `ns` gets the device's own time for
+    /// that work, free of the host's issue rate (as long as issuing takes less than `ns`).
+    pub fn hold_stream(&self, ns: u64) {
+        let g = &self.gpu;
+        launch!(g, "gpu_sleep", runtime::cfg((1, 1, 1), 1, 0), ns);
+    }
+
+    /// Per-call time of `f` in microseconds two ways: `issued`, the median of `reps`
+    /// single calls each timed by events around it (what a caller that issues it alone
+    /// waits, the host's launch work included), and `gpu`, `reps` calls queued behind a
+    /// sleeping kernel so the device runs them back to back (the kernels' own time, the
+    /// GPU's launch gaps included). One warm-up call first.
+    pub fn time_kernel_us(&self, reps: usize, mut f: impl FnMut()) -> KernelTime {
+        let g = &self.gpu;
+        f();
+        let mut issued = Vec::with_capacity(reps);
+        for _ in 0..reps {
+            issued.push(self.time_ms(&mut f).1 as f64 * 1e3);
+        }
+        issued.sort_by(f64::total_cmp);
+        // The gate must outlast the host's issuing of all calls, or the device would wait
+        // on the host again: doubled until it does.
+        let mut gate_ns = 2_000_000u64;
+        loop {
+            g.sync();
+            self.hold_stream(gate_ns);
+            let t = std::time::Instant::now();
+            let ((), ms) = self.time_ms(|| {
+                for _ in 0..reps {
+                    f();
+                }
+            });
+            let host_ns = t.elapsed().as_nanos() as u64;
+            if host_ns < gate_ns || gate_ns >= 1_000_000_000 {
+                return KernelTime { issued_us: issued[issued.len() / 2], gpu_us: ms as f64 * 1e3 / reps as f64 };
+            }
+            gate_ns *= 4;
+        }
+    }
+
     /// Device-to-device copy of one whole KV storage into another of the same size
     /// (bench set-up: fill many sequences from one prefill).
     pub fn kv_copy(&self, src: &CudaKv, src_elem: usize, dst: &mut CudaKv, dst_elem: usize, elems: usize) {
@@ -129,7 +180,8 @@ impl CudaBackend {
     pub fn take_traffic(&self) -> (u64, u64) {
         use std::sync::atomic::Ordering;
         let t = &self.gpu.traffic;
-        (t.weights.swap(0, Ordering::Relaxed), t.kv.swap(0, Ordering::Relaxed))
+        let device = self.gpu.take_device_traffic();
+        (t.weights.swap(0, Ordering::Relaxed) + device, t.kv.swap(0, Ordering::Relaxed))
     }
 
     /// Device-to-device copy bandwidth over `bytes`-sized buffers (bytes read plus bytes
@@ -151,10 +203,25 @@ impl CudaBackend {
         2.0 * bytes as f64 / (times[times.len() / 2] / 1e3) / 1e9
     }
 
-    /// Median time in microseconds of the indexer's top-k selection alone (radix select
-    /// and ordered compaction, one block or several per row as `index_topk` chooses) for
-    /// one row of `n` random scores keeping `k`.
-    pub fn time_topk_us(&self, n: usize, k: usize, reps: usize) -> f64 {
+    /// The indexer's top-k selection alone over given scores (`scores[rows, n_max]`,
+    /// row r choosing among its first `(positions[r] + 1) / ratio`), as `index_topk`
+    /// runs it: ascending ids, -1 past the visible count. For parity tests of the
+    /// selection on inputs the indexer would rarely produce (ties, one repeated value).
+    pub fn topk_of_scores(&self, scores: &[f32], n_max: usize, positions: &[u32], ratio: usize, k: usize) -> Vec<i32> {
+        let g = &self.gpu;
+        let rows = positions.len();
+        assert_eq!(scores.len(), rows * n_max, "scores are not [rows, n_max]");
+        let (s, pos, out) = (g.upload(scores), g.upload(positions), g.alloc::<i32>(rows * k));
+        attention::select_topk(g, g.ptr(&s), n_max, g.ptr(&pos), rows, ratio, k, g.ptr(&out));
+        let mut host = vec![0i32; rows * k];
+        g.read(&out, 0, &mut host);
+        host
+    }
+
+    /// Time of the indexer's top-k selection alone (radix select and ordered ids, one
+    /// block or several per row as `index_topk` chooses) for one row of `n` random
+    /// scores keeping `k`.
+    pub fn time_topk(&self, n: usize, k: usize, reps: usize) -> KernelTime {
         let g = &self.gpu;
         let mut x = 0x2545_f491_4f6c_dd1du64;
         let scores: Vec<f32> = (0..n)
@@ -168,17 +235,7 @@ impl CudaBackend {
         let s = g.upload(&scores);
         let pos = g.upload(&[(4 * n - 1) as u32]);
         let out = g.alloc::<i32>(k);
-        let mut times = Vec::with_capacity(reps);
-        for i in 0..reps + 1 {
-            let ((), ms) = self.time_ms(|| {
-                attention::select_topk(g, g.ptr(&s), n, g.ptr(&pos), 1, 4, k, g.ptr(&out));
-            });
-            if i > 0 {
-                times.push(ms as f64 * 1e3);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        times[times.len() / 2]
+        self.time_kernel_us(reps, || attention::select_topk(g, g.ptr(&s), n, g.ptr(&pos), 1, 4, k, g.ptr(&out)))
     }
 
     /// Per-op `(name, seconds, calls)` since the last call, when profiling is on

@@ -1,13 +1,16 @@
-//! The MoE block on the GPU: router product and routing kernel on the device; the
-//! chosen experts come back to the host (one small copy per block) so each expert
-//! runs one product over exactly the rows it received, gemv for a few rows and
-//! cuBLAS for many; results are accumulated in expert order, as the CPU does, so the
-//! sum does not depend on scheduling.
+//! The MoE block on the GPU: router product and routing kernel on the device. A decode
+//! batch (up to [`GEMV_MAX_ROWS`] rows) stays on the device: the routing lists are
+//! built there and one grouped gemv per projection covers every expert (experts that
+//! received nothing return at once), so the host issues the whole step without
+//! waiting on the GPU. Larger batches read the chosen experts back (one small copy per
+//! block) so each expert runs one product over exactly the rows it received, cuBLAS
+//! for many rows. Either way the results are accumulated in expert order, as the CPU
+//! does, so the sum does not depend on scheduling (and both paths give the same bits).
 
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
-use super::matmul::{Operand, matmul, swiglu_pair};
+use super::matmul::{GEMV_MAX_ROWS, Operand, family, matmul, outputs_per_block, swiglu_pair, weight_ptrs};
 use super::memory::CudaBuf;
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
@@ -69,6 +72,9 @@ pub(crate) fn moe(
                 for &t in &tokens[..rows] {
                     rows_k.extend_from_slice(&tid2eid[t as usize * k..(t as usize + 1) * k]);
                 }
+                if let Some(&e) = rows_k.iter().find(|&&e| e as usize >= w.experts.len()) {
+                    panic!("hash routing table sends a token to expert {e}, outside 0..{}", w.experts.len());
+                }
                 Some(g.upload(&rows_k))
             }
         };
@@ -88,10 +94,146 @@ pub(crate) fn moe(
             g.ptr(&experts),
             g.ptr(&weights.mem),
         );
-        let mut chosen = vec![0i32; rows * k];
-        g.read(&experts, 0, &mut chosen);
-        (chosen, weights)
+        (experts, weights)
     });
+    if device_routable(rows, w) {
+        b.prof("moe: experts", || experts_routed_on_device(b, x, rows, w, &chosen, &weights, out));
+    } else {
+        let mut host = vec![0i32; rows * k];
+        g.read(&chosen, 0, &mut host);
+        b.prof("moe: experts", || experts_routed_on_host(b, x, rows, w, &host, &weights, out));
+    }
+    if let Some(shared) = &w.shared {
+        b.prof("moe: shared", || {
+            let y = expert(b, g.ptr(&x.mem), rows, shared, w.swiglu_limit);
+            launch!(g, "add_into", cfg_elems(rows * d), g.ptr(&out.mem), g.ptr(&y.mem), (rows * d) as i64);
+        });
+    }
+}
+
+/// Whether the batch's experts can run routed on the device: a decode batch (the gemv
+/// regime) over experts of one weight format and shape.
+fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
+    let Some(first) = w.experts.first() else { return false };
+    let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
+        (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
+    };
+    rows <= GEMV_MAX_ROWS
+        && w.experts.len() == w.gate.rows
+        && same(&first.w1, &first.w3)
+        && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2))
+}
+
+/// Per-expert weight table for the grouped kernels: (w, w3, scales, scales3) each.
+fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> cudarc::driver::CudaSlice<u64> {
+    let g = &b.gpu;
+    let mut t = Vec::with_capacity(4 * w.experts.len());
+    for e in &w.experts {
+        let (first, second) = if down { (&e.w2, None) } else { (&e.w1, Some(&e.w3)) };
+        let (wp, sp) = weight_ptrs(g, first);
+        let (wp3, sp3) = second.map(|w3| weight_ptrs(g, w3)).unwrap_or((0, 0));
+        t.extend_from_slice(&[wp, wp3, sp, sp3]);
+    }
+    g.upload(&t)
+}
+
+/// The routed experts of a decode batch without the host seeing the routing: lists on
+/// the device, rows gathered in expert order, one grouped SwiGLU and one grouped down
+/// projection over all experts, then each row's weighted sum in list order.
+fn experts_routed_on_device(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    chosen: &cudarc::driver::CudaSlice<i32>,
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let (n_exp, d, k) = (w.experts.len(), w.gate.cols, w.top_k);
+    let n = rows * k;
+    let first = &w.experts[0];
+    let inter = first.w1.rows;
+    let expert_bytes = first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes();
+    let counts = g.alloc::<i32>(n_exp);
+    let offsets = g.alloc::<i32>(n_exp);
+    let lists = g.alloc::<i32>(2 * n);
+    let (list_rows, list_widx) = (g.ptr(&lists), g.ptr(&lists) + 4 * n as u64);
+    launch!(
+        g,
+        "moe_lists",
+        cfg((1, 1, 1), 256, 0),
+        g.ptr(chosen),
+        rows as i32,
+        k as i32,
+        n_exp as i32,
+        g.ptr(&counts),
+        g.ptr(&offsets),
+        list_rows,
+        list_widx,
+        expert_bytes as u64,
+        g.traffic_counter(),
+    );
+    let xg = b.alloc_buf(n * d);
+    launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
+    // Rows per expert are at most `rows` unless a hash table repeats an expert for one
+    // token; the kernels loop over R-row parts either way.
+    let r = rows.next_power_of_two().min(GEMV_MAX_ROWS);
+    let h = b.alloc_buf(n * inter);
+    let y = b.alloc_buf(n * d);
+    // (gate/up SwiGLU pair, outputs, inputs): x → h, then h → y.
+    for (swiglu, n_out, k_in) in [(true, inter, d), (false, d, inter)] {
+        let wt = if swiglu { &first.w1 } else { &first.w2 };
+        let (fam, chunk) = family(wt);
+        let name = format!("{}_{fam}_r{r}", if swiglu { "moe_swiglu" } else { "moe_down" });
+        let table = expert_table(b, w, !swiglu);
+        let (src, dst) = if swiglu { (g.ptr(&xg.mem), g.ptr(&h.mem)) } else { (g.ptr(&h.mem), g.ptr(&y.mem)) };
+        let opb = outputs_per_block(g, n_out);
+        let vec = k_in.is_multiple_of(chunk) as i32;
+        launch!(
+            g,
+            name.as_str(),
+            cfg((n_out.div_ceil(opb) as u32, n_exp as u32, 1), 256, 0),
+            dst,
+            src,
+            g.ptr(&table),
+            g.ptr(&counts),
+            g.ptr(&offsets),
+            n_out as i32,
+            k_in as i32,
+            opb as i32,
+            vec,
+            w.swiglu_limit,
+        );
+    }
+    launch!(
+        g,
+        "moe_combine",
+        cfg_elems(rows * d),
+        g.ptr(&out.mem),
+        g.ptr(&y.mem),
+        list_rows,
+        list_widx,
+        g.ptr(&weights.mem),
+        n as i32,
+        rows as i32,
+        d as i32
+    );
+}
+
+/// The routed experts with the routing read back: one product per expert over exactly
+/// its rows (cuBLAS for many).
+fn experts_routed_on_host(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    chosen: &[i32],
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let (d, k) = (w.gate.cols, w.top_k);
     // Rows per expert in expert order; the list holds row ids, then weight indices.
     let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); w.experts.len()];
     for (i, &e) in chosen.iter().enumerate() {
@@ -105,56 +247,47 @@ pub(crate) fn moe(
     list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
     let list = g.upload(&list);
     let lp = g.ptr(&list);
-
-    b.prof("moe: experts", || {
-        g.memset_zero(&mut out.mem);
-        let mut at = 0usize;
-        for (e, assigned) in per_expert.iter().enumerate() {
-            let n = assigned.len();
-            if n == 0 {
-                continue;
-            }
-            let xg = b.alloc_buf(n * d);
-            launch!(
-                g,
-                "gather_rows",
-                cfg_elems(n * d),
-                g.ptr(&xg.mem),
-                g.ptr(&x.mem),
-                lp + 4 * at as u64,
-                n as i32,
-                d as i32
-            );
-            let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit);
-            // A row listed twice for one expert (a hash table may repeat an expert) must be
-            // summed in order: then one thread walks each column; otherwise every element
-            // has its own thread.
-            let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
-            seen.dedup();
-            let (name, c) = if seen.len() == n {
-                ("moe_accumulate_rows", cfg_elems(n * d))
-            } else {
-                ("moe_accumulate", cfg((d.div_ceil(256) as u32, 1, 1), 256, 0))
-            };
-            launch!(
-                g,
-                name,
-                c,
-                g.ptr(&out.mem),
-                g.ptr(&y.mem),
-                lp + 4 * at as u64,
-                lp + 4 * (total + at) as u64,
-                g.ptr(&weights.mem),
-                n as i32,
-                d as i32
-            );
-            at += n;
+    g.memset_zero(&mut out.mem);
+    let mut at = 0usize;
+    for (e, assigned) in per_expert.iter().enumerate() {
+        let n = assigned.len();
+        if n == 0 {
+            continue;
         }
-    });
-    if let Some(shared) = &w.shared {
-        b.prof("moe: shared", || {
-            let y = expert(b, g.ptr(&x.mem), rows, shared, w.swiglu_limit);
-            launch!(g, "add_into", cfg_elems(rows * d), g.ptr(&out.mem), g.ptr(&y.mem), (rows * d) as i64);
-        });
+        let xg = b.alloc_buf(n * d);
+        launch!(
+            g,
+            "gather_rows",
+            cfg_elems(n * d),
+            g.ptr(&xg.mem),
+            g.ptr(&x.mem),
+            lp + 4 * at as u64,
+            n as i32,
+            d as i32
+        );
+        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit);
+        // A row listed twice for one expert (a hash table may repeat an expert) must be
+        // summed in order: then one thread walks each column; otherwise every element
+        // has its own thread.
+        let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
+        seen.dedup();
+        let (name, c) = if seen.len() == n {
+            ("moe_accumulate_rows", cfg_elems(n * d))
+        } else {
+            ("moe_accumulate", cfg((d.div_ceil(256) as u32, 1, 1), 256, 0))
+        };
+        launch!(
+            g,
+            name,
+            c,
+            g.ptr(&out.mem),
+            g.ptr(&y.mem),
+            lp + 4 * at as u64,
+            lp + 4 * (total + at) as u64,
+            g.ptr(&weights.mem),
+            n as i32,
+            d as i32
+        );
+        at += n;
     }
 }

@@ -74,23 +74,51 @@ const KERNELS: &[&str] = &[
     "mix_rows_f32",
     "mix_rows_bf16",
     "moe_route",
+    "moe_lists",
+    "moe_combine",
+    "moe_down_f32_r1",
+    "moe_down_f32_r2",
+    "moe_down_f32_r4",
+    "moe_down_f32_r8",
+    "moe_down_bf16_r1",
+    "moe_down_bf16_r2",
+    "moe_down_bf16_r4",
+    "moe_down_bf16_r8",
+    "moe_down_fp8_r1",
+    "moe_down_fp8_r2",
+    "moe_down_fp8_r4",
+    "moe_down_fp8_r8",
+    "moe_swiglu_f32_r1",
+    "moe_swiglu_f32_r2",
+    "moe_swiglu_f32_r4",
+    "moe_swiglu_f32_r8",
+    "moe_swiglu_bf16_r1",
+    "moe_swiglu_bf16_r2",
+    "moe_swiglu_bf16_r4",
+    "moe_swiglu_bf16_r8",
+    "moe_swiglu_fp8_r1",
+    "moe_swiglu_fp8_r2",
+    "moe_swiglu_fp8_r4",
+    "moe_swiglu_fp8_r8",
     "moe_accumulate",
     "moe_accumulate_rows",
     "add_into",
     "swiglu_act",
-    "compress_pool",
-    "compress_finish",
+    "compress_entries",
     "compress_store",
     "index_scores",
     "topk_select",
     "topk_hist",
-    "topk_count",
-    "topk_write",
+    "topk_gather",
     "attention",
     "attention_merge",
     "attention_mma",
     "store_window",
+    "gpu_sleep",
 ];
+
+/// Scratch name of the device-side traffic counter.
+const DEVICE_TRAFFIC: &str = "traffic_device";
 
 /// Bytes the ops must move through device memory at least (each weight and each KV
 /// entry read once), counted on the host as ops are issued; the benchmark divides them
@@ -125,6 +153,7 @@ pub(crate) struct Gpu {
     /// Where the kernels came from (compiled now, or the PTX cache file).
     pub ptx_origin: String,
     pub traffic: Traffic,
+    scratch: Mutex<HashMap<&'static str, CudaSlice<u32>>>,
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -186,11 +215,48 @@ impl Gpu {
             ordinal,
             ptx_origin,
             traffic: Traffic::default(),
+            scratch: Mutex::new(HashMap::new()),
         })
     }
 
     pub fn func(&self, name: &str) -> &CudaFunction {
         self.funcs.get(name).unwrap_or_else(|| panic!("unknown CUDA kernel {name}"))
+    }
+
+    /// Device address of a u64 the kernels add weight bytes to where only the device
+    /// knows what they read (experts routed on the device); see [`Gpu::take_device_traffic`].
+    pub fn traffic_counter(&self) -> u64 {
+        self.scratch(DEVICE_TRAFFIC, 2)
+    }
+
+    /// The bytes added to [`Gpu::traffic_counter`] since the last call (waits for the
+    /// device), and resets it.
+    pub fn take_device_traffic(&self) -> u64 {
+        let ptr = self.traffic_counter();
+        let map = self.scratch.lock().expect("scratch map poisoned");
+        let buf = map.get(DEVICE_TRAFFIC).expect("traffic counter allocated above");
+        let mut words = [0u32; 2];
+        self.stream.memcpy_dtoh(&buf.slice(0..2), &mut words).unwrap_or_else(|e| fail("device-to-host copy", e));
+        self.sync();
+        // SAFETY: `ptr` is the live 8-byte counter held in the map (locked above).
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, 8, self.stream.cu_stream()) }
+            .unwrap_or_else(|e| fail("memset", e));
+        u64::from(words[0]) | (u64::from(words[1]) << 32)
+    }
+
+    /// Device address of a scratch buffer of at least `len` u32 that lives as long as
+    /// the GPU: zeroed when first allocated (or regrown), then handed out again without
+    /// a memset. Kernels that pass counters between blocks (tickets, histograms,
+    /// append cursors) keep theirs zeroed when they finish, so a step issues no memsets
+    /// and no allocations for them. One stream orders every use, so a regrown buffer's
+    /// predecessor is freed only after the kernels that used it.
+    pub fn scratch(&self, name: &'static str, len: usize) -> u64 {
+        let mut map = self.scratch.lock().expect("scratch map poisoned");
+        let buf = map.entry(name).or_insert_with(|| self.zeros::<u32>(len));
+        if buf.len() < len {
+            *buf = self.zeros::<u32>(len.next_power_of_two());
+        }
+        self.ptr(buf)
     }
 
     /// Uninitialised device memory of `len` elements (at least one, so every buffer has

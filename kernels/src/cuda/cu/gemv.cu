@@ -146,3 +146,42 @@ GEMV_ALL_R(2, false, gemv_fp8)
 GEMV_ALL_R(0, true, swiglu_f32)
 GEMV_ALL_R(1, true, swiglu_bf16)
 GEMV_ALL_R(2, true, swiglu_fp8)
+
+// Grouped expert products for a decode batch routed on the device: blockIdx.y is the
+// expert, whose rows are x[offsets[e] .. + counts[e]] (gathered in expert order) and
+// whose weights `wtab[4e..4e+4]` point to (w, w3, scales, scales3). Experts nothing was
+// routed to return at once, so the host never learns the routing.
+template <int R, int WT, bool DUAL>
+__device__ void moe_gemv_body(float* out, const float* x, const u64* wtab, const int* counts, const int* offsets,
+                              int N, int K, int opb, int vec, float limit) {
+    const int e = blockIdx.y, cnt = counts[e];
+    if (cnt == 0) return;
+    const int off = offsets[e];
+    const u64* t = wtab + 4 * e;
+    for (int r0 = 0; r0 < cnt; r0 += R) {
+        gemv_body<R, WT, DUAL>(out + (long long)(off + r0) * N, x + (long long)(off + r0) * K, (const void*)t[0],
+                               (const void*)t[1], (const float*)t[2], (const float*)t[3], min(R, cnt - r0), N, K, K, N,
+                               N, opb, vec, limit);
+        __syncthreads();
+    }
+}
+
+#define MOE_GEMV_KERNEL(R, WT, DUAL, NAME)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                                           \
+        NAME(float* out, const float* x, const u64* wtab, const int* counts, const int* offsets, int N, int K, \
+             int opb, int vec, float limit) {                                                                   \
+        moe_gemv_body<R, WT, DUAL>(out, x, wtab, counts, offsets, N, K, opb, vec, limit);                      \
+    }
+
+#define MOE_GEMV_ALL_R(WT, DUAL, BASE)      \
+    MOE_GEMV_KERNEL(1, WT, DUAL, BASE##_r1) \
+    MOE_GEMV_KERNEL(2, WT, DUAL, BASE##_r2) \
+    MOE_GEMV_KERNEL(4, WT, DUAL, BASE##_r4) \
+    MOE_GEMV_KERNEL(8, WT, DUAL, BASE##_r8)
+
+MOE_GEMV_ALL_R(0, false, moe_down_f32)
+MOE_GEMV_ALL_R(1, false, moe_down_bf16)
+MOE_GEMV_ALL_R(2, false, moe_down_fp8)
+MOE_GEMV_ALL_R(0, true, moe_swiglu_f32)
+MOE_GEMV_ALL_R(1, true, moe_swiglu_bf16)
+MOE_GEMV_ALL_R(2, true, moe_swiglu_fp8)

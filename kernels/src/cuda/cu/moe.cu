@@ -73,3 +73,58 @@ extern "C" __global__ void swiglu_act(float* g, const float* u, long long n, flo
     float b = fminf(fmaxf(u[i], -limit), limit);
     g[i] = a / (1.0f + expf(-a)) * b;
 }
+
+// The device-side routing lists of a decode batch (one block): per expert the number of
+// (row, slot) pairs routed to it and where its run starts, and the pairs in expert
+// order, row order within an expert (the order the host-routed path uses). Adds the
+// bytes of the experts that received rows to `traffic` (what the step must stream).
+extern "C" __global__ void moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets,
+                                     int* list_rows, int* list_widx, unsigned long long expert_bytes,
+                                     unsigned long long* traffic) {
+    __shared__ int cnt[512];
+    __shared__ int used;
+    const int n = rows * k;
+    if (threadIdx.x == 0) used = 0;
+    for (int e = threadIdx.x; e < n_exp; e += blockDim.x) {
+        int c = 0;
+        for (int i = 0; i < n; i++) c += experts[i] == e;
+        cnt[e] = c;
+        counts[e] = c;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int at = 0;
+        for (int e = 0; e < n_exp; e++) {
+            const int c = cnt[e];
+            cnt[e] = at;
+            at += c;
+            used += c > 0;
+        }
+        if (traffic) atomicAdd(traffic, (unsigned long long)used * expert_bytes);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n_exp; e += blockDim.x) {
+        int at = cnt[e];
+        offsets[e] = at;
+        for (int i = 0; i < n; i++) {
+            if (experts[i] == e) {
+                list_rows[at] = i / k;
+                list_widx[at] = i;
+                at++;
+            }
+        }
+    }
+}
+
+// out[r, c] = Σ over the list in order of weights[widx[i]] · y[i, c] for the pairs of
+// row r: the same sums, in the same order, as the host-routed path's per-expert adds.
+extern "C" __global__ void moe_combine(float* out, const float* y, const int* list_rows, const int* list_widx,
+                                       const float* weights, int n, int rows, int d) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)rows * d) return;
+    const int r = (int)(t / d), c = (int)(t % d);
+    float acc = 0.0f;
+    for (int i = 0; i < n; i++)
+        if (list_rows[i] == r) acc += weights[list_widx[i]] * y[(long long)i * d + c];
+    out[t] = acc;
+}
