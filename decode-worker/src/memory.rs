@@ -44,10 +44,12 @@ pub fn build(cfg: &DecodeConfig, receiver: &Receiver) -> Result<(AnyEngine, Targ
                 AnyEngine::load(&cfg.model, device, opts).map_err(|e| WorkerError::Config(e.to_string()))?;
             let mirror = HostMirror { state: kv.state, slot_logits: kv.slot_logits };
             engine::with_engine!(&mut engine, e => e.set_mirror(mirror))?;
+            let pinned = engine::with_engine!(&engine, e => e.mirror_pinned());
             tracing::info!(
                 %device,
+                pinned,
                 "KV lives in GPU memory; prefill workers write into a registered host mirror, copied in at commit \
-                 (UCX does not register CUDA memory here)"
+                 (UCX does not register CUDA memory here), pinned for the device copies unless pinned=false"
             );
             engine
         }

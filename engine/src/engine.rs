@@ -58,6 +58,9 @@ pub struct Engine<B: Backend> {
     pub cache: KvCache<B>,
     pub fingerprint: Fingerprint,
     pub options: EngineOptions,
+    /// The mirror's regions pinned for device copies (declared before `mirror`, so they
+    /// are unpinned before its memory goes).
+    pub(crate) mirror_pins: Vec<Box<dyn kernels::backend::HostPin>>,
     /// Host memory transports use for this engine's KV when its own is out of their
     /// reach (see [`crate::mirror`]); `None` when the KV is host memory already.
     pub mirror: Option<crate::mirror::HostMirror>,
@@ -100,7 +103,7 @@ impl<B: Backend> Engine<B> {
             device = %model.backend.describe(),
             "model loaded"
         );
-        Ok(Engine { model, cache, fingerprint, options, mirror: None })
+        Ok(Engine { model, cache, fingerprint, options, mirror_pins: Vec::new(), mirror: None })
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -36,6 +36,8 @@ impl HostMirror {
 
 impl<B: Backend> Engine<B> {
     /// Attach a host mirror (sized by `KvCache::region_elems` for this engine's pools).
+    /// A device backend pins its regions for the stage copies; [`Self::mirror_pinned`]
+    /// says whether it could.
     pub fn set_mirror(&mut self, mirror: HostMirror) -> Result<(), EngineError> {
         let l = &self.cache.layout;
         let s = self.cache.stats();
@@ -51,8 +53,19 @@ impl<B: Backend> Engine<B> {
                 (pages.len(), rings.len(), comp.len())
             )));
         }
+        self.mirror_pins.clear();
+        let b = &self.model.backend;
+        let pins: Vec<_> = [pages, rings, comp].into_iter().filter_map(|r| b.pin_host(r)).collect();
+        let all = pins.len() == [pages, rings, comp].iter().filter(|r| !r.is_empty()).count();
+        self.mirror_pins = if all { pins } else { Vec::new() };
         self.mirror = Some(mirror);
         Ok(())
+    }
+
+    /// Whether the mirror's regions are pinned for device copies (a device backend
+    /// that could pin all of them).
+    pub fn mirror_pinned(&self) -> bool {
+        self.mirror.is_some() && !self.mirror_pins.is_empty()
     }
 
     /// The host bytes transports see: (pages, rings, comp) of every page and slot.
@@ -66,19 +79,22 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Copy the pages holding `tokens` tokens of `seq` and its state slot from the
-    /// engine into the mirror (nothing to do without one).
+    /// engine into the mirror (nothing to do without one), straight into the mirror's
+    /// memory.
     pub fn stage_out(&mut self, seq: &Sequence, tokens: usize) {
         let Some(m) = self.mirror.as_mut() else { return };
         let (b, l, st) = (&self.model.backend, &self.cache.layout, &self.cache.state);
-        let cpu = CpuBackend::new();
         let used = tokens.div_ceil(l.block).min(seq.pages.len());
+        let pb = l.page_elems * l.dtype.size();
         for &p in &seq.pages[..used] {
-            let at = p as usize * l.page_elems;
-            cpu.kv_write(&mut m.state.pages, at, &b.kv_read(&st.pages, at, l.page_elems));
+            let at = p as usize;
+            b.kv_read_into(&st.pages, at * l.page_elems, l.page_elems, &mut m.state.pages.bytes_mut()[at * pb..][..pb]);
         }
-        let (ring_at, comp_at) = (seq.slot * l.ring_elems, seq.slot * l.comp_elems);
-        cpu.kv_write(&mut m.state.rings, ring_at, &b.kv_read(&st.rings, ring_at, l.ring_elems));
-        cpu.kv_write(&mut m.state.comp, comp_at, &b.kv_read(&st.comp, comp_at, l.comp_elems));
+        let (rb, cb) = (l.ring_elems * l.dtype.size(), l.comp_elems * 4);
+        let ring_out = &mut m.state.rings.bytes_mut()[seq.slot * rb..][..rb];
+        b.kv_read_into(&st.rings, seq.slot * l.ring_elems, l.ring_elems, ring_out);
+        let comp_out = &mut m.state.comp.bytes_mut()[seq.slot * cb..][..cb];
+        b.kv_read_into(&st.comp, seq.slot * l.comp_elems, l.comp_elems, comp_out);
     }
 
     /// Copy what peers wrote into the mirror for `seq` — its first `pages` pages and,
@@ -86,16 +102,19 @@ impl<B: Backend> Engine<B> {
     pub fn stage_in(&mut self, seq: &Sequence, pages: usize, slot: bool) {
         let Some(m) = self.mirror.as_ref() else { return };
         let (b, l, st) = (&self.model.backend, &self.cache.layout, &mut self.cache.state);
-        let cpu = CpuBackend::new();
+        let pb = l.page_elems * l.dtype.size();
         for &p in &seq.pages[..pages.min(seq.pages.len())] {
-            let at = p as usize * l.page_elems;
-            b.kv_write(&mut st.pages, at, &cpu.kv_read(&m.state.pages, at, l.page_elems));
+            let at = p as usize;
+            b.kv_write(&mut st.pages, at * l.page_elems, &m.state.pages.bytes()[at * pb..][..pb]);
         }
         if slot {
-            let (ring_at, comp_at) = (seq.slot * l.ring_elems, seq.slot * l.comp_elems);
-            b.kv_write(&mut st.rings, ring_at, &cpu.kv_read(&m.state.rings, ring_at, l.ring_elems));
-            b.kv_write(&mut st.comp, comp_at, &cpu.kv_read(&m.state.comp, comp_at, l.comp_elems));
+            let (rb, cb) = (l.ring_elems * l.dtype.size(), l.comp_elems * 4);
+            b.kv_write(&mut st.rings, seq.slot * l.ring_elems, &m.state.rings.bytes()[seq.slot * rb..][..rb]);
+            b.kv_write(&mut st.comp, seq.slot * l.comp_elems, &m.state.comp.bytes()[seq.slot * cb..][..cb]);
         }
+        // From pinned memory the copies may still be reading the mirror; peers may
+        // write into it again once this returns.
+        b.kv_fence();
     }
 
     /// The snapshot of `seq` as it sits in host memory (what a peer wrote into the

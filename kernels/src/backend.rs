@@ -121,6 +121,9 @@ pub struct Selection<B: Backend + ?Sized> {
     pub top_k: usize,
 }
 
+/// A pinned host region; dropping it unpins the region.
+pub trait HostPin: Send + Sync {}
+
 pub trait Backend: Send + Sync + 'static {
     /// Dense f32 activations.
     type Buf: Send + Sync;
@@ -167,8 +170,26 @@ pub trait Backend: Send + Sync + 'static {
     }
     /// Raw bytes of `elems` entry elements starting at element `offset`.
     fn kv_read(&self, kv: &Self::Kv, offset: usize, elems: usize) -> Vec<u8>;
-    /// Overwrite entry elements starting at element `offset` with raw bytes.
+    /// The same bytes straight into `out` (which must hold exactly `elems` elements): a
+    /// device backend copies into caller memory without an intermediate buffer, at DMA
+    /// speed when that memory is pinned ([`Backend::pin_host`]).
+    fn kv_read_into(&self, kv: &Self::Kv, offset: usize, elems: usize, out: &mut [u8]) {
+        out.copy_from_slice(&self.kv_read(kv, offset, elems));
+    }
+    /// Overwrite entry elements starting at element `offset` with raw bytes. From
+    /// pinned host memory a device backend may still be reading `bytes` on return; call
+    /// [`Backend::kv_fence`] before that memory changes.
     fn kv_write(&self, kv: &mut Self::Kv, offset: usize, bytes: &[u8]);
+    /// Wait until every `kv_write` issued so far has read its source bytes.
+    fn kv_fence(&self) {}
+    /// Pin a host region for fast device copies (page-locked and mapped for the
+    /// device's DMA) for as long as the returned guard lives; `None` where there is
+    /// nothing to pin (host backends) or pinning failed (then copies still work, at
+    /// pageable speed). The region must outlive the guard.
+    fn pin_host(&self, region: &[u8]) -> Option<Box<dyn HostPin>> {
+        let _ = region;
+        None
+    }
     /// Read `len` f32 values of an activation buffer starting at `offset`.
     fn buf_read(&self, buf: &Self::Buf, offset: usize, len: usize) -> Vec<f32>;
     fn buf_write(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);

@@ -47,9 +47,12 @@ pub fn build(cfg: &PrefillConfig, receiver: &Receiver) -> Result<(AnyEngine, KvR
             let mut engine =
                 AnyEngine::load(&cfg.model, device, opts).map_err(|e| WorkerError::Config(e.to_string()))?;
             engine::with_engine!(&mut engine, e => e.set_mirror(HostMirror { state: kv.state, slot_logits: None }))?;
+            let pinned = engine::with_engine!(&engine, e => e.mirror_pinned());
             tracing::info!(
                 %device,
-                "KV lives in GPU memory; transfers go through a registered host mirror (UCX does not register CUDA memory here)"
+                pinned,
+                "KV lives in GPU memory; transfers go through a registered host mirror (UCX does not register CUDA \
+                 memory here), pinned for the device copies unless pinned=false"
             );
             engine
         }

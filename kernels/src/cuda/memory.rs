@@ -200,3 +200,40 @@ pub(crate) fn dtype_code(d: EntryDtype) -> i32 {
         EntryDtype::Bf16 => 1,
     }
 }
+
+/// A host region page-locked for the device (`cuMemHostRegister`), unregistered on
+/// drop. Holds the context so it outlives the backend that made it.
+pub(crate) struct HostRegistration {
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+    ptr: usize,
+}
+
+impl HostRegistration {
+    /// Pin `region`; `None` when the driver refuses (the caller says so in its log).
+    pub fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, region: &[u8]) -> Option<Self> {
+        use cudarc::driver::sys;
+        if region.is_empty() {
+            return None;
+        }
+        ctx.bind_to_thread().ok()?;
+        let ptr = region.as_ptr() as *mut std::ffi::c_void;
+        // SAFETY: `region` is live host memory of `region.len()` bytes; the caller keeps
+        // it alive while this registration exists (Backend::pin_host's contract).
+        let r = unsafe { sys::cuMemHostRegister_v2(ptr, region.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        Some(HostRegistration { ctx: ctx.clone(), ptr: ptr as usize })
+    }
+}
+
+impl crate::backend::HostPin for HostRegistration {}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` was registered by `new` in this context and not since.
+            unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
+        }
+    }
+}

@@ -326,6 +326,21 @@ impl Backend for CudaBackend {
         out
     }
 
+    fn kv_read_into(&self, kv: &CudaKv, offset: usize, elems: usize, out: &mut [u8]) {
+        let sz = kv.dtype.size();
+        assert!(offset + elems <= kv.len, "kv_read past the end of the storage");
+        assert_eq!(out.len(), elems * sz, "kv_read_into buffer is not {elems} elements");
+        self.gpu.read(&kv.mem, offset * sz, out);
+    }
+
+    fn kv_fence(&self) {
+        self.gpu.sync();
+    }
+
+    fn pin_host(&self, region: &[u8]) -> Option<Box<dyn crate::backend::HostPin>> {
+        memory::HostRegistration::new(&self.gpu.ctx, region).map(|p| Box::new(p) as Box<dyn crate::backend::HostPin>)
+    }
+
     fn kv_write(&self, kv: &mut CudaKv, offset: usize, bytes: &[u8]) {
         let sz = kv.dtype.size();
         assert_eq!(bytes.len() % sz, 0, "kv_write of a partial element");
