@@ -53,11 +53,11 @@ impl<B: Backend> Engine<B> {
                 (pages.len(), rings.len(), comp.len())
             )));
         }
-        self.mirror_pins.clear();
+        // All regions pinned or none counted as pinned.
         let b = &self.model.backend;
-        let pins: Vec<_> = [pages, rings, comp].into_iter().filter_map(|r| b.pin_host(r)).collect();
-        let all = pins.len() == [pages, rings, comp].iter().filter(|r| !r.is_empty()).count();
-        self.mirror_pins = if all { pins } else { Vec::new() };
+        let pins: Option<Vec<_>> =
+            [pages, rings, comp].into_iter().filter(|r| !r.is_empty()).map(|r| b.pin_host(r)).collect();
+        self.mirror_pins = pins.unwrap_or_default();
         self.mirror = Some(mirror);
         Ok(())
     }

@@ -130,8 +130,8 @@ pub(crate) fn index_topk(
 const TOPK_ONE_BLOCK_MAX: usize = 16384;
 /// Candidates per block on the multi-launch path.
 const TOPK_CHUNK: usize = 2048;
-/// Largest k of the multi-block path (`TK_K_MAX` in indexer.cu: the ids are sorted in
-/// shared memory).
+/// Largest k of the multi-block path (`TK_K_MAX` in indexer.cu: the ids are collected
+/// in shared memory).
 const TOPK_K_MAX: usize = 2048;
 /// u32s of per-row state (`TK_STATE`) and digit histogram (`TK_DBINS`).
 const TOPK_STATE: usize = 8;

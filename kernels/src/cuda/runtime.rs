@@ -232,15 +232,12 @@ impl Gpu {
     /// The bytes added to [`Gpu::traffic_counter`] since the last call (waits for the
     /// device), and resets it.
     pub fn take_device_traffic(&self) -> u64 {
-        let ptr = self.traffic_counter();
-        let map = self.scratch.lock().expect("scratch map poisoned");
-        let buf = map.get(DEVICE_TRAFFIC).expect("traffic counter allocated above");
+        self.traffic_counter();
+        let mut map = self.scratch.lock().expect("scratch map poisoned");
+        let buf = map.get_mut(DEVICE_TRAFFIC).expect("traffic counter allocated above");
         let mut words = [0u32; 2];
-        self.stream.memcpy_dtoh(&buf.slice(0..2), &mut words).unwrap_or_else(|e| fail("device-to-host copy", e));
-        self.sync();
-        // SAFETY: `ptr` is the live 8-byte counter held in the map (locked above).
-        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, 8, self.stream.cu_stream()) }
-            .unwrap_or_else(|e| fail("memset", e));
+        self.read(buf, 0, &mut words);
+        self.memset_zero(buf);
         u64::from(words[0]) | (u64::from(words[1]) << 32)
     }
 

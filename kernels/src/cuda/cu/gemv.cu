@@ -134,18 +134,24 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
                                limit);                                                                              \
     }
 
-#define GEMV_ALL_R(WT, DUAL, BASE) \
-    GEMV_KERNEL(1, WT, DUAL, BASE##_r1) \
-    GEMV_KERNEL(2, WT, DUAL, BASE##_r2) \
-    GEMV_KERNEL(4, WT, DUAL, BASE##_r4) \
-    GEMV_KERNEL(8, WT, DUAL, BASE##_r8)
+// KERNEL for 1, 2, 4 and 8 rows, named BASE_r1 … BASE_r8.
+#define FOR_EACH_R(KERNEL, WT, DUAL, BASE) \
+    KERNEL(1, WT, DUAL, BASE##_r1)         \
+    KERNEL(2, WT, DUAL, BASE##_r2)         \
+    KERNEL(4, WT, DUAL, BASE##_r4)         \
+    KERNEL(8, WT, DUAL, BASE##_r8)
 
-GEMV_ALL_R(0, false, gemv_f32)
-GEMV_ALL_R(1, false, gemv_bf16)
-GEMV_ALL_R(2, false, gemv_fp8)
-GEMV_ALL_R(0, true, swiglu_f32)
-GEMV_ALL_R(1, true, swiglu_bf16)
-GEMV_ALL_R(2, true, swiglu_fp8)
+// ... for every weight format: plain products as PLAIN_{f32,bf16,fp8}_rN, SwiGLU pairs as
+// PAIR_{f32,bf16,fp8}_rN.
+#define FOR_EACH_FORMAT(KERNEL, PLAIN, PAIR)       \
+    FOR_EACH_R(KERNEL, 0, false, PLAIN##_f32)      \
+    FOR_EACH_R(KERNEL, 1, false, PLAIN##_bf16)     \
+    FOR_EACH_R(KERNEL, 2, false, PLAIN##_fp8)      \
+    FOR_EACH_R(KERNEL, 0, true, PAIR##_f32)        \
+    FOR_EACH_R(KERNEL, 1, true, PAIR##_bf16)       \
+    FOR_EACH_R(KERNEL, 2, true, PAIR##_fp8)
+
+FOR_EACH_FORMAT(GEMV_KERNEL, gemv, swiglu)
 
 // Grouped expert products for a decode batch routed on the device: blockIdx.y is the
 // expert, whose rows are x[offsets[e] .. + counts[e]] (gathered in expert order) and
@@ -173,15 +179,4 @@ __device__ void moe_gemv_body(float* out, const float* x, const u64* wtab, const
         moe_gemv_body<R, WT, DUAL>(out, x, wtab, counts, offsets, N, K, opb, vec, limit);                      \
     }
 
-#define MOE_GEMV_ALL_R(WT, DUAL, BASE)      \
-    MOE_GEMV_KERNEL(1, WT, DUAL, BASE##_r1) \
-    MOE_GEMV_KERNEL(2, WT, DUAL, BASE##_r2) \
-    MOE_GEMV_KERNEL(4, WT, DUAL, BASE##_r4) \
-    MOE_GEMV_KERNEL(8, WT, DUAL, BASE##_r8)
-
-MOE_GEMV_ALL_R(0, false, moe_down_f32)
-MOE_GEMV_ALL_R(1, false, moe_down_bf16)
-MOE_GEMV_ALL_R(2, false, moe_down_fp8)
-MOE_GEMV_ALL_R(0, true, moe_swiglu_f32)
-MOE_GEMV_ALL_R(1, true, moe_swiglu_bf16)
-MOE_GEMV_ALL_R(2, true, moe_swiglu_fp8)
+FOR_EACH_FORMAT(MOE_GEMV_KERNEL, moe_down, moe_swiglu)
