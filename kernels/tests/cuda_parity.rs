@@ -412,9 +412,9 @@ fn run_layer<B: Backend>(
     (b.download(&out), sel)
 }
 
-/// Indexer scores in f64 from the keys the CPU stored, for judging near-ties.
-fn f64_scores(
-    cpu: &Side<'_, CpuBackend>,
+/// Indexer scores in f64 from the keys one side stored, for judging a selection.
+fn f64_scores<B: Backend>(
+    side: &Side<'_, B>,
     layout: &KvLayout,
     l: usize,
     pages: &[u32],
@@ -427,7 +427,7 @@ fn f64_scores(
     (0..n)
         .map(|i| {
             let at = pages[i / per_page] as usize * layout.page_elems + lk.page_index + (i % per_page) * IDX_DIM;
-            let bytes = cpu.b.kv_read(&cpu.kv.pages, at, IDX_DIM);
+            let bytes = side.b.kv_read(&side.kv.pages, at, IDX_DIM);
             let key: Vec<f64> = match layout.dtype {
                 EntryDtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(&bytes).into_iter().map(f64::from).collect(),
                 EntryDtype::Bf16 => {
@@ -541,13 +541,16 @@ fn sequence_ops(dtype: EntryDtype) {
                         checked += 1;
                         continue;
                     }
-                    // Only an exact tie in f32 may pick differently: the boundary scores
-                    // must agree to rounding.
+                    // The two devices' keys may differ in their last bf16 bit (the
+                    // compressors round the same value from slightly different f32s), so
+                    // a differing row is judged on the GPU's own keys: its picks must be
+                    // that row's top-k, up to exact ties in f32 (every pick scores at
+                    // least every candidate left out, to rounding).
                     let owner = plan.row_owner()[r];
                     let s = &plan.seqs[owner];
                     let n = (pos as usize + 1) / 4;
                     let sc = f64_scores(
-                        &cs,
+                        &gs,
                         &layout,
                         l,
                         &s.pages,
@@ -555,10 +558,21 @@ fn sequence_ops(dtype: EntryDtype) {
                         &inp.idx_w[r * IDX_HEADS..(r + 1) * IDX_HEADS],
                         n,
                     );
-                    let mut sorted = sc.clone();
-                    sorted.sort_by(|a, b| b.total_cmp(a));
-                    let gap = (sorted[TOP_K - 1] - sorted[TOP_K]).abs() / sorted[0].abs().max(1e-30);
-                    assert!(gap < 1e-5, "selection differs at row {r} (position {pos}) with a clear gap {gap:.2e}");
+                    let mut picked = vec![false; n];
+                    for &id in gr.iter().filter(|&&id| id >= 0) {
+                        picked[id as usize] = true;
+                    }
+                    let picks = picked.iter().filter(|&&p| p).count();
+                    assert_eq!(picks, TOP_K.min(n), "row {r}: {picks} distinct picks of {n} candidates");
+                    let lowest_pick = (0..n).filter(|&i| picked[i]).map(|i| sc[i]).fold(f64::INFINITY, f64::min);
+                    let best_left = (0..n).filter(|&i| !picked[i]).map(|i| sc[i]).fold(f64::NEG_INFINITY, f64::max);
+                    let top = sc.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+                    let gap = (best_left - lowest_pick) / top;
+                    assert!(
+                        gap < 1e-5,
+                        "selection at row {r} (position {pos}) leaves out a candidate scoring {gap:.2e} (relative) \
+                         above its lowest pick"
+                    );
                     near_ties += 1;
                 }
             }
@@ -590,7 +604,11 @@ fn sequence_ops(dtype: EntryDtype) {
     let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 2 * layout.comp_elems);
     assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
     eprintln!("PARITY attention {} {worst:.2e}", dtype.name());
-    eprintln!("PARITY indexer-selection {}: {checked} rows identical, {near_ties} near-tie rows", dtype.name());
+    eprintln!(
+        "PARITY indexer-selection {}: {checked} rows identical to the CPU's, {near_ties} differing rows each the \
+         top-k of the GPU's keys up to f32 ties",
+        dtype.name()
+    );
     assert!(checked > 0);
 }
 
@@ -643,6 +661,90 @@ fn cuda_compressor_respects_pages_final_until() {
             check(&format!("entry {i} after pages_final_until"), "f32", g, c);
         }
     }
+}
+
+/// The compressors over batches longer than the GPU holds blocks at once (so a block
+/// pools several entries in turn), with sequences that start mid-window and read their
+/// rings between long prefills: every entry and ring byte as on the CPU.
+#[test]
+fn cuda_compressor_long_batches_match_cpu() {
+    let Some(g) = gpu("cuda_compressor_long_batches_match_cpu") else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = rng("compressor_long_batches");
+    let specs = [
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
+    ];
+    let layout = KvLayout::new(128, 128, EntryDtype::F32, &specs);
+    let raw: Vec<[Vec<f32>; 4]> = specs
+        .iter()
+        .map(|s| {
+            let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
+            [
+                rand_vec(&mut rng, s.ratio * cw, 0.5),
+                rand_vec(&mut rng, HD, 0.2).iter().map(|v| v + 1.0).collect(),
+                rand_vec(&mut rng, s.ratio * 2 * IDX_DIM, 0.5),
+                rand_vec(&mut rng, IDX_DIM, 0.2).iter().map(|v| v + 1.0).collect(),
+            ]
+        })
+        .collect();
+    let sinks = vec![0.0; HEADS];
+    // Pages: sequence 0 (8,195 tokens) 0..65, sequence 1 (3,301) 65..91 reversed,
+    // sequence 2 (5) 91.
+    let tables: [Vec<u32>; 3] = [(0..65).collect(), (65..91).rev().collect(), vec![91]];
+    let mut gs = side(g, &layout, 92, 3, &raw, &sinks);
+    let mut cs = side(&cpu, &layout, 92, 3, &raw, &sinks);
+    let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
+    let steps: [&[(usize, usize, usize)]; 3] =
+        [&[(1, 0, 301)], &[(0, 0, 8192), (1, 301, 3000), (2, 0, 5)], &[(1, 3301, 1), (0, 8192, 3)]];
+    for step in steps {
+        let toks: Vec<Vec<u32>> = step.iter().map(|&(_, _, n)| vec![0; n]).collect();
+        let plan = BatchPlan::new(
+            step.iter().zip(&toks).map(|(&(s, at, _), t)| (s, tables[s].clone(), at, t.as_slice())).collect(),
+        );
+        let rows = plan.rows();
+        for (l, spec) in specs.iter().enumerate() {
+            let cw = if spec.kind == AttnKind::Csa { 2 * HD } else { HD };
+            let branches: &[(Branch, usize)] = if spec.kind == AttnKind::Csa {
+                &[(Branch::Main, cw), (Branch::Indexer, 2 * IDX_DIM)]
+            } else {
+                &[(Branch::Main, cw)]
+            };
+            for &(branch, width) in branches {
+                let kv = rand_vec(&mut rng, rows * width, 1.0);
+                let sc = rand_vec(&mut rng, rows * width, 1.5);
+                let k = if branch == Branch::Main { 0 } else { 2 };
+                let p = CompressorParams::<CudaBackend> {
+                    ape: &gs.params[l][k],
+                    norm: &gs.params[l][k + 1],
+                    eps: 1e-6,
+                    rope: &rope,
+                };
+                g.compress(&mut gs.kv, &layout, l, branch, &plan, &g.upload(&kv), &g.upload(&sc), &p);
+                let p = CompressorParams::<CpuBackend> {
+                    ape: &cs.params[l][k],
+                    norm: &cs.params[l][k + 1],
+                    eps: 1e-6,
+                    rope: &rope,
+                };
+                cpu.compress(&mut cs.kv, &layout, l, branch, &plan, &kv, &sc, &p);
+            }
+        }
+    }
+    let gp: Vec<f32> = bytemuck::pod_collect_to_vec(&gs.b.kv_read(&gs.kv.pages, 0, 92 * layout.page_elems));
+    let cp: Vec<f32> = bytemuck::pod_collect_to_vec(&cs.b.kv_read(&cs.kv.pages, 0, 92 * layout.page_elems));
+    let nan_mismatch = gp.iter().zip(&cp).filter(|(a, b)| a.is_nan() != b.is_nan()).count();
+    assert_eq!(nan_mismatch, 0, "entries written on one device only");
+    let (ga, ca): (Vec<f32>, Vec<f32>) = gp.iter().zip(&cp).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*a, *b)).unzip();
+    // Sequences of 8,195, 3,302 and 5 tokens: CSA 2,048 + 825 + 1 entries of 512 + 128
+    // values, HCA 64 + 25 entries of 512.
+    let expected = (2048 + 825 + 1) * (HD + IDX_DIM) + (64 + 25) * HD;
+    assert_eq!(ga.len(), expected, "entries written");
+    check("compressed entries, long batches", "f32", &ga, &ca);
+    let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 3 * layout.comp_elems);
+    let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 3 * layout.comp_elems);
+    assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
 }
 
 /// Lets one loop drive the compressor on either backend.

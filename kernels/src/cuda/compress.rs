@@ -1,7 +1,9 @@
 //! The compressors on the GPU: every entry this batch completes is pooled, normed,
-//! rotated and written to its page by one kernel (one block an entry, or for HCA's long
-//! windows a few blocks an entry whose last one finishes it); the ring keeps each
-//! sequence's last window(s) of projections for the entries later steps complete.
+//! rotated and written to its page by one kernel that streams the sources through
+//! shared memory (HCA's long windows split into chunks whose last block finishes the
+//! entry); the ring keeps each sequence's last window(s) of projections for the entries
+//! later steps complete, written by the same launch when no entry of the batch reads a
+//! ring, else by a second one after it.
 
 use cudarc::driver::DeviceRepr;
 
@@ -13,10 +15,23 @@ use crate::backend::{CompressorParams, KvState};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
 
-/// Sources one block pools (`compress_entries`); more per entry split over blocks.
-const COMPRESS_CHUNK_SOURCES: usize = 16;
-/// `__launch_bounds__` of `compress_entries`: two channels per thread.
-const COMPRESS_MAX_THREADS: usize = 512;
+/// Sources one work item of `compress_stream` pools at most (CS_MAX_SRC); an entry with
+/// more is split into chunks merged by the entry's last block.
+const STREAM_MAX_SOURCES: usize = 16;
+/// Items one block of `compress_stream` takes at most (CS_MAX_ITEMS).
+const STREAM_MAX_ITEMS: usize = 16;
+/// `__launch_bounds__` of `compress_stream`: two channels per thread.
+const STREAM_MAX_THREADS: usize = 256;
+/// Shared-memory pipeline of `compress_stream`: CS_DEPTH groups of CS_GROUP sources,
+/// kv and score, a float2 per thread.
+const STREAM_DEPTH: usize = 3;
+const STREAM_GROUP: usize = 4;
+/// The most dynamic shared memory `compress_stream` is launched with.
+pub(crate) const STREAM_MAX_SMEM: usize = stream_smem(STREAM_MAX_THREADS);
+
+const fn stream_smem(threads: usize) -> usize {
+    STREAM_DEPTH * STREAM_GROUP * 2 * threads * 8
+}
 
 /// `struct CompressGeom` in compress.cu.
 #[repr(C)]
@@ -64,9 +79,15 @@ pub(crate) fn compress(
     assert!(p.rope.dims() <= dim, "compressor rope dims exceed the entry");
     // The kernel reads two channels per thread as float2 (docs/cuda.md).
     assert!(
-        dim.is_multiple_of(2) && dim <= 2 * COMPRESS_MAX_THREADS,
+        dim.is_multiple_of(2) && dim <= 2 * STREAM_MAX_THREADS,
         "compressor entries of {dim} dims: the CUDA kernel needs an even count, at most {}",
-        2 * COMPRESS_MAX_THREADS
+        2 * STREAM_MAX_THREADS
+    );
+    // Sources are located by i32 element offsets.
+    assert!(
+        rows * width < i32::MAX as usize && kv.comp.len < i32::MAX as usize,
+        "compressor inputs of {rows} rows x {width} and a state of {} floats exceed i32 offsets",
+        kv.comp.len
     );
     assert!(
         layout.comp_elems.is_multiple_of(2) && lk.comp_offset(branch).is_multiple_of(2),
@@ -97,14 +118,26 @@ pub(crate) fn compress(
         per_page: lk.entries_per_page(layout.block) as i32,
         eps: p.eps,
     };
-    let (entries, n) = dp.entries(g, ratio);
-    if n > 0 {
-        // Sources per entry: CSA pools two overlapping windows, HCA one. Chunks of 16
-        // sources per block (HCA's 128 → 8 blocks an entry), a function of the layer
-        // alone so an entry pools the same way in every batch.
-        let n_src = if lk.kind() == AttnKind::Csa { 2 * ratio } else { ratio };
-        let chunks = (n_src / COMPRESS_CHUNK_SOURCES).max(1);
+    let per_page = lk.entries_per_page(layout.block);
+    let overlap = lk.kind() == AttnKind::Csa;
+    let work = dp.compressor_work(g, (ratio, per_page, overlap, lk.comp_slots()));
+    let (entries, n) = (work.entries.clone(), work.n_entries);
+    let fused = work.stores.clone();
+    let n_stores = fused.as_ref().map_or(0, |f| f.1);
+    if n > 0 || n_stores > 0 {
+        // Sources per entry: CSA pools two overlapping windows, HCA one. Chunks of at
+        // most 16 sources (HCA's 128 → 8 items an entry), a function of the layer alone
+        // so an entry pools the same way in every batch.
+        let n_src = if overlap { 2 * ratio } else { ratio };
+        let chunks = n_src.div_ceil(STREAM_MAX_SOURCES);
         let threads = (dim / 2).div_ceil(32) * 32;
+        let smem = stream_smem(threads);
+        let items = n * chunks + n_stores;
+        // As many blocks as fit the GPU at once, unless that leaves a block more items
+        // than its tables hold.
+        let resident = g.sms * g.resident_blocks("compress_stream", threads as u32, smem as u32);
+        let per_block = items.div_ceil(resident.min(items)).min(STREAM_MAX_ITEMS);
+        let grid = items.div_ceil(per_block);
         let (partial, tickets) = if chunks > 1 {
             (g.scratch("compress_partial", n * chunks * 3 * dim), g.scratch("compress_tickets", n))
         } else {
@@ -112,11 +145,14 @@ pub(crate) fn compress(
         };
         launch!(
             g,
-            "compress_entries",
-            cfg((chunks as u32, n as u32, 1), threads as u32, 0),
+            "compress_stream",
+            cfg((grid as u32, 1, 1), threads as u32, smem as u32),
             g.ptr(&*entries),
+            n as i32,
+            chunks as i32,
             g.ptr(&dp.seqs),
-            g.ptr(&dp.pages),
+            fused.as_ref().map_or(0, |f| g.ptr(&*f.0)),
+            n_stores as i32,
             g.ptr(&proj_kv.mem),
             g.ptr(&proj_score.mem),
             g.ptr(&p.ape.mem),
@@ -128,6 +164,9 @@ pub(crate) fn compress(
             geom,
             RopeParams::new(p.rope),
         );
+    }
+    if fused.is_some() {
+        return;
     }
     let slots = lk.comp_slots();
     launch!(

@@ -13,8 +13,27 @@ use crate::plan::BatchPlan;
 /// Ints per sequence in `seqs` (must match SEQ_* in common.cuh).
 pub(crate) const SEQ_STRIDE: usize = 8;
 
-/// `(ratio, [(seq, entry)] flattened, count)`.
-type EntryList = (usize, Arc<CudaSlice<i32>>, usize);
+/// Ints per entry in a compressor work list (must match ENTRY_META in compress.cu).
+pub(crate) const ENTRY_META: usize = 8;
+
+/// Rows of a ring one fused store item writes (CS_STORE_ROWS in compress.cu).
+const STORE_ROWS: usize = 8;
+
+/// What one compressor call does for a batch: the entries it completes and, where no
+/// entry reads a ring, the ring writes the same kernel can do.
+#[derive(Clone)]
+pub(crate) struct CompressorWork {
+    /// ENTRY_META ints per entry.
+    pub entries: Arc<CudaSlice<i32>>,
+    pub n_entries: usize,
+    /// `(sequence, first ring row)` per store item of CS_STORE_ROWS rows; `None` when
+    /// some entry reads its sequence's ring, so the ring is written by a later launch.
+    pub stores: Option<(Arc<CudaSlice<i32>>, usize)>,
+}
+
+/// Compressor geometry a work list depends on: ratio, entries per page, whether windows
+/// overlap (CSA), ring slots.
+pub(crate) type CompressorKey = (usize, usize, bool, usize);
 
 pub(crate) struct DevPlan {
     host: BatchPlan,
@@ -22,8 +41,8 @@ pub(crate) struct DevPlan {
     pub row_seq: CudaSlice<i32>,
     pub seqs: CudaSlice<i32>,
     pub pages: CudaSlice<u32>,
-    /// Compressor work lists per ratio.
-    entries: Mutex<Vec<EntryList>>,
+    /// Compressor work per geometry.
+    work: Mutex<Vec<(CompressorKey, CompressorWork)>>,
 }
 
 impl DevPlan {
@@ -50,30 +69,58 @@ impl DevPlan {
             row_seq: gpu.upload(&row_seq),
             seqs: gpu.upload(&seqs),
             pages: gpu.upload(&pages),
-            entries: Mutex::new(Vec::new()),
+            work: Mutex::new(Vec::new()),
         }
     }
 
-    /// The compressed entries this batch completes for compressors of `ratio`: per
-    /// sequence, entries whose window ends inside this step's rows and after
-    /// `pages_final_until`, as `(seq, entry)` pairs.
-    pub fn entries(&self, gpu: &Gpu, ratio: usize) -> (Arc<CudaSlice<i32>>, usize) {
-        let mut cache = self.entries.lock().expect("plan cache poisoned");
-        if let Some((_, e, n)) = cache.iter().find(|(r, _, _)| *r == ratio) {
-            return (e.clone(), *n);
+    /// The compressor work of this batch for a layer of geometry `key`: per sequence,
+    /// the entries whose window ends inside this step's rows and after
+    /// `pages_final_until`, each as ENTRY_META ints (entry index i, row of the sequence's
+    /// token 0 in this batch, first position of this batch, ring slot, page, sequence,
+    /// two unused) so a kernel finds everything about an entry in one load; and the ring
+    /// writes as store items when no entry reads a ring (its first source before the
+    /// batch), so one launch does both.
+    pub fn compressor_work(&self, gpu: &Gpu, key: CompressorKey) -> CompressorWork {
+        let mut cache = self.work.lock().expect("plan cache poisoned");
+        if let Some((_, w)) = cache.iter().find(|(k, _)| *k == key) {
+            return w.clone();
         }
+        let (ratio, per_page, overlap, slots) = key;
         let mut list = Vec::new();
+        let mut reads_ring = false;
         for (si, s) in self.host.seqs.iter().enumerate() {
             let lo = (s.start_pos / ratio).max(s.pages_final_until / ratio);
             let hi = s.end_pos() / ratio;
             for i in lo..hi {
-                list.extend_from_slice(&[si as i32, i as i32]);
+                let first_source = if overlap && i > 0 { ratio * (i - 1) } else { ratio * i };
+                reads_ring |= first_source < s.start_pos;
+                let row0 = s.first_row as i64 - s.start_pos as i64;
+                list.extend_from_slice(&[
+                    i as i32,
+                    i32::try_from(row0).expect("batch rows fit i32"),
+                    s.start_pos as i32,
+                    s.slot as i32,
+                    s.pages[i / per_page] as i32,
+                    si as i32,
+                    0,
+                    0,
+                ]);
             }
         }
-        let n = list.len() / 2;
-        let e = Arc::new(gpu.upload(&list));
-        cache.push((ratio, e.clone(), n));
-        (e, n)
+        let stores = (!reads_ring).then(|| {
+            let mut items = Vec::new();
+            for (si, s) in self.host.seqs.iter().enumerate() {
+                let kept = s.rows.min(slots);
+                for k0 in (slots - kept..slots).step_by(STORE_ROWS) {
+                    items.extend_from_slice(&[si as i32, k0 as i32]);
+                }
+            }
+            let n = items.len() / 2;
+            (Arc::new(gpu.upload(&items)), n)
+        });
+        let work = CompressorWork { n_entries: list.len() / ENTRY_META, entries: Arc::new(gpu.upload(&list)), stores };
+        cache.push((key, work.clone()));
+        work
     }
 }
 

@@ -104,7 +104,7 @@ const KERNELS: &[&str] = &[
     "moe_accumulate_rows",
     "add_into",
     "swiglu_act",
-    "compress_entries",
+    "compress_stream",
     "compress_store",
     "index_scores",
     "topk_select",
@@ -116,6 +116,11 @@ const KERNELS: &[&str] = &[
     "store_window",
     "gpu_sleep",
 ];
+
+/// Kernels that take more than the default 48 KiB of dynamic shared memory, and the most
+/// they are launched with (opted in at load; the shared-memory carveout set to its
+/// maximum so several blocks of them fit an SM).
+const BIG_SHARED: &[(&str, usize)] = &[("compress_stream", super::compress::STREAM_MAX_SMEM)];
 
 /// Scratch name of the device-side traffic counter.
 const DEVICE_TRAFFIC: &str = "traffic_device";
@@ -154,6 +159,8 @@ pub(crate) struct Gpu {
     pub ptx_origin: String,
     pub traffic: Traffic,
     scratch: Mutex<HashMap<&'static str, CudaSlice<u32>>>,
+    /// Resident blocks per SM by (kernel, threads, dynamic shared memory).
+    occupancy: Mutex<HashMap<(&'static str, u32, u32), usize>>,
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -203,6 +210,15 @@ impl Gpu {
             let f = module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e:?}")))?;
             funcs.insert(name, f);
         }
+        for &(name, bytes) in BIG_SHARED {
+            use cudarc::driver::sys::CUfunction_attribute::{
+                CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+            };
+            let f = &funcs[name];
+            f.set_attribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)
+                .and_then(|()| f.set_attribute(CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100))
+                .map_err(|e| CudaError::Driver(format!("kernel {name}: {bytes} B of shared memory: {e:?}")))?;
+        }
         Ok(Gpu {
             name: ctx.name().map_err(drv)?,
             total_mem: ctx.total_mem().map_err(drv)?,
@@ -216,6 +232,7 @@ impl Gpu {
             ptx_origin,
             traffic: Traffic::default(),
             scratch: Mutex::new(HashMap::new()),
+            occupancy: Mutex::new(HashMap::new()),
         })
     }
 
@@ -254,6 +271,19 @@ impl Gpu {
             *buf = self.zeros::<u32>(len.next_power_of_two());
         }
         self.ptr(buf)
+    }
+
+    /// How many blocks of `name` with `threads` threads and `smem` bytes of dynamic shared
+    /// memory fit on one SM at once (the driver's occupancy figure, at least 1), cached.
+    pub fn resident_blocks(&self, name: &'static str, threads: u32, smem: u32) -> usize {
+        let mut map = self.occupancy.lock().expect("occupancy map poisoned");
+        *map.entry((name, threads, smem)).or_insert_with(|| {
+            let n = self
+                .func(name)
+                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                .unwrap_or_else(|e| fail(&format!("occupancy of {name}"), e));
+            n.max(1) as usize
+        })
     }
 
     /// Uninitialised device memory of `len` elements (at least one, so every buffer has

@@ -1,9 +1,16 @@
-// The KV compressors. `compress_entries` pools every entry this batch completes (the
+// The KV compressors. `compress_stream` pools every entry this batch completes (the
 // per-channel softmax(score)-weighted sum over the entry's window or windows), applies
 // the weighted RMSNorm and the RoPE at position ratio·i, and writes the entry into its
 // page. Tokens of this batch are read straight from the projections (score + position
-// bias added on the fly); older tokens from the sequence's compressor ring, which
-// `compress_store` updates afterwards with the last `slots` tokens of each sequence.
+// bias added on the fly); older tokens from the sequence's compressor ring. Each
+// sequence's ring then takes its last `slots` tokens: written by the same launch when no
+// entry of the batch reads a ring, else by `compress_store` afterwards.
+
+// Ints per entry in the entry list (devplan.rs): i, row of token 0 (first_row - start),
+// start, ring slot, page, sequence, unused ×2.
+#define ENTRY_META 8
+
+#define LOG2E 1.4426950408889634f
 
 struct CompressGeom {
     int ratio, slots, width, dim, overlap;
@@ -12,188 +19,444 @@ struct CompressGeom {
     float eps;
 };
 
-__device__ __forceinline__ float f2_get(const float2& v, int j) { return j == 0 ? v.x : v.y; }
-__device__ __forceinline__ void f2_set(float2& v, int j, float x) {
-    if (j == 0) v.x = x;
-    else v.y = x;
+// ---- The streaming compressor -------------------------------------------------------
+// Work item = one chunk of one entry's sources (CSA: the entry's 2·ratio sources in one
+// chunk; HCA: 128 sources in chunks of 16). Each block walks a contiguous range of items
+// (neighbouring entries share rows and DRAM pages) and every thread streams its NC
+// channels of each source into shared memory with cp.async, DEPTH - 1 groups of GROUP
+// sources ahead of the group it folds: the loads in flight are held by shared memory,
+// not registers, so they keep flowing while the thread folds, takes an entry's norm or
+// waits on a merge. A thread reads back only what it copied, so the pipeline needs no
+// barrier. Where each source lives is worked out once per block into shared memory, so
+// the loop is copies, shared-memory reads and the softmax arithmetic.
+
+// Items one block takes at most, and sources one item pools at most (the host picks
+// the chunks so an item has ≤ CS_MAX_SRC).
+#define CS_MAX_ITEMS 16
+#define CS_MAX_SRC 16
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src) {
+    if (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// 2^x in one instruction (flushes results below 2^-126 to zero: a softmax weight that
+// small next to the largest one, which is 1, changes no sum).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
-// One thread's running softmax over its two channels, in base 2 (scores times log2 e,
-// so each weight is one exp2f: the accurate expf costs several instructions more per
-// source and channel, and at eight sources a thread that was most of the kernel's
-// time): max, sum of weights, weighted sum.
-#define LOG2E 1.4426950408889634f
-struct Pool2 {
-    float2 m, s, n;
+// One item of the stream: its entry's number in this batch's list, index i and page,
+// and how many sources it pools.
+struct CompItem {
+    int e, i, page, n;
 };
 
-// Folds `cnt` loaded sources (scores already in base 2) into the running softmax: the
-// batch's max first, then one exp2f per source.
-__device__ __forceinline__ void pool_fold(Pool2& p, const float2* sc, const float2* kv, int cnt) {
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        float bm = NEG_INF;
-#pragma unroll
-        for (int q = 0; q < 8; q++)
-            if (q < cnt) bm = fmaxf(bm, f2_get(sc[q], j));
-        const float m0 = f2_get(p.m, j), m1 = fmaxf(m0, bm);
-        if (m1 == NEG_INF) continue;
-        const float a = m0 == NEG_INF ? 0.0f : exp2f(m0 - m1);
-        float s = f2_get(p.s, j) * a, n = f2_get(p.n, j) * a;
-#pragma unroll
-        for (int q = 0; q < 8; q++) {
-            if (q < cnt) {
-                const float e = exp2f(f2_get(sc[q], j) - m1);
-                s += e;
-                n += e * f2_get(kv[q], j);
-            }
-        }
-        f2_set(p.m, j, m1);
-        f2_set(p.s, j, s);
-        f2_set(p.n, j, n);
-    }
-}
-
-// Merges another running softmax into `p` (the other's sources come after p's).
-__device__ __forceinline__ void pool_merge(Pool2& p, const float2& m, const float2& s, const float2& n) {
-#pragma unroll
-    for (int j = 0; j < 2; j++) {
-        const float m0 = f2_get(p.m, j), mo = f2_get(m, j), m1 = fmaxf(m0, mo);
-        if (m1 == NEG_INF) continue;
-        const float a0 = m0 == NEG_INF ? 0.0f : exp2f(m0 - m1), ao = mo == NEG_INF ? 0.0f : exp2f(mo - m1);
-        f2_set(p.s, j, f2_get(p.s, j) * a0 + f2_get(s, j) * ao);
-        f2_set(p.n, j, f2_get(p.n, j) * a0 + f2_get(n, j) * ao);
-        f2_set(p.m, j, m1);
-    }
-}
-
-__device__ __forceinline__ float2 f2_scale(float2 v, float k) { return make_float2(v.x * k, v.y * k); }
-
-// Weighted RMSNorm over the block's entry, RoPE of the last 2·pairs channels at position
-// ratio·i, and the page write. `v` holds channels c, c+1 (c = 2·threadIdx.x): one
-// interleaved RoPE pair, since pairs start at even channels.
-__device__ void comp_finish(float2 v, bool live, int c, int i, u32 page, float2 w, u8* page_base,
-                            const CompressGeom& g, const RopeParams& rp) {
-    float ss = live ? v.x * v.x + v.y * v.y : 0.0f;
-    ss = block_sum(ss);
-    if (!live) return;
-    const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
-    v.x = w.x * (v.x * inv);
-    v.y = w.y * (v.y * inv);
-    const int rope_from = g.dim - 2 * rp.pairs;
-    if (c >= rope_from)
-        rope_pair(&v.x, &v.y, (float)(g.ratio * i), rp.inv_freq[(c - rope_from) / 2], rp.attention_factor, false);
-    const long long at = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.dim + c;
-    store_entry(page_base, g.dtype, at, v.x);
-    store_entry(page_base, g.dtype, at + 1, v.y);
-}
-
-// grid (chunks, entries), blockDim = dim/2 rounded up to a warp; thread t owns channels
-// 2t, 2t+1 and reads them as float2 (a warp moves 256 contiguous bytes per source).
-// Each block pools its chunk of the entry's sources, eight sources' loads (score and kv)
-// in flight per thread before any is used. With one chunk the block finishes the entry
-// itself; with several (HCA's 128 sources) each block leaves its running softmax in
-// `partial` [entries, chunks, 3, dim] and the entry's last block to arrive (a ticket
-// per entry, reset by that block) merges them in chunk order, so the result does not
-// depend on which block came last.
-// At most 64 registers (four 256-thread blocks an SM, two channels a thread): a block's
-// life is mostly waiting on its loads, so more resident blocks is more bandwidth (four
-// channels a thread needed 119 registers, a quarter of the SM's warps).
-extern "C" __global__ void __launch_bounds__(512, 2)
-    compress_entries(const int* entries, const int* seqs, const u32* pages, const float* proj_kv,
-                     const float* proj_score, const float* ape, const float* comp, const float* norm, u8* page_base,
-                     float* partial, u32* tickets, CompressGeom g, RopeParams rp) {
-    const int chunks = gridDim.x, chunk = blockIdx.x, e = blockIdx.y;
-    const int sq = entries[2 * e], i = entries[2 * e + 1];
-    const int* seq = seqs + sq * SEQ_STRIDE;
-    const int first_row = seq[SEQ_FIRST_ROW], start = seq[SEQ_START], slot = seq[SEQ_SLOT];
-    const float* ring_kv = comp + (long long)slot * g.comp_elems + g.comp_off;
-    const float* ring_sc = ring_kv + (long long)g.slots * g.width;
+// Where source u of an entry (meta m: i, row of token 0, start, slot) is: its kv and
+// score rows (channel 0 of its half) and its position bias row, or -1 for a ring source
+// (bias already added). Source u < prev is token ratio·(i-1) + u (first half of the
+// channels), else token ratio·i + u - prev; its phase in the window is the offset.
+__device__ __forceinline__ void comp_locate(int4 m, int u, const CompressGeom& g, const float* proj_kv,
+                                            const float* proj_score, const float* comp, const float*& kv,
+                                            const float*& sc, int& ape) {
+    const int i = m.x, row0 = m.y, start = m.z, slot = m.w;
     const int prev = (g.overlap && i > 0) ? g.ratio : 0;
-    const int n_src = prev + g.ratio;
-    const int per = (n_src + chunks - 1) / chunks;
-    const int u_lo = chunk * per, u_hi = min(n_src, u_lo + per);
-    const int c = 2 * threadIdx.x;
-    const bool live = c < g.dim;
-    // What the finish needs, loaded now so it arrives with the sources, not after them.
-    const u32 page = pages[seq[SEQ_PAGE_OFF] + i / g.per_page];
-    const float2 w = live ? *(const float2*)(norm + c) : make_float2(0.f, 0.f);
-    Pool2 p;
-    p.m = make_float2(NEG_INF, NEG_INF);
-    p.s = make_float2(0.f, 0.f);
-    p.n = p.s;
-    if (live) {
-        // Source u < prev is token ratio·(i-1) + u (first half of the channels), else
-        // token ratio·i + u - prev; either way its phase in the window is the offset.
-        const int cur_ch = (g.overlap ? g.dim : 0) + c;
-        for (int u0 = u_lo; u0 < u_hi; u0 += 8) {
-            float2 sc[8], kv[8];
-            const int cnt = min(8, u_hi - u0);
-#pragma unroll
-            for (int q = 0; q < 8; q++) {
-                if (q < cnt) {
-                    const int u = u0 + q;
-                    const bool early = u < prev;
-                    const int phase = early ? u : u - prev;
-                    const int t = g.ratio * (early ? i - 1 : i) + phase;
-                    const int ch = early ? c : cur_ch;
-                    if (t >= start) {
-                        const long long at = (long long)(first_row + t - start) * g.width + ch;
-                        const float2 s = *(const float2*)(proj_score + at);
-                        const float2 b = *(const float2*)(ape + phase * g.width + ch);
-                        sc[q] = make_float2((s.x + b.x) * LOG2E, (s.y + b.y) * LOG2E);
-                        kv[q] = *(const float2*)(proj_kv + at);
-                    } else {
-                        const int at = (t % g.slots) * g.width + ch;
-                        sc[q] = f2_scale(*(const float2*)(ring_sc + at), LOG2E);
-                        kv[q] = *(const float2*)(ring_kv + at);
-                    }
-                }
-            }
-            pool_fold(p, sc, kv, cnt);
-        }
+    const bool early = u < prev;
+    const int phase = early ? u : u - prev;
+    const int win = early ? i - 1 : i;
+    const int t = g.ratio * win + phase;
+    const int half = early || !g.overlap ? 0 : g.dim;
+    if (t >= start) {
+        const long long at = (long long)(row0 + t) * g.width + half;
+        kv = proj_kv + at;
+        sc = proj_score + at;
+        ape = phase * g.width + half;
+    } else {
+        // Ring row t % slots without a division: windows are ratio-aligned and the ring
+        // holds one window (HCA) or two (CSA).
+        const int ring_row = (g.slots > g.ratio ? (win & 1) * g.ratio : 0) + phase;
+        kv = comp + (long long)slot * g.comp_elems + g.comp_off + ring_row * g.width + half;
+        sc = kv + g.slots * g.width;
+        ape = -1;
     }
-    if (chunks > 1) {
-        __shared__ bool last;
-        float* mine = partial + ((long long)e * chunks + chunk) * 3 * g.dim;
-        if (live) {
-            *(float2*)(mine + c) = p.m;
-            *(float2*)(mine + g.dim + c) = p.s;
-            *(float2*)(mine + 2 * g.dim + c) = p.n;
-        }
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) last = atomicAdd(&tickets[e], 1u) == (u32)chunks - 1;
-        __syncthreads();
-        if (!last) return;
-        __threadfence();
-        p.m = make_float2(NEG_INF, NEG_INF);
-        p.s = make_float2(0.f, 0.f);
-        p.n = p.s;
-        if (live) {
-            const float* o = partial + (long long)e * chunks * 3 * g.dim + c;
-            // Four chunks' partials in flight at a time, merged in chunk order.
-            for (int t0 = 0; t0 < chunks; t0 += 4) {
-                float2 m4[4], s4[4], n4[4];
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    if (t0 + q < chunks) {
-                        const float* ot = o + (long long)(t0 + q) * 3 * g.dim;
-                        m4[q] = __ldcg((const float2*)ot);
-                        s4[q] = __ldcg((const float2*)(ot + g.dim));
-                        n4[q] = __ldcg((const float2*)(ot + 2 * g.dim));
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (t0 + q < chunks) pool_merge(p, m4[q], s4[q], n4[q]);
-            }
-        }
-        if (threadIdx.x == 0) tickets[e] = 0;
-    }
-    const float2 v = make_float2(p.n.x / p.s.x, p.n.y / p.s.y);
-    comp_finish(v, live, c, i, page, w, page_base, g, rp);
 }
+
+// NC consecutive floats (8 or 16 bytes, aligned).
+template <int NC>
+__device__ __forceinline__ void ld_vec(const float* p, float* v) {
+    if (NC == 4) {
+        const float4 x = *(const float4*)p;
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+        const float2 x = *(const float2*)p;
+        v[0] = x.x, v[1] = x.y;
+    }
+}
+template <int NC>
+__device__ __forceinline__ void ldg_vec(const float* p, float* v) {
+    if (NC == 4) {
+        const float4 x = __ldg((const float4*)p);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+        const float2 x = __ldg((const float2*)p);
+        v[0] = x.x, v[1] = x.y;
+    }
+}
+template <int NC>
+__device__ __forceinline__ void ldcg_vec(const float* p, float* v) {
+    if (NC == 4) {
+        const float4 x = __ldcg((const float4*)p);
+        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+    } else {
+        const float2 x = __ldcg((const float2*)p);
+        v[0] = x.x, v[1] = x.y;
+    }
+}
+template <int NC>
+__device__ __forceinline__ void st_vec(float* p, const float* v) {
+    if (NC == 4) *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
+    else *(float2*)p = make_float2(v[0], v[1]);
+}
+
+// Running softmax of NC channels over raw (natural-log) scores: max m, and the sums of
+// weights s and of weighted values n, both scaled by 2^(-m·log2 e).
+template <int NC>
+struct Pool {
+    float m[NC], s[NC], n[NC];
+    __device__ __forceinline__ void reset() {
+#pragma unroll
+        for (int j = 0; j < NC; j++) m[j] = NEG_INF, s[j] = 0.0f, n[j] = 0.0f;
+    }
+    // Folds `cnt` sources (all G when FULL): the batch's max first, then one ex2 a source
+    // and channel (the scale to base 2 and the max subtracted in one FMA).
+    template <int G, bool FULL>
+    __device__ __forceinline__ void fold(const float (*sc)[NC], const float (*kv)[NC], int cnt) {
+#pragma unroll
+        for (int j = 0; j < NC; j++) {
+            float m1 = m[j];
+#pragma unroll
+            for (int q = 0; q < G; q++)
+                if (FULL || q < cnt) m1 = fmaxf(m1, sc[q][j]);
+            const float ml = m1 * LOG2E;
+            // Before the first source m is -inf and the rescale is ex2(-inf) = 0.
+            const float a = ex2(fmaf(m[j], LOG2E, -ml));
+            float ss = s[j] * a, nn = n[j] * a;
+#pragma unroll
+            for (int q = 0; q < G; q++) {
+                if (FULL || q < cnt) {
+                    const float e = ex2(fmaf(sc[q][j], LOG2E, -ml));
+                    ss += e;
+                    nn = fmaf(e, kv[q][j], nn);
+                }
+            }
+            m[j] = m1, s[j] = ss, n[j] = nn;
+        }
+    }
+    // Merges another running softmax (of sources after this one's) into this one.
+    __device__ __forceinline__ void merge(int j, float mo, float so, float no) {
+        const float m1 = fmaxf(m[j], mo), ml = m1 * LOG2E;
+        const float a0 = ex2(fmaf(m[j], LOG2E, -ml)), ao = ex2(fmaf(mo, LOG2E, -ml));
+        s[j] = s[j] * a0 + so * ao;
+        n[j] = n[j] * a0 + no * ao;
+        m[j] = m1;
+    }
+};
+
+// A chunk's end: leaves its running softmax in `partial` [entries, chunks, 3, dim] and
+// takes a ticket; the entry's last block to arrive (the ticket, reset by that block)
+// merges every chunk's partial in chunk order, so the result does not depend on which
+// block came last, and returns true: it finishes the entry.
+template <int NC>
+__device__ bool comp_merge_chunks(Pool<NC>& p, bool live, int c, int e, int chunk, int chunks, float* partial,
+                                  u32* tickets, const CompressGeom& g) {
+    __shared__ bool last;
+    float* mine = partial + ((long long)e * chunks + chunk) * 3 * g.dim;
+    if (live) {
+        st_vec<NC>(mine + c, p.m);
+        st_vec<NC>(mine + g.dim + c, p.s);
+        st_vec<NC>(mine + 2 * g.dim + c, p.n);
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&tickets[e], 1u) == (u32)chunks - 1;
+    __syncthreads();
+    if (!last) return false;
+    __threadfence();
+    p.reset();
+    if (live) {
+        const float* o = partial + (long long)e * chunks * 3 * g.dim + c;
+        // Two chunks' partials in flight at a time, merged in chunk order.
+        for (int t0 = 0; t0 < chunks; t0 += 2) {
+            float m2[2][NC], s2[2][NC], n2[2][NC];
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                if (t0 + q < chunks) {
+                    const float* ot = o + (long long)(t0 + q) * 3 * g.dim;
+                    ldcg_vec<NC>(ot, m2[q]);
+                    ldcg_vec<NC>(ot + g.dim, s2[q]);
+                    ldcg_vec<NC>(ot + 2 * g.dim, n2[q]);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+                if (t0 + q < chunks)
+#pragma unroll
+                    for (int j = 0; j < NC; j++) p.merge(j, m2[q][j], s2[q][j], n2[q][j]);
+        }
+    }
+    if (threadIdx.x == 0) tickets[e] = 0;
+    return true;
+}
+
+// Weighted RMSNorm over the entry, RoPE of the last 2·pairs channels at position ratio·i
+// (pairs start at even channels, so a thread's NC channels hold whole pairs), and the
+// page write of channels c..c+NC-1.
+// Sum over the block with one barrier: warps' sums go to one of two buffers (`parity`
+// alternating per call; the barrier of call k+1 keeps call k+2 from overwriting what a
+// slow thread still reads of call k) and every thread adds them up in the same order.
+__device__ __forceinline__ float block_sum_1bar(float v, int parity) {
+    __shared__ float part[2][32];
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) part[parity][threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += part[parity][w];
+    return s;
+}
+
+template <int NC>
+__device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* page_base, const float* norm,
+                            const CompressGeom& g, const RopeParams& rp, int parity) {
+    float ss = 0.0f;
+    if (live)
+#pragma unroll
+        for (int j = 0; j < NC; j++) ss = fmaf(v[j], v[j], ss);
+    ss = block_sum_1bar(ss, parity);
+    if (!live) return;
+    float w[NC];
+    ldg_vec<NC>(norm + c, w);
+    const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
+#pragma unroll
+    for (int j = 0; j < NC; j++) v[j] = w[j] * (v[j] * inv);
+    const int rope_from = g.dim - 2 * rp.pairs;
+#pragma unroll
+    for (int j = 0; j < NC; j += 2)
+        if (c + j >= rope_from)
+            rope_pair(&v[j], &v[j + 1], (float)(g.ratio * i), rp.inv_freq[(c + j - rope_from) / 2],
+                      rp.attention_factor, false);
+    const long long at = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.dim + c;
+    if (g.dtype == 0) {
+        st_vec<NC>((float*)page_base + at, v);
+    } else {
+        u32 b[NC / 2];
+#pragma unroll
+        for (int j = 0; j < NC / 2; j++) b[j] = (u32)f2bf(v[2 * j]) | ((u32)f2bf(v[2 * j + 1]) << 16);
+        if (NC == 4) *(uint2*)((u16*)page_base + at) = make_uint2(b[0], b[NC / 2 - 1]);
+        else *(u32*)((u16*)page_base + at) = b[0];
+    }
+}
+
+// Rows of a sequence's ring one store item writes.
+#define CS_STORE_ROWS 8
+
+// One ring-store item (sequence, first ring row k0): ring rows k0 .. k0 + CS_STORE_ROWS
+// of the sequence's last `slots` tokens (kv, and score with the position bias added), as
+// compress_store does. Only launched where no entry of the batch reads a ring. Four
+// float2 of each array are loaded before any is stored (the ring could alias the
+// projections as far as the compiler knows, so it would not reorder them).
+__device__ void comp_ring_store(const int* seqs, const int* item, const float* proj_kv, const float* proj_score,
+                                const float* ape, float* comp, const CompressGeom& g) {
+    const int* seq = seqs + item[0] * SEQ_STRIDE;
+    const int rows = seq[SEQ_ROWS], first_row = seq[SEQ_FIRST_ROW], start = seq[SEQ_START];
+    float* ring_kv = comp + (long long)seq[SEQ_SLOT] * g.comp_elems + g.comp_off;
+    float* ring_sc = ring_kv + (long long)g.slots * g.width;
+    const int k0 = item[1], half = g.width / 2, n = min(CS_STORE_ROWS, g.slots - k0) * half;
+    for (int base = threadIdx.x; base < n; base += 4 * blockDim.x) {
+        float2 kv[4], sc[4];
+        int dst[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int idx = base + q * blockDim.x, k = k0 + idx / half, x = 2 * (idx % half);
+            const int j = rows - g.slots + k, t = start + j;
+            dst[q] = -1;
+            if (idx < n && j >= 0) {
+                const long long src = (long long)(first_row + j) * g.width + x;
+                kv[q] = *(const float2*)(proj_kv + src);
+                sc[q] = *(const float2*)(proj_score + src);
+                const float2 b = __ldg((const float2*)(ape + (t % g.ratio) * g.width + x));
+                sc[q].x += b.x;
+                sc[q].y += b.y;
+                dst[q] = (t % g.slots) * g.width + x;
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            if (dst[q] >= 0) {
+                *(float2*)(ring_kv + dst[q]) = kv[q];
+                *(float2*)(ring_sc + dst[q]) = sc[q];
+            }
+        }
+    }
+}
+
+// grid: blocks of ≤ CS_MAX_ITEMS contiguous items of the `n_entries · chunks`;
+// blockDim = dim/NC rounded up to a warp (thread t owns channels NC·t ..); dynamic
+// shared memory DEPTH · GROUP · 2 · blockDim · NC floats.
+template <int NC, int GROUP, int DEPTH>
+__device__ __forceinline__ void compress_stream_body(const int* meta, int n_entries, int chunks, const int* seqs,
+                                                     const int* stores, int n_stores, const float* proj_kv,
+                                                     const float* proj_score, const float* ape, float* comp,
+                                                     const float* norm, u8* page_base, float* partial, u32* tickets,
+                                                     const CompressGeom& g, const RopeParams& rp) {
+    extern __shared__ float cs_stage[];
+    __shared__ CompItem items[CS_MAX_ITEMS];
+    __shared__ const float* src_kv[CS_MAX_ITEMS][CS_MAX_SRC];
+    __shared__ const float* src_sc[CS_MAX_ITEMS][CS_MAX_SRC];
+    __shared__ int src_ape[CS_MAX_ITEMS][CS_MAX_SRC];
+    __shared__ int groups[CS_MAX_ITEMS * CS_MAX_SRC / GROUP], n_groups;
+    const int nt = blockDim.x, c = NC * threadIdx.x;
+    const bool live = c < g.dim;
+    // Items: the ring stores (if this launch does them), then the entries' chunks.
+    const long long n_items = (long long)n_entries * chunks + n_stores;
+    const int b_lo = (int)(n_items * blockIdx.x / gridDim.x), b_hi = (int)(n_items * (blockIdx.x + 1) / gridDim.x);
+    const int lo = max(b_lo, n_stores) - n_stores, n = max(0, b_hi - n_stores - lo);
+    for (int k = threadIdx.x; k < n * CS_MAX_SRC; k += nt) {
+        const int j = k / CS_MAX_SRC, q = k % CS_MAX_SRC, item = lo + j, e = item / chunks;
+        const int4 m = __ldg((const int4*)(meta + (long long)ENTRY_META * e));
+        const int n_src = ((g.overlap && m.x > 0) ? g.ratio : 0) + g.ratio, per = (n_src + chunks - 1) / chunks;
+        const int u_lo = (item - e * chunks) * per, cnt = min(per, n_src - u_lo);
+        if (q == 0) {
+            CompItem it;
+            it.e = e;
+            it.i = m.x;
+            it.page = __ldg(meta + (long long)ENTRY_META * e + 4);
+            it.n = cnt;
+            items[j] = it;
+        }
+        // Slots past the item's end point at a valid row and are never folded.
+        const float *kv = proj_kv, *sc = proj_score;
+        int b = -1;
+        if (q < cnt) comp_locate(m, u_lo + q, g, proj_kv, proj_score, comp, kv, sc, b);
+        src_kv[j][q] = kv;
+        src_sc[j][q] = sc;
+        src_ape[j][q] = b;
+    }
+    // The block's groups in order: (item << 8) | (last group of its item << 7) | first
+    // source. The first warp works out the items' source counts again and scans them
+    // (n ≤ CS_MAX_ITEMS ≤ 32), so one barrier covers both tables.
+    if (threadIdx.x < WARP) {
+        const int lane = threadIdx.x;
+        int cnt = 0;
+        if (lane < n) {
+            const int item = lo + lane, e = item / chunks, i = __ldg(meta + (long long)ENTRY_META * e);
+            const int n_src = ((g.overlap && i > 0) ? g.ratio : 0) + g.ratio, per = (n_src + chunks - 1) / chunks;
+            cnt = min(per, n_src - (item - e * chunks) * per);
+        }
+        const int ng = lane < n ? max(1, (cnt + GROUP - 1) / GROUP) : 0;
+        int end = ng;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, end, o);
+            if (lane >= o) end += v;
+        }
+        for (int k = 0; k < ng; k++) groups[end - ng + k] = (lane << 8) | ((k == ng - 1) << 7) | (k * GROUP);
+        if (lane == WARP - 1) n_groups = end;
+    }
+    __syncthreads();
+    const int ng = n_groups;
+    // Thread's NC floats of (stage, source q, kv|score) at
+    // cs_stage[(((stage·GROUP + q)·2 + a)·nt + t)·NC].
+    const u32 my = smem_addr(cs_stage) + threadIdx.x * NC * 4;
+    const u32 arr = nt * NC * 4;
+
+    auto produce = [&](int k, int stage) {
+        if (k < ng && live) {
+            const int gk = groups[k], j = gk >> 8, u0 = gk & 0x7f, cnt = items[j].n;
+            const u32 d = my + stage * GROUP * 2 * arr;
+#pragma unroll
+            for (int q = 0; q < GROUP; q++) {
+                if (u0 + q < cnt) {
+                    cp_async<NC * 4>(d + q * 2 * arr, src_kv[j][u0 + q] + c);
+                    cp_async<NC * 4>(d + (q * 2 + 1) * arr, src_sc[j][u0 + q] + c);
+                }
+            }
+        }
+        cp_async_commit();
+    };
+
+#pragma unroll
+    for (int k = 0; k < DEPTH - 1; k++) produce(k, k);
+    // Ring stores while the first copies are in flight.
+    for (int k = b_lo; k < min(b_hi, n_stores); k++) comp_ring_store(seqs, stores + 2 * k, proj_kv, proj_score, ape, comp, g);
+    Pool<NC> p;
+    p.reset();
+    int parity = 0;
+    for (int k = 0, stage = 0; k < ng; k++, stage = stage + 1 == DEPTH ? 0 : stage + 1) {
+        produce(k + DEPTH - 1, stage == 0 ? DEPTH - 1 : stage - 1);
+        cp_async_wait<DEPTH - 1>();
+        const int gk = groups[k], j = gk >> 8, u0 = gk & 0x7f, cnt = items[j].n - u0;
+        if (live) {
+            // All GROUP slots are read (past the item's end they hold stale values the
+            // fold leaves out, and bias -1), so the bias loads go out together.
+            float sc[GROUP][NC], kv[GROUP][NC], b[GROUP][NC];
+            int b_at[GROUP];
+#pragma unroll
+            for (int q = 0; q < GROUP; q++) {
+                b_at[q] = src_ape[j][u0 + q];
+                ldg_vec<NC>(ape + (u32)(max(b_at[q], 0) + c), b[q]);
+            }
+            const float* st = cs_stage + ((stage * GROUP * 2) * nt + threadIdx.x) * NC;
+#pragma unroll
+            for (int q = 0; q < GROUP; q++) {
+                ld_vec<NC>(st + (q * 2) * nt * NC, kv[q]);
+                ld_vec<NC>(st + (q * 2 + 1) * nt * NC, sc[q]);
+                if (b_at[q] >= 0)
+#pragma unroll
+                    for (int x = 0; x < NC; x++) sc[q][x] += b[q][x];
+            }
+            if (cnt >= GROUP) p.template fold<GROUP, true>(sc, kv, GROUP);
+            else p.template fold<GROUP, false>(sc, kv, cnt);
+        }
+        if (!(gk & 0x80)) continue;
+        // The item's last group: finish the entry (or hand the chunk to its merge).
+        const CompItem it = items[j];
+        if (chunks == 1 || comp_merge_chunks<NC>(p, live, c, it.e, lo + j - it.e * chunks, chunks, partial, tickets, g)) {
+            float v[NC];
+#pragma unroll
+            for (int x = 0; x < NC; x++) v[x] = p.n[x] / p.s[x];
+            comp_finish<NC>(v, live, c, it.i, (u32)it.page, page_base, norm, g, rp, parity);
+            parity ^= 1;
+        }
+        p.reset();
+    }
+    cp_async_wait<0>();
+}
+
+#define COMPRESS_STREAM(NAME, NC, G, D, THREADS, BLOCKS)                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS)                                         \
+        NAME(const int* meta, int n_entries, int chunks, const int* seqs, const int* stores, int n_stores, \
+             const float* proj_kv, const float* proj_score, const float* ape, float* comp, const float* norm, \
+             u8* page_base, float* partial, u32* tickets, CompressGeom g, RopeParams rp) {                 \
+        compress_stream_body<NC, G, D>(meta, n_entries, chunks, seqs, stores, n_stores, proj_kv, proj_score, \
+                                       ape, comp, norm, page_base, partial, tickets, g, rp);               \
+    }
+// Two channels a thread, groups of four sources, three groups in shared memory (48 KiB
+// for 256 threads), at most 64 registers: four blocks an SM. Measured against four
+// channels a thread (128-thread blocks, 16-byte copies), two blocks an SM with six
+// groups in flight, and five 32-KiB blocks: each slower (docs/perf.md).
+COMPRESS_STREAM(compress_stream, 2, 4, 3, 256, 4)
 
 // Ring update: each sequence's last `slots` tokens of this batch go to slot t % slots
 // (kv, and score with the position bias added). grid (ceil(slots·width / 256), seqs):
