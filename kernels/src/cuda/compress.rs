@@ -54,6 +54,11 @@ struct CompressGeom {
 // SAFETY: #[repr(C)] ints and a float, laid out as the C struct.
 unsafe impl DeviceRepr for CompressGeom {}
 
+/// A kernel argument for [`super::runtime::Gpu::launch_overlapped`].
+fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+    (v as *mut T).cast()
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn compress(
     b: &CudaBackend,
@@ -143,10 +148,10 @@ pub(crate) fn compress(
         } else {
             (0, 0)
         };
-        launch!(
-            g,
-            "compress_stream",
-            cfg((grid as u32, 1, 1), threads as u32, smem as u32),
+        // Launched to overlap the previous kernel's tail: the kernel builds its tables
+        // from the entry list (uploaded before any earlier kernel ran) and waits for the
+        // earlier kernels before its first copy.
+        let mut a = (
             g.ptr(&*entries),
             n as i32,
             chunks as i32,
@@ -164,6 +169,25 @@ pub(crate) fn compress(
             geom,
             RopeParams::new(p.rope),
         );
+        let mut args = [
+            arg(&mut a.0),
+            arg(&mut a.1),
+            arg(&mut a.2),
+            arg(&mut a.3),
+            arg(&mut a.4),
+            arg(&mut a.5),
+            arg(&mut a.6),
+            arg(&mut a.7),
+            arg(&mut a.8),
+            arg(&mut a.9),
+            arg(&mut a.10),
+            arg(&mut a.11),
+            arg(&mut a.12),
+            arg(&mut a.13),
+            arg(&mut a.14),
+            arg(&mut a.15),
+        ];
+        g.launch_overlapped("compress_stream", cfg((grid as u32, 1, 1), threads as u32, smem as u32), &mut args);
     }
     if fused.is_some() {
         return;

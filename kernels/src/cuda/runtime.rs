@@ -394,3 +394,47 @@ macro_rules! launch {
     }};
 }
 pub(crate) use launch;
+
+impl Gpu {
+    /// Launches `name` so that it may start while the kernel before it in the stream is
+    /// still finishing (programmatic dependent launch, compute capability 9.0 and later;
+    /// elsewhere an ordinary launch): its blocks can be placed and run their set-up as
+    /// the previous kernel's blocks leave the SMs. The kernel must execute
+    /// `griddepcontrol.wait` before it touches memory an earlier kernel writes or reads
+    /// after it (the wait returns once every earlier kernel has completed and its writes
+    /// are visible). `args` point at the argument values, in the kernel's order.
+    pub(crate) fn launch_overlapped(
+        &self,
+        name: &str,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        // SAFETY: zero is a valid bit pattern for this plain C struct; id and value are
+        // set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = i32::from(self.cc.0 >= 9);
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: the function belongs to this context's module; `args` holds one pointer
+        // per kernel parameter to a live value of the parameter's C type (the call site
+        // establishes this, and the parity suite checks it on a GPU); the stream is ours.
+        unsafe {
+            sys::cuLaunchKernelEx(&config, self.func(name).cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
+        }
+        .result()
+        .unwrap_or_else(|e| fail(&format!("launch of {name}"), e));
+    }
+}

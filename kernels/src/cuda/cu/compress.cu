@@ -197,11 +197,13 @@ __device__ bool comp_merge_chunks(Pool<NC>& p, bool live, int c, int e, int chun
     p.reset();
     if (live) {
         const float* o = partial + (long long)e * chunks * 3 * g.dim + c;
-        // Two chunks' partials in flight at a time, merged in chunk order.
-        for (int t0 = 0; t0 < chunks; t0 += 2) {
-            float m2[2][NC], s2[2][NC], n2[2][NC];
+        // MB chunks' partials in flight at a time (HCA's eight in two rounds), merged in
+        // chunk order: each round is a wait on L2 at the end of the entry's chain.
+        constexpr int MB = 8 / NC;
+        for (int t0 = 0; t0 < chunks; t0 += MB) {
+            float m2[MB][NC], s2[MB][NC], n2[MB][NC];
 #pragma unroll
-            for (int q = 0; q < 2; q++) {
+            for (int q = 0; q < MB; q++) {
                 if (t0 + q < chunks) {
                     const float* ot = o + (long long)(t0 + q) * 3 * g.dim;
                     ldcg_vec<NC>(ot, m2[q]);
@@ -210,7 +212,7 @@ __device__ bool comp_merge_chunks(Pool<NC>& p, bool live, int c, int e, int chun
                 }
             }
 #pragma unroll
-            for (int q = 0; q < 2; q++)
+            for (int q = 0; q < MB; q++)
                 if (t0 + q < chunks)
 #pragma unroll
                     for (int j = 0; j < NC; j++) p.merge(j, m2[q][j], s2[q][j], n2[q][j]);
@@ -266,6 +268,30 @@ __device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* pag
         if (NC == 4) *(uint2*)((u16*)page_base + at) = make_uint2(b[0], b[NC / 2 - 1]);
         else *(u32*)((u16*)page_base + at) = b[0];
     }
+}
+
+// Programmatic dependent launch (sm_90+; no-ops before): let the next kernel in the
+// stream be scheduled, and wait until every earlier kernel has completed.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Entry metadata of `item` and the range of its sources [u_lo, u_lo + cnt).
+__device__ __forceinline__ int4 comp_item_range(const int* meta, int item, int chunks, const CompressGeom& g, int& u_lo,
+                                                int& cnt) {
+    const int e = item / chunks;
+    const int4 m = __ldg((const int4*)(meta + (long long)ENTRY_META * e));
+    const int n_src = ((g.overlap && m.x > 0) ? g.ratio : 0) + g.ratio, per = (n_src + chunks - 1) / chunks;
+    u_lo = (item - e * chunks) * per;
+    cnt = min(per, n_src - u_lo);
+    return m;
 }
 
 // Rows of a sequence's ring one store item writes.
@@ -332,11 +358,18 @@ __device__ __forceinline__ void compress_stream_body(const int* meta, int n_entr
     const long long n_items = (long long)n_entries * chunks + n_stores;
     const int b_lo = (int)(n_items * blockIdx.x / gridDim.x), b_hi = (int)(n_items * (blockIdx.x + 1) / gridDim.x);
     const int lo = max(b_lo, n_stores) - n_stores, n = max(0, b_hi - n_stores - lo);
+    // Thread's NC floats of (stage, source q, kv|score) at
+    // cs_stage[(((stage·GROUP + q)·2 + a)·nt + t)·NC].
+    const u32 my = smem_addr(cs_stage) + threadIdx.x * NC * 4;
+    const u32 arr = nt * NC * 4;
+    // Launched to overlap the previous kernel's tail (Gpu::launch_overlapped): the next
+    // kernel may be placed as soon as every block here has started, and nothing below
+    // touches memory an earlier kernel writes until the wait after the tables.
+    pdl_launch_dependents();
     for (int k = threadIdx.x; k < n * CS_MAX_SRC; k += nt) {
         const int j = k / CS_MAX_SRC, q = k % CS_MAX_SRC, item = lo + j, e = item / chunks;
-        const int4 m = __ldg((const int4*)(meta + (long long)ENTRY_META * e));
-        const int n_src = ((g.overlap && m.x > 0) ? g.ratio : 0) + g.ratio, per = (n_src + chunks - 1) / chunks;
-        const int u_lo = (item - e * chunks) * per, cnt = min(per, n_src - u_lo);
+        int u_lo, cnt;
+        const int4 m = comp_item_range(meta, item, chunks, g, u_lo, cnt);
         if (q == 0) {
             CompItem it;
             it.e = e;
@@ -358,12 +391,8 @@ __device__ __forceinline__ void compress_stream_body(const int* meta, int n_entr
     // (n ≤ CS_MAX_ITEMS ≤ 32), so one barrier covers both tables.
     if (threadIdx.x < WARP) {
         const int lane = threadIdx.x;
-        int cnt = 0;
-        if (lane < n) {
-            const int item = lo + lane, e = item / chunks, i = __ldg(meta + (long long)ENTRY_META * e);
-            const int n_src = ((g.overlap && i > 0) ? g.ratio : 0) + g.ratio, per = (n_src + chunks - 1) / chunks;
-            cnt = min(per, n_src - (item - e * chunks) * per);
-        }
+        int u_lo, cnt = 0;
+        if (lane < n) comp_item_range(meta, lo + lane, chunks, g, u_lo, cnt);
         const int ng = lane < n ? max(1, (cnt + GROUP - 1) / GROUP) : 0;
         int end = ng;
 #pragma unroll
@@ -376,11 +405,9 @@ __device__ __forceinline__ void compress_stream_body(const int* meta, int n_entr
     }
     __syncthreads();
     const int ng = n_groups;
-    // Thread's NC floats of (stage, source q, kv|score) at
-    // cs_stage[(((stage·GROUP + q)·2 + a)·nt + t)·NC].
-    const u32 my = smem_addr(cs_stage) + threadIdx.x * NC * 4;
-    const u32 arr = nt * NC * 4;
 
+    // Every earlier kernel done and its writes visible (the projections, rings, pages).
+    pdl_wait();
     auto produce = [&](int k, int stage) {
         if (k < ng && live) {
             const int gk = groups[k], j = gk >> 8, u0 = gk & 0x7f, cnt = items[j].n;
