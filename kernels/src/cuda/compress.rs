@@ -148,9 +148,10 @@ pub(crate) fn compress(
         } else {
             (0, 0)
         };
-        // Launched to overlap the previous kernel's tail: the kernel builds its tables
-        // from the entry list (uploaded before any earlier kernel ran) and waits for the
-        // earlier kernels before its first copy.
+        // Launched to overlap the previous kernel's tail: before its wait the kernel
+        // reads only the entry list, which a host-to-device copy wrote (copies are not
+        // overlapped; only kernel after kernel is), and it waits for every earlier
+        // kernel before it touches anything else.
         let mut a = (
             g.ptr(&*entries),
             n as i32,
