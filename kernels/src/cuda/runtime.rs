@@ -398,8 +398,10 @@ pub(crate) use launch;
 impl Gpu {
     /// Launches `name` so that it may start while the kernel before it in the stream is
     /// still finishing (programmatic dependent launch, compute capability 9.0 and later;
-    /// elsewhere an ordinary launch): its blocks can be placed and run their set-up as
-    /// the previous kernel's blocks leave the SMs. The kernel must execute
+    /// elsewhere an ordinary launch): if that kernel allows it (`griddepcontrol.
+    /// launch_dependents`), this one's blocks can be placed and run their set-up as the
+    /// previous kernel's blocks leave the SMs; otherwise it starts once they have all
+    /// left. The kernel must execute
     /// `griddepcontrol.wait` before it touches memory an earlier kernel writes or reads
     /// after it (the wait returns once every earlier kernel has completed and its writes
     /// are visible). `args` point at the argument values, in the kernel's order.
