@@ -1,0 +1,369 @@
+//! Every CUDA kernel against its CPU counterpart at DeepSeek-V4-Flash sizes (hidden
+//! 4096, 64 heads × 512, q_lora 1024, indexer 64 × 128, top-k 512, window 128, 4 mHC
+//! streams), on fresh random inputs, with outputs poisoned (NaN) before each call so an
+//! element the GPU forgets to write fails. The CPU backend is itself checked against
+//! the f64 reference by `parity.rs`; this suite covers the shapes and code paths only
+//! large problems reach (vector loads, split-K products, tensor-core GEMMs, key-axis
+//! splits, radix select over hundreds of candidates, FP8 weights).
+//!
+//! Each check prints `PARITY <op> <dtype> <observed error>`; tolerances are per dtype in
+//! [`TOLERANCES`]. Without a GPU every test prints that it is skipped and passes.
+#![cfg(feature = "cuda")]
+
+use std::sync::OnceLock;
+
+use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing, Selection};
+use kernels::cuda::CudaBackend;
+use kernels::quant::{bf16_to_f32, dequant_fp8_blocks, f32_to_bf16, quantize_fp8_blocks, ue8m0_to_f32};
+use kernels::rope::Yarn;
+use kernels::{
+    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, HostMatrix, KvLayout, KvState, LayerSpec, RopeTable,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Attention, compressors, indexer and rings over scheduled batches.
+mod sequence;
+/// The indexer's top-k over long rows.
+mod topk;
+
+/// Allowed max|Δ|/max|CPU| by the dtype of the weights or KV entries involved. f32
+/// differs only in summation order; bf16 and FP8 paths store the same rounded values on
+/// both devices, so they land far below the 1e-2 the issue allows, which is what is
+/// asserted for them.
+const TOLERANCES: [(&str, f32); 3] = [("f32", 1e-4), ("bf16", 1e-2), ("fp8", 1e-2)];
+
+fn tol(dtype: &str) -> f32 {
+    TOLERANCES.iter().find(|(d, _)| *d == dtype).map(|t| t.1).expect("dtype in the table")
+}
+
+fn gpu(test: &str) -> Option<&'static CudaBackend> {
+    static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    match B.get_or_init(|| CudaBackend::new(0).map_err(|e| e.to_string())) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("SKIPPED {test}: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn rng(test: &str) -> ChaCha8Rng {
+    // Fresh inputs on every run, reproducible from the printed seed.
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+    eprintln!("{test}: seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn rand_vec(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732).collect()
+}
+
+/// A weight whose values are exactly those of `dtype` storage.
+fn weight(rng: &mut ChaCha8Rng, rows: usize, cols: usize, std: f32, dtype: &str) -> HostMatrix {
+    let mut v = rand_vec(rng, rows * cols, std);
+    match dtype {
+        "f32" => {}
+        "bf16" => v.iter_mut().for_each(|x| *x = bf16_to_f32(f32_to_bf16(*x))),
+        "fp8" => {
+            let (q, s) = quantize_fp8_blocks(&v, rows, cols, (128, 128));
+            let scales: Vec<f32> = s.iter().map(|&b| ue8m0_to_f32(b)).collect();
+            let grid = (rows.div_ceil(128), cols.div_ceil(128));
+            v = dequant_fp8_blocks(&q, rows, cols, &scales, grid, (128, 128)).unwrap();
+        }
+        other => panic!("no dtype {other}"),
+    }
+    HostMatrix::new(rows, cols, v)
+}
+
+fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    got.iter().zip(want).map(|(g, w)| if g.is_nan() { f32::INFINITY } else { (g - w).abs() }).fold(0f32, f32::max)
+        / scale
+}
+
+fn check(op: &str, dtype: &str, got: &[f32], want: &[f32]) {
+    let e = rel_err(got, want);
+    eprintln!("PARITY {op} {dtype} {e:.2e}");
+    assert!(e <= tol(dtype), "{op} ({dtype}): max|Δ|/max|ref| {e:.3e} above {:.0e}", tol(dtype));
+}
+
+fn poisoned<B: Backend>(b: &B, len: usize) -> B::Buf {
+    b.upload(&vec![f32::NAN; len])
+}
+
+#[test]
+fn cuda_products_match_cpu_at_flash_shapes() {
+    let Some(g) = gpu("cuda_products_match_cpu_at_flash_shapes") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("products");
+    // (outputs, inputs): wq_a, wq_b, the mHC mix (few outputs, long rows), an odd shape.
+    for (n, k) in [(1024, 4096), (8192, 1024), (24, 16384), (200, 136)] {
+        for dtype in ["f32", "bf16", "fp8"] {
+            let w = weight(&mut rng, n, k, 0.05, dtype);
+            let (gw, cw) = (g.weight(w.clone()), c.weight(w));
+            for rows in [1, 3, 8, 20, 33] {
+                let x = rand_vec(&mut rng, rows * k, 1.0);
+                let mut out = poisoned(g, rows * n);
+                g.matmul(&g.upload(&x), rows, &gw, &mut out);
+                let mut want = vec![0f32; rows * n];
+                c.matmul(&x, rows, &cw, &mut want);
+                check(&format!("matmul {n}x{k} rows={rows}"), dtype, &g.download(&out), &want);
+            }
+        }
+    }
+    // The attention output's grouped projection: 8 groups of 4096 -> 1024.
+    for dtype in ["bf16", "fp8"] {
+        let w = weight(&mut rng, 8 * 1024, 4096, 0.02, dtype);
+        let (gw, cw) = (g.weight(w.clone()), c.weight(w));
+        for rows in [1, 5, 40] {
+            let x = rand_vec(&mut rng, rows * 8 * 4096, 1.0);
+            let mut out = poisoned(g, rows * 8 * 1024);
+            g.grouped_matmul(&g.upload(&x), rows, 8, &gw, &mut out);
+            let mut want = vec![0f32; rows * 8 * 1024];
+            c.grouped_matmul(&x, rows, 8, &cw, &mut want);
+            check(&format!("grouped_matmul 8x1024x4096 rows={rows}"), dtype, &g.download(&out), &want);
+        }
+    }
+}
+
+#[test]
+fn cuda_row_ops_match_cpu_at_flash_shapes() {
+    let Some(g) = gpu("cuda_row_ops_match_cpu_at_flash_shapes") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("row ops");
+    for (rows, dim, weighted) in [(7, 4096, true), (3 * 64, 512, false), (5, 1024, true), (2, 16384, false)] {
+        let x = rand_vec(&mut rng, rows * dim, 2.0);
+        let w = rand_vec(&mut rng, dim, 1.0);
+        let mut gx = g.upload(&x);
+        g.rms_norm(&mut gx, dim, weighted.then(|| g.upload(&w)).as_ref(), 1e-6);
+        let mut want = x.clone();
+        c.rms_norm(&mut want, dim, weighted.then_some(&w), 1e-6);
+        check(&format!("rms_norm {rows}x{dim} weighted={weighted}"), "f32", &g.download(&gx), &want);
+    }
+    let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    for table in [RopeTable::plain(10000.0, 64), RopeTable::yarn(160000.0, 64, yarn, 1.0)] {
+        for inverse in [false, true] {
+            let rows = 9;
+            let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..1_048_576)).collect();
+            let x = rand_vec(&mut rng, rows * 64 * 512, 1.0);
+            let mut gx = g.upload(&x);
+            g.rope(&mut gx, 64, 512, &positions, &table, inverse);
+            let mut want = x.clone();
+            c.rope(&mut want, 64, 512, &positions, &table, inverse);
+            check(&format!("rope 64x512 inverse={inverse}"), "f32", &g.download(&gx), &want);
+        }
+    }
+    let x = rand_vec(&mut rng, 11 * 512, 1.0);
+    let mut gx = g.upload(&x);
+    g.round_to(&mut gx, EntryDtype::Bf16);
+    let mut want = x.clone();
+    c.round_to(&mut want, EntryDtype::Bf16);
+    assert_eq!(g.download(&gx), want, "bf16 rounding must be bit-identical");
+    let gathered = g.gather_rows(&g.upload(&x), 512, &[3, 0, 10, 3]);
+    assert_eq!(g.download(&gathered), c.gather_rows(&x, 512, &[3, 0, 10, 3]));
+    for dtype in ["f32", "bf16", "fp8"] {
+        let table = weight(&mut rng, 300, 4096, 0.5, dtype);
+        let tokens = [5u32, 299, 0, 17];
+        let mut out = poisoned(g, 4 * 4096);
+        g.embed(&g.weight(table.clone()), &tokens, &mut out);
+        let mut want = vec![0f32; 4 * 4096];
+        c.embed(&c.weight(table), &tokens, &mut want);
+        assert_eq!(g.download(&out), want, "embedding rows ({dtype}) must be exact");
+    }
+}
+
+#[test]
+fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
+    let Some(g) = gpu("cuda_hyper_connections_match_cpu_at_flash_shapes") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("mhc");
+    let (hc, d) = (4, 4096);
+    let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, "f32");
+    let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
+    let gw = HcWeights::<CudaBackend> {
+        mix: g.weight(mix.clone()),
+        base: base.clone(),
+        scale: [0.8, 1.1, 0.9],
+        hc,
+        hidden: d,
+        sinkhorn_iters: 20,
+        norm_eps: 1e-6,
+        hc_eps: 1e-6,
+    };
+    let cw = HcWeights::<CpuBackend> {
+        mix: c.weight(mix),
+        base,
+        scale: [0.8, 1.1, 0.9],
+        hc,
+        hidden: d,
+        sinkhorn_iters: 20,
+        norm_eps: 1e-6,
+        hc_eps: 1e-6,
+    };
+    for rows in [1, 8, 29, 40] {
+        let s = rand_vec(&mut rng, rows * hc * d, 1.0);
+        let out = rand_vec(&mut rng, rows * d, 1.0);
+        let (mut col, mut post, mut comb) =
+            (poisoned(g, rows * d), poisoned(g, rows * hc), poisoned(g, rows * hc * hc));
+        g.hc_pre(&g.upload(&s), rows, &gw, &mut col, &mut post, &mut comb);
+        let (mut ccol, mut cpost, mut ccomb) =
+            (vec![0f32; rows * d], vec![0f32; rows * hc], vec![0f32; rows * hc * hc]);
+        c.hc_pre(&s, rows, &cw, &mut ccol, &mut cpost, &mut ccomb);
+        check(&format!("hc_pre collapsed rows={rows}"), "f32", &g.download(&col), &ccol);
+        check(&format!("hc_pre post rows={rows}"), "f32", &g.download(&post), &cpost);
+        check(&format!("hc_pre comb rows={rows}"), "f32", &g.download(&comb), &ccomb);
+        let mut gs = g.upload(&s);
+        g.hc_post(&mut gs, rows, hc, &g.upload(&out), &post, &comb);
+        let mut cs = s.clone();
+        c.hc_post(&mut cs, rows, hc, &out, &cpost, &ccomb);
+        check(&format!("hc_post rows={rows}"), "f32", &g.download(&gs), &cs);
+
+        let hmix = weight(&mut rng, hc, hc * d, 0.02, "f32");
+        let hbase = rand_vec(&mut rng, hc, 0.5);
+        let gh = HcHeadWeights::<CudaBackend> {
+            mix: g.weight(hmix.clone()),
+            base: hbase.clone(),
+            scale: 1.2,
+            hc,
+            hidden: d,
+            norm_eps: 1e-6,
+            hc_eps: 1e-6,
+        };
+        let ch = HcHeadWeights::<CpuBackend> {
+            mix: c.weight(hmix),
+            base: hbase,
+            scale: 1.2,
+            hc,
+            hidden: d,
+            norm_eps: 1e-6,
+            hc_eps: 1e-6,
+        };
+        let mut got = poisoned(g, rows * d);
+        g.hc_head(&g.upload(&s), rows, &gh, &mut got);
+        let mut want = vec![0f32; rows * d];
+        c.hc_head(&s, rows, &ch, &mut want);
+        check(&format!("hc_head rows={rows}"), "f32", &g.download(&got), &want);
+    }
+}
+
+#[test]
+fn cuda_moe_matches_cpu_at_flash_width() {
+    let Some(g) = gpu("cuda_moe_matches_cpu_at_flash_width") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("moe");
+    let (d, inter, n_exp, k) = (4096, 512, 16, 4);
+    for dtype in ["bf16", "fp8"] {
+        let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+        let experts: Vec<[HostMatrix; 3]> = (0..n_exp)
+            .map(|_| {
+                [
+                    weight(&mut rng, inter, d, 0.03, dtype),
+                    weight(&mut rng, d, inter, 0.05, dtype),
+                    weight(&mut rng, inter, d, 0.03, dtype),
+                ]
+            })
+            .collect();
+        let shared = [
+            weight(&mut rng, inter, d, 0.03, dtype),
+            weight(&mut rng, d, inter, 0.05, dtype),
+            weight(&mut rng, inter, d, 0.03, dtype),
+        ];
+        let bias = rand_vec(&mut rng, n_exp, 0.2);
+        let vocab = 64;
+        let tid2eid: Vec<u32> = (0..vocab * k).map(|i| ((i * 7 + i / k) % n_exp) as u32).collect();
+        for hash in [false, true] {
+            let routing =
+                || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
+            let gm = MoeWeights::<CudaBackend> {
+                gate: g.weight(gate.clone()),
+                routing: routing(),
+                experts: experts
+                    .iter()
+                    .map(|e| ExpertWeights {
+                        w1: g.weight(e[0].clone()),
+                        w2: g.weight(e[1].clone()),
+                        w3: g.weight(e[2].clone()),
+                    })
+                    .collect(),
+                shared: Some(ExpertWeights {
+                    w1: g.weight(shared[0].clone()),
+                    w2: g.weight(shared[1].clone()),
+                    w3: g.weight(shared[2].clone()),
+                }),
+                top_k: k,
+                route_scale: 1.5,
+                swiglu_limit: 2.0,
+            };
+            let cm = MoeWeights::<CpuBackend> {
+                gate: c.weight(gate.clone()),
+                routing: routing(),
+                experts: experts
+                    .iter()
+                    .map(|e| ExpertWeights {
+                        w1: c.weight(e[0].clone()),
+                        w2: c.weight(e[1].clone()),
+                        w3: c.weight(e[2].clone()),
+                    })
+                    .collect(),
+                shared: Some(ExpertWeights {
+                    w1: c.weight(shared[0].clone()),
+                    w2: c.weight(shared[1].clone()),
+                    w3: c.weight(shared[2].clone()),
+                }),
+                top_k: k,
+                route_scale: 1.5,
+                swiglu_limit: 2.0,
+            };
+            for rows in [1, 8, 37] {
+                let x = rand_vec(&mut rng, rows * d, 1.0);
+                let tokens: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
+                let mut out = poisoned(g, rows * d);
+                g.moe(&g.upload(&x), rows, &tokens, &gm, &mut out);
+                let mut want = vec![0f32; rows * d];
+                c.moe(&x, rows, &tokens, &cm, &mut want);
+                check(&format!("moe hash={hash} rows={rows}"), dtype, &g.download(&out), &want);
+            }
+        }
+    }
+}
+
+// V4-Flash attention sizes, and one backend's KV state and layer parameters: shared by
+// the sequence and top-k tests.
+const HEADS: usize = 64;
+const HD: usize = 512;
+const IDX_HEADS: usize = 64;
+const IDX_DIM: usize = 128;
+const TOP_K: usize = 512;
+
+struct Side<'a, B: Backend> {
+    b: &'a B,
+    kv: KvState<B>,
+    params: Vec<[B::Buf; 4]>,
+    sinks: B::Buf,
+}
+
+fn side<'a, B: Backend>(
+    b: &'a B,
+    layout: &KvLayout,
+    pages: usize,
+    slots: usize,
+    raw: &[[Vec<f32>; 4]],
+    sinks: &[f32],
+) -> Side<'a, B> {
+    let mut kv = KvState::<B> {
+        pages: b.kv_alloc(pages * layout.page_elems, layout.dtype),
+        rings: b.kv_alloc(slots * layout.ring_elems, layout.dtype),
+        comp: b.kv_alloc(slots * layout.comp_elems, EntryDtype::F32),
+    };
+    // Poison the pages: entries nobody writes stay NaN on both sides.
+    let nan: Vec<u8> = match layout.dtype {
+        EntryDtype::F32 => f32::NAN.to_le_bytes().repeat(pages * layout.page_elems),
+        EntryDtype::Bf16 => 0x7fc0u16.to_le_bytes().repeat(pages * layout.page_elems),
+    };
+    b.kv_write(&mut kv.pages, 0, &nan);
+    let params = raw.iter().map(|p| [b.upload(&p[0]), b.upload(&p[1]), b.upload(&p[2]), b.upload(&p[3])]).collect();
+    let sinks = b.upload(sinks);
+    Side { b, kv, params, sinks }
+}

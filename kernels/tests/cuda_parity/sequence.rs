@@ -1,0 +1,403 @@
+//! Sequence-aware ops of one layer (compressors, indexer, attention, rings) on both
+//! backends over scheduled batches: chunked prefills, sequences joining, batched decode.
+
+use super::*;
+
+/// Random projections of one layer for a batch, shared by both backends.
+struct StepInputs {
+    main_kv: Vec<f32>,
+    main_score: Vec<f32>,
+    idx_kv: Vec<f32>,
+    idx_score: Vec<f32>,
+    idx_q: Vec<f32>,
+    idx_w: Vec<f32>,
+    q: Vec<f32>,
+    new_kv: Vec<f32>,
+}
+
+/// Run one layer of one step on a backend: compressors, indexer (optionally forced to a
+/// given selection), attention, ring update. Returns (attention output, selection).
+#[allow(clippy::too_many_arguments)]
+fn run_layer<B: Backend>(
+    s: &mut Side<'_, B>,
+    layout: &KvLayout,
+    l: usize,
+    plan: &BatchPlan,
+    inp: &StepInputs,
+    rope: &RopeTable,
+    forced: Option<&[i32]>,
+    from: &dyn Fn(&B, &[i32]) -> B::Idx,
+) -> (Vec<f32>, Option<Vec<i32>>) {
+    let b = s.b;
+    let spec = layout.layers[l].spec;
+    let up = |v: &Vec<f32>| b.upload(v);
+    if spec.kind != AttnKind::Window {
+        let p = CompressorParams::<B> { ape: &s.params[l][0], norm: &s.params[l][1], eps: 1e-6, rope };
+        b.compress(&mut s.kv, layout, l, Branch::Main, plan, &up(&inp.main_kv), &up(&inp.main_score), &p);
+    }
+    let mut sel = None;
+    if spec.kind == AttnKind::Csa {
+        let p = CompressorParams::<B> { ape: &s.params[l][2], norm: &s.params[l][3], eps: 1e-6, rope };
+        b.compress(&mut s.kv, layout, l, Branch::Indexer, plan, &up(&inp.idx_kv), &up(&inp.idx_score), &p);
+        let chosen = b.index_topk(&s.kv, layout, l, plan, &up(&inp.idx_q), &up(&inp.idx_w), IDX_HEADS, TOP_K);
+        sel = Some(b.idx_download(&chosen.indices));
+    }
+    let used = match (forced, &sel) {
+        (Some(f), _) => Some(Selection::<B> { indices: from(b, f), top_k: TOP_K }),
+        (None, Some(own)) => Some(Selection::<B> { indices: from(b, own), top_k: TOP_K }),
+        _ => None,
+    };
+    let mut out = poisoned(b, plan.rows() * HEADS * HD);
+    let new_kv = up(&inp.new_kv);
+    b.attention(&s.kv, layout, l, plan, &up(&inp.q), &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut out);
+    b.store_window(&mut s.kv, layout, l, plan, &new_kv);
+    (b.download(&out), sel)
+}
+
+/// Indexer scores in f64 from the keys one side stored, for judging a selection.
+fn f64_scores<B: Backend>(
+    side: &Side<'_, B>,
+    layout: &KvLayout,
+    l: usize,
+    pages: &[u32],
+    q: &[f32],
+    w: &[f32],
+    n: usize,
+) -> Vec<f64> {
+    let lk = &layout.layers[l];
+    let per_page = lk.entries_per_page(layout.block);
+    (0..n)
+        .map(|i| {
+            let at = pages[i / per_page] as usize * layout.page_elems + lk.page_index + (i % per_page) * IDX_DIM;
+            let bytes = side.b.kv_read(&side.kv.pages, at, IDX_DIM);
+            let key: Vec<f64> = match layout.dtype {
+                EntryDtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(&bytes).into_iter().map(f64::from).collect(),
+                EntryDtype::Bf16 => {
+                    bytemuck::pod_collect_to_vec::<u8, u16>(&bytes).into_iter().map(|b| bf16_to_f32(b) as f64).collect()
+                }
+            };
+            (0..IDX_HEADS)
+                .map(|h| {
+                    let dot: f64 = (0..IDX_DIM).map(|d| q[h * IDX_DIM + d] as f64 * key[d]).sum();
+                    w[h] as f64 * dot.max(0.0)
+                })
+                .sum()
+        })
+        .collect()
+}
+
+fn sequence_ops(dtype: EntryDtype) {
+    let name = format!("cuda_sequence_ops_match_cpu_at_flash_shapes_{}", dtype.name());
+    let Some(g) = gpu(&name) else { return };
+    let mut rng = rng(&name);
+    let specs = [
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0 },
+    ];
+    let layout = KvLayout::new(128, 128, dtype, &specs);
+    let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
+    let raw: Vec<[Vec<f32>; 4]> = specs
+        .iter()
+        .map(|s| {
+            let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
+            let ratio = s.ratio.max(1);
+            [
+                rand_vec(&mut rng, ratio * cw, 0.5),
+                rand_vec(&mut rng, HD, 0.2).iter().map(|v| v + 1.0).collect(),
+                rand_vec(&mut rng, ratio * 2 * IDX_DIM, 0.5),
+                rand_vec(&mut rng, IDX_DIM, 0.2).iter().map(|v| v + 1.0).collect(),
+            ]
+        })
+        .collect();
+    let sinks = rand_vec(&mut rng, HEADS, 1.0);
+    let page_tables: [Vec<u32>; 2] = [(0..20).collect(), (20..24).rev().collect()];
+    let cpu = CpuBackend::new();
+    let mut gs = side(g, &layout, 24, 2, &raw, &sinks);
+    let mut cs = side(&cpu, &layout, 24, 2, &raw, &sinks);
+    // (seq, chunk) per step: a long prefill in uneven chunks (more CSA candidates than
+    // top-k), a short sequence joining, then batched decode of both.
+    let schedule: Vec<Vec<(usize, usize)>> = vec![
+        vec![(0, 1300)],
+        vec![(0, 917), (1, 1)],
+        vec![(1, 140)],
+        vec![(0, 1), (1, 1)],
+        vec![(0, 1), (1, 1)],
+        vec![(0, 3), (1, 1)],
+        vec![(0, 1)],
+    ];
+    let mut len = [0usize; 2];
+    let (mut checked, mut near_ties) = (0, 0);
+    let mut worst = 0f32;
+    for step in &schedule {
+        let toks: Vec<Vec<u32>> = step.iter().map(|&(_, c)| vec![0; c]).collect();
+        let plan = BatchPlan::new(
+            step.iter().zip(&toks).map(|(&(s, _), t)| (s, page_tables[s].clone(), len[s], t.as_slice())).collect(),
+        );
+        let rows = plan.rows();
+        for (l, spec) in specs.iter().enumerate() {
+            let cw = if spec.kind == AttnKind::Csa { 2 * HD } else { HD };
+            let round = |v: Vec<f32>| -> Vec<f32> {
+                match dtype {
+                    EntryDtype::F32 => v,
+                    EntryDtype::Bf16 => v.into_iter().map(|x| bf16_to_f32(f32_to_bf16(x))).collect(),
+                }
+            };
+            let inp = StepInputs {
+                main_kv: rand_vec(&mut rng, rows * cw, 1.0),
+                main_score: rand_vec(&mut rng, rows * cw, 1.5),
+                idx_kv: rand_vec(&mut rng, rows * 2 * IDX_DIM, 1.0),
+                idx_score: rand_vec(&mut rng, rows * 2 * IDX_DIM, 1.5),
+                idx_q: rand_vec(&mut rng, rows * IDX_HEADS * IDX_DIM, 0.3),
+                idx_w: rand_vec(&mut rng, rows * IDX_HEADS, 1.0),
+                q: rand_vec(&mut rng, rows * HEADS * HD, 0.3),
+                new_kv: round(rand_vec(&mut rng, rows * HD, 1.0)),
+            };
+            let (gout, gsel) = run_layer(&mut gs, &layout, l, &plan, &inp, &rope, None, &|b: &CudaBackend, v| {
+                kernels::cuda::CudaIdx::from_host(b, v)
+            });
+            // The CPU attends over the GPU's selection, so attention is compared on
+            // identical inputs; the selections are compared on their own below.
+            let (cout, csel) = run_layer(&mut cs, &layout, l, &plan, &inp, &rope, gsel.as_deref(), &|_, v| v.to_vec());
+            let e = rel_err(&gout, &cout);
+            worst = worst.max(e);
+            if e.is_nan() || e > tol(dtype.name()) {
+                let (i, d) = gout
+                    .iter()
+                    .zip(&cout)
+                    .map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() })
+                    .enumerate()
+                    .fold((0, 0f32), |m, (i, d)| if d > m.1 { (i, d) } else { m });
+                let (row, head, dim) = (i / (HEADS * HD), i / HD % HEADS, i % HD);
+                panic!(
+                    "attention layer {l} ({:?}) step {step:?}: {e:.3e}; worst at row {row} (position {}) head {head} \
+                     dim {dim}: gpu {} cpu {} (|Δ| {d})",
+                    spec.kind, plan.positions[row], gout[i], cout[i]
+                );
+            }
+            if let (Some(gsel), Some(csel)) = (gsel, csel) {
+                for (r, &pos) in plan.positions.iter().enumerate() {
+                    let (gr, cr) = (&gsel[r * TOP_K..(r + 1) * TOP_K], &csel[r * TOP_K..(r + 1) * TOP_K]);
+                    if gr == cr {
+                        checked += 1;
+                        continue;
+                    }
+                    // The two devices' keys may differ in their last bf16 bit (the
+                    // compressors round the same value from slightly different f32s), so
+                    // a differing row is judged on the GPU's own keys: its picks must be
+                    // that row's top-k, up to exact ties in f32 (every pick scores at
+                    // least every candidate left out, to rounding).
+                    let owner = plan.row_owner()[r];
+                    let s = &plan.seqs[owner];
+                    let n = (pos as usize + 1) / 4;
+                    let sc = f64_scores(
+                        &gs,
+                        &layout,
+                        l,
+                        &s.pages,
+                        &inp.idx_q[r * IDX_HEADS * IDX_DIM..(r + 1) * IDX_HEADS * IDX_DIM],
+                        &inp.idx_w[r * IDX_HEADS..(r + 1) * IDX_HEADS],
+                        n,
+                    );
+                    let mut picked = vec![false; n];
+                    for &id in gr.iter().filter(|&&id| id >= 0) {
+                        picked[id as usize] = true;
+                    }
+                    let picks = picked.iter().filter(|&&p| p).count();
+                    assert_eq!(picks, TOP_K.min(n), "row {r}: {picks} distinct picks of {n} candidates");
+                    let lowest_pick = (0..n).filter(|&i| picked[i]).map(|i| sc[i]).fold(f64::INFINITY, f64::min);
+                    let best_left = (0..n).filter(|&i| !picked[i]).map(|i| sc[i]).fold(f64::NEG_INFINITY, f64::max);
+                    let top = sc.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+                    let gap = (best_left - lowest_pick) / top;
+                    assert!(
+                        gap < 1e-5,
+                        "selection at row {r} (position {pos}) leaves out a candidate scoring {gap:.2e} (relative) \
+                         above its lowest pick"
+                    );
+                    near_ties += 1;
+                }
+            }
+        }
+        for &(s, c) in step {
+            len[s] += c;
+        }
+    }
+    // Every entry written (or left poisoned) the same on both devices.
+    let gpages = gs.b.kv_read(&gs.kv.pages, 0, 24 * layout.page_elems);
+    let cpages = cs.b.kv_read(&cs.kv.pages, 0, 24 * layout.page_elems);
+    let to_f32 = |bytes: &[u8]| -> Vec<f32> {
+        match dtype {
+            EntryDtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
+            EntryDtype::Bf16 => bytemuck::pod_collect_to_vec::<u8, u16>(bytes).into_iter().map(bf16_to_f32).collect(),
+        }
+    };
+    let (gp, cp) = (to_f32(&gpages), to_f32(&cpages));
+    let nan_mismatch = gp.iter().zip(&cp).filter(|(a, b)| a.is_nan() != b.is_nan()).count();
+    assert_eq!(nan_mismatch, 0, "entries written on one device only");
+    let written: Vec<(f32, f32)> = gp.iter().zip(&cp).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*a, *b)).collect();
+    assert!(!written.is_empty());
+    let (ga, ca): (Vec<f32>, Vec<f32>) = written.into_iter().unzip();
+    check("compressed entries", dtype.name(), &ga, &ca);
+    let grings = to_f32(&gs.b.kv_read(&gs.kv.rings, 0, 2 * layout.ring_elems));
+    let crings = to_f32(&cs.b.kv_read(&cs.kv.rings, 0, 2 * layout.ring_elems));
+    assert_eq!(grings, crings, "window rings hold the same stored values");
+    let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 2 * layout.comp_elems);
+    let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 2 * layout.comp_elems);
+    assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
+    eprintln!("PARITY attention {} {worst:.2e}", dtype.name());
+    eprintln!(
+        "PARITY indexer-selection {}: {checked} rows identical to the CPU's, {near_ties} differing rows each the \
+         top-k of the GPU's keys up to f32 ties",
+        dtype.name()
+    );
+    assert!(checked > 0);
+}
+
+#[test]
+fn cuda_sequence_ops_match_cpu_at_flash_shapes_f32() {
+    sequence_ops(EntryDtype::F32);
+}
+
+#[test]
+fn cuda_sequence_ops_match_cpu_at_flash_shapes_bf16() {
+    sequence_ops(EntryDtype::Bf16);
+}
+
+/// Compressors inside a restored prefix (`pages_final_until`) refill their rings but
+/// leave the prefix's entries alone, on both devices.
+#[test]
+fn cuda_compressor_respects_pages_final_until() {
+    let Some(g) = gpu("cuda_compressor_respects_pages_final_until") else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = rng("pages_final_until");
+    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM }];
+    let layout = KvLayout::new(128, 128, EntryDtype::F32, &spec);
+    let raw = vec![[
+        rand_vec(&mut rng, 4 * 2 * HD, 0.5),
+        vec![1.0; HD],
+        rand_vec(&mut rng, 4 * 2 * IDX_DIM, 0.5),
+        vec![1.0; IDX_DIM],
+    ]];
+    let sinks = vec![0.0; HEADS];
+    let mut gs = side(g, &layout, 3, 1, &raw, &sinks);
+    let mut cs = side(&cpu, &layout, 3, 1, &raw, &sinks);
+    let rope = RopeTable::plain(160000.0, 64);
+    let toks = vec![0u32; 100];
+    let mut plan = BatchPlan::new(vec![(0, vec![0, 1, 2], 200, &toks)]);
+    plan.seqs[0].pages_final_until = 256;
+    let kvp = rand_vec(&mut rng, 100 * 2 * HD, 1.0);
+    let scp = rand_vec(&mut rng, 100 * 2 * HD, 1.0);
+    for s in [&mut gs as &mut dyn CompressSide, &mut cs] {
+        s.compress_main(&layout, &plan, &kvp, &scp, &rope);
+    }
+    let gp: Vec<f32> = bytemuck::pod_collect_to_vec(&gs.b.kv_read(&gs.kv.pages, 0, 3 * layout.page_elems));
+    let cp: Vec<f32> = bytemuck::pod_collect_to_vec(&cs.b.kv_read(&cs.kv.pages, 0, 3 * layout.page_elems));
+    let entry = |i: usize| (i / 32) * layout.page_elems + (i % 32) * HD;
+    for i in 50..75 {
+        let (g, c) = (&gp[entry(i)..entry(i) + HD], &cp[entry(i)..entry(i) + HD]);
+        // Entries 50..63 end at or before position 256: kept (poisoned); 64.. written.
+        assert_eq!(g.iter().all(|v| v.is_nan()), i < 64, "GPU entry {i}");
+        assert_eq!(c.iter().all(|v| v.is_nan()), i < 64, "CPU entry {i}");
+        if i >= 64 {
+            check(&format!("entry {i} after pages_final_until"), "f32", g, c);
+        }
+    }
+}
+
+/// The compressors over batches longer than the GPU holds blocks at once (so a block
+/// pools several entries in turn), with sequences that start mid-window and read their
+/// rings between long prefills: every entry and ring byte as on the CPU.
+#[test]
+fn cuda_compressor_long_batches_match_cpu() {
+    let Some(g) = gpu("cuda_compressor_long_batches_match_cpu") else { return };
+    let cpu = CpuBackend::new();
+    let mut rng = rng("compressor_long_batches");
+    let specs = [
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
+    ];
+    let layout = KvLayout::new(128, 128, EntryDtype::F32, &specs);
+    let raw: Vec<[Vec<f32>; 4]> = specs
+        .iter()
+        .map(|s| {
+            let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
+            [
+                rand_vec(&mut rng, s.ratio * cw, 0.5),
+                rand_vec(&mut rng, HD, 0.2).iter().map(|v| v + 1.0).collect(),
+                rand_vec(&mut rng, s.ratio * 2 * IDX_DIM, 0.5),
+                rand_vec(&mut rng, IDX_DIM, 0.2).iter().map(|v| v + 1.0).collect(),
+            ]
+        })
+        .collect();
+    let sinks = vec![0.0; HEADS];
+    // Pages: sequence 0 (8,195 tokens) 0..65, sequence 1 (3,301) 65..91 reversed,
+    // sequence 2 (5) 91.
+    let tables: [Vec<u32>; 3] = [(0..65).collect(), (65..91).rev().collect(), vec![91]];
+    let mut gs = side(g, &layout, 92, 3, &raw, &sinks);
+    let mut cs = side(&cpu, &layout, 92, 3, &raw, &sinks);
+    let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
+    let steps: [&[(usize, usize, usize)]; 3] =
+        [&[(1, 0, 301)], &[(0, 0, 8192), (1, 301, 3000), (2, 0, 5)], &[(1, 3301, 1), (0, 8192, 3)]];
+    for step in steps {
+        let toks: Vec<Vec<u32>> = step.iter().map(|&(_, _, n)| vec![0; n]).collect();
+        let plan = BatchPlan::new(
+            step.iter().zip(&toks).map(|(&(s, at, _), t)| (s, tables[s].clone(), at, t.as_slice())).collect(),
+        );
+        let rows = plan.rows();
+        for (l, spec) in specs.iter().enumerate() {
+            let cw = if spec.kind == AttnKind::Csa { 2 * HD } else { HD };
+            let branches: &[(Branch, usize)] = if spec.kind == AttnKind::Csa {
+                &[(Branch::Main, cw), (Branch::Indexer, 2 * IDX_DIM)]
+            } else {
+                &[(Branch::Main, cw)]
+            };
+            for &(branch, width) in branches {
+                let kv = rand_vec(&mut rng, rows * width, 1.0);
+                let sc = rand_vec(&mut rng, rows * width, 1.5);
+                let k = if branch == Branch::Main { 0 } else { 2 };
+                let p = CompressorParams::<CudaBackend> {
+                    ape: &gs.params[l][k],
+                    norm: &gs.params[l][k + 1],
+                    eps: 1e-6,
+                    rope: &rope,
+                };
+                g.compress(&mut gs.kv, &layout, l, branch, &plan, &g.upload(&kv), &g.upload(&sc), &p);
+                let p = CompressorParams::<CpuBackend> {
+                    ape: &cs.params[l][k],
+                    norm: &cs.params[l][k + 1],
+                    eps: 1e-6,
+                    rope: &rope,
+                };
+                cpu.compress(&mut cs.kv, &layout, l, branch, &plan, &kv, &sc, &p);
+            }
+        }
+    }
+    let gp: Vec<f32> = bytemuck::pod_collect_to_vec(&gs.b.kv_read(&gs.kv.pages, 0, 92 * layout.page_elems));
+    let cp: Vec<f32> = bytemuck::pod_collect_to_vec(&cs.b.kv_read(&cs.kv.pages, 0, 92 * layout.page_elems));
+    let nan_mismatch = gp.iter().zip(&cp).filter(|(a, b)| a.is_nan() != b.is_nan()).count();
+    assert_eq!(nan_mismatch, 0, "entries written on one device only");
+    let (ga, ca): (Vec<f32>, Vec<f32>) = gp.iter().zip(&cp).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*a, *b)).unzip();
+    // Sequences of 8,195, 3,302 and 5 tokens: CSA 2,048 + 825 + 1 entries of 512 + 128
+    // values, HCA 64 + 25 entries of 512.
+    let expected = (2048 + 825 + 1) * (HD + IDX_DIM) + (64 + 25) * HD;
+    assert_eq!(ga.len(), expected, "entries written");
+    check("compressed entries, long batches", "f32", &ga, &ca);
+    let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 3 * layout.comp_elems);
+    let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 3 * layout.comp_elems);
+    assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
+}
+
+/// Lets one loop drive the compressor on either backend.
+trait CompressSide {
+    fn compress_main(&mut self, layout: &KvLayout, plan: &BatchPlan, kv: &[f32], sc: &[f32], rope: &RopeTable);
+}
+
+impl<B: Backend> CompressSide for Side<'_, B> {
+    fn compress_main(&mut self, layout: &KvLayout, plan: &BatchPlan, kv: &[f32], sc: &[f32], rope: &RopeTable) {
+        let p = CompressorParams::<B> { ape: &self.params[0][0], norm: &self.params[0][1], eps: 1e-6, rope };
+        let (kv, sc) = (self.b.upload(kv), self.b.upload(sc));
+        self.b.compress(&mut self.kv, layout, 0, Branch::Main, plan, &kv, &sc, &p);
+    }
+}
