@@ -8,6 +8,7 @@
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
+use super::devplan::CompressorWork;
 use super::memory::{CudaBuf, dtype_code};
 use super::rows::RopeParams;
 use super::runtime::{cfg, launch};
@@ -125,9 +126,8 @@ pub(crate) fn compress(
     };
     let per_page = lk.entries_per_page(layout.block);
     let overlap = lk.kind() == AttnKind::Csa;
-    let work = dp.compressor_work(g, (ratio, per_page, overlap, lk.comp_slots()));
-    let (entries, n) = (work.entries.clone(), work.n_entries);
-    let fused = work.stores.clone();
+    let CompressorWork { entries, n_entries: n, stores: fused } =
+        dp.compressor_work(g, (ratio, per_page, overlap, lk.comp_slots()));
     let n_stores = fused.as_ref().map_or(0, |f| f.1);
     if n > 0 || n_stores > 0 {
         // Sources per entry: CSA pools two overlapping windows, HCA one. Chunks of at

@@ -76,8 +76,8 @@ impl DevPlan {
     /// The compressor work of this batch for a layer of geometry `key`: per sequence,
     /// the entries whose window ends inside this step's rows and after
     /// `pages_final_until`, each as ENTRY_META ints (entry index i, row of the sequence's
-    /// token 0 in this batch, first position of this batch, ring slot, page, sequence,
-    /// two unused) so a kernel finds everything about an entry in one load; and the ring
+    /// token 0 in this batch, first position of this batch, ring slot, page, three
+    /// unused) so a kernel finds everything about an entry in one load; and the ring
     /// writes as store items when no entry reads a ring (its first source before the
     /// batch), so one launch does both.
     pub fn compressor_work(&self, gpu: &Gpu, key: CompressorKey) -> CompressorWork {
@@ -88,23 +88,15 @@ impl DevPlan {
         let (ratio, per_page, overlap, slots) = key;
         let mut list = Vec::new();
         let mut reads_ring = false;
-        for (si, s) in self.host.seqs.iter().enumerate() {
+        for s in &self.host.seqs {
             let lo = (s.start_pos / ratio).max(s.pages_final_until / ratio);
             let hi = s.end_pos() / ratio;
+            let row0 = i32::try_from(s.first_row as i64 - s.start_pos as i64).expect("batch rows fit i32");
             for i in lo..hi {
                 let first_source = if overlap && i > 0 { ratio * (i - 1) } else { ratio * i };
                 reads_ring |= first_source < s.start_pos;
-                let row0 = s.first_row as i64 - s.start_pos as i64;
-                list.extend_from_slice(&[
-                    i as i32,
-                    i32::try_from(row0).expect("batch rows fit i32"),
-                    s.start_pos as i32,
-                    s.slot as i32,
-                    s.pages[i / per_page] as i32,
-                    si as i32,
-                    0,
-                    0,
-                ]);
+                let page = s.pages[i / per_page] as i32;
+                list.extend_from_slice(&[i as i32, row0, s.start_pos as i32, s.slot as i32, page, 0, 0, 0]);
             }
         }
         let stores = (!reads_ring).then(|| {

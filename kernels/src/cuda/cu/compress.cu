@@ -7,7 +7,7 @@
 // entry of the batch reads a ring, else by `compress_store` afterwards.
 
 // Ints per entry in the entry list (devplan.rs): i, row of token 0 (first_row - start),
-// start, ring slot, page, sequence, unused ×2.
+// start, ring slot, page, unused ×3 (a multiple of four, so the first four are one int4).
 #define ENTRY_META 8
 
 #define LOG2E 1.4426950408889634f
@@ -93,34 +93,24 @@ __device__ __forceinline__ void comp_locate(int4 m, int u, const CompressGeom& g
     }
 }
 
-// NC consecutive floats (8 or 16 bytes, aligned).
-template <int NC>
+// How a vector load goes: plain (shared memory, or global data this kernel does not
+// revisit), through the read-only cache (`__ldg`: weights, position biases), or L2 only
+// (`__ldcg`: partials another block just wrote).
+enum LoadVia { VIA_PLAIN, VIA_RO, VIA_L2 };
+
+template <LoadVia VIA, typename V>
+__device__ __forceinline__ V ld_via(const V* p) {
+    return VIA == VIA_RO ? __ldg(p) : VIA == VIA_L2 ? __ldcg(p) : *p;
+}
+
+// NC consecutive floats (8 or 16 bytes, aligned) into v.
+template <int NC, LoadVia VIA = VIA_PLAIN>
 __device__ __forceinline__ void ld_vec(const float* p, float* v) {
     if (NC == 4) {
-        const float4 x = *(const float4*)p;
+        const float4 x = ld_via<VIA>((const float4*)p);
         v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
     } else {
-        const float2 x = *(const float2*)p;
-        v[0] = x.x, v[1] = x.y;
-    }
-}
-template <int NC>
-__device__ __forceinline__ void ldg_vec(const float* p, float* v) {
-    if (NC == 4) {
-        const float4 x = __ldg((const float4*)p);
-        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-    } else {
-        const float2 x = __ldg((const float2*)p);
-        v[0] = x.x, v[1] = x.y;
-    }
-}
-template <int NC>
-__device__ __forceinline__ void ldcg_vec(const float* p, float* v) {
-    if (NC == 4) {
-        const float4 x = __ldcg((const float4*)p);
-        v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
-    } else {
-        const float2 x = __ldcg((const float2*)p);
+        const float2 x = ld_via<VIA>((const float2*)p);
         v[0] = x.x, v[1] = x.y;
     }
 }
@@ -206,9 +196,9 @@ __device__ bool comp_merge_chunks(Pool<NC>& p, bool live, int c, int e, int chun
             for (int q = 0; q < MB; q++) {
                 if (t0 + q < chunks) {
                     const float* ot = o + (long long)(t0 + q) * 3 * g.dim;
-                    ldcg_vec<NC>(ot, m2[q]);
-                    ldcg_vec<NC>(ot + g.dim, s2[q]);
-                    ldcg_vec<NC>(ot + 2 * g.dim, n2[q]);
+                    ld_vec<NC, VIA_L2>(ot, m2[q]);
+                    ld_vec<NC, VIA_L2>(ot + g.dim, s2[q]);
+                    ld_vec<NC, VIA_L2>(ot + 2 * g.dim, n2[q]);
                 }
             }
 #pragma unroll
@@ -248,7 +238,7 @@ __device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* pag
     ss = block_sum_1bar(ss, parity);
     if (!live) return;
     float w[NC];
-    ldg_vec<NC>(norm + c, w);
+    ld_vec<NC, VIA_RO>(norm + c, w);
     const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
 #pragma unroll
     for (int j = 0; j < NC; j++) v[j] = w[j] * (v[j] * inv);
@@ -442,7 +432,7 @@ __device__ __forceinline__ void compress_stream_body(const int* meta, int n_entr
 #pragma unroll
             for (int q = 0; q < GROUP; q++) {
                 b_at[q] = src_ape[j][u0 + q];
-                ldg_vec<NC>(ape + (u32)(max(b_at[q], 0) + c), b[q]);
+                ld_vec<NC, VIA_RO>(ape + (u32)(max(b_at[q], 0) + c), b[q]);
             }
             const float* st = cs_stage + ((stage * GROUP * 2) * nt + threadIdx.x) * NC;
 #pragma unroll
