@@ -144,7 +144,7 @@ pub(crate) fn compress(
         let per_block = items.div_ceil(resident.min(items)).min(STREAM_MAX_ITEMS);
         let grid = items.div_ceil(per_block);
         let (partial, tickets) = if chunks > 1 {
-            (g.scratch("compress_partial", n * chunks * 3 * dim), g.scratch("compress_tickets", n))
+            (g.scratch("compress_partial", n * chunks * 2 * dim), g.scratch("compress_tickets", n))
         } else {
             (0, 0)
         };

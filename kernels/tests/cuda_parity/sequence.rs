@@ -307,7 +307,9 @@ fn cuda_compressor_respects_pages_final_until() {
 
 /// The compressors over batches longer than the GPU holds blocks at once (so a block
 /// pools several entries in turn), with sequences that start mid-window and read their
-/// rings between long prefills: every entry and ring byte as on the CPU.
+/// rings between long prefills: every entry and ring byte as on the CPU. HCA at ratio
+/// 128 (8 chunks an entry, merged by the entry's last block) and at ratio 256 (16
+/// chunks: the merge takes more than one round of partials).
 #[test]
 fn cuda_compressor_long_batches_match_cpu() {
     let Some(g) = gpu("cuda_compressor_long_batches_match_cpu") else { return };
@@ -316,8 +318,9 @@ fn cuda_compressor_long_batches_match_cpu() {
     let specs = [
         LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
         LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 256, head_dim: HD, index_dim: 0 },
     ];
-    let layout = KvLayout::new(128, 128, EntryDtype::F32, &specs);
+    let layout = KvLayout::new(256, 128, EntryDtype::F32, &specs);
     let raw: Vec<[Vec<f32>; 4]> = specs
         .iter()
         .map(|s| {
@@ -331,11 +334,11 @@ fn cuda_compressor_long_batches_match_cpu() {
         })
         .collect();
     let sinks = vec![0.0; HEADS];
-    // Pages: sequence 0 (8,195 tokens) 0..65, sequence 1 (3,301) 65..91 reversed,
-    // sequence 2 (5) 91.
-    let tables: [Vec<u32>; 3] = [(0..65).collect(), (65..91).rev().collect(), vec![91]];
-    let mut gs = side(g, &layout, 92, 3, &raw, &sinks);
-    let mut cs = side(&cpu, &layout, 92, 3, &raw, &sinks);
+    // Pages of 256 tokens: sequence 0 (8,195 tokens) 0..33, sequence 1 (3,302) 33..46
+    // reversed, sequence 2 (5) 46.
+    let tables: [Vec<u32>; 3] = [(0..33).collect(), (33..46).rev().collect(), vec![46]];
+    let mut gs = side(g, &layout, 47, 3, &raw, &sinks);
+    let mut cs = side(&cpu, &layout, 47, 3, &raw, &sinks);
     let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
     let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
     let steps: [&[(usize, usize, usize)]; 3] =
@@ -374,14 +377,14 @@ fn cuda_compressor_long_batches_match_cpu() {
             }
         }
     }
-    let gp: Vec<f32> = bytemuck::pod_collect_to_vec(&gs.b.kv_read(&gs.kv.pages, 0, 92 * layout.page_elems));
-    let cp: Vec<f32> = bytemuck::pod_collect_to_vec(&cs.b.kv_read(&cs.kv.pages, 0, 92 * layout.page_elems));
+    let gp: Vec<f32> = bytemuck::pod_collect_to_vec(&gs.b.kv_read(&gs.kv.pages, 0, 47 * layout.page_elems));
+    let cp: Vec<f32> = bytemuck::pod_collect_to_vec(&cs.b.kv_read(&cs.kv.pages, 0, 47 * layout.page_elems));
     let nan_mismatch = gp.iter().zip(&cp).filter(|(a, b)| a.is_nan() != b.is_nan()).count();
     assert_eq!(nan_mismatch, 0, "entries written on one device only");
     let (ga, ca): (Vec<f32>, Vec<f32>) = gp.iter().zip(&cp).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*a, *b)).unzip();
     // Sequences of 8,195, 3,302 and 5 tokens: CSA 2,048 + 825 + 1 entries of 512 + 128
-    // values, HCA 64 + 25 entries of 512.
-    let expected = (2048 + 825 + 1) * (HD + IDX_DIM) + (64 + 25) * HD;
+    // values, HCA 64 + 25 entries of 512 at ratio 128 and 32 + 12 at ratio 256.
+    let expected = (2048 + 825 + 1) * (HD + IDX_DIM) + (64 + 25 + 32 + 12) * HD;
     assert_eq!(ga.len(), expected, "entries written");
     check("compressed entries, long batches", "f32", &ga, &ca);
     let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 3 * layout.comp_elems);

@@ -154,59 +154,81 @@ struct Pool {
             m[j] = m1, s[j] = ss, n[j] = nn;
         }
     }
-    // Merges another running softmax (of sources after this one's) into this one.
-    __device__ __forceinline__ void merge(int j, float mo, float so, float no) {
-        const float m1 = fmaxf(m[j], mo), ml = m1 * LOG2E;
-        const float a0 = ex2(fmaf(m[j], LOG2E, -ml)), ao = ex2(fmaf(mo, LOG2E, -ml));
-        s[j] = s[j] * a0 + so * ao;
-        n[j] = n[j] * a0 + no * ao;
-        m[j] = m1;
-    }
 };
 
-// A chunk's end: leaves its running softmax in `partial` [entries, chunks, 3, dim] and
-// takes a ticket; the entry's last block to arrive (the ticket, reset by that block)
-// merges every chunk's partial in chunk order, so the result does not depend on which
-// block came last, and returns true: it finishes the entry.
+// log2 in one instruction (a chunk's sum of weights is at least 1: its largest source's).
+__device__ __forceinline__ float lg2(float x) {
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Adds 1 to a ticket at GPU scope with release and acquire semantics: what this block
+// wrote before (its barrier orders every thread's writes before this one's) is visible
+// to the block that draws the last ticket, and that block sees every earlier block's.
+// One instruction in place of a fence and an atomic.
+__device__ __forceinline__ u32 ticket_acq_rel(u32* t) {
+    u32 old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(t) : "memory");
+    return old;
+}
+
+// A chunk's end: leaves its running softmax in `partial` [entries, chunks, 2, dim] as
+// the weighted mean and the base-2 log-sum-exp of each channel (two numbers, not three,
+// so the merge loads less) and takes a ticket; the entry's last block to arrive (the
+// ticket, reset by that block) merges every chunk's partial in chunk order, so the
+// result does not depend on which block came last, and returns true: it finishes the
+// entry.
 template <int NC>
 __device__ bool comp_merge_chunks(Pool<NC>& p, bool live, int c, int e, int chunk, int chunks, float* partial,
                                   u32* tickets, const CompressGeom& g) {
     __shared__ bool last;
-    float* mine = partial + ((long long)e * chunks + chunk) * 3 * g.dim;
+    float* mine = partial + ((long long)e * chunks + chunk) * 2 * g.dim;
     if (live) {
-        st_vec<NC>(mine + c, p.m);
-        st_vec<NC>(mine + g.dim + c, p.s);
-        st_vec<NC>(mine + 2 * g.dim + c, p.n);
+        float v[NC], l[NC];
+#pragma unroll
+        for (int j = 0; j < NC; j++) v[j] = p.n[j] / p.s[j], l[j] = fmaf(p.m[j], LOG2E, lg2(p.s[j]));
+        st_vec<NC>(mine + c, v);
+        st_vec<NC>(mine + g.dim + c, l);
     }
-    __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&tickets[e], 1u) == (u32)chunks - 1;
+    if (threadIdx.x == 0) last = ticket_acq_rel(&tickets[e]) == (u32)chunks - 1;
     __syncthreads();
     if (!last) return false;
-    __threadfence();
-    p.reset();
     if (live) {
-        const float* o = partial + (long long)e * chunks * 3 * g.dim + c;
         // MB chunks' partials in flight at a time (HCA's eight in two rounds), merged in
-        // chunk order: each round is a wait on L2 at the end of the entry's chain.
+        // chunk order into a running (max, sum of weights, weighted sum), base 2.
+        const float* o = partial + (long long)e * chunks * 2 * g.dim + c;
+        float m[NC], ss[NC], nn[NC];
+#pragma unroll
+        for (int j = 0; j < NC; j++) m[j] = NEG_INF, ss[j] = 0.0f, nn[j] = 0.0f;
         constexpr int MB = 8 / NC;
         for (int t0 = 0; t0 < chunks; t0 += MB) {
-            float m2[MB][NC], s2[MB][NC], n2[MB][NC];
+            float v[MB][NC], l[MB][NC];
 #pragma unroll
             for (int q = 0; q < MB; q++) {
                 if (t0 + q < chunks) {
-                    const float* ot = o + (long long)(t0 + q) * 3 * g.dim;
-                    ld_vec<NC, VIA_L2>(ot, m2[q]);
-                    ld_vec<NC, VIA_L2>(ot + g.dim, s2[q]);
-                    ld_vec<NC, VIA_L2>(ot + 2 * g.dim, n2[q]);
+                    const float* ot = o + (long long)(t0 + q) * 2 * g.dim;
+                    ld_vec<NC, VIA_L2>(ot, v[q]);
+                    ld_vec<NC, VIA_L2>(ot + g.dim, l[q]);
                 }
             }
 #pragma unroll
-            for (int q = 0; q < MB; q++)
-                if (t0 + q < chunks)
+            for (int q = 0; q < MB; q++) {
+                if (t0 + q < chunks) {
 #pragma unroll
-                    for (int j = 0; j < NC; j++) p.merge(j, m2[q][j], s2[q][j], n2[q][j]);
+                    for (int j = 0; j < NC; j++) {
+                        const float m1 = fmaxf(m[j], l[q][j]);
+                        const float a = ex2(m[j] - m1), w = ex2(l[q][j] - m1);
+                        ss[j] = fmaf(ss[j], a, w);
+                        nn[j] = fmaf(nn[j], a, w * v[q][j]);
+                        m[j] = m1;
+                    }
+                }
+            }
         }
+#pragma unroll
+        for (int j = 0; j < NC; j++) p.s[j] = ss[j], p.n[j] = nn[j];
     }
     if (threadIdx.x == 0) tickets[e] = 0;
     return true;
@@ -231,14 +253,15 @@ __device__ __forceinline__ float block_sum_1bar(float v, int parity) {
 template <int NC>
 __device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* page_base, const float* norm,
                             const CompressGeom& g, const RopeParams& rp, int parity) {
-    float ss = 0.0f;
-    if (live)
+    // The norm weights are loaded before the barrier, so their latency hides behind it.
+    float ss = 0.0f, w[NC];
+    if (live) {
+        ld_vec<NC, VIA_RO>(norm + c, w);
 #pragma unroll
         for (int j = 0; j < NC; j++) ss = fmaf(v[j], v[j], ss);
+    }
     ss = block_sum_1bar(ss, parity);
     if (!live) return;
-    float w[NC];
-    ld_vec<NC, VIA_RO>(norm + c, w);
     const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
 #pragma unroll
     for (int j = 0; j < NC; j++) v[j] = w[j] * (v[j] * inv);
