@@ -516,23 +516,13 @@ fn cpu_sequence_ops_match_reference_bf16_storage() {
 }
 
 #[cfg(feature = "cuda")]
-mod cuda {
-    use super::*;
-    use kernels::cuda::CudaBackend;
-    use std::sync::OnceLock;
+#[path = "common/cuda_gpu.rs"]
+mod cuda_gpu;
 
-    /// One backend for every test of this binary (kernels compile once); `None`, with a
-    /// note on stderr, where there is no usable GPU.
-    fn gpu(test: &str) -> Option<&'static CudaBackend> {
-        static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
-        match B.get_or_init(|| CudaBackend::new(0).map_err(|e| e.to_string())) {
-            Ok(b) => Some(b),
-            Err(e) => {
-                eprintln!("SKIPPED {test}: no CUDA device ({e})");
-                None
-            }
-        }
-    }
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::cuda_gpu::gpu;
+    use super::*;
 
     #[test]
     fn cuda_row_ops_match_reference() {

@@ -10,8 +10,6 @@
 //! [`TOLERANCES`]. Without a GPU every test prints that it is skipped and passes.
 #![cfg(feature = "cuda")]
 
-use std::sync::OnceLock;
-
 use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing, Selection};
 use kernels::cuda::CudaBackend;
 use kernels::quant::{bf16_to_f32, dequant_fp8_blocks, f32_to_bf16, quantize_fp8_blocks, ue8m0_to_f32};
@@ -22,10 +20,13 @@ use kernels::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+#[path = "../common/cuda_gpu.rs"]
+mod cuda_gpu;
 /// Attention, compressors, indexer and rings over scheduled batches.
 mod sequence;
 /// The indexer's top-k over long rows.
 mod topk;
+use cuda_gpu::gpu;
 
 /// Allowed max|Δ|/max|CPU| by the dtype of the weights or KV entries involved. f32
 /// differs only in summation order; bf16 and FP8 paths store the same rounded values on
@@ -35,17 +36,6 @@ const TOLERANCES: [(&str, f32); 3] = [("f32", 1e-4), ("bf16", 1e-2), ("fp8", 1e-
 
 fn tol(dtype: &str) -> f32 {
     TOLERANCES.iter().find(|(d, _)| *d == dtype).map(|t| t.1).expect("dtype in the table")
-}
-
-fn gpu(test: &str) -> Option<&'static CudaBackend> {
-    static B: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
-    match B.get_or_init(|| CudaBackend::new(0).map_err(|e| e.to_string())) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: no CUDA device ({e})");
-            None
-        }
-    }
 }
 
 fn rng(test: &str) -> ChaCha8Rng {
@@ -276,46 +266,8 @@ fn cuda_moe_matches_cpu_at_flash_width() {
         for hash in [false, true] {
             let routing =
                 || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
-            let gm = MoeWeights::<CudaBackend> {
-                gate: g.weight(gate.clone()),
-                routing: routing(),
-                experts: experts
-                    .iter()
-                    .map(|e| ExpertWeights {
-                        w1: g.weight(e[0].clone()),
-                        w2: g.weight(e[1].clone()),
-                        w3: g.weight(e[2].clone()),
-                    })
-                    .collect(),
-                shared: Some(ExpertWeights {
-                    w1: g.weight(shared[0].clone()),
-                    w2: g.weight(shared[1].clone()),
-                    w3: g.weight(shared[2].clone()),
-                }),
-                top_k: k,
-                route_scale: 1.5,
-                swiglu_limit: 2.0,
-            };
-            let cm = MoeWeights::<CpuBackend> {
-                gate: c.weight(gate.clone()),
-                routing: routing(),
-                experts: experts
-                    .iter()
-                    .map(|e| ExpertWeights {
-                        w1: c.weight(e[0].clone()),
-                        w2: c.weight(e[1].clone()),
-                        w3: c.weight(e[2].clone()),
-                    })
-                    .collect(),
-                shared: Some(ExpertWeights {
-                    w1: c.weight(shared[0].clone()),
-                    w2: c.weight(shared[1].clone()),
-                    w3: c.weight(shared[2].clone()),
-                }),
-                top_k: k,
-                route_scale: 1.5,
-                swiglu_limit: 2.0,
-            };
+            let gm = moe_weights(g, &gate, routing(), &experts, &shared, k);
+            let cm = moe_weights(&c, &gate, routing(), &experts, &shared, k);
             for rows in [1, 8, 37] {
                 let x = rand_vec(&mut rng, rows * d, 1.0);
                 let tokens: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
@@ -327,6 +279,50 @@ fn cuda_moe_matches_cpu_at_flash_width() {
             }
         }
     }
+}
+
+/// The same MoE layer's weights on backend `b` (top-`k` routing scale 1.5, SwiGLU limit
+/// 2), so both devices run one definition.
+fn moe_weights<B: Backend>(
+    b: &B,
+    gate: &HostMatrix,
+    routing: Routing,
+    experts: &[[HostMatrix; 3]],
+    shared: &[HostMatrix; 3],
+    k: usize,
+) -> MoeWeights<B> {
+    let expert = |e: &[HostMatrix; 3]| ExpertWeights {
+        w1: b.weight(e[0].clone()),
+        w2: b.weight(e[1].clone()),
+        w3: b.weight(e[2].clone()),
+    };
+    MoeWeights {
+        gate: b.weight(gate.clone()),
+        routing,
+        experts: experts.iter().map(expert).collect(),
+        shared: Some(expert(shared)),
+        top_k: k,
+        route_scale: 1.5,
+        swiglu_limit: 2.0,
+    }
+}
+
+/// Random compressor parameters of each layer (kv position bias, kv norm weight, indexer
+/// position bias, indexer norm weight), biases of magnitude `scale`, norm weights near 1.
+fn compressor_params(rng: &mut ChaCha8Rng, specs: &[LayerSpec], scale: f32) -> Vec<[Vec<f32>; 4]> {
+    specs
+        .iter()
+        .map(|s| {
+            let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
+            let ratio = s.ratio.max(1);
+            [
+                rand_vec(rng, ratio * cw, scale),
+                rand_vec(rng, HD, 0.2).iter().map(|v| v + 1.0).collect(),
+                rand_vec(rng, ratio * 2 * IDX_DIM, scale),
+                rand_vec(rng, IDX_DIM, 0.2).iter().map(|v| v + 1.0).collect(),
+            ]
+        })
+        .collect()
 }
 
 // V4-Flash attention sizes, and one backend's KV state and layer parameters: shared by

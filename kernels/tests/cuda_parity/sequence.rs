@@ -98,19 +98,7 @@ fn sequence_ops(dtype: EntryDtype) {
     let layout = KvLayout::new(128, 128, dtype, &specs);
     let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
     let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
-    let raw: Vec<[Vec<f32>; 4]> = specs
-        .iter()
-        .map(|s| {
-            let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
-            let ratio = s.ratio.max(1);
-            [
-                rand_vec(&mut rng, ratio * cw, 0.5),
-                rand_vec(&mut rng, HD, 0.2).iter().map(|v| v + 1.0).collect(),
-                rand_vec(&mut rng, ratio * 2 * IDX_DIM, 0.5),
-                rand_vec(&mut rng, IDX_DIM, 0.2).iter().map(|v| v + 1.0).collect(),
-            ]
-        })
-        .collect();
+    let raw = compressor_params(&mut rng, &specs, 0.5);
     let sinks = rand_vec(&mut rng, HEADS, 1.0);
     let page_tables: [Vec<u32>; 2] = [(0..20).collect(), (20..24).rev().collect()];
     let cpu = CpuBackend::new();
@@ -321,18 +309,7 @@ fn cuda_compressor_long_batches_match_cpu() {
         LayerSpec { kind: AttnKind::Hca, ratio: 256, head_dim: HD, index_dim: 0 },
     ];
     let layout = KvLayout::new(256, 128, EntryDtype::F32, &specs);
-    let raw: Vec<[Vec<f32>; 4]> = specs
-        .iter()
-        .map(|s| {
-            let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
-            [
-                rand_vec(&mut rng, s.ratio * cw, 0.5),
-                rand_vec(&mut rng, HD, 0.2).iter().map(|v| v + 1.0).collect(),
-                rand_vec(&mut rng, s.ratio * 2 * IDX_DIM, 0.5),
-                rand_vec(&mut rng, IDX_DIM, 0.2).iter().map(|v| v + 1.0).collect(),
-            ]
-        })
-        .collect();
+    let raw = compressor_params(&mut rng, &specs, 0.5);
     let sinks = vec![0.0; HEADS];
     // Pages of 256 tokens: sequence 0 (8,195 tokens) 0..33, sequence 1 (3,302) 33..46
     // reversed, sequence 2 (5) 46.
