@@ -58,6 +58,8 @@ pub struct Engine<B: Backend> {
     pub cache: KvCache<B>,
     pub fingerprint: Fingerprint,
     pub options: EngineOptions,
+    /// How loading the weights went (bytes, time, peak host memory).
+    pub load: crate::model::load_progress::LoadStats,
     /// The mirror's regions pinned for device copies (declared before `mirror`, so they
     /// are unpinned before its memory goes).
     pub(crate) mirror_pins: Vec<Box<dyn kernels::backend::HostPin>>,
@@ -83,7 +85,7 @@ impl<B: Backend> Engine<B> {
     ) -> Result<Self, EngineError> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let ck = Checkpoint::open(dir)?;
-        let weights = ModelWeights::load(&ck, &config, &backend)?;
+        let (weights, load) = ModelWeights::load(&ck, &config, &backend)?;
         let fingerprint = crate::fingerprint::compute(&config, ck.files(), options.kv_dtype);
         let model = Model::new(config, weights, backend, options.kv_dtype);
         let cache = match provided {
@@ -103,7 +105,7 @@ impl<B: Backend> Engine<B> {
             device = %model.backend.describe(),
             "model loaded"
         );
-        Ok(Engine { model, cache, fingerprint, options, mirror_pins: Vec::new(), mirror: None })
+        Ok(Engine { model, cache, fingerprint, options, load, mirror_pins: Vec::new(), mirror: None })
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -10,6 +10,7 @@ use crate::EntryDtype;
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
+use crate::stored::WeightView;
 
 /// A dense f32 matrix on the host, row-major `[rows, cols]` (torch `Linear` layout:
 /// `rows` = output features).
@@ -151,7 +152,12 @@ pub trait Backend: Send + Sync + 'static {
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
     /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.
     fn gather_rows(&self, src: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
-    fn weight(&self, m: HostMatrix) -> Self::Weight;
+    /// A weight as the checkpoint stores it (validated by the caller): device backends
+    /// keep FP8 and FP4 in those formats, the CPU backend dequantises.
+    fn weight(&self, w: WeightView<'_>) -> Self::Weight;
+    /// Every weight has been handed over: wait for queued uploads and free what loading
+    /// needed (a device backend's pinned staging buffers).
+    fn finish_load(&self) {}
     /// `(rows, cols)` of a weight.
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 

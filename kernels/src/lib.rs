@@ -11,6 +11,7 @@
 //! - [`plan`]: which rows of a batch belong to which sequence.
 //! - [`rope`]: rotary frequency tables (plain and YaRN) and the pair rotation.
 //! - [`quant`]: stored number formats (BF16, FP8 e4m3, FP4 e2m1, ue8m0 scales).
+//! - [`stored`]: typed views of weights as checkpoints store them (what backends load).
 //! - [`mapped`]: read-only memory maps of weight files.
 
 pub mod backend;
@@ -22,6 +23,7 @@ pub mod plan;
 pub mod quant;
 pub mod reference;
 pub mod rope;
+pub mod stored;
 
 pub use backend::{Backend, HostMatrix, KvState};
 pub use cpu::CpuBackend;
@@ -30,3 +32,4 @@ pub use model_spec::layout as kv_layout;
 pub use model_spec::{AttnKind, Branch, EntryDtype, KvLayout, LayerSpec};
 pub use plan::{BatchPlan, SeqSlice};
 pub use rope::RopeTable;
+pub use stored::WeightView;

@@ -14,6 +14,8 @@ pub enum QuantError {
     Fp4Len { rows: usize, cols: usize, want: usize, got: usize },
     #[error("FP8 data has {got} bytes, expected {want}")]
     Fp8Len { want: usize, got: usize },
+    #[error("{dtype} data has {got} bytes, expected {want}")]
+    DenseLen { dtype: &'static str, want: usize, got: usize },
 }
 
 #[inline]

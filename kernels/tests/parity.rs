@@ -10,6 +10,7 @@ use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights
 use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::reference as refr;
 use kernels::rope::Yarn;
+use kernels::stored::{OwnedFormat, OwnedWeight};
 use kernels::{
     AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, HostMatrix, KvLayout, KvState, LayerSpec, RopeTable,
 };
@@ -66,15 +67,36 @@ fn check_row_ops<B: Backend>(b: &B, tol: &Tolerances) {
         let x = rand_vec(&mut rng, rows * 45, 1.0);
         let want = refr::matmul(&x, rows, &w);
         let mut out = poisoned(b, rows * 300);
-        b.matmul(&b.upload(&x), rows, &b.weight(w), &mut out);
+        b.matmul(&b.upload(&x), rows, &b.weight((&w).into()), &mut out);
         assert_close(&format!("matmul rows={rows} bf16_exact={bf16_exact}"), &b.download(&out), &want, tol.matmul);
 
         let gw = rand_matrix(&mut rng, 3 * 7, 11, 0.3);
         let gx = rand_vec(&mut rng, rows * 3 * 11, 1.0);
         let want = refr::grouped_matmul(&gx, rows, 3, &gw);
         let mut out = poisoned(b, rows * 21);
-        b.grouped_matmul(&b.upload(&gx), rows, 3, &b.weight(gw), &mut out);
+        b.grouped_matmul(&b.upload(&gx), rows, 3, &b.weight((&gw).into()), &mut out);
         assert_close(&format!("grouped_matmul rows={rows}"), &b.download(&out), &want, tol.matmul);
+    }
+
+    // Weights as checkpoints store them (BF16, FP8 with 128×128 block scales, FP4 with
+    // per-32 scales): the reference multiplies by the values they mean. Shapes with
+    // partial scale blocks and K that the tensor-core tiles take (96, 256) or not (200).
+    for (format, n, k) in [
+        (OwnedFormat::Fp4, 300, 96),
+        (OwnedFormat::Fp4, 64, 48),
+        (OwnedFormat::Fp8, 130, 200),
+        (OwnedFormat::Fp8, 256, 256),
+        (OwnedFormat::Bf16, 140, 64),
+    ] {
+        let q = OwnedWeight::quantize(&rand_matrix(&mut rng, n, k, 0.2), format);
+        let w = b.weight(q.view());
+        for rows in [1, 5, 33, 70] {
+            let x = rand_vec(&mut rng, rows * k, 1.0);
+            let want = refr::matmul(&x, rows, &q.dequantized());
+            let mut out = poisoned(b, rows * n);
+            b.matmul(&b.upload(&x), rows, &w, &mut out);
+            assert_close(&format!("matmul {format:?} {n}x{k} rows={rows}"), &b.download(&out), &want, tol.matmul);
+        }
     }
 
     let x = rand_vec(&mut rng, 6 * 40, 3.0);
@@ -108,7 +130,7 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
     let streams = rand_vec(&mut rng, rows * hc * d, 1.0);
     let out = rand_vec(&mut rng, rows * d, 1.0);
     let w = HcWeights::<B> {
-        mix: b.weight(mix.clone()),
+        mix: b.weight((&mix).into()),
         base: base.clone(),
         scale,
         hc,
@@ -136,7 +158,7 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
     let hmix = rand_matrix(&mut rng, hc, hc * d, 0.1);
     let hbase = rand_vec(&mut rng, hc, 0.5);
     let head = HcHeadWeights::<B> {
-        mix: b.weight(hmix.clone()),
+        mix: b.weight((&hmix).into()),
         base: hbase.clone(),
         scale: 1.1,
         hc,
@@ -181,12 +203,12 @@ fn check_moe<B: Backend>(b: &B, tol: &Tolerances) {
 
     for hash in [false, true] {
         let to_b = |m: &[HostMatrix; 3]| ExpertWeights::<B> {
-            w1: b.weight(m[0].clone()),
-            w2: b.weight(m[1].clone()),
-            w3: b.weight(m[2].clone()),
+            w1: b.weight((&m[0]).into()),
+            w2: b.weight((&m[1]).into()),
+            w3: b.weight((&m[2]).into()),
         };
         let w = MoeWeights::<B> {
-            gate: b.weight(gate.clone()),
+            gate: b.weight((&gate).into()),
             routing: if hash {
                 Routing::Hash { tid2eid: tid2eid.clone() }
             } else {

@@ -112,6 +112,11 @@ impl SafetensorsSet {
         })
     }
 
+    /// Every tensor, in no particular order.
+    pub fn tensors(&self) -> impl Iterator<Item = RawTensor<'_>> {
+        self.tensors.keys().filter_map(|n| self.get(n))
+    }
+
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
     }

@@ -1,6 +1,8 @@
 //! Checkpoint reading: memory-mapped safetensors (single file or sharded), official or
-//! HF tensor names, every stored dtype decoded to f32 with its shape checked. Errors
-//! name the tensor and, for shapes, the expected and actual shape.
+//! HF tensor names. Weight matrices come out as typed views of their stored bytes
+//! (nothing is copied or widened here); small tensors as f32 or integers. Shapes,
+//! dtypes and scale grids are checked; errors name the tensor and, for shapes, the
+//! expected and actual shape.
 
 mod decode;
 mod files;
@@ -10,6 +12,7 @@ mod writer;
 use std::path::Path;
 
 use kernels::HostMatrix;
+use kernels::stored::{Stored, WeightView};
 use thiserror::Error;
 
 use crate::config::ConfigError;
@@ -39,6 +42,11 @@ pub enum CheckpointError {
     Value { tensor: String, reason: String },
     #[error(transparent)]
     Config(#[from] ConfigError),
+}
+
+/// MTP tensors under any naming (`mtp.0.…`, `model.mtp.…`).
+fn is_mtp(name: &str) -> bool {
+    name.starts_with("mtp.") || name.starts_with("model.mtp.")
 }
 
 /// Which expert projection.
@@ -89,6 +97,16 @@ impl Checkpoint {
         })
     }
 
+    /// Bytes of the tensor stored for an official name (0 when absent).
+    pub fn stored_bytes(&self, official: &str) -> usize {
+        self.raw(official).map(|t| t.bytes.len()).unwrap_or(0)
+    }
+
+    /// Bytes a load reads: every tensor but the MTP block's (`mtp.*`, unused).
+    pub fn bytes_to_load(&self) -> u64 {
+        self.set.tensors().filter(|t| !is_mtp(t.name)).map(|t| t.bytes.len() as u64).sum()
+    }
+
     pub fn has(&self, official: &str) -> bool {
         self.set.contains(&self.stored_name(official))
     }
@@ -97,11 +115,16 @@ impl Checkpoint {
         names::scale_names(stored).iter().find_map(|n| self.set.get(n))
     }
 
-    /// A `[rows, cols]` weight matrix in any stored format.
-    pub fn matrix(&self, official: &str, rows: usize, cols: usize) -> Result<HostMatrix, CheckpointError> {
+    /// A `[rows, cols]` weight matrix as stored.
+    pub fn weight(&self, official: &str, rows: usize, cols: usize) -> Result<WeightView<'_>, CheckpointError> {
         let t = self.raw(official)?;
         let scale = self.scale_of(t.name);
-        Ok(HostMatrix::new(rows, cols, decode::matrix(&t, scale.as_ref(), rows, cols)?))
+        decode::weight(&t, scale.as_ref(), rows, cols)
+    }
+
+    /// A `[rows, cols]` weight matrix dequantised to f32 (tools and tests).
+    pub fn matrix(&self, official: &str, rows: usize, cols: usize) -> Result<HostMatrix, CheckpointError> {
+        Ok(HostMatrix::new(rows, cols, self.weight(official, rows, cols)?.dequantize()))
     }
 
     /// A float tensor of the given shape, flattened.
@@ -114,34 +137,43 @@ impl Checkpoint {
         decode::ints(&self.raw(official)?, shape)
     }
 
-    /// All routed experts of a layer as `[w1, w2, w3]`, from per-expert tensors
-    /// (official names, or HF `experts.E.gate_proj`) or HF's fused
-    /// `experts.gate_up_proj` / `experts.down_proj`.
+    /// All routed experts of a layer as `[w1, w2, w3]` views, from per-expert tensors
+    /// (official names, or HF `experts.E.gate_proj`) or HF's fused float
+    /// `experts.gate_up_proj` / `experts.down_proj` (sliced per expert, not copied).
     pub fn experts(
         &self,
         layer: usize,
         n: usize,
         inter: usize,
         hidden: usize,
-    ) -> Result<Vec<[HostMatrix; 3]>, CheckpointError> {
+    ) -> Result<Vec<[WeightView<'_>; 3]>, CheckpointError> {
         let fused_gate_up = format!("model.layers.{layer}.mlp.experts.gate_up_proj");
         if self.naming == Naming::Hf && self.set.contains(&fused_gate_up) {
-            let gu = decode::floats(&self.set.get(&fused_gate_up).expect("checked"), &[n, 2 * inter, hidden])?;
+            let gu = self.set.get(&fused_gate_up).expect("checked");
             let down_name = format!("model.layers.{layer}.mlp.experts.down_proj");
-            let down_raw = self
+            let down = self
                 .set
                 .get(&down_name)
                 .ok_or_else(|| CheckpointError::Missing { tensor: down_name, hint: String::new() })?;
-            let down = decode::floats(&down_raw, &[n, hidden, inter])?;
+            let gu_bytes = decode::float_bytes(&gu, &[n, 2 * inter, hidden])?;
+            let down_bytes = decode::float_bytes(&down, &[n, hidden, inter])?;
             let per = inter * hidden;
+            fn view<'a>(t: &RawTensor<'a>, bytes: &'a [u8], rows: usize, cols: usize) -> WeightView<'a> {
+                let data = match t.dtype {
+                    safetensors::Dtype::F32 => Stored::F32(bytes),
+                    safetensors::Dtype::BF16 => Stored::Bf16(bytes),
+                    _ => Stored::F16(bytes),
+                };
+                WeightView { rows, cols, data }
+            }
+            let (gs, ds) = (gu_bytes.len() / (2 * n * per), down_bytes.len() / (n * per));
             return Ok((0..n)
                 .map(|e| {
-                    let base = e * 2 * per;
-                    [
-                        HostMatrix::new(inter, hidden, gu[base..base + per].to_vec()),
-                        HostMatrix::new(hidden, inter, down[e * per..(e + 1) * per].to_vec()),
-                        HostMatrix::new(inter, hidden, gu[base + per..base + 2 * per].to_vec()),
-                    ]
+                    let base = e * 2 * per * gs;
+                    let (gate, up) =
+                        (&gu_bytes[base..base + per * gs], &gu_bytes[base + per * gs..base + 2 * per * gs]);
+                    let dn = &down_bytes[e * per * ds..(e + 1) * per * ds];
+                    [view(&gu, gate, inter, hidden), view(&down, dn, hidden, inter), view(&gu, up, inter, hidden)]
                 })
                 .collect());
         }
@@ -163,7 +195,7 @@ impl Checkpoint {
         proj: ExpertProj,
         rows: usize,
         cols: usize,
-    ) -> Result<HostMatrix, CheckpointError> {
+    ) -> Result<WeightView<'_>, CheckpointError> {
         let (off, hf) = match proj {
             ExpertProj::W1 => ("w1", "gate_proj"),
             ExpertProj::W2 => ("w2", "down_proj"),
@@ -183,6 +215,6 @@ impl Checkpoint {
             },
         })?;
         let scale = self.scale_of(&stored);
-        Ok(HostMatrix::new(rows, cols, decode::matrix(&t, scale.as_ref(), rows, cols)?))
+        decode::weight(&t, scale.as_ref(), rows, cols)
     }
 }

@@ -1,6 +1,7 @@
 //! The model: config, weights on a backend, RoPE tables and the KV layout they imply.
 
 mod forward;
+pub mod load_progress;
 mod rebuild;
 pub mod weights;
 

@@ -1,10 +1,14 @@
 //! The model's weights on a backend, loaded from a checkpoint with every shape
-//! checked against the config.
+//! checked against the config. Weights go to the backend as typed views of the mapped
+//! checkpoint bytes (a GPU keeps FP8/FP4 as they are), layers in parallel, so a device
+//! backend streams them through its bounded staging buffers and host memory does not
+//! grow with the model.
 
 use kernels::backend::{ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing};
 use kernels::{AttnKind, Backend};
 use rayon::prelude::*;
 
+use super::load_progress::{LoadProgress, LoadStats};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{MlpKind, ModelConfig};
 
@@ -56,24 +60,35 @@ struct Loader<'a, B: Backend> {
     ck: &'a Checkpoint,
     cfg: &'a ModelConfig,
     b: &'a B,
+    progress: &'a LoadProgress,
 }
 
 impl<B: Backend> Loader<'_, B> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weight, CheckpointError> {
-        Ok(self.b.weight(self.ck.matrix(name, rows, cols)?))
+        let view = self.ck.weight(name, rows, cols)?;
+        let bytes = view.stored_bytes();
+        let w = self.b.weight(view);
+        self.progress.add(bytes);
+        Ok(w)
+    }
+
+    fn floats(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, CheckpointError> {
+        let v = self.ck.floats(name, shape)?;
+        self.progress.add(self.ck.stored_bytes(name));
+        Ok(v)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<B::Buf, CheckpointError> {
-        Ok(self.b.upload(&self.ck.floats(name, &[len])?))
+        Ok(self.b.upload(&self.floats(name, &[len])?))
     }
 
     fn hc(&self, prefix: &str) -> Result<HcWeights<B>, CheckpointError> {
         let (hc, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
         let mix = (2 + hc) * hc;
-        let scale = self.ck.floats(&format!("{prefix}_scale"), &[3])?;
+        let scale = self.floats(&format!("{prefix}_scale"), &[3])?;
         Ok(HcWeights {
             mix: self.matrix(&format!("{prefix}_fn"), mix, hc * d)?,
-            base: self.ck.floats(&format!("{prefix}_base"), &[mix])?,
+            base: self.floats(&format!("{prefix}_base"), &[mix])?,
             scale: [scale[0], scale[1], scale[2]],
             hc,
             hidden: d,
@@ -95,7 +110,7 @@ impl<B: Backend> Loader<'_, B> {
         Ok(CompressorWeights {
             wkv: self.matrix(&format!("{prefix}.wkv.weight"), width, d)?,
             wgate: self.matrix(&format!("{prefix}.wgate.weight"), width, d)?,
-            ape: self.b.upload(&self.ck.floats(&format!("{prefix}.ape"), &[ratio, width])?),
+            ape: self.b.upload(&self.floats(&format!("{prefix}.ape"), &[ratio, width])?),
             norm: self.vector(&format!("{prefix}.norm.weight"), dim)?,
         })
     }
@@ -142,10 +157,11 @@ impl<B: Backend> Loader<'_, B> {
         let p = format!("layers.{l}.ffn");
         let (d, n, k, inter) = (c.hidden_size, c.n_routed_experts, c.experts_per_token, c.moe_intermediate_size);
         let routing = match c.mlp_kinds[l] {
-            MlpKind::TopKMoe => Routing::TopK { bias: self.ck.floats(&format!("{p}.gate.bias"), &[n])? },
+            MlpKind::TopKMoe => Routing::TopK { bias: self.floats(&format!("{p}.gate.bias"), &[n])? },
             MlpKind::HashMoe => {
                 let name = format!("{p}.gate.tid2eid");
                 let table = self.ck.ints(&name, &[c.vocab_size, k])?;
+                self.progress.add(self.ck.stored_bytes(&name));
                 if let Some(bad) = table.iter().find(|&&e| e < 0 || e as usize >= n) {
                     return Err(CheckpointError::Value {
                         tensor: name,
@@ -155,7 +171,8 @@ impl<B: Backend> Loader<'_, B> {
                 Routing::Hash { tid2eid: table.into_iter().map(|e| e as u32).collect() }
             }
         };
-        let to_b = |m: [kernels::HostMatrix; 3]| {
+        let to_b = |m: [kernels::WeightView<'_>; 3]| {
+            self.progress.add(m.iter().map(|v| v.stored_bytes()).sum());
             let [w1, w2, w3] = m;
             ExpertWeights { w1: self.b.weight(w1), w2: self.b.weight(w2), w3: self.b.weight(w3) }
         };
@@ -195,10 +212,12 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 impl<B: Backend> ModelWeights<B> {
-    /// Load every tensor the forward pass needs. Layers decode in parallel; MTP tensors
-    /// and anything else unused are left untouched in the mapping.
-    pub fn load(ck: &Checkpoint, cfg: &ModelConfig, b: &B) -> Result<Self, CheckpointError> {
-        let ld = Loader { ck, cfg, b };
+    /// Load every tensor the forward pass needs. Layers load in parallel; MTP tensors and
+    /// anything else unused are left untouched in the mapping. A progress bar shows on a
+    /// terminal; the totals are returned and logged.
+    pub fn load(ck: &Checkpoint, cfg: &ModelConfig, b: &B) -> Result<(Self, LoadStats), CheckpointError> {
+        let progress = LoadProgress::new(ck.bytes_to_load(), &b.describe());
+        let ld = Loader { ck, cfg, b, progress: &progress };
         let (v, d, hc) = (cfg.vocab_size, cfg.hidden_size, cfg.hc_mult);
         let done = std::sync::atomic::AtomicUsize::new(0);
         let layers = (0..cfg.num_layers)
@@ -210,21 +229,36 @@ impl<B: Backend> ModelWeights<B> {
                 Ok(w)
             })
             .collect::<Result<Vec<_>, CheckpointError>>()?;
-        let head_scale = ck.floats("hc_head_scale", &[1])?;
-        Ok(ModelWeights {
+        let head_scale = ld.floats("hc_head_scale", &[1])?;
+        let weights = ModelWeights {
             embed: ld.matrix("embed.weight", v, d)?,
             layers,
             norm: ld.vector("norm.weight", d)?,
             head: ld.matrix("head.weight", v, d)?,
             hc_head: HcHeadWeights {
                 mix: ld.matrix("hc_head_fn", hc, hc * d)?,
-                base: ck.floats("hc_head_base", &[hc])?,
+                base: ld.floats("hc_head_base", &[hc])?,
                 scale: head_scale[0],
                 hc,
                 hidden: d,
                 norm_eps: cfg.rms_norm_eps as f32,
                 hc_eps: cfg.hc_eps as f32,
             },
-        })
+        };
+        b.finish_load();
+        let stats = progress.finish();
+        tracing::info!(
+            device = %b.describe(),
+            gb = format!("{:.2}", stats.bytes as f64 / 1e9),
+            seconds = format!("{:.1}", stats.seconds),
+            gb_per_s = format!("{:.2}", stats.gb_per_s()),
+            peak_host_mb = stats.peak_extra_host_bytes.map(|p| p / (1 << 20)),
+            "loaded weights ({:.2} GB in {:.1} s, {:.2} GB/s; peak host memory beyond the page cache {})",
+            stats.bytes as f64 / 1e9,
+            stats.seconds,
+            stats.gb_per_s(),
+            stats.peak_extra_host_bytes.map(|p| format!("{} MiB", p >> 20)).unwrap_or_else(|| "unknown".into())
+        );
+        Ok((weights, stats))
     }
 }

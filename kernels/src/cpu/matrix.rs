@@ -4,6 +4,7 @@
 
 use crate::backend::HostMatrix;
 use crate::quant::f32_to_bf16;
+use crate::stored::{Stored, WeightView};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum WeightData {
@@ -61,6 +62,19 @@ impl CpuMatrix {
             WeightData::F32(m.data)
         };
         CpuMatrix { rows: m.rows, cols: m.cols, data }
+    }
+
+    /// A stored weight, dequantised: BF16 is kept as it is, FP8 and FP4 become bf16
+    /// (their values are exact in bf16), F32/F16 go through [`CpuMatrix::from_host`].
+    pub fn from_view(w: &WeightView<'_>) -> Self {
+        let data = match &w.data {
+            Stored::Bf16(b) => WeightData::Bf16(b.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()),
+            Stored::Fp8 { .. } | Stored::Fp4 { .. } => {
+                WeightData::Bf16(w.dequantize().iter().map(|&v| f32_to_bf16(v)).collect())
+            }
+            Stored::F32(_) | Stored::F16(_) => return Self::from_host(HostMatrix::new(w.rows, w.cols, w.dequantize())),
+        };
+        CpuMatrix { rows: w.rows, cols: w.cols, data }
     }
 
     pub(crate) fn as_ref(&self) -> WRef<'_> {

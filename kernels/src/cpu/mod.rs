@@ -14,11 +14,12 @@ mod simd;
 
 use crate::EntryDtype;
 use crate::backend::{
-    Backend, CompressorParams, ExternalMemory, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection,
+    Backend, CompressorParams, ExternalMemory, HcHeadWeights, HcWeights, KvState, MoeWeights, Selection,
 };
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
+use crate::stored::WeightView;
 
 pub use kvmem::CpuKv;
 pub use matrix::{CpuMatrix, WeightData};
@@ -62,8 +63,8 @@ impl Backend for CpuBackend {
         rows.iter().flat_map(|&r| src[r * width..(r + 1) * width].iter().copied()).collect()
     }
 
-    fn weight(&self, m: HostMatrix) -> CpuMatrix {
-        CpuMatrix::from_host(m)
+    fn weight(&self, w: WeightView<'_>) -> CpuMatrix {
+        CpuMatrix::from_view(&w)
     }
 
     fn weight_shape(&self, w: &CpuMatrix) -> (usize, usize) {

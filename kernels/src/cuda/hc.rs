@@ -42,7 +42,7 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
     let kernel = match &w.data {
         WeightData::F32(d) => Some(("mix_rows_f32", g.ptr(d))),
         WeightData::Bf16(d) => Some(("mix_rows_bf16", g.ptr(d))),
-        WeightData::Fp8 { .. } => None,
+        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
     };
     if rows > GEMV_MAX_ROWS
         && w.rows <= MIX_ROWS_MAX_N

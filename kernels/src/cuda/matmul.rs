@@ -1,14 +1,16 @@
 //! Matrix products `y = x · Wᵀ`, plain and block-diagonal (grouped), and the fused
-//! SwiGLU pair product of the MoE experts.
+//! SwiGLU pair product of the MoE experts, over weights in their checkpoint format.
 //!
 //! - Up to [`GEMV_MAX_ROWS`] rows (decode): the gemv kernels, which stream each weight
-//!   once with f32 activations and f32 accumulation (experts' SwiGLU pairs up to 32
-//!   rows, 8 per launch).
-//! - More rows (prefill): cuBLAS. f32 weights use a plain f32 GEMM (no TF32). bf16 and
-//!   FP8 weights use bf16 tensor cores: the activations are split into two bf16 parts
-//!   (`x ≈ hi + lo`, ~16 mantissa bits together), multiplied by two GEMMs accumulating
-//!   into the f32 output, which keeps the result near the f32 product while running at
-//!   tensor-core speed; FP8 weights are first widened to bf16 in a scratch buffer.
+//!   once and dequantise it in registers (f32 activations and accumulation; experts'
+//!   SwiGLU pairs up to 32 rows, 8 per launch).
+//! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles whose
+//!   weight tiles are dequantised to bf16 in shared memory and whose f32 activations are
+//!   split into two bf16 parts (~16 mantissa bits together), so the product stays near
+//!   the f32 one the CPU computes. f32 weights (rare: mHC mixing, tests) use a plain
+//!   cuBLAS f32 GEMM. Shapes the tensor-core kernel does not tile (K not a multiple of
+//!   32, block-diagonal groups narrower than its 128-output tile: tiny test models) run
+//!   through the gemv kernels, 8 rows a launch.
 
 use std::ffi::c_void;
 
@@ -23,10 +25,14 @@ const GEMV_ROWS: usize = 8;
 pub(crate) const GEMV_MAX_ROWS: usize = GEMV_ROWS;
 /// The experts' SwiGLU pair takes the gemv path up to this many rows, in launches of
 /// [`GEMV_ROWS`]: an expert's weights are small, and re-streaming them per 8 rows costs
-/// less than the tensor-core path's split, temporaries and launches (measured on the
-/// H200: MoE of a 32-row decode batch 4.2 -> 2.2 ms); for the large dense weights the
-/// re-streaming loses (matmuls of a 32-row batch 3.2 -> 5.8 ms), so they stop at 8.
+/// less than a tiled product's separate gate and up passes and temporaries (measured on
+/// the H200 with the earlier cuBLAS path: MoE of a 32-row decode batch 4.2 -> 2.2 ms).
 const SWIGLU_GEMV_MAX_ROWS: usize = 32;
+/// Rows and outputs of one tensor-core tile (`GEMM_BM`, `GEMM_BN` in gemm.cu), and the
+/// K step, which also fixes what K the kernel accepts.
+pub(crate) const GEMM_BM: usize = 64;
+const GEMM_BN: usize = 128;
+const GEMM_BK: usize = 32;
 
 /// Where a product reads and writes: `x` rows `x_stride` floats apart, `out` rows
 /// `out_stride` apart; `groups` blocks on the diagonal (1 for a plain product).
@@ -40,20 +46,23 @@ pub(crate) struct Operand {
     pub groups: usize,
 }
 
-/// Kernel-name suffix of a weight format and the weights its vector loads take at once.
+/// Kernel-name suffix of a weight format and the weights its gemv vector loads take at once.
 pub(crate) fn family(w: &CudaWeight) -> (&'static str, usize) {
     match &w.data {
         WeightData::F32(_) => ("f32", 8),
         WeightData::Bf16(_) => ("bf16", 8),
         WeightData::Fp8 { .. } => ("fp8", 16),
+        WeightData::Fp4 { .. } => ("fp4", 32),
     }
 }
 
+/// Device addresses of a weight's values and scales (0 when it has none).
 pub(crate) fn weight_ptrs(gpu: &Gpu, w: &CudaWeight) -> (u64, u64) {
     match &w.data {
         WeightData::F32(d) => (gpu.ptr(d), 0),
         WeightData::Bf16(d) => (gpu.ptr(d), 0),
         WeightData::Fp8 { codes, scales } => (gpu.ptr(codes), gpu.ptr(scales)),
+        WeightData::Fp4 { packed, scales } => (gpu.ptr(packed), gpu.ptr(scales)),
     }
 }
 
@@ -61,6 +70,13 @@ pub(crate) fn weight_ptrs(gpu: &Gpu, w: &CudaWeight) -> (u64, u64) {
 pub(crate) fn outputs_per_block(gpu: &Gpu, n: usize) -> usize {
     let want = 2 * gpu.sms;
     [8, 4, 2].into_iter().find(|&opb| n / opb >= want).unwrap_or(1)
+}
+
+/// Whether the gemv kernels' 16-byte loads apply (otherwise they go element by element).
+fn gemv_vectorised(op: &Operand, w: &CudaWeight) -> bool {
+    let (_, chunk) = family(w);
+    let k = w.cols;
+    k.is_multiple_of(chunk) && op.x_stride.is_multiple_of(4) && (op.groups == 1 || k.is_multiple_of(4))
 }
 
 /// gemv in launches of up to [`GEMV_ROWS`] rows.
@@ -77,12 +93,12 @@ fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: 
 }
 
 fn gemv_launch(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
-    let (fam, chunk) = family(w);
+    let (fam, _) = family(w);
     let r = op.rows.next_power_of_two();
     let name = format!("{}_{fam}_r{r}", if w3.is_some() { "swiglu" } else { "gemv" });
     let (n, k) = (w.rows, w.cols);
     let g_out = n / op.groups;
-    let vec = k.is_multiple_of(chunk) && op.x_stride.is_multiple_of(4) && (op.groups == 1 || k.is_multiple_of(4));
+    let vec = gemv_vectorised(&op, w);
     let opb = outputs_per_block(gpu, n);
     let (wp, sp) = weight_ptrs(gpu, w);
     let (wp3, sp3) = w3.map(|w3| weight_ptrs(gpu, w3)).unwrap_or((0, 0));
@@ -108,10 +124,60 @@ fn gemv_launch(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, 
     );
 }
 
+/// Name of the tensor-core kernel for a weight, when it can tile the product.
+pub(crate) fn gemm_kernel(op: &Operand, w: &CudaWeight) -> Option<&'static str> {
+    let name = match &w.data {
+        WeightData::Bf16(_) => "gemm_bf16",
+        WeightData::Fp8 { .. } => "gemm_fp8",
+        WeightData::Fp4 { .. } => "gemm_fp4",
+        WeightData::F32(_) => return None,
+    };
+    let g_out = w.rows / op.groups;
+    let fits = w.cols.is_multiple_of(GEMM_BK)
+        && op.x_stride.is_multiple_of(4)
+        && (op.groups == 1 || g_out.is_multiple_of(GEMM_BN));
+    fits.then_some(name)
+}
+
+/// The rows a grouped tensor-core launch covers: `tiles` holds (group, first row, rows)
+/// per tile on the device, `wtab` (weights, scales) per group.
+pub(crate) struct Tiles {
+    pub tiles: u64,
+    pub count: usize,
+    pub wtab: u64,
+}
+
+/// Tensor-core product over all of `op`'s rows (`tiles` None), or over the listed tiles.
+pub(crate) fn gemm(gpu: &Gpu, name: &str, op: Operand, w: &CudaWeight, tiles: Option<&Tiles>) {
+    let (n, k) = (w.rows, w.cols);
+    let (wp, sp) = weight_ptrs(gpu, w);
+    let row_tiles = tiles.map(|t| t.count).unwrap_or_else(|| op.rows.div_ceil(GEMM_BM));
+    if row_tiles == 0 {
+        return;
+    }
+    launch!(
+        gpu,
+        name,
+        cfg((n.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1), 256, 0),
+        op.out,
+        op.out_stride as i32,
+        op.x,
+        op.x_stride as i32,
+        wp,
+        sp,
+        tiles.map(|t| t.wtab).unwrap_or(0),
+        tiles.map(|t| t.tiles).unwrap_or(0),
+        op.rows as i32,
+        n as i32,
+        k as i32,
+        (n / op.groups) as i32,
+    );
+}
+
 /// cuBLAS: `out[rows, N]` (row-major, rows `ldc` apart) = `x · Wᵀ` per group, in column-major
 /// terms `C(g_out × rows) = Aᵀ(g_out × k) · B(k × rows)` with A the weight rows.
 #[allow(clippy::too_many_arguments)]
-fn cublas_gemm(
+pub(crate) fn cublas_gemm(
     gpu: &Gpu,
     a: u64,
     a_type: cudaDataType,
@@ -161,9 +227,19 @@ fn cublas_gemm(
     r.unwrap_or_else(|e| fail("cuBLAS GEMM", e));
 }
 
-fn gemm(gpu: &Gpu, op: Operand, w: &CudaWeight) {
-    let (n, k) = (w.rows, w.cols);
-    let g_out = n / op.groups;
+/// `out = x · Wᵀ` (grouped when `op.groups > 1`).
+pub(crate) fn matmul(gpu: &Gpu, op: Operand, w: &CudaWeight) {
+    if op.rows == 0 || w.rows == 0 {
+        return;
+    }
+    assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
+    gpu.traffic.add_weights(w.device_bytes());
+    if op.rows <= GEMV_MAX_ROWS {
+        return gemv(gpu, op, w, None, 0.0);
+    }
+    if let Some(name) = gemm_kernel(&op, w) {
+        return gemm(gpu, name, op, w, None);
+    }
     match &w.data {
         WeightData::F32(d) => cublas_gemm(
             gpu,
@@ -174,78 +250,13 @@ fn gemm(gpu: &Gpu, op: Operand, w: &CudaWeight) {
             op.x_stride,
             op.out,
             op.out_stride,
-            g_out,
+            w.rows / op.groups,
             op.rows,
-            k,
+            w.cols,
             op.groups,
             0.0,
         ),
-        WeightData::Bf16(_) | WeightData::Fp8 { .. } => {
-            let widened;
-            let wp = match &w.data {
-                WeightData::Bf16(d) => gpu.ptr(d),
-                WeightData::Fp8 { codes, scales } => {
-                    widened = gpu.alloc::<u16>(n * k);
-                    launch!(
-                        gpu,
-                        "fp8_to_bf16",
-                        cfg_elems(n * k),
-                        gpu.ptr(&widened),
-                        gpu.ptr(codes),
-                        gpu.ptr(scales),
-                        n as i32,
-                        k as i32
-                    );
-                    gpu.ptr(&widened)
-                }
-                WeightData::F32(_) => unreachable!(),
-            };
-            // Split the activations: [2·rows, x_width] bf16, hi rows then lo rows.
-            let x_width = op.groups * k;
-            let split = gpu.alloc::<u16>(2 * op.rows * x_width);
-            let xs = if op.x_stride == x_width {
-                op.x
-            } else {
-                fail("split product", "strided activations are only supported by gemv")
-            };
-            let half = op.rows * x_width;
-            let sp = gpu.ptr(&split);
-            launch!(gpu, "split_bf16", cfg_elems(half), sp, sp + 2 * half as u64, xs, half as i64);
-            // out = W·hi, then out += W·lo: two products on the tensor cores into the
-            // f32 output (no temporary; the weights are read twice, which only matters
-            // where gemv runs instead).
-            for (half_at, beta) in [(0u64, 0f32), (2 * half as u64, 1f32)] {
-                cublas_gemm(
-                    gpu,
-                    wp,
-                    cudaDataType::CUDA_R_16BF,
-                    sp + half_at,
-                    cudaDataType::CUDA_R_16BF,
-                    x_width,
-                    op.out,
-                    op.out_stride,
-                    g_out,
-                    op.rows,
-                    k,
-                    op.groups,
-                    beta,
-                );
-            }
-        }
-    }
-}
-
-/// `out = x · Wᵀ` (grouped when `op.groups > 1`).
-pub(crate) fn matmul(gpu: &Gpu, op: Operand, w: &CudaWeight) {
-    if op.rows == 0 || w.rows == 0 {
-        return;
-    }
-    assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
-    gpu.traffic.add_weights(w.device_bytes());
-    if op.rows <= GEMV_MAX_ROWS {
-        gemv(gpu, op, w, None, 0.0);
-    } else {
-        gemm(gpu, op, w);
+        _ => gemv(gpu, op, w, None, 0.0),
     }
 }
 
@@ -264,5 +275,10 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     let up = gpu.alloc::<f32>(n);
     matmul(gpu, op, w1);
     matmul(gpu, Operand { out: gpu.ptr(&up), ..op }, w3);
-    launch!(gpu, "swiglu_act", cfg_elems(n), op.out, gpu.ptr(&up), n as i64, limit);
+    swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
+}
+
+/// `g = silu(min(g, limit)) * clamp(u, ±limit)` over `n` values, in place in `g`.
+pub(crate) fn swiglu_act(gpu: &Gpu, g: u64, u: u64, n: usize, limit: f32) {
+    launch!(gpu, "swiglu_act", cfg_elems(n), g, u, n as i64, limit);
 }

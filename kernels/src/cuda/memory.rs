@@ -3,12 +3,12 @@
 //! device memory.
 
 use cudarc::driver::CudaSlice;
-use rayon::prelude::*;
 
 use super::runtime::Gpu;
+use super::upload::{STAGE_MIN_BYTES, Staging, queue_copy};
 use crate::EntryDtype;
-use crate::backend::HostMatrix;
-use crate::quant::{f32_to_bf16, f32_to_fp8_e4m3, fp8_e4m3_to_f32, ue8m0_for, ue8m0_to_f32};
+use crate::quant::{f16_to_f32, f32_to_bf16};
+use crate::stored::{FP4_GROUP, FP8_BLOCK, Stored, WeightView};
 
 /// Dense f32 activations.
 pub struct CudaBuf {
@@ -32,7 +32,7 @@ impl CudaBuf {
     }
 }
 
-/// How a weight's values are stored on the device.
+/// How a weight's values are stored on the device: in the checkpoint's format.
 pub(crate) enum WeightData {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
@@ -40,6 +40,12 @@ pub(crate) enum WeightData {
     Fp8 {
         codes: CudaSlice<u8>,
         scales: CudaSlice<f32>,
+    },
+    /// FP4 e2m1 packed two per byte (low nibble first) and one ue8m0 scale byte per 32
+    /// inputs of a row.
+    Fp4 {
+        packed: CudaSlice<u8>,
+        scales: CudaSlice<u8>,
     },
 }
 
@@ -57,84 +63,93 @@ impl std::fmt::Debug for CudaWeight {
 }
 
 impl CudaWeight {
-    /// "f32", "bf16" or "fp8".
+    /// "f32", "bf16", "fp8" or "fp4".
     pub fn format(&self) -> &'static str {
         match self.data {
             WeightData::F32(_) => "f32",
             WeightData::Bf16(_) => "bf16",
             WeightData::Fp8 { .. } => "fp8",
+            WeightData::Fp4 { .. } => "fp4",
         }
     }
 
     /// Bytes the device holds for this weight (what a product streams).
     pub fn device_bytes(&self) -> usize {
+        let (r, c) = (self.rows, self.cols);
         match &self.data {
-            WeightData::F32(_) => self.rows * self.cols * 4,
-            WeightData::Bf16(_) => self.rows * self.cols * 2,
-            WeightData::Fp8 { .. } => self.rows * self.cols + self.rows.div_ceil(128) * self.cols.div_ceil(128) * 4,
+            WeightData::F32(_) => r * c * 4,
+            WeightData::Bf16(_) => r * c * 2,
+            WeightData::Fp8 { .. } => r * c + r.div_ceil(FP8_BLOCK.0) * c.div_ceil(FP8_BLOCK.1) * 4,
+            WeightData::Fp4 { .. } => r * c / 2 + r * c.div_ceil(FP4_GROUP),
         }
     }
 }
 
-/// Whether FP8 storage is allowed (`SLUICE_CUDA_FP8=0` turns it off).
-fn fp8_enabled() -> bool {
-    std::env::var("SLUICE_CUDA_FP8").map(|v| v != "0").unwrap_or(true)
-}
-
-/// FP8 codes and block scales if every value is exactly an e4m3 value times its
-/// 128×128 block's power-of-two scale (what FP8 checkpoints dequantise to); `None` as
-/// soon as one value is not.
-fn exact_fp8(m: &HostMatrix) -> Option<(Vec<u8>, Vec<f32>)> {
-    const B: usize = 128;
-    let (rows, cols) = (m.rows, m.cols);
-    let grid = (rows.div_ceil(B), cols.div_ceil(B));
-    let scales: Vec<f32> = (0..grid.0 * grid.1)
-        .into_par_iter()
-        .map(|bi| {
-            let (br, bc) = (bi / grid.1, bi % grid.1);
-            let mut amax = 0f32;
-            for r in br * B..((br + 1) * B).min(rows) {
-                for c in bc * B..((bc + 1) * B).min(cols) {
-                    amax = amax.max(m.data[r * cols + c].abs());
-                }
-            }
-            ue8m0_to_f32(ue8m0_for(amax, 448.0))
-        })
-        .collect();
-    let codes: Option<Vec<u8>> = (0..rows)
-        .into_par_iter()
-        .map(|r| {
-            let mut row = Vec::with_capacity(cols);
-            for c in 0..cols {
-                let v = m.data[r * cols + c];
-                let s = scales[(r / B) * grid.1 + c / B];
-                let code = f32_to_fp8_e4m3(v / s);
-                if fp8_e4m3_to_f32(code) * s != v {
-                    return None;
-                }
-                row.push(code);
-            }
-            Some(row)
-        })
-        .collect::<Option<Vec<Vec<u8>>>>()
-        .map(|v| v.concat());
-    codes.map(|c| (c, scales))
-}
-
-pub(crate) fn upload_weight(gpu: &Gpu, m: HostMatrix) -> CudaWeight {
-    let (rows, cols) = (m.rows, m.cols);
-    let exact_bf16 = m.data.par_iter().all(|&v| f32::from_bits((f32_to_bf16(v) as u32) << 16).to_bits() == v.to_bits());
-    let data = if !exact_bf16 {
-        WeightData::F32(gpu.upload(&m.data))
-    } else if fp8_enabled()
-        && cols.is_multiple_of(16)
-        && rows * cols >= 128 * 128
-        && let Some((codes, scales)) = exact_fp8(&m)
-    {
-        WeightData::Fp8 { codes: gpu.upload(&codes), scales: gpu.upload(&scales) }
+/// Device memory for `len` bytes of `T`s, filled from `fill(offset, piece)` through the
+/// pinned staging pool (large sources) or one pageable copy (small ones).
+fn staged<T: cudarc::driver::DeviceRepr>(
+    gpu: &Gpu,
+    staging: &Staging,
+    len: usize,
+    mut fill: impl FnMut(usize, &mut [u8]),
+) -> CudaSlice<T> {
+    let bytes = len * std::mem::size_of::<T>();
+    let dst = gpu.alloc::<T>(len);
+    if bytes < STAGE_MIN_BYTES {
+        let mut host = vec![0u8; bytes];
+        fill(0, &mut host);
+        queue_copy(&gpu.stream, gpu.ptr(&dst), &host);
     } else {
-        let bits: Vec<u16> = m.data.par_iter().map(|&v| f32_to_bf16(v)).collect();
-        WeightData::Bf16(gpu.upload(&bits))
+        staging.copy(gpu, gpu.ptr(&dst), bytes, &mut fill);
+    }
+    dst
+}
+
+/// Copy `src[offset..offset + piece.len()]` into `piece`.
+fn slice_fill(src: &[u8]) -> impl FnMut(usize, &mut [u8]) + '_ {
+    move |at, piece| piece.copy_from_slice(&src[at..at + piece.len()])
+}
+
+/// Upload a stored weight in its own format (FP8 scales widened to f32, float scales of
+/// FP4 narrowed to ue8m0); F32 becomes BF16 when every value is exactly a bf16 value
+/// (it then means the same numbers for half the bytes), F16 becomes F32.
+pub(crate) fn upload_weight(gpu: &Gpu, staging: &Staging, w: &WeightView<'_>) -> CudaWeight {
+    let (rows, cols) = (w.rows, w.cols);
+    let n = rows * cols;
+    let data = match &w.data {
+        Stored::Bf16(b) => WeightData::Bf16(staged(gpu, staging, n, slice_fill(b))),
+        Stored::F32(b) if w.exact_in_bf16() => WeightData::Bf16(staged(gpu, staging, n, |at, piece| {
+            // Piece byte `at` is bf16 element `at / 2`, i.e. f32 element `at / 2`.
+            let first = at / 2;
+            for (i, out) in piece.chunks_exact_mut(2).enumerate() {
+                let j = 4 * (first + i);
+                let v = f32::from_le_bytes([b[j], b[j + 1], b[j + 2], b[j + 3]]);
+                out.copy_from_slice(&f32_to_bf16(v).to_le_bytes());
+            }
+        })),
+        Stored::F32(b) => WeightData::F32(staged(gpu, staging, n, slice_fill(b))),
+        Stored::F16(b) => WeightData::F32(staged(gpu, staging, n, |at, piece| {
+            let first = at / 4;
+            for (i, out) in piece.chunks_exact_mut(4).enumerate() {
+                let j = 2 * (first + i);
+                out.copy_from_slice(&f16_to_f32(u16::from_le_bytes([b[j], b[j + 1]])).to_le_bytes());
+            }
+        })),
+        Stored::Fp8 { codes, scales } => {
+            WeightData::Fp8 { codes: staged(gpu, staging, n, slice_fill(codes)), scales: gpu.upload(&scales.to_f32()) }
+        }
+        Stored::Fp4 { packed, scales } => match scales.to_ue8m0() {
+            Some(s) => {
+                WeightData::Fp4 { packed: staged(gpu, staging, n / 2, slice_fill(packed)), scales: gpu.upload(&s) }
+            }
+            None => {
+                // Not DeepSeek's format (scales that are not powers of two): the kernels
+                // read ue8m0 only, so this weight is widened to bf16 (exact) instead.
+                tracing::warn!(rows, cols, "FP4 weight with non-power-of-two scales: stored as bf16 on the device");
+                let bits: Vec<u16> = w.dequantize().iter().map(|&v| f32_to_bf16(v)).collect();
+                WeightData::Bf16(gpu.upload(&bits))
+            }
+        },
     };
     CudaWeight { rows, cols, data }
 }

@@ -8,7 +8,9 @@
 //! - `runtime`: context, stream, cuBLAS handle, kernel table, copies and the `launch!`
 //!   macro (every call checked).
 //! - `nvrtc`: compilation of `cu/*.cu` and the on-disk PTX cache.
-//! - `memory`: the buffer types ([`CudaBuf`], [`CudaWeight`], [`CudaKv`], [`CudaIdx`]).
+//! - `memory`: the buffer types ([`CudaBuf`], [`CudaWeight`], [`CudaKv`], [`CudaIdx`]);
+//!   weights keep the checkpoint's format (BF16, FP8 + block scales, FP4 + ue8m0 scales).
+//! - `upload`: host → device streaming of weights through bounded pinned buffers.
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
@@ -25,12 +27,14 @@ mod moe;
 mod nvrtc;
 mod rows;
 pub(crate) mod runtime;
+mod upload;
 
 use crate::EntryDtype;
-use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, HostMatrix, KvState, MoeWeights, Selection};
+use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, KvState, MoeWeights, Selection};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
+use crate::stored::WeightView;
 use runtime::launch;
 
 pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
@@ -49,6 +53,8 @@ pub struct KernelTime {
 pub struct CudaBackend {
     gpu: runtime::Gpu,
     plans: devplan::PlanCache,
+    /// Pinned buffers weights stream through while a model loads.
+    staging: upload::Staging,
     /// `SLUICE_CUDA_PROFILE=1`: every op synchronises before and after and its wall
     /// time is added up per op name (for finding where a step goes; it removes the
     /// overlap of host launches with device work, so totals exceed unprofiled steps).
@@ -65,7 +71,12 @@ impl CudaBackend {
     /// Open device `ordinal`, compile (or load cached) kernels.
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
         let profile = std::env::var("SLUICE_CUDA_PROFILE").is_ok_and(|v| v == "1").then(Default::default);
-        Ok(CudaBackend { gpu: runtime::Gpu::new(ordinal)?, plans: devplan::PlanCache::default(), profile })
+        Ok(CudaBackend {
+            gpu: runtime::Gpu::new(ordinal)?,
+            plans: devplan::PlanCache::default(),
+            staging: upload::Staging::default(),
+            profile,
+        })
     }
 
     /// Number of CUDA devices, 0 when there is no driver.
@@ -306,8 +317,12 @@ impl Backend for CudaBackend {
         self.prof("gather_rows", || rows::gather_rows(self, src, width, rows))
     }
 
-    fn weight(&self, m: HostMatrix) -> CudaWeight {
-        memory::upload_weight(&self.gpu, m)
+    fn weight(&self, w: WeightView<'_>) -> CudaWeight {
+        memory::upload_weight(&self.gpu, &self.staging, &w)
+    }
+
+    fn finish_load(&self) {
+        self.staging.release(&self.gpu.stream);
     }
 
     fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {

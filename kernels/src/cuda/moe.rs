@@ -3,14 +3,19 @@
 //! built there and one grouped gemv per projection covers every expert (experts that
 //! received nothing return at once), so the host issues the whole step without
 //! waiting on the GPU. Larger batches read the chosen experts back (one small copy per
-//! block) so each expert runs one product over exactly the rows it received, cuBLAS
-//! for many rows. Either way the results are accumulated in expert order, as the CPU
-//! does, so the sum does not depend on scheduling (and both paths give the same bits).
+//! block), gather every routed row in expert order and run each projection as one
+//! grouped tensor-core launch whose tiles are runs of one expert's rows (its weights
+//! dequantised tile by tile, FP4 experts included). Either way the results are
+//! accumulated in expert order, as the CPU does, so the sum does not depend on
+//! scheduling (and both paths give the same bits).
 
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
-use super::matmul::{GEMV_MAX_ROWS, Operand, family, matmul, outputs_per_block, swiglu_pair, weight_ptrs};
+use super::matmul::{
+    GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, family, gemm, gemm_kernel, matmul, outputs_per_block, swiglu_act,
+    swiglu_pair, weight_ptrs,
+};
 use super::memory::CudaBuf;
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
@@ -221,8 +226,10 @@ fn experts_routed_on_device(
     );
 }
 
-/// The routed experts with the routing read back: one product per expert over exactly
-/// its rows (cuBLAS for many).
+/// The routed experts with the routing read back. Experts of one format and shape
+/// that the tensor-core kernel tiles run grouped: every routed row gathered once in
+/// expert order, one launch per projection over tiles of one expert's rows, then each
+/// row's weighted sum in list order. Otherwise one product per expert over its rows.
 fn experts_routed_on_host(
     b: &CudaBackend,
     x: &CudaBuf,
@@ -245,8 +252,11 @@ fn experts_routed_on_host(
     let mut list = Vec::with_capacity(2 * total);
     list.extend(per_expert.iter().flatten().map(|&(r, _)| r));
     list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
-    let list = g.upload(&list);
-    let lp = g.ptr(&list);
+    let list_dev = g.upload(&list);
+    if grouped_experts(w) {
+        return experts_grouped(b, x, rows, w, &per_expert, &list, &list_dev, weights, out);
+    }
+    let lp = g.ptr(&list_dev);
     g.memset_zero(&mut out.mem);
     let mut at = 0usize;
     for (e, assigned) in per_expert.iter().enumerate() {
@@ -290,4 +300,113 @@ fn experts_routed_on_host(
         );
         at += n;
     }
+}
+
+/// Whether every expert has the first one's format and shapes and the tensor-core kernel
+/// tiles their products.
+fn grouped_experts(w: &MoeWeights<CudaBackend>) -> bool {
+    let Some(first) = w.experts.first() else { return false };
+    let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
+        (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
+    };
+    let op = |cols: usize| Operand { x: 0, x_stride: cols, out: 0, out_stride: 0, rows: 0, groups: 1 };
+    w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2))
+        && same(&first.w1, &first.w3)
+        && gemm_kernel(&op(first.w1.cols), &first.w1).is_some()
+        && gemm_kernel(&op(first.w2.cols), &first.w2).is_some()
+}
+
+/// (weights, scales) of one projection of every expert, for a grouped launch.
+fn projection_table(
+    b: &CudaBackend,
+    w: &MoeWeights<CudaBackend>,
+    pick: fn(&ExpertWeights<CudaBackend>) -> &super::CudaWeight,
+) -> cudarc::driver::CudaSlice<u64> {
+    let g = &b.gpu;
+    let t: Vec<u64> = w
+        .experts
+        .iter()
+        .flat_map(|e| {
+            let (wp, sp) = weight_ptrs(g, pick(e));
+            [wp, sp]
+        })
+        .collect();
+    g.upload(&t)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn experts_grouped(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    per_expert: &[Vec<(u32, u32)>],
+    list: &[u32],
+    list_dev: &cudarc::driver::CudaSlice<u32>,
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let (d, k) = (w.gate.cols, w.top_k);
+    let n = rows * k;
+    let first = &w.experts[0];
+    let inter = first.w1.rows;
+    // Tiles of at most GEMM_BM rows of one expert, and each row's list positions in
+    // ascending (expert) order for the combine.
+    let mut tiles: Vec<i32> = Vec::new();
+    let mut at = 0usize;
+    let mut used = 0usize;
+    for (e, assigned) in per_expert.iter().enumerate() {
+        used += usize::from(!assigned.is_empty());
+        for t in (0..assigned.len()).step_by(GEMM_BM) {
+            tiles.extend_from_slice(&[e as i32, (at + t) as i32, (assigned.len() - t).min(GEMM_BM) as i32]);
+        }
+        at += assigned.len();
+    }
+    let mut pos = vec![0i32; n];
+    let mut filled = vec![0usize; rows];
+    for (i, &r) in list[..n].iter().enumerate() {
+        let r = r as usize;
+        pos[r * k + filled[r]] = i as i32;
+        filled[r] += 1;
+    }
+    let tile_dev = g.upload(&tiles);
+    let pos_dev = g.upload(&pos);
+    let count = tiles.len() / 3;
+    g.traffic.add_weights(used * (first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes()));
+
+    let lp = g.ptr(list_dev);
+    let xg = b.alloc_buf(n * d);
+    launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), lp, n as i32, d as i32);
+    let h = b.alloc_buf(n * inter);
+    let u = b.alloc_buf(n * inter);
+    let y = b.alloc_buf(n * d);
+    let name_up = gemm_kernel(&Operand { x: 0, x_stride: d, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w1)
+        .expect("checked by grouped_experts");
+    let name_down =
+        gemm_kernel(&Operand { x: 0, x_stride: inter, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w2)
+            .expect("checked by grouped_experts");
+    let over = |table: &cudarc::driver::CudaSlice<u64>| Tiles { tiles: g.ptr(&tile_dev), count, wtab: g.ptr(table) };
+    let in_x = Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
+    let t1 = projection_table(b, w, |e| &e.w1);
+    gemm(g, name_up, in_x, &first.w1, Some(&over(&t1)));
+    let t3 = projection_table(b, w, |e| &e.w3);
+    gemm(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &first.w3, Some(&over(&t3)));
+    swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
+    let t2 = projection_table(b, w, |e| &e.w2);
+    let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
+    gemm(g, name_down, in_h, &first.w2, Some(&over(&t2)));
+    launch!(
+        g,
+        "moe_combine_rows",
+        cfg_elems(rows * d),
+        g.ptr(&out.mem),
+        g.ptr(&y.mem),
+        g.ptr(&pos_dev),
+        lp + 4 * n as u64,
+        g.ptr(&weights.mem),
+        k as i32,
+        rows as i32,
+        d as i32
+    );
 }

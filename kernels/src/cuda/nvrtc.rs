@@ -20,6 +20,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("common.cuh", include_str!("cu/common.cuh")),
     ("rows.cu", include_str!("cu/rows.cu")),
     ("gemv.cu", include_str!("cu/gemv.cu")),
+    ("gemm.cu", include_str!("cu/gemm.cu")),
     ("hc.cu", include_str!("cu/hc.cu")),
     ("moe.cu", include_str!("cu/moe.cu")),
     ("compress.cu", include_str!("cu/compress.cu")),

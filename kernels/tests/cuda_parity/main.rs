@@ -4,7 +4,8 @@
 //! element the GPU forgets to write fails. The CPU backend is itself checked against
 //! the f64 reference by `parity.rs`; this suite covers the shapes and code paths only
 //! large problems reach (vector loads, split-K products, tensor-core GEMMs, key-axis
-//! splits, radix select over hundreds of candidates, FP8 weights).
+//! splits, radix select over hundreds of candidates, FP8 and FP4 weights kept in their
+//! stored formats).
 //!
 //! Each check prints `PARITY <op> <dtype> <observed error>`; tolerances are per dtype in
 //! [`TOLERANCES`]. Without a GPU every test prints that it is skipped and passes.
@@ -12,8 +13,9 @@
 
 use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing, Selection};
 use kernels::cuda::CudaBackend;
-use kernels::quant::{bf16_to_f32, dequant_fp8_blocks, f32_to_bf16, quantize_fp8_blocks, ue8m0_to_f32};
+use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::rope::Yarn;
+use kernels::stored::{OwnedFormat, OwnedWeight, WeightView};
 use kernels::{
     AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, HostMatrix, KvLayout, KvState, LayerSpec, RopeTable,
 };
@@ -29,10 +31,10 @@ mod topk;
 use cuda_gpu::gpu;
 
 /// Allowed max|Δ|/max|CPU| by the dtype of the weights or KV entries involved. f32
-/// differs only in summation order; bf16 and FP8 paths store the same rounded values on
-/// both devices, so they land far below the 1e-2 the issue allows, which is what is
-/// asserted for them.
-const TOLERANCES: [(&str, f32); 3] = [("f32", 1e-4), ("bf16", 1e-2), ("fp8", 1e-2)];
+/// differs only in summation order; bf16, FP8 and FP4 weights mean the same values on
+/// both devices (the GPU dequantises them inside its kernels, the CPU at load), so they
+/// land far below the 1e-2 the issue allows, which is what is asserted for them.
+const TOLERANCES: [(&str, f32); 4] = [("f32", 1e-4), ("bf16", 1e-2), ("fp8", 1e-2), ("fp4", 1e-2)];
 
 fn tol(dtype: &str) -> f32 {
     TOLERANCES.iter().find(|(d, _)| *d == dtype).map(|t| t.1).expect("dtype in the table")
@@ -49,21 +51,31 @@ fn rand_vec(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
     (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732).collect()
 }
 
-/// A weight whose values are exactly those of `dtype` storage.
-fn weight(rng: &mut ChaCha8Rng, rows: usize, cols: usize, std: f32, dtype: &str) -> HostMatrix {
-    let mut v = rand_vec(rng, rows * cols, std);
-    match dtype {
-        "f32" => {}
-        "bf16" => v.iter_mut().for_each(|x| *x = bf16_to_f32(f32_to_bf16(*x))),
-        "fp8" => {
-            let (q, s) = quantize_fp8_blocks(&v, rows, cols, (128, 128));
-            let scales: Vec<f32> = s.iter().map(|&b| ue8m0_to_f32(b)).collect();
-            let grid = (rows.div_ceil(128), cols.div_ceil(128));
-            v = dequant_fp8_blocks(&q, rows, cols, &scales, grid, (128, 128)).unwrap();
-        }
-        other => panic!("no dtype {other}"),
+/// Random weight values stored as `dtype` stores them: f32 as drawn, bf16/fp8/fp4 in
+/// those formats (FP8 with 128×128 ue8m0 block scales, FP4 packed with per-32 scales),
+/// which the GPU keeps and the CPU dequantises.
+#[derive(Clone)]
+struct TestWeight {
+    host: HostMatrix,
+    stored: Option<OwnedWeight>,
+}
+
+impl TestWeight {
+    fn view(&self) -> WeightView<'_> {
+        self.stored.as_ref().map(OwnedWeight::view).unwrap_or_else(|| (&self.host).into())
     }
-    HostMatrix::new(rows, cols, v)
+}
+
+fn weight(rng: &mut ChaCha8Rng, rows: usize, cols: usize, std: f32, dtype: &str) -> TestWeight {
+    let host = HostMatrix::new(rows, cols, rand_vec(rng, rows * cols, std));
+    let format = match dtype {
+        "f32" => return TestWeight { host, stored: None },
+        "bf16" => OwnedFormat::Bf16,
+        "fp8" => OwnedFormat::Fp8,
+        "fp4" => OwnedFormat::Fp4,
+        other => panic!("no dtype {other}"),
+    };
+    TestWeight { stored: Some(OwnedWeight::quantize(&host, format)), host }
 }
 
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
@@ -89,11 +101,13 @@ fn cuda_products_match_cpu_at_flash_shapes() {
     let c = CpuBackend::new();
     let mut rng = rng("products");
     // (outputs, inputs): wq_a, wq_b, the mHC mix (few outputs, long rows), an odd shape.
-    for (n, k) in [(1024, 4096), (8192, 1024), (24, 16384), (200, 136)] {
-        for dtype in ["f32", "bf16", "fp8"] {
+    // An expert's gate/up (2048 x 4096) and down (4096 x 2048) at FP4.
+    for (n, k) in [(1024, 4096), (8192, 1024), (24, 16384), (200, 136), (2048, 4096), (4096, 2048)] {
+        for dtype in ["f32", "bf16", "fp8", "fp4"] {
             let w = weight(&mut rng, n, k, 0.05, dtype);
-            let (gw, cw) = (g.weight(w.clone()), c.weight(w));
-            for rows in [1, 3, 8, 20, 33] {
+            let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+            // Rows: gemv launches (1-8), tensor-core tiles of 64 rows with partial ones.
+            for rows in [1, 3, 8, 20, 33, 64, 130] {
                 let x = rand_vec(&mut rng, rows * k, 1.0);
                 let mut out = poisoned(g, rows * n);
                 g.matmul(&g.upload(&x), rows, &gw, &mut out);
@@ -106,8 +120,8 @@ fn cuda_products_match_cpu_at_flash_shapes() {
     // The attention output's grouped projection: 8 groups of 4096 -> 1024.
     for dtype in ["bf16", "fp8"] {
         let w = weight(&mut rng, 8 * 1024, 4096, 0.02, dtype);
-        let (gw, cw) = (g.weight(w.clone()), c.weight(w));
-        for rows in [1, 5, 40] {
+        let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+        for rows in [1, 5, 40, 100] {
             let x = rand_vec(&mut rng, rows * 8 * 4096, 1.0);
             let mut out = poisoned(g, rows * 8 * 1024);
             g.grouped_matmul(&g.upload(&x), rows, 8, &gw, &mut out);
@@ -153,13 +167,13 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
     assert_eq!(g.download(&gx), want, "bf16 rounding must be bit-identical");
     let gathered = g.gather_rows(&g.upload(&x), 512, &[3, 0, 10, 3]);
     assert_eq!(g.download(&gathered), c.gather_rows(&x, 512, &[3, 0, 10, 3]));
-    for dtype in ["f32", "bf16", "fp8"] {
+    for dtype in ["f32", "bf16", "fp8", "fp4"] {
         let table = weight(&mut rng, 300, 4096, 0.5, dtype);
         let tokens = [5u32, 299, 0, 17];
         let mut out = poisoned(g, 4 * 4096);
-        g.embed(&g.weight(table.clone()), &tokens, &mut out);
+        g.embed(&g.weight(table.view()), &tokens, &mut out);
         let mut want = vec![0f32; 4 * 4096];
-        c.embed(&c.weight(table), &tokens, &mut want);
+        c.embed(&c.weight(table.view()), &tokens, &mut want);
         assert_eq!(g.download(&out), want, "embedding rows ({dtype}) must be exact");
     }
 }
@@ -173,7 +187,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, "f32");
     let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
     let gw = HcWeights::<CudaBackend> {
-        mix: g.weight(mix.clone()),
+        mix: g.weight(mix.view()),
         base: base.clone(),
         scale: [0.8, 1.1, 0.9],
         hc,
@@ -183,7 +197,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         hc_eps: 1e-6,
     };
     let cw = HcWeights::<CpuBackend> {
-        mix: c.weight(mix),
+        mix: c.weight(mix.view()),
         base,
         scale: [0.8, 1.1, 0.9],
         hc,
@@ -213,7 +227,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         let hmix = weight(&mut rng, hc, hc * d, 0.02, "f32");
         let hbase = rand_vec(&mut rng, hc, 0.5);
         let gh = HcHeadWeights::<CudaBackend> {
-            mix: g.weight(hmix.clone()),
+            mix: g.weight(hmix.view()),
             base: hbase.clone(),
             scale: 1.2,
             hc,
@@ -222,7 +236,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
             hc_eps: 1e-6,
         };
         let ch = HcHeadWeights::<CpuBackend> {
-            mix: c.weight(hmix),
+            mix: c.weight(hmix.view()),
             base: hbase,
             scale: 1.2,
             hc,
@@ -244,9 +258,9 @@ fn cuda_moe_matches_cpu_at_flash_width() {
     let c = CpuBackend::new();
     let mut rng = rng("moe");
     let (d, inter, n_exp, k) = (4096, 512, 16, 4);
-    for dtype in ["bf16", "fp8"] {
+    for dtype in ["bf16", "fp8", "fp4"] {
         let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-        let experts: Vec<[HostMatrix; 3]> = (0..n_exp)
+        let experts: Vec<[TestWeight; 3]> = (0..n_exp)
             .map(|_| {
                 [
                     weight(&mut rng, inter, d, 0.03, dtype),
@@ -268,7 +282,9 @@ fn cuda_moe_matches_cpu_at_flash_width() {
                 || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
             let gm = moe_weights(g, &gate, routing(), &experts, &shared, k);
             let cm = moe_weights(&c, &gate, routing(), &experts, &shared, k);
-            for rows in [1, 8, 37] {
+            // 1 and 8 rows: routed on the device; 37 and 300: grouped tiles (300 rows give
+            // experts more than one 64-row tile).
+            for rows in [1, 8, 37, 300] {
                 let x = rand_vec(&mut rng, rows * d, 1.0);
                 let tokens: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
                 let mut out = poisoned(g, rows * d);
@@ -285,19 +301,19 @@ fn cuda_moe_matches_cpu_at_flash_width() {
 /// 2), so both devices run one definition.
 fn moe_weights<B: Backend>(
     b: &B,
-    gate: &HostMatrix,
+    gate: &TestWeight,
     routing: Routing,
-    experts: &[[HostMatrix; 3]],
-    shared: &[HostMatrix; 3],
+    experts: &[[TestWeight; 3]],
+    shared: &[TestWeight; 3],
     k: usize,
 ) -> MoeWeights<B> {
-    let expert = |e: &[HostMatrix; 3]| ExpertWeights {
-        w1: b.weight(e[0].clone()),
-        w2: b.weight(e[1].clone()),
-        w3: b.weight(e[2].clone()),
+    let expert = |e: &[TestWeight; 3]| ExpertWeights {
+        w1: b.weight(e[0].view()),
+        w2: b.weight(e[1].view()),
+        w3: b.weight(e[2].view()),
     };
     MoeWeights {
-        gate: b.weight(gate.clone()),
+        gate: b.weight(gate.view()),
         routing,
         experts: experts.iter().map(expert).collect(),
         shared: Some(expert(shared)),

@@ -29,6 +29,20 @@ __device__ __forceinline__ float fp8_to_f32(u32 b) {
     return __uint_as_float(__float_as_uint(v) | s);
 }
 
+// ue8m0 scale byte: 2^(b - 127) (b = 0 is 2^-127, a subnormal; 0xff never occurs).
+__device__ __forceinline__ float ue8m0_to_f32(u32 b) {
+    return b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
+}
+
+// FP4 e2m1 nibble (the low 4 bits of `nib`; bit 3 is the sign) as f32: magnitudes
+// 0, 0.5, 1, 1.5, 2, 3, 4, 6. Codes 2..7 are 2^(e-1)·(1 + m/2) with e = code >> 1 and
+// m = code & 1, i.e. f32 bits (code + 252) << 22; codes 0 and 1 are 0 and 0.5.
+__device__ __forceinline__ float e2m1_to_f32(u32 nib) {
+    const u32 m = nib & 7u;
+    const u32 mag = m < 2u ? m * 0x3f000000u : (m + 252u) << 22;
+    return __uint_as_float(mag | ((nib & 8u) << 28));
+}
+
 // Entry storage (pages, rings): 0 = f32, 1 = bf16.
 __device__ __forceinline__ float load_entry(const u8* base, int dtype, long long i) {
     return dtype == 0 ? ((const float*)base)[i] : bf2f(((const u16*)base)[i]);

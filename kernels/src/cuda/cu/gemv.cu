@@ -7,15 +7,17 @@
 // Grouped products (the attention output's block-diagonal projection) read x at
 // column (o / g_out) * K; plain products pass g_out = N.
 //
-// WT: 0 = f32 weights, 1 = bf16, 2 = FP8 e4m3 with one f32 scale per 128x128 block.
+// WT: 0 = f32 weights, 1 = bf16, 2 = FP8 e4m3 with one f32 scale per 128x128 block,
+// 3 = FP4 e2m1 packed two per byte (low nibble first) with one ue8m0 byte per 32 inputs.
 // DUAL: also read a second weight (w3) and emit the clamped SwiGLU of the pair.
 
 template <int WT>
-__device__ constexpr int chunk_elems() { return WT == 2 ? 16 : 8; }
+__device__ constexpr int chunk_elems() { return WT == 3 ? 32 : WT == 2 ? 16 : 8; }
 
-// Load chunk `c` (chunk_elems<WT>() weights) of row `o` as f32.
+// Load chunk `c` (chunk_elems<WT>() weights) of row `o` as f32. `scales` points to f32
+// block scales (FP8) or ue8m0 bytes (FP4).
 template <int WT>
-__device__ __forceinline__ void load_chunk(const void* w, const float* scales, int o, int K, int c, float* wf) {
+__device__ __forceinline__ void load_chunk(const void* w, const void* scales, int o, int K, int c, float* wf) {
     if (WT == 0) {
         const float4* p = (const float4*)((const float*)w + (long long)o * K) + 2 * c;
         float4 a = __ldg(p), b = __ldg(p + 1);
@@ -27,26 +29,36 @@ __device__ __forceinline__ void load_chunk(const void* w, const float* scales, i
         wf[2] = __uint_as_float(q.y << 16); wf[3] = __uint_as_float(q.y & 0xffff0000u);
         wf[4] = __uint_as_float(q.z << 16); wf[5] = __uint_as_float(q.z & 0xffff0000u);
         wf[6] = __uint_as_float(q.w << 16); wf[7] = __uint_as_float(q.w & 0xffff0000u);
-    } else {
+    } else if (WT == 2) {
         uint4 q = __ldg((const uint4*)((const u8*)w + (long long)o * K) + c);
-        float s = scales[(o / 128) * ((K + 127) / 128) + (c * 16) / 128];
+        float s = ((const float*)scales)[(o / 128) * ((K + 127) / 128) + (c * 16) / 128];
         u32 words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int i = 0; i < 16; i++) wf[i] = fp8_to_f32((words[i / 4] >> (8 * (i % 4))) & 0xffu) * s;
+    } else {
+        // 32 inputs = 16 bytes = exactly one scale group (K is a multiple of 32 here).
+        uint4 q = __ldg((const uint4*)((const u8*)w + (long long)o * (K / 2)) + c);
+        float s = ue8m0_to_f32(__ldg((const u8*)scales + (long long)o * (K / 32) + c));
+        u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 32; i++) wf[i] = e2m1_to_f32(words[i / 8] >> (4 * (i % 8))) * s;
     }
 }
 
 template <int WT>
-__device__ __forceinline__ float load_one(const void* w, const float* scales, int o, int K, int k) {
+__device__ __forceinline__ float load_one(const void* w, const void* scales, int o, int K, int k) {
     long long i = (long long)o * K + k;
     if (WT == 0) return ((const float*)w)[i];
     if (WT == 1) return bf2f(((const u16*)w)[i]);
-    return fp8_to_f32(((const u8*)w)[i]) * scales[(o / 128) * ((K + 127) / 128) + k / 128];
+    if (WT == 2) return fp8_to_f32(((const u8*)w)[i]) * ((const float*)scales)[(o / 128) * ((K + 127) / 128) + k / 128];
+    const u8 byte = ((const u8*)w)[i / 2];
+    const int groups = (K + 31) / 32;
+    return e2m1_to_f32(k % 2 == 0 ? byte : byte >> 4) * ue8m0_to_f32(((const u8*)scales)[(long long)o * groups + k / 32]);
 }
 
 template <int R, int WT, bool DUAL>
-__device__ void gemv_body(float* out, const float* x, const void* w, const void* w3, const float* scales,
-                          const float* scales3, int rows, int N, int K, int x_stride, int out_stride, int g_out,
+__device__ void gemv_body(float* out, const float* x, const void* w, const void* w3, const void* scales,
+                          const void* scales3, int rows, int N, int K, int x_stride, int out_stride, int g_out,
                           int opb, int vec, float limit) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wpo = 8 / opb;
@@ -128,7 +140,7 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
 
 #define GEMV_KERNEL(R, WT, DUAL, NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
-        float* out, const float* x, const void* w, const void* w3, const float* scales, const float* scales3,       \
+        float* out, const float* x, const void* w, const void* w3, const void* scales, const void* scales3,         \
         int rows, int N, int K, int x_stride, int out_stride, int g_out, int opb, int vec, float limit) {           \
         gemv_body<R, WT, DUAL>(out, x, w, w3, scales, scales3, rows, N, K, x_stride, out_stride, g_out, opb, vec,  \
                                limit);                                                                              \
@@ -141,15 +153,17 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
     KERNEL(4, WT, DUAL, BASE##_r4)         \
     KERNEL(8, WT, DUAL, BASE##_r8)
 
-// ... for every weight format: plain products as PLAIN_{f32,bf16,fp8}_rN, SwiGLU pairs as
-// PAIR_{f32,bf16,fp8}_rN.
+// ... for every weight format: plain products as PLAIN_{f32,bf16,fp8,fp4}_rN, SwiGLU pairs
+// as PAIR_{f32,bf16,fp8,fp4}_rN.
 #define FOR_EACH_FORMAT(KERNEL, PLAIN, PAIR)       \
     FOR_EACH_R(KERNEL, 0, false, PLAIN##_f32)      \
     FOR_EACH_R(KERNEL, 1, false, PLAIN##_bf16)     \
     FOR_EACH_R(KERNEL, 2, false, PLAIN##_fp8)      \
+    FOR_EACH_R(KERNEL, 3, false, PLAIN##_fp4)      \
     FOR_EACH_R(KERNEL, 0, true, PAIR##_f32)        \
     FOR_EACH_R(KERNEL, 1, true, PAIR##_bf16)       \
-    FOR_EACH_R(KERNEL, 2, true, PAIR##_fp8)
+    FOR_EACH_R(KERNEL, 2, true, PAIR##_fp8)        \
+    FOR_EACH_R(KERNEL, 3, true, PAIR##_fp4)
 
 FOR_EACH_FORMAT(GEMV_KERNEL, gemv, swiglu)
 
@@ -166,7 +180,7 @@ __device__ void moe_gemv_body(float* out, const float* x, const u64* wtab, const
     const u64* t = wtab + 4 * e;
     for (int r0 = 0; r0 < cnt; r0 += R) {
         gemv_body<R, WT, DUAL>(out + (long long)(off + r0) * N, x + (long long)(off + r0) * K, (const void*)t[0],
-                               (const void*)t[1], (const float*)t[2], (const float*)t[3], min(R, cnt - r0), N, K, K, N,
+                               (const void*)t[1], (const void*)t[2], (const void*)t[3], min(R, cnt - r0), N, K, K, N,
                                N, opb, vec, limit);
         __syncthreads();
     }

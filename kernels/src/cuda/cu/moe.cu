@@ -128,3 +128,19 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const int* li
         if (list_rows[i] == r) acc += weights[list_widx[i]] * y[(long long)i * d + c];
     out[t] = acc;
 }
+
+// The same sums for batches of any size: row r's k list positions `pos[r*k .. r*k+k]`
+// (ascending, i.e. in expert order) are summed in that order, so each output costs k
+// reads instead of a scan of the whole list.
+extern "C" __global__ void moe_combine_rows(float* out, const float* y, const int* pos, const int* list_widx,
+                                            const float* weights, int k, int rows, int d) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)rows * d) return;
+    const int r = (int)(t / d), c = (int)(t % d);
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        const int i = pos[r * k + j];
+        acc += weights[list_widx[i]] * y[(long long)i * d + c];
+    }
+    out[t] = acc;
+}

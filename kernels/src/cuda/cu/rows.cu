@@ -58,27 +58,6 @@ extern "C" __global__ void round_to_bf16(float* x, long long n) {
     if (i < n) x[i] = round_bf16(x[i]);
 }
 
-// x[rows, k] -> hi[rows, k] = bf16(x), lo[rows, k] = bf16(x - hi): two bf16 operands
-// whose sum carries ~16 mantissa bits, so bf16 tensor-core products of each against
-// bf16 weights, accumulated, come close to the f32 product.
-extern "C" __global__ void split_bf16(u16* hi, u16* lo, const float* x, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float v = x[i];
-    u16 h = f2bf(v);
-    hi[i] = h;
-    lo[i] = f2bf(v - bf2f(h));
-}
-
-// Dequantise FP8 e4m3 weights [rows, cols] with one f32 scale per 128x128 block to bf16.
-extern "C" __global__ void fp8_to_bf16(u16* out, const u8* q, const float* scales, int rows, int cols) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * cols) return;
-    int r = (int)(i / cols), c = (int)(i % cols);
-    int sc = (cols + 127) / 128;
-    out[i] = f2bf(fp8_to_f32(q[i]) * scales[(r / 128) * sc + c / 128]);
-}
-
 extern "C" __global__ void embed_fp8(float* out, const u8* q, const float* scales, const u32* tokens, int rows,
                                      int cols) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -86,4 +65,14 @@ extern "C" __global__ void embed_fp8(float* out, const u8* q, const float* scale
     int r = (int)(i / cols), c = (int)(i % cols);
     long long t = tokens[r];
     out[i] = fp8_to_f32(q[t * cols + c]) * scales[(t / 128) * ((cols + 127) / 128) + c / 128];
+}
+
+extern "C" __global__ void embed_fp4(float* out, const u8* packed, const u8* scales, const u32* tokens, int rows,
+                                     int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    int r = (int)(i / cols), c = (int)(i % cols);
+    long long t = tokens[r];
+    const u8 byte = packed[(t * cols + c) / 2];
+    out[i] = e2m1_to_f32(c % 2 == 0 ? byte : byte >> 4) * ue8m0_to_f32(scales[t * ((cols + 31) / 32) + c / 32]);
 }
