@@ -12,7 +12,12 @@
 //! - the bytes a step must move (each weight it uses and each KV entry it reads, once,
 //!   counted by the backend as it issues the ops) over the step time: achieved GB/s;
 //! - the indexer's top-k alone over `--topk-candidates` scores at batch 1, and the
-//!   compressor kernel alone over a `--compress-tokens` prefill at V4-Flash widths.
+//!   compressor kernel alone over a `--compress-tokens` prefill at V4-Flash widths;
+//! - the stored-format products alone (unless `--skip-products`): gemv over FP4 experts
+//!   and FP8/BF16 projections against the copy bandwidth, the tensor-core GEMMs (FP8
+//!   projection, 256 FP4 experts grouped) against a cuBLAS BF16 GEMM of the same shape.
+//! - how loading went: bytes, seconds, GB/s and the peak host memory beyond the page
+//!   cache.
 //!
 //! tools/bench/gpu_vs_transformers.sh runs this next to transformers eager on the same
 //! GPU and checkpoint.
@@ -54,6 +59,9 @@ pub struct GpuBenchArgs {
     /// GPU benchmark: time the compressor kernel alone over a prefill this long (0: skip).
     #[arg(long, default_value_t = 8192)]
     pub compress_tokens: usize,
+    /// GPU benchmark: skip the stored-format product table (FP4/FP8/BF16 gemv and GEMM).
+    #[arg(long)]
+    pub skip_products: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -214,6 +222,22 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         None
     };
 
+    let products = if a.skip_products { Vec::new() } else { engine.model.backend.bench_products(c.repeat.max(10)) };
+    let products: Vec<Value> = products
+        .iter()
+        .map(|p| {
+            json!({
+                "what": p.what, "us": p.us,
+                "gb_s": (p.bytes > 0.0).then(|| p.bytes / (p.us / 1e6) / 1e9),
+                "fraction_of_copy": (p.bytes > 0.0).then(|| p.bytes / (p.us / 1e6) / 1e9 / copy_gbs),
+                "tflop_s": p.flops / (p.us / 1e6) / 1e12,
+                "cublas_bf16_us": p.cublas_us,
+                "vs_cublas_bf16": p.cublas_us.map(|c| c / p.us),
+            })
+        })
+        .collect();
+    let load = &engine.load;
+
     let report = json!({
         "engine": "sluice",
         "device": describe,
@@ -221,6 +245,11 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         "kv_dtype": c.kv_dtype.name(),
         "copy_gb_s": copy_gbs,
         "load_s": load_s,
+        "load": json!({
+            "bytes": load.bytes, "seconds": load.seconds, "gb_s": load.gb_per_s(),
+            "peak_extra_host_bytes": load.peak_extra_host_bytes,
+        }),
+        "products": products,
         "prefill_tokens": a.prefill_tokens,
         "prefill_tokens_per_s": prefill_tps,
         "prefill_bytes": prefill_traffic.0 + prefill_traffic.1,
@@ -254,6 +283,14 @@ fn print_profile(b: &CudaBackend, what: &str) {
 fn print_table(r: &Value) {
     println!("sluice engine on {} (KV {})", r["device"].as_str().unwrap_or("?"), r["kv_dtype"].as_str().unwrap_or("?"));
     println!("  copy bandwidth        {:>10.0} GB/s", r["copy_gb_s"].as_f64().unwrap_or(0.0));
+    let l = &r["load"];
+    println!(
+        "  load                  {:>10.2} GB in {:.1} s ({:.2} GB/s), peak host memory beyond page cache {} MiB",
+        l["bytes"].as_f64().unwrap_or(0.0) / 1e9,
+        l["seconds"].as_f64().unwrap_or(0.0),
+        l["gb_s"].as_f64().unwrap_or(0.0),
+        l["peak_extra_host_bytes"].as_u64().map(|b| (b >> 20).to_string()).unwrap_or_else(|| "?".into())
+    );
     println!(
         "  prefill {:>6} tokens {:>10.0} tokens/s",
         r["prefill_tokens"].as_u64().unwrap_or(0),
@@ -284,6 +321,23 @@ fn print_table(r: &Value) {
             t["us"].as_f64().unwrap_or(0.0),
             t["issued_us"].as_f64().unwrap_or(0.0)
         );
+    }
+    for p in r["products"].as_array().into_iter().flatten() {
+        let us = p["us"].as_f64().unwrap_or(0.0);
+        match (p["gb_s"].as_f64(), p["vs_cublas_bf16"].as_f64()) {
+            (Some(gbs), _) => println!(
+                "  {:<58} {us:>9.1} us {gbs:>7.0} GB/s ({:.0}% of copy)",
+                p["what"].as_str().unwrap_or("?"),
+                100.0 * p["fraction_of_copy"].as_f64().unwrap_or(0.0)
+            ),
+            (None, Some(ratio)) => println!(
+                "  {:<58} {us:>9.1} us {:>7.0} TFLOP/s ({ratio:.2}x cuBLAS bf16 at {:.1} us)",
+                p["what"].as_str().unwrap_or("?"),
+                p["tflop_s"].as_f64().unwrap_or(0.0),
+                p["cublas_bf16_us"].as_f64().unwrap_or(0.0)
+            ),
+            _ => {}
+        }
     }
     for c in r["compress"].as_array().into_iter().flatten() {
         println!(

@@ -148,6 +148,12 @@ pub trait Backend: Send + Sync + 'static {
     // ---- memory -------------------------------------------------------------------
 
     fn zeros(&self, len: usize) -> Self::Buf;
+    /// A buffer whose contents are undefined, for the output of an op that writes every
+    /// element (every op here does: the parity suites poison outputs to check it). On a
+    /// GPU this saves the memset `zeros` issues.
+    fn output(&self, len: usize) -> Self::Buf {
+        self.zeros(len)
+    }
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
     /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.

@@ -21,7 +21,7 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let rows = plan.rows();
         let (d, hc) = (c.hidden_size, c.hc_mult);
-        let mut x = b.zeros(rows * d);
+        let mut x = b.output(rows * d);
         b.embed(&self.weights.embed, &plan.tokens, &mut x);
         // Every residual stream starts as the embedding: `[rows, hc, d]`.
         let copies: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
@@ -35,10 +35,10 @@ impl<B: Backend> Model<B> {
             return Vec::new();
         }
         let picked = b.gather_rows(&streams, hc * d, logit_rows);
-        let mut h = b.zeros(logit_rows.len() * d);
+        let mut h = b.output(logit_rows.len() * d);
         b.hc_head(&picked, logit_rows.len(), &self.weights.hc_head, &mut h);
         b.rms_norm(&mut h, d, Some(&self.weights.norm), c.rms_norm_eps as f32);
-        let mut logits = b.zeros(logit_rows.len() * c.vocab_size);
+        let mut logits = b.output(logit_rows.len() * c.vocab_size);
         b.matmul(&h, logit_rows.len(), &self.weights.head, &mut logits);
         b.download(&logits)
     }
@@ -55,9 +55,9 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let rows = plan.rows();
         let (d, hc, eps) = (c.hidden_size, c.hc_mult, c.rms_norm_eps as f32);
-        let mut x = b.zeros(rows * d);
-        let mut post = b.zeros(rows * hc);
-        let mut comb = b.zeros(rows * hc * hc);
+        let mut x = b.output(rows * d);
+        let mut post = b.output(rows * hc);
+        let mut comb = b.output(rows * hc * hc);
 
         b.hc_pre(streams, rows, &lw.hc_attn, &mut x, &mut post, &mut comb);
         b.rms_norm(&mut x, d, Some(&lw.attn_norm), eps);
@@ -66,13 +66,13 @@ impl<B: Backend> Model<B> {
 
         b.hc_pre(streams, rows, &lw.hc_ffn, &mut x, &mut post, &mut comb);
         b.rms_norm(&mut x, d, Some(&lw.ffn_norm), eps);
-        let mut y = b.zeros(rows * d);
+        let mut y = b.output(rows * d);
         b.moe(&x, rows, &plan.tokens, &lw.moe, &mut y);
         b.hc_post(streams, rows, hc, &y, &post, &comb);
     }
 
     fn project(&self, x: &B::Buf, rows: usize, w: &B::Weight) -> B::Buf {
-        let mut out = self.backend.zeros(rows * self.backend.weight_shape(w).0);
+        let mut out = self.backend.output(rows * self.backend.weight_shape(w).0);
         self.backend.matmul(x, rows, w, &mut out);
         out
     }
@@ -133,7 +133,7 @@ impl<B: Backend> Model<B> {
             b.index_topk(kv, &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
         });
 
-        let mut out = b.zeros(rows * h * hd);
+        let mut out = b.output(rows * h * hd);
         b.attention(
             kv,
             &self.layout,
@@ -151,7 +151,7 @@ impl<B: Backend> Model<B> {
         // K = V carried the rope rotation into the output; rotate it back at the query position.
         b.rope(&mut out, h, hd, pos, rope, true);
 
-        let mut grouped = b.zeros(rows * c.o_groups * c.o_lora_rank);
+        let mut grouped = b.output(rows * c.o_groups * c.o_lora_rank);
         b.grouped_matmul(&out, rows, c.o_groups, &a.wo_a, &mut grouped);
         self.project(&grouped, rows, &a.wo_b)
     }

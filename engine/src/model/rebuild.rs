@@ -38,7 +38,7 @@ impl<B: Backend> Model<B> {
         }
 
         let start = first(0);
-        let mut x = b.zeros((p - start) * d);
+        let mut x = b.output((p - start) * d);
         b.embed(&self.weights.embed, &prefix[start..], &mut x);
         let copies: Vec<usize> = (0..p - start).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
         let mut streams = b.gather_rows(&x, d, &copies);

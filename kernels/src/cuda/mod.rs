@@ -14,10 +14,12 @@
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
+//! - `bench`: the stored-format products alone, for the benchmark's kernel table.
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
 mod attention;
+mod bench;
 mod compress;
 mod devplan;
 mod hc;
@@ -37,6 +39,7 @@ use crate::rope::RopeTable;
 use crate::stored::WeightView;
 use runtime::launch;
 
+pub use bench::ProductTime;
 pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
 pub use runtime::{CudaError, driver_present};
 
@@ -301,6 +304,10 @@ impl Backend for CudaBackend {
 
     fn zeros(&self, len: usize) -> CudaBuf {
         CudaBuf { mem: self.gpu.zeros(len), len }
+    }
+
+    fn output(&self, len: usize) -> CudaBuf {
+        self.alloc_buf(len)
     }
 
     fn upload(&self, data: &[f32]) -> CudaBuf {

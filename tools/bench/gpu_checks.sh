@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU checks in one device call, from executables built on the CPU machine (no Rust
+# toolchain on the device): the kernel parity suites, the GPU conformance and serving
+# tests, then `sluice bench engine` on a checkpoint in the shipped formats. Everything
+# goes to $OUT/gpu_checks.log (and the terminal); the closing lines summarise.
+#
+# Build and pack (CPU machine):
+#   cargo build --release --workspace --bins
+#   cargo test --release -p kernels --features cuda --no-run
+#   cargo test --release -p engine --features cuda --test cuda_conformance --no-run
+#   cargo test --release -p sluice-e2e --test cuda_serving --no-run
+#   tools/bench/pack_device.sh          # copies and strips them into .device/
+# Run (device machine, repository root):
+#   tools/bench/gpu_checks.sh [STEPS...]   STEPS: parity conformance serving bench profile
+#   (default: all but profile)
+#
+# Env: B (executables, default .device), MODEL (bench checkpoint; default: written to
+# /dev/shm with `sluice model init --preset flash-bench --dtype fp8`), BENCH_ARGS (extra
+# `bench engine` arguments).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+B=${B:-.device}
+OUT=${OUT:-/tmp}
+LOG=$OUT/gpu_checks.log
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export SLUICE_PTX_CACHE=${SLUICE_PTX_CACHE:-/tmp/ptx} SLUICE_BIN_DIR=${SLUICE_BIN_DIR:-$B}
+steps=${*:-parity conformance serving bench}
+status=()
+run() { # name, command...
+  local name=$1
+  shift
+  echo "=== $name: $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  status+=("$name rc=$rc $((SECONDS - t0))s")
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+for s in $steps; do
+  case $s in
+  parity)
+    run parity "$B/parity" cuda --test-threads 1
+    run cuda_parity "$B/cuda_parity" --nocapture --test-threads 1
+    ;;
+  conformance) run cuda_conformance "$B/cuda_conformance" --nocapture --test-threads 1 ;;
+  serving) run cuda_serving timeout 300 "$B/cuda_serving" --nocapture --test-threads 1 ;;
+  bench)
+    model=${MODEL:-/dev/shm/fb8}
+    [ -f "$model/config.json" ] || run init "$B/sluice" model init --preset flash-bench --seed 0 --dtype fp8 --out "$model"
+    # shellcheck disable=SC2086
+    run bench "$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype bf16 --prefill-tokens 8192 \
+      --contexts 8192 --batches 1,8 --decode-steps 8 --repeat 3 ${BENCH_ARGS:-}
+    ;;
+  profile)
+    # Where a decode step's time goes, per op (synchronised around every op).
+    model=${MODEL:-/dev/shm/fb8}
+    SLUICE_CUDA_PROFILE=1 run profile "$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype bf16 \
+      --prefill-tokens 2048 --contexts 8192 --batches 1 --decode-steps 8 --repeat 2 --skip-products \
+      --topk-candidates 0 --compress-tokens 0
+    ;;
+  *) echo "unknown step $s" ;;
+  esac
+done
+echo "=== summary" | tee -a "$LOG"
+grep -E "^test result|panicked|FAILED" "$LOG" | sort | uniq -c | tee -a "$OUT/gpu_checks.summary"
+printf '%s\n' "${status[@]}" | tee -a "$OUT/gpu_checks.summary"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Copy the release binaries and the CUDA test executables built on this machine into the
+# git-ignored .device/ folder (stripped), which a device call carries. Run after the
+# build commands listed in tools/bench/gpu_checks.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p .device
+for b in sluice router prefill-worker decode-worker kvstore; do
+  cp target/release/$b .device/
+done
+# The newest test executable of each name (cargo names them <test>-<hash>).
+for t in parity cuda_parity cuda_conformance cuda_serving; do
+  f=$(ls -t target/release/deps/$t-* 2>/dev/null | grep -v '\.d$' | head -1)
+  [ -n "$f" ] || { echo "no test executable $t: build it first" >&2; exit 1; }
+  cp "$f" .device/$t
+done
+strip .device/* 2>/dev/null || true
+du -sh .device
