@@ -273,7 +273,7 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
 fn print_profile(b: &CudaBackend, what: &str) {
     let Some(p) = b.take_profile() else { return };
     let total: f64 = p.iter().map(|x| x.1).sum();
-    eprintln!("profile of {what} (synchronised per op; {:.1} ms in ops):", total * 1e3);
+    eprintln!("profile of {what} ({:.1} ms in ops):", total * 1e3);
     for (name, t, n) in p {
         eprintln!("  {name:<18} {:>9.2} ms {:>5.1}% {n:>7} calls", t * 1e3, 100.0 * t / total);
     }

@@ -20,6 +20,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${B:-.device}
+if [ -f "$B/bins.tgz" ]; then # packed by pack_device.sh
+  mkdir -p /tmp/b && tar -C /tmp/b -xzf "$B/bins.tgz" && B=/tmp/b
+fi
 OUT=${OUT:-/tmp}
 LOG=$OUT/gpu_checks.log
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -52,9 +55,9 @@ for s in $steps; do
       --contexts 8192 --batches 1,8 --decode-steps 8 --repeat 3 ${BENCH_ARGS:-}
     ;;
   profile)
-    # Where a decode step's time goes, per op (synchronised around every op).
+    # Where a prefill and a decode step spend device time, per op (CUDA events).
     model=${MODEL:-/dev/shm/fb8}
-    SLUICE_CUDA_PROFILE=1 run profile "$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype bf16 \
+    SLUICE_CUDA_PROFILE=events run profile "$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype bf16 \
       --prefill-tokens 2048 --contexts 8192 --batches 1 --decode-steps 8 --repeat 2 --skip-products \
       --topk-candidates 0 --compress-tokens 0
     ;;

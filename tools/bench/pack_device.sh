@@ -15,4 +15,6 @@ for t in parity cuda_parity cuda_conformance cuda_serving; do
   cp "$f" .device/$t
 done
 strip .device/* 2>/dev/null || true
+# A device call carries at most 64 MiB with the working tree: ship them compressed.
+tar -C .device -czf .device.tgz . && rm -rf .device && mkdir .device && mv .device.tgz .device/bins.tgz
 du -sh .device

@@ -7,10 +7,12 @@ spills before any device time is spent.
 
     python3 tools/cuda/check_kernels.py            # errors and a per-kernel table
     python3 tools/cuda/check_kernels.py --ptx out.ptx --only gemv_fp4
+    python3 tools/cuda/check_kernels.py --sass gemv_fp4_r1    # disassembly of one kernel
 
 The pinned NVRTC and ptxas come from PyPI (nvidia-cuda-nvrtc, nvidia-cuda-nvcc 13.0.88,
 the CUDA release of the lent H200 machines) in a venv under target/cuda-tools, made on
-first use.
+first use; cuobjdump and nvdisasm (for --sass) from nvidia-cuda-cuobjdump and
+nvidia-cuda-nvdisasm 13.2.51 (the oldest on PyPI; they read sm_90 objects from ptxas 13.0).
 """
 import argparse
 import ctypes
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CU = ROOT / "kernels/src/cuda/cu"
 VENV = ROOT / "target/cuda-tools"
 PINS = ["nvidia-cuda-nvrtc==13.0.88", "nvidia-cuda-nvcc==13.0.88"]
+SASS_PINS = ["nvidia-cuda-cuobjdump==13.2.51", "nvidia-cuda-nvdisasm==13.2.51"]
 
 
 def tools() -> Path:
@@ -76,12 +79,14 @@ def main() -> None:
     ap.add_argument("--ptx", help="also write the PTX here")
     ap.add_argument("--only", help="report only kernels whose name contains this")
     ap.add_argument("--arch", default="90")
+    ap.add_argument("--sass", help="print the SASS of this kernel")
     args = ap.parse_args()
     cu13 = tools()
     ptx = nvrtc_ptx(cu13 / "lib/libnvrtc.so.13", sources(), f"compute_{args.arch}")
     out = Path(args.ptx) if args.ptx else VENV / "sluice.ptx"
     out.write_text(ptx)
-    res = subprocess.run([str(cu13 / "bin/ptxas"), f"-arch=sm_{args.arch}", "-v", str(out), "-o", os.devnull],
+    cubin = VENV / "sluice.cubin"
+    res = subprocess.run([str(cu13 / "bin/ptxas"), f"-arch=sm_{args.arch}", "-v", str(out), "-o", str(cubin)],
                          capture_output=True, text=True)
     if res.returncode != 0:
         sys.exit(f"ptxas failed:\n{res.stderr}")
@@ -95,6 +100,19 @@ def main() -> None:
             smem = re.search(r"(\d+) bytes smem", line)
             rows.append((name, int(m.group(1)), int(smem.group(1)) if smem else 0, frame, st, ld))
             name = None
+    if args.sass:
+        if not (cu13 / "bin/nvdisasm").exists():
+            subprocess.run([str(VENV / "bin/python3"), "-m", "pip", "install", "-q", *SASS_PINS], check=True)
+        env = dict(os.environ, PATH=f"{cu13 / 'bin'}:{os.environ.get('PATH', '')}")
+        sass = subprocess.run([str(cu13 / "bin/cuobjdump"), "-sass", "-fun", args.sass, str(cubin)],
+                              capture_output=True, text=True, check=True, env=env).stdout
+        print(sass)
+        ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass)
+        counts = {}
+        for o in ops:
+            counts[o] = counts.get(o, 0) + 1
+        print("instruction mix:", ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
+        return
     spills = [r for r in rows if r[4] or r[5]]
     print(f"{'kernel':<44} {'regs':>5} {'smem':>7} {'frame':>6} {'spill st/ld':>12}")
     for r in rows:

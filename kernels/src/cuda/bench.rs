@@ -8,7 +8,7 @@
 use cudarc::cublas::sys::cudaDataType;
 
 use super::CudaBackend;
-use super::matmul::{GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_kernel, matmul};
+use super::matmul::{GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_kernel, gemv_simt, matmul};
 use super::memory::CudaWeight;
 use crate::backend::Backend;
 use crate::stored::{OwnedFormat, OwnedWeight};
@@ -58,7 +58,8 @@ fn stored(b: &CudaBackend, rows: usize, cols: usize, format: OwnedFormat, salt: 
     };
     let q = match format {
         OwnedFormat::Bf16 => {
-            let values = noise(rows * cols, salt).iter().flat_map(|&v| crate::quant::f32_to_bf16(v).to_le_bytes()).collect();
+            let values =
+                noise(rows * cols, salt).iter().flat_map(|&v| crate::quant::f32_to_bf16(v).to_le_bytes()).collect();
             OwnedWeight { rows, cols, format, values, scales: Vec::new() }
         }
         OwnedFormat::Fp8 => {
@@ -66,9 +67,13 @@ fn stored(b: &CudaBackend, rows: usize, cols: usize, format: OwnedFormat, salt: 
             let scales = vec![120u8; rows.div_ceil(128) * cols.div_ceil(128)];
             OwnedWeight { rows, cols, format, values, scales }
         }
-        OwnedFormat::Fp4 => {
-            OwnedWeight { rows, cols, format, values: bytes(rows * cols / 2), scales: vec![120u8; rows * cols.div_ceil(32)] }
-        }
+        OwnedFormat::Fp4 => OwnedWeight {
+            rows,
+            cols,
+            format,
+            values: bytes(rows * cols / 2),
+            scales: vec![120u8; rows * cols.div_ceil(32)],
+        },
     };
     b.weight(q.view())
 }
@@ -88,19 +93,29 @@ impl CudaBackend {
             let ws: Vec<CudaWeight> = (0..copies).map(|i| stored(self, n, k, format, i as u64)).collect();
             for rows in [1usize, 8] {
                 let x = self.upload(&noise(rows * k, 99));
-                let mut y = self.zeros(rows * n);
-                let mut i = 0;
-                let t = self.time_kernel_us(reps * copies, || {
-                    self.matmul(&x, rows, &ws[i % copies], &mut y);
-                    i += 1;
-                });
-                out.push(ProductTime {
-                    what: format!("{what} rows={rows}"),
-                    us: t.gpu_us,
-                    bytes: ws[0].device_bytes() as f64,
-                    flops: 2.0 * (rows * n * k) as f64,
-                    cublas_us: None,
-                });
+                let y = self.zeros(rows * n);
+                let g = &self.gpu;
+                let op = Operand { x: g.ptr(&x.mem), x_stride: k, out: g.ptr(&y.mem), out_stride: n, rows, groups: 1 };
+                // The engine's choice (tensor cores for these formats), then the SIMT kernels.
+                for (label, simt) in [("", false), (" simt", true)] {
+                    let mut i = 0;
+                    let t = self.time_kernel_us(reps * copies, || {
+                        let w = &ws[i % copies];
+                        if simt {
+                            gemv_simt(g, op, w, None, 0.0)
+                        } else {
+                            matmul(g, op, w)
+                        }
+                        i += 1;
+                    });
+                    out.push(ProductTime {
+                        what: format!("{what}{label} rows={rows}"),
+                        us: t.gpu_us,
+                        bytes: ws[0].device_bytes() as f64,
+                        flops: 2.0 * (rows * n * k) as f64,
+                        cublas_us: None,
+                    });
+                }
             }
         }
         self.take_traffic();

@@ -1,13 +1,17 @@
 //! Matrix products `y = x · Wᵀ`, plain and block-diagonal (grouped), and the fused
 //! SwiGLU pair product of the MoE experts, over weights in their checkpoint format.
 //!
-//! - Up to [`GEMV_MAX_ROWS`] rows (decode): the gemv kernels, which stream each weight
-//!   once and dequantise it in registers (f32 activations and accumulation; experts'
-//!   SwiGLU pairs up to 32 rows, 8 per launch).
-//! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles whose
-//!   weight tiles are dequantised to bf16 in shared memory and whose f32 activations are
-//!   split into two bf16 parts (~16 mantissa bits together), so the product stays near
-//!   the f32 one the CPU computes. f32 weights (rare: mHC mixing, tests) use a plain
+//! - Up to [`GEMV_MAX_ROWS`] rows (decode): the tensor-core gemv (cu/tcgemv.cu) for
+//!   stored BF16/FP8/FP4 weights — the batch is the mma's n, weights are dequantised
+//!   straight into its A fragments, activations staged once per block as 16-bit hi/lo —
+//!   else the SIMT gemv kernels (f32 weights, shapes it does not tile), which stream each
+//!   weight once with f32 activations and accumulation. Experts' SwiGLU pairs take this
+//!   path up to 32 rows, 8 per launch.
+//! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles fed by a
+//!   cp.async pipeline, whose weight tiles are dequantised to bf16 in shared memory and
+//!   whose f32 activations are first split into two bf16 parts (~16 mantissa bits
+//!   together, `split_bf16`, once per product), so the product stays near the f32 one
+//!   the CPU computes. f32 weights (rare: mHC mixing, tests) use a plain
 //!   cuBLAS f32 GEMM. Shapes the tensor-core kernel does not tile (K not a multiple of
 //!   32, block-diagonal groups narrower than its 128-output tile: tiny test models) run
 //!   through the gemv kernels, 8 rows a launch.
@@ -28,11 +32,31 @@ pub(crate) const GEMV_MAX_ROWS: usize = GEMV_ROWS;
 /// less than a tiled product's separate gate and up passes and temporaries (measured on
 /// the H200 with the earlier cuBLAS path: MoE of a 32-row decode batch 4.2 -> 2.2 ms).
 const SWIGLU_GEMV_MAX_ROWS: usize = 32;
-/// Rows and outputs of one tensor-core tile (`GEMM_BM`, `GEMM_BN` in gemm.cu), and the
-/// K step, which also fixes what K the kernel accepts.
-pub(crate) const GEMM_BM: usize = 64;
+/// Rows and outputs of one tensor-core tile (`GEMM_BM`, `GEMM_BN` in gemm.cu), the K
+/// step (which also fixes what K the kernel accepts), pipeline stages and padded row.
+pub(crate) const GEMM_BM: usize = 128;
 const GEMM_BN: usize = 128;
 const GEMM_BK: usize = 32;
+const GEMM_STAGES: usize = 3;
+const GEMM_LD: usize = 40;
+
+/// Dynamic shared memory of a GEMM kernel (`GemmSmem` in gemm.cu).
+pub(crate) fn gemm_smem(name: &str) -> usize {
+    let split = !name.ends_with("_hi");
+    let x = GEMM_BM * GEMM_LD * 2;
+    let (w, deq) = if name.starts_with("gemm_bf16") {
+        (GEMM_BN * GEMM_LD * 2, 0)
+    } else if name.starts_with("gemm_fp8") {
+        (GEMM_BN * GEMM_BK, GEMM_BN * GEMM_LD * 2)
+    } else {
+        (GEMM_BN * GEMM_BK / 2, GEMM_BN * GEMM_LD * 2)
+    };
+    (x * if split { 2 } else { 1 } + w) * GEMM_STAGES + deq
+}
+
+/// The GEMM kernels and the most dynamic shared memory each takes (opted in at load).
+pub(crate) const GEMM_KERNELS: [&str; 6] =
+    ["gemm_bf16", "gemm_fp8", "gemm_fp4", "gemm_bf16_hi", "gemm_fp8_hi", "gemm_fp4_hi"];
 
 /// Where a product reads and writes: `x` rows `x_stride` floats apart, `out` rows
 /// `out_stride` apart; `groups` blocks on the diagonal (1 for a plain product).
@@ -62,7 +86,7 @@ pub(crate) fn weight_ptrs(gpu: &Gpu, w: &CudaWeight) -> (u64, u64) {
         WeightData::F32(d) => (gpu.ptr(d), 0),
         WeightData::Bf16(d) => (gpu.ptr(d), 0),
         WeightData::Fp8 { codes, scales } => (gpu.ptr(codes), gpu.ptr(scales)),
-        WeightData::Fp4 { packed, scales } => (gpu.ptr(packed), gpu.ptr(scales)),
+        WeightData::Fp4 { packed, scales, .. } => (gpu.ptr(packed), gpu.ptr(scales)),
     }
 }
 
@@ -79,8 +103,86 @@ fn gemv_vectorised(op: &Operand, w: &CudaWeight) -> bool {
     k.is_multiple_of(chunk) && op.x_stride.is_multiple_of(4) && (op.groups == 1 || k.is_multiple_of(4))
 }
 
-/// gemv in launches of up to [`GEMV_ROWS`] rows.
+/// Inputs and outputs of one tensor-core gemv block (`TC_KB`, `TC_OUT` in tcgemv.cu).
+const TC_KB: usize = 512;
+const TC_OUT: usize = 64;
+
+/// Whether decode products may use the tensor-core gemv (`SLUICE_CUDA_TC_GEMV=0` keeps
+/// them on the SIMT kernels, for comparisons).
+fn tc_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_TC_GEMV").map(|v| v != "0").unwrap_or(true))
+}
+
+/// Suffix of the tensor-core gemv for a weight, when it takes the product: stored
+/// BF16/FP8/FP4 (FP4 with scales its f16 path multiplies exactly), K a multiple of 128,
+/// block-diagonal groups of whole 64-output blocks, at least one such block.
+pub(crate) fn tc_family(op: &Operand, w: &CudaWeight) -> Option<&'static str> {
+    let fam = match &w.data {
+        WeightData::Bf16(_) => "bf16",
+        WeightData::Fp8 { .. } => "fp8",
+        WeightData::Fp4 { tc: true, .. } => "fp4",
+        _ => return None,
+    };
+    let g_out = w.rows / op.groups;
+    let fits = tc_enabled()
+        && w.cols.is_multiple_of(128)
+        && w.rows >= TC_OUT
+        && op.x_stride.is_multiple_of(2)
+        && (op.groups == 1 || g_out.is_multiple_of(TC_OUT));
+    fits.then_some(fam)
+}
+
+/// Scratch for split-K partial sums and per-block tickets of tensor-core gemv launches.
+pub(crate) fn tc_scratch(gpu: &Gpu, partial_floats: usize, tickets: usize) -> (u64, u64) {
+    (gpu.scratch("tc_partials", partial_floats), gpu.scratch("tc_tickets", tickets))
+}
+
+/// Tensor-core gemv in launches of up to 8 rows (the mma's n).
+fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
+    let (n, k) = (w.rows, w.cols);
+    let (bx, ks) = (n.div_ceil(TC_OUT), k.div_ceil(TC_KB));
+    let dual = w3.is_some();
+    let (partials, tickets) = tc_scratch(gpu, ks * 8 * n * if dual { 2 } else { 1 }, bx);
+    let name = format!("{}_{fam}", if dual { "tcswiglu" } else { "tcgemv" });
+    let (wp, sp) = weight_ptrs(gpu, w);
+    let (wp3, sp3) = w3.map(|w3| weight_ptrs(gpu, w3)).unwrap_or((0, 0));
+    for r0 in (0..op.rows).step_by(GEMV_ROWS) {
+        launch!(
+            gpu,
+            name.as_str(),
+            cfg((bx as u32, ks as u32, 1), 256, 0),
+            op.out + (4 * r0 * op.out_stride) as u64,
+            op.x + (4 * r0 * op.x_stride) as u64,
+            wp,
+            wp3,
+            sp,
+            sp3,
+            (op.rows - r0).min(GEMV_ROWS) as i32,
+            n as i32,
+            k as i32,
+            op.x_stride as i32,
+            op.out_stride as i32,
+            (n / op.groups) as i32,
+            limit,
+            partials,
+            tickets,
+        );
+    }
+}
+
+/// gemv in launches of up to [`GEMV_ROWS`] rows: tensor cores where the weight allows.
 fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
+    if let Some(fam) = tc_family(&op, w)
+        && w3.is_none_or(|w3| tc_family(&op, w3) == Some(fam))
+    {
+        return tc_gemv(gpu, fam, op, w, w3, limit);
+    }
+    gemv_simt(gpu, op, w, w3, limit);
+}
+
+/// The SIMT gemv kernels, in launches of up to [`GEMV_ROWS`] rows.
+pub(crate) fn gemv_simt(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
     for r0 in (0..op.rows).step_by(GEMV_ROWS) {
         let part = Operand {
             x: op.x + (4 * r0 * op.x_stride) as u64,
@@ -133,9 +235,7 @@ pub(crate) fn gemm_kernel(op: &Operand, w: &CudaWeight) -> Option<&'static str> 
         WeightData::F32(_) => return None,
     };
     let g_out = w.rows / op.groups;
-    let fits = w.cols.is_multiple_of(GEMM_BK)
-        && op.x_stride.is_multiple_of(4)
-        && (op.groups == 1 || g_out.is_multiple_of(GEMM_BN));
+    let fits = w.cols.is_multiple_of(GEMM_BK) && (op.groups == 1 || g_out.is_multiple_of(GEMM_BN));
     fits.then_some(name)
 }
 
@@ -147,8 +247,25 @@ pub(crate) struct Tiles {
     pub wtab: u64,
 }
 
-/// Tensor-core product over all of `op`'s rows (`tiles` None), or over the listed tiles.
-pub(crate) fn gemm(gpu: &Gpu, name: &str, op: Operand, w: &CudaWeight, tiles: Option<&Tiles>) {
+/// Activations split for the tensor-core GEMM: `[rows, cols]` bf16 hi and lo parts.
+pub(crate) struct SplitX {
+    pub hi: cudarc::driver::CudaSlice<u16>,
+    pub lo: cudarc::driver::CudaSlice<u16>,
+    pub cols: usize,
+}
+
+/// Split `rows` rows of `cols` f32 (rows `x_stride` apart) into bf16 hi + lo.
+pub(crate) fn split_x(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, cols: usize) -> SplitX {
+    let hi = gpu.alloc::<u16>(rows * cols);
+    let lo = gpu.alloc::<u16>(rows * cols);
+    let n = rows * cols;
+    launch!(gpu, "split_bf16", cfg_elems(n), gpu.ptr(&hi), gpu.ptr(&lo), x, rows as i32, cols as i32, x_stride as i32);
+    SplitX { hi, lo, cols }
+}
+
+/// Tensor-core product of split activations over all of `op`'s rows (`tiles` None), or
+/// over the listed tiles; `op.x` is unused (the split holds the activations).
+pub(crate) fn gemm_split(gpu: &Gpu, name: &str, op: Operand, xs: &SplitX, w: &CudaWeight, tiles: Option<&Tiles>) {
     let (n, k) = (w.rows, w.cols);
     let (wp, sp) = weight_ptrs(gpu, w);
     let row_tiles = tiles.map(|t| t.count).unwrap_or_else(|| op.rows.div_ceil(GEMM_BM));
@@ -158,11 +275,12 @@ pub(crate) fn gemm(gpu: &Gpu, name: &str, op: Operand, w: &CudaWeight, tiles: Op
     launch!(
         gpu,
         name,
-        cfg((n.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1), 256, 0),
+        cfg((n.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1), 256, gemm_smem(name) as u32),
         op.out,
         op.out_stride as i32,
-        op.x,
-        op.x_stride as i32,
+        gpu.ptr(&xs.hi),
+        gpu.ptr(&xs.lo),
+        xs.cols as i32,
         wp,
         sp,
         tiles.map(|t| t.wtab).unwrap_or(0),
@@ -172,6 +290,13 @@ pub(crate) fn gemm(gpu: &Gpu, name: &str, op: Operand, w: &CudaWeight, tiles: Op
         k as i32,
         (n / op.groups) as i32,
     );
+}
+
+/// Tensor-core product over all of `op`'s rows (`tiles` None), or over the listed tiles:
+/// splits `op.x` (all `op.groups · K` columns of each row), then multiplies.
+pub(crate) fn gemm(gpu: &Gpu, name: &str, op: Operand, w: &CudaWeight, tiles: Option<&Tiles>) {
+    let xs = split_x(gpu, op.x, op.x_stride, op.rows, op.groups * w.cols);
+    gemm_split(gpu, name, op, &xs, w, tiles);
 }
 
 /// cuBLAS: `out[rows, N]` (row-major, rows `ldc` apart) = `x · Wᵀ` per group, in column-major

@@ -42,10 +42,12 @@ pub(crate) enum WeightData {
         scales: CudaSlice<f32>,
     },
     /// FP4 e2m1 packed two per byte (low nibble first) and one ue8m0 scale byte per 32
-    /// inputs of a row.
+    /// inputs of a row. `tc`: every scale lies where the tensor-core gemv's f16 scaling
+    /// is exact (2^-23 ..= 2^1), so decode products may use it.
     Fp4 {
         packed: CudaSlice<u8>,
         scales: CudaSlice<u8>,
+        tc: bool,
     },
 }
 
@@ -84,6 +86,10 @@ impl CudaWeight {
         }
     }
 }
+
+/// ue8m0 bytes of the FP4 scales the tensor-core gemv multiplies in f16 exactly
+/// (2^-23 ..= 2^1: the e2m1 values times them are f16 values).
+pub(crate) const FP4_TC_SCALES: (u8, u8) = (104, 128);
 
 /// Device memory for `len` bytes of `T`s, filled from `fill(offset, piece)` through the
 /// pinned staging pool (large sources) or one pageable copy (small ones).
@@ -139,9 +145,11 @@ pub(crate) fn upload_weight(gpu: &Gpu, staging: &Staging, w: &WeightView<'_>) ->
             WeightData::Fp8 { codes: staged(gpu, staging, n, slice_fill(codes)), scales: gpu.upload(&scales.to_f32()) }
         }
         Stored::Fp4 { packed, scales } => match scales.to_ue8m0() {
-            Some(s) => {
-                WeightData::Fp4 { packed: staged(gpu, staging, n / 2, slice_fill(packed)), scales: gpu.upload(&s) }
-            }
+            Some(s) => WeightData::Fp4 {
+                tc: s.iter().all(|&b| (FP4_TC_SCALES.0..=FP4_TC_SCALES.1).contains(&b)),
+                packed: staged(gpu, staging, n / 2, slice_fill(packed)),
+                scales: gpu.upload(&s),
+            },
             None => {
                 // Not DeepSeek's format (scales that are not powers of two): the kernels
                 // read ue8m0 only, so this weight is widened to bf16 (exact) instead.

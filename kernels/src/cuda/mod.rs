@@ -15,6 +15,7 @@
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
+//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
@@ -27,6 +28,7 @@ mod matmul;
 mod memory;
 mod moe;
 mod nvrtc;
+mod profile;
 mod rows;
 pub(crate) mod runtime;
 mod upload;
@@ -58,10 +60,8 @@ pub struct CudaBackend {
     plans: devplan::PlanCache,
     /// Pinned buffers weights stream through while a model loads.
     staging: upload::Staging,
-    /// `SLUICE_CUDA_PROFILE=1`: every op synchronises before and after and its wall
-    /// time is added up per op name (for finding where a step goes; it removes the
-    /// overlap of host launches with device work, so totals exceed unprofiled steps).
-    profile: Option<std::sync::Mutex<std::collections::BTreeMap<&'static str, (f64, u64)>>>,
+    /// `SLUICE_CUDA_PROFILE=1|events`: time per op (see `profile`).
+    profile: Option<profile::OpProfile>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -73,7 +73,7 @@ impl std::fmt::Debug for CudaBackend {
 impl CudaBackend {
     /// Open device `ordinal`, compile (or load cached) kernels.
     pub fn new(ordinal: usize) -> Result<Self, CudaError> {
-        let profile = std::env::var("SLUICE_CUDA_PROFILE").is_ok_and(|v| v == "1").then(Default::default);
+        let profile = profile::OpProfile::from_env();
         Ok(CudaBackend {
             gpu: runtime::Gpu::new(ordinal)?,
             plans: devplan::PlanCache::default(),
@@ -253,25 +253,16 @@ impl CudaBackend {
     }
 
     /// Per-op `(name, seconds, calls)` since the last call, when profiling is on
-    /// (`SLUICE_CUDA_PROFILE=1`), largest first.
+    /// (`SLUICE_CUDA_PROFILE=1` or `events`), largest first.
     pub fn take_profile(&self) -> Option<Vec<(&'static str, f64, u64)>> {
-        let mut p = self.profile.as_ref()?.lock().expect("profile poisoned");
-        let mut v: Vec<_> = std::mem::take(&mut *p).into_iter().map(|(k, (t, n))| (k, t, n)).collect();
-        v.sort_by(|a, b| b.1.total_cmp(&a.1));
-        Some(v)
+        Some(self.profile.as_ref()?.take(&self.gpu))
     }
 
     fn prof<R>(&self, name: &'static str, f: impl FnOnce() -> R) -> R {
-        let Some(p) = &self.profile else { return f() };
-        self.gpu.sync();
-        let t = std::time::Instant::now();
-        let r = f();
-        self.gpu.sync();
-        let mut p = p.lock().expect("profile poisoned");
-        let e = p.entry(name).or_default();
-        e.0 += t.elapsed().as_secs_f64();
-        e.1 += 1;
-        r
+        match &self.profile {
+            Some(p) => p.measure(&self.gpu, name, f),
+            None => f(),
+        }
     }
 
     pub(crate) fn gpu(&self) -> &runtime::Gpu {

@@ -13,8 +13,8 @@ use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::matmul::{
-    GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, family, gemm, gemm_kernel, matmul, outputs_per_block, swiglu_act,
-    swiglu_pair, weight_ptrs,
+    GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, family, gemm, gemm_kernel, gemm_split, matmul, outputs_per_block, split_x,
+    swiglu_act, swiglu_pair, tc_family, tc_scratch, weight_ptrs,
 };
 use super::memory::CudaBuf;
 use super::runtime::{cfg, cfg_elems, launch};
@@ -129,8 +129,20 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
         && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2))
 }
 
-/// Per-expert weight table for the grouped kernels: (w, w3, scales, scales3) each.
-fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> cudarc::driver::CudaSlice<u64> {
+/// The tensor-core gemv family every expert's `swiglu` (gate/up) or down projection
+/// takes, if all of them take it.
+fn tc_experts(w: &MoeWeights<CudaBackend>, swiglu: bool, k_in: usize) -> Option<&'static str> {
+    let op = Operand { x: 0, x_stride: k_in, out: 0, out_stride: 0, rows: 1, groups: 1 };
+    fn pick(e: &ExpertWeights<CudaBackend>, swiglu: bool) -> [&super::CudaWeight; 2] {
+        if swiglu { [&e.w1, &e.w3] } else { [&e.w2, &e.w2] }
+    }
+    let fam = tc_family(&op, pick(w.experts.first()?, swiglu)[0])?;
+    w.experts.iter().flat_map(|e| pick(e, swiglu)).all(|m| tc_family(&op, m) == Some(fam)).then_some(fam)
+}
+
+/// Per-expert weight table for the grouped kernels: (w, w3, scales, scales3) each; its
+/// device address (uploaded once).
+fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> u64 {
     let g = &b.gpu;
     let mut t = Vec::with_capacity(4 * w.experts.len());
     for e in &w.experts {
@@ -139,7 +151,7 @@ fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> cud
         let (wp3, sp3) = second.map(|w3| weight_ptrs(g, w3)).unwrap_or((0, 0));
         t.extend_from_slice(&[wp, wp3, sp, sp3]);
     }
-    g.upload(&t)
+    g.constant_table(&t)
 }
 
 /// The routed experts of a decode batch without the host seeing the routing: lists on
@@ -164,6 +176,9 @@ fn experts_routed_on_device(
     let offsets = g.alloc::<i32>(n_exp);
     let lists = g.alloc::<i32>(2 * n);
     let (list_rows, list_widx) = (g.ptr(&lists), g.ptr(&lists) + 4 * n as u64);
+    // The experts that received rows (at most n of them) and their number.
+    let active = g.alloc::<i32>(n_exp + 1);
+    let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
     launch!(
         g,
         "moe_lists",
@@ -176,6 +191,8 @@ fn experts_routed_on_device(
         g.ptr(&offsets),
         list_rows,
         list_widx,
+        active_list,
+        n_active,
         expert_bytes as u64,
         g.traffic_counter(),
     );
@@ -189,10 +206,44 @@ fn experts_routed_on_device(
     // (gate/up SwiGLU pair, outputs, inputs): x → h, then h → y.
     for (swiglu, n_out, k_in) in [(true, inter, d), (false, d, inter)] {
         let wt = if swiglu { &first.w1 } else { &first.w2 };
-        let (fam, chunk) = family(wt);
-        let name = format!("{}_{fam}_r{r}", if swiglu { "moe_swiglu" } else { "moe_down" });
         let table = expert_table(b, w, !swiglu);
         let (src, dst) = if swiglu { (g.ptr(&xg.mem), g.ptr(&h.mem)) } else { (g.ptr(&h.mem), g.ptr(&y.mem)) };
+        if let Some(fam) = tc_experts(w, swiglu, k_in) {
+            // Tensor cores over the experts that received rows only (blockIdx.z indexes
+            // them); each expert's rows in parts of 8 (more than 8 only when a hash
+            // table repeats an expert within a token).
+            let slots = n_exp.min(n);
+            let (bx, ks) = (n_out.div_ceil(64), k_in.div_ceil(512));
+            let parts = match w.routing {
+                Routing::TopK { .. } => rows.div_ceil(8),
+                Routing::Hash { .. } => n.div_ceil(8),
+            };
+            let (partials, tickets) = tc_scratch(g, slots * ks * 8 * n_out * if swiglu { 2 } else { 1 }, slots * bx);
+            let name = format!("{}_{fam}", if swiglu { "tcmoe_swiglu" } else { "tcmoe_down" });
+            for part in 0..parts {
+                launch!(
+                    g,
+                    name.as_str(),
+                    cfg((bx as u32, ks as u32, slots as u32), 256, 0),
+                    dst,
+                    src,
+                    table,
+                    g.ptr(&counts),
+                    g.ptr(&offsets),
+                    active_list,
+                    n_active,
+                    part as i32,
+                    n_out as i32,
+                    k_in as i32,
+                    w.swiglu_limit,
+                    partials,
+                    tickets,
+                );
+            }
+            continue;
+        }
+        let (fam, chunk) = family(wt);
+        let name = format!("{}_{fam}_r{r}", if swiglu { "moe_swiglu" } else { "moe_down" });
         let opb = outputs_per_block(g, n_out);
         let vec = k_in.is_multiple_of(chunk) as i32;
         launch!(
@@ -201,7 +252,7 @@ fn experts_routed_on_device(
             cfg((n_out.div_ceil(opb) as u32, n_exp as u32, 1), 256, 0),
             dst,
             src,
-            g.ptr(&table),
+            table,
             g.ptr(&counts),
             g.ptr(&offsets),
             n_out as i32,
@@ -321,7 +372,7 @@ fn projection_table(
     b: &CudaBackend,
     w: &MoeWeights<CudaBackend>,
     pick: fn(&ExpertWeights<CudaBackend>) -> &super::CudaWeight,
-) -> cudarc::driver::CudaSlice<u64> {
+) -> u64 {
     let g = &b.gpu;
     let t: Vec<u64> = w
         .experts
@@ -331,7 +382,7 @@ fn projection_table(
             [wp, sp]
         })
         .collect();
-    g.upload(&t)
+    g.constant_table(&t)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -386,16 +437,18 @@ fn experts_grouped(
     let name_down =
         gemm_kernel(&Operand { x: 0, x_stride: inter, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w2)
             .expect("checked by grouped_experts");
-    let over = |table: &cudarc::driver::CudaSlice<u64>| Tiles { tiles: g.ptr(&tile_dev), count, wtab: g.ptr(table) };
+    let over = |table: u64| Tiles { tiles: g.ptr(&tile_dev), count, wtab: table };
     let in_x = Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
+    let xs = split_x(g, in_x.x, d, n, d);
     let t1 = projection_table(b, w, |e| &e.w1);
-    gemm(g, name_up, in_x, &first.w1, Some(&over(&t1)));
+    gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));
     let t3 = projection_table(b, w, |e| &e.w3);
-    gemm(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &first.w3, Some(&over(&t3)));
+    gemm_split(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &xs, &first.w3, Some(&over(t3)));
+    drop(xs);
     swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
     let t2 = projection_table(b, w, |e| &e.w2);
     let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
-    gemm(g, name_down, in_h, &first.w2, Some(&over(&t2)));
+    gemm(g, name_down, in_h, &first.w2, Some(&over(t2)));
     launch!(
         g,
         "moe_combine_rows",

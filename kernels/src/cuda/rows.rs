@@ -54,7 +54,7 @@ pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &m
         WeightData::Fp8 { codes, scales } => {
             launch!(g, "embed_fp8", c, o, g.ptr(codes), g.ptr(scales), t, rows, cols)
         }
-        WeightData::Fp4 { packed, scales } => {
+        WeightData::Fp4 { packed, scales, .. } => {
             launch!(g, "embed_fp4", c, o, g.ptr(packed), g.ptr(scales), t, rows, cols)
         }
     }

@@ -43,6 +43,7 @@ const KERNELS: &[&str] = &[
     "rope",
     "scale_f32",
     "round_to_bf16",
+    "split_bf16",
     "gemv_f32_r1",
     "gemv_f32_r2",
     "gemv_f32_r4",
@@ -78,6 +79,18 @@ const KERNELS: &[&str] = &[
     "gemm_bf16",
     "gemm_fp8",
     "gemm_fp4",
+    "tcgemv_bf16",
+    "tcgemv_fp8",
+    "tcgemv_fp4",
+    "tcswiglu_bf16",
+    "tcswiglu_fp8",
+    "tcswiglu_fp4",
+    "tcmoe_down_bf16",
+    "tcmoe_down_fp8",
+    "tcmoe_down_fp4",
+    "tcmoe_swiglu_bf16",
+    "tcmoe_swiglu_fp8",
+    "tcmoe_swiglu_fp4",
     "gemm_bf16_hi",
     "gemm_fp8_hi",
     "gemm_fp4_hi",
@@ -142,7 +155,11 @@ const KERNELS: &[&str] = &[
 /// Kernels that take more than the default 48 KiB of dynamic shared memory, and the most
 /// they are launched with (opted in at load; the shared-memory carveout set to its
 /// maximum so several blocks of them fit an SM).
-const BIG_SHARED: &[(&str, usize)] = &[("compress_stream", super::compress::STREAM_MAX_SMEM)];
+fn big_shared() -> Vec<(&'static str, usize)> {
+    let mut v = vec![("compress_stream", super::compress::STREAM_MAX_SMEM)];
+    v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
+    v
+}
 
 /// Scratch name of the device-side traffic counter.
 const DEVICE_TRAFFIC: &str = "traffic_device";
@@ -183,6 +200,8 @@ pub(crate) struct Gpu {
     scratch: Mutex<HashMap<&'static str, CudaSlice<u32>>>,
     /// Resident blocks per SM by (kernel, threads, dynamic shared memory).
     occupancy: Mutex<HashMap<(&'static str, u32, u32), usize>>,
+    /// Device copies of small constant tables (per-expert weight pointers), by content.
+    tables: Mutex<HashMap<u64, CudaSlice<u64>>>,
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -232,7 +251,7 @@ impl Gpu {
             let f = module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e:?}")))?;
             funcs.insert(name, f);
         }
-        for &(name, bytes) in BIG_SHARED {
+        for (name, bytes) in big_shared() {
             use cudarc::driver::sys::CUfunction_attribute::{
                 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
             };
@@ -255,6 +274,7 @@ impl Gpu {
             traffic: Traffic::default(),
             scratch: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
+            tables: Mutex::new(HashMap::new()),
         })
     }
 
@@ -292,6 +312,19 @@ impl Gpu {
         if buf.len() < len {
             *buf = self.zeros::<u32>(len.next_power_of_two());
         }
+        self.ptr(buf)
+    }
+
+    /// Device address of a copy of `table`, uploaded once per distinct content and kept
+    /// for the GPU's lifetime (tables of weight pointers are the same every step; a
+    /// decode step then issues no host-to-device copy for them).
+    pub fn constant_table(&self, table: &[u64]) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        table.hash(&mut h);
+        let key = h.finish();
+        let mut map = self.tables.lock().expect("table map poisoned");
+        let buf = map.entry(key).or_insert_with(|| self.upload(table));
         self.ptr(buf)
     }
 

@@ -43,6 +43,48 @@ __device__ __forceinline__ float e2m1_to_f32(u32 nib) {
     return __uint_as_float(mag | ((nib & 8u) << 28));
 }
 
+// Two f16 values packed in a u32 (low half first) as f32; exact (cvt.f32.f16 runs as a
+// half-precision add on the FMA pipes, not the slow conversion unit).
+__device__ __forceinline__ float f16lo_to_f32(u32 h) {
+    float f;
+    asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.f32.f16 %0, l; }" : "=f"(f) : "r"(h));
+    return f;
+}
+__device__ __forceinline__ float f16hi_to_f32(u32 h) {
+    float f;
+    asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.f32.f16 %0, u; }" : "=f"(f) : "r"(h));
+    return f;
+}
+
+// Stored FP8 / FP4 weights to f32 by bit placement, two values per 32-bit op (the ALU
+// cost of decode gemv). Results are the stored values times a fixed power of two,
+// folded into the block scale by the caller: FP8 e4m3 -> f16 bits sign<<15 | e,m <<7
+// (value·2^-8: e4m3's bias 7 vs f16's 15; subnormals map to f16 subnormals exactly);
+// FP4 e2m1 -> f16 bits sign<<15 | e,m << 9 (value·2^-14, code 1 a subnormal).
+#define FP8_F16_SCALE 256.0f
+#define FP4_F16_SCALE 16384.0f
+
+// Four e4m3 codes (bytes of q, byte i = input i) -> out[0..4] (·2^-8).
+__device__ __forceinline__ void fp8x4_scaled(u32 q, float* out) {
+    const u32 h02 = ((q << 8) & 0x80008000u) | ((q << 7) & 0x3f803f80u);  // bytes 0, 2
+    const u32 h13 = (q & 0x80008000u) | ((q >> 1) & 0x3f803f80u);         // bytes 1, 3
+    out[0] = f16lo_to_f32(h02);
+    out[2] = f16hi_to_f32(h02);
+    out[1] = f16lo_to_f32(h13);
+    out[3] = f16hi_to_f32(h13);
+}
+
+// Eight e2m1 nibbles (nibble i = input i, low nibble first) -> out[0..8] (·2^-14).
+__device__ __forceinline__ void fp4x8_scaled(u32 q, float* out) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 t = q >> (4 * i);  // nibbles i and i + 4 at bits 0-3 and 16-19
+        const u32 h = ((t << 9) & 0x0e000e00u) | ((t << 12) & 0x80008000u);
+        out[i] = f16lo_to_f32(h);
+        out[i + 4] = f16hi_to_f32(h);
+    }
+}
+
 // Entry storage (pages, rings): 0 = f32, 1 = bf16.
 __device__ __forceinline__ float load_entry(const u8* base, int dtype, long long i) {
     return dtype == 0 ? ((const float*)base)[i] : bf2f(((const u16*)base)[i]);

@@ -14,34 +14,40 @@
 template <int WT>
 __device__ constexpr int chunk_elems() { return WT == 3 ? 32 : WT == 2 ? 16 : 8; }
 
-// Load chunk `c` (chunk_elems<WT>() weights) of row `o` as f32. `scales` points to f32
-// block scales (FP8) or ue8m0 bytes (FP4).
+// Load chunk `c` (chunk_elems<WT>() weights) of row `o` as f32 in `wf`, up to the factor
+// returned (the chunk's block scale, with the FP8/FP4 decoding's power of two folded
+// in; 1 for f32/bf16): the caller multiplies each row's partial sum once. `scales`
+// points to f32 block scales (FP8) or ue8m0 bytes (FP4).
 template <int WT>
-__device__ __forceinline__ void load_chunk(const void* w, const void* scales, int o, int K, int c, float* wf) {
+__device__ __forceinline__ float load_chunk(const void* w, const void* scales, int o, int K, int c, float* wf) {
     if (WT == 0) {
         const float4* p = (const float4*)((const float*)w + (long long)o * K) + 2 * c;
         float4 a = __ldg(p), b = __ldg(p + 1);
         wf[0] = a.x; wf[1] = a.y; wf[2] = a.z; wf[3] = a.w;
         wf[4] = b.x; wf[5] = b.y; wf[6] = b.z; wf[7] = b.w;
+        return 1.0f;
     } else if (WT == 1) {
         uint4 q = __ldg((const uint4*)((const u16*)w + (long long)o * K) + c);
         wf[0] = __uint_as_float(q.x << 16); wf[1] = __uint_as_float(q.x & 0xffff0000u);
         wf[2] = __uint_as_float(q.y << 16); wf[3] = __uint_as_float(q.y & 0xffff0000u);
         wf[4] = __uint_as_float(q.z << 16); wf[5] = __uint_as_float(q.z & 0xffff0000u);
         wf[6] = __uint_as_float(q.w << 16); wf[7] = __uint_as_float(q.w & 0xffff0000u);
+        return 1.0f;
     } else if (WT == 2) {
         uint4 q = __ldg((const uint4*)((const u8*)w + (long long)o * K) + c);
-        float s = ((const float*)scales)[(o / 128) * ((K + 127) / 128) + (c * 16) / 128];
-        u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 16; i++) wf[i] = fp8_to_f32((words[i / 4] >> (8 * (i % 4))) & 0xffu) * s;
+        fp8x4_scaled(q.x, wf);
+        fp8x4_scaled(q.y, wf + 4);
+        fp8x4_scaled(q.z, wf + 8);
+        fp8x4_scaled(q.w, wf + 12);
+        return ((const float*)scales)[(o / 128) * ((K + 127) / 128) + (c * 16) / 128] * FP8_F16_SCALE;
     } else {
         // 32 inputs = 16 bytes = exactly one scale group (K is a multiple of 32 here).
         uint4 q = __ldg((const uint4*)((const u8*)w + (long long)o * (K / 2)) + c);
-        float s = ue8m0_to_f32(__ldg((const u8*)scales + (long long)o * (K / 32) + c));
-        u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 32; i++) wf[i] = e2m1_to_f32(words[i / 8] >> (4 * (i % 8))) * s;
+        fp4x8_scaled(q.x, wf);
+        fp4x8_scaled(q.y, wf + 8);
+        fp4x8_scaled(q.z, wf + 16);
+        fp4x8_scaled(q.w, wf + 24);
+        return ue8m0_to_f32(__ldg((const u8*)scales + (long long)o * (K / 32) + c)) * FP4_F16_SCALE;
     }
 }
 
@@ -75,20 +81,22 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
 #pragma unroll 2
             for (int c = gl; c < nch; c += stride) {
                 float wf[CE], wf3[CE];
-                load_chunk<WT>(w, scales, o, K, c, wf);
-                if (DUAL) load_chunk<WT>(w3, scales3, o, K, c, wf3);
+                const float s = load_chunk<WT>(w, scales, o, K, c, wf);
+                const float s3 = DUAL ? load_chunk<WT>(w3, scales3, o, K, c, wf3) : 0.0f;
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     if (r < rows) {
                         const float4* xp = (const float4*)(xb + (long long)r * x_stride + c * CE);
+                        float p = 0.0f, p3 = 0.0f;
 #pragma unroll
                         for (int q = 0; q < CE / 4; q++) {
                             float4 a = xp[q];
-                            acc[r] += wf[4 * q] * a.x + wf[4 * q + 1] * a.y + wf[4 * q + 2] * a.z + wf[4 * q + 3] * a.w;
+                            p += wf[4 * q] * a.x + wf[4 * q + 1] * a.y + wf[4 * q + 2] * a.z + wf[4 * q + 3] * a.w;
                             if (DUAL)
-                                acc3[r] += wf3[4 * q] * a.x + wf3[4 * q + 1] * a.y + wf3[4 * q + 2] * a.z +
-                                           wf3[4 * q + 3] * a.w;
+                                p3 += wf3[4 * q] * a.x + wf3[4 * q + 1] * a.y + wf3[4 * q + 2] * a.z + wf3[4 * q + 3] * a.w;
                         }
+                        acc[r] = WT >= 2 ? fmaf(p, s, acc[r]) : acc[r] + p;
+                        if (DUAL) acc3[r] = WT >= 2 ? fmaf(p3, s3, acc3[r]) : acc3[r] + p3;
                     }
                 }
             }

@@ -76,11 +76,13 @@ extern "C" __global__ void swiglu_act(float* g, const float* u, long long n, flo
 
 // The device-side routing lists of a decode batch (one block): per expert the number of
 // (row, slot) pairs routed to it and where its run starts, and the pairs in expert
-// order, row order within an expert (the order the host-routed path uses). Adds the
-// bytes of the experts that received rows to `traffic` (what the step must stream).
+// order, row order within an expert (the order the host-routed path uses); the experts
+// that received rows, in order (`active`, `*n_active` of them), so grouped launches
+// index only those. Adds the bytes of the experts that received rows to `traffic`
+// (what the step must stream).
 extern "C" __global__ void moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets,
-                                     int* list_rows, int* list_widx, unsigned long long expert_bytes,
-                                     unsigned long long* traffic) {
+                                     int* list_rows, int* list_widx, int* active, int* n_active,
+                                     unsigned long long expert_bytes, unsigned long long* traffic) {
     __shared__ int cnt[512];
     __shared__ int used;
     const int n = rows * k;
@@ -98,8 +100,9 @@ extern "C" __global__ void moe_lists(const int* experts, int rows, int k, int n_
             const int c = cnt[e];
             cnt[e] = at;
             at += c;
-            used += c > 0;
+            if (c > 0) active[used++] = e;
         }
+        *n_active = used;
         if (traffic) atomicAdd(traffic, (unsigned long long)used * expert_bytes);
     }
     __syncthreads();

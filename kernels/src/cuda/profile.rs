@@ -1,0 +1,87 @@
+//! Where a step's time goes, per op (`SLUICE_CUDA_PROFILE`):
+//! - `1`: every op synchronises before and after and its wall time is added up per op
+//!   name (it removes the overlap of host launches with device work and adds a round
+//!   trip per op, so small ops look larger and totals exceed unprofiled steps);
+//! - `events`: CUDA events recorded around every op, nothing synchronised; the device
+//!   time between each op's pair is added up when the profile is taken (the device's
+//!   own time per op, launch gaps inside an op included).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use cudarc::driver::CudaEvent;
+
+use super::runtime::{Gpu, fail};
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Sync,
+    Events,
+}
+
+pub(crate) struct OpProfile {
+    mode: Mode,
+    totals: Mutex<BTreeMap<&'static str, (f64, u64)>>,
+    pending: Mutex<Vec<(&'static str, CudaEvent, CudaEvent)>>,
+}
+
+impl OpProfile {
+    /// The profile `SLUICE_CUDA_PROFILE` asks for, if any.
+    pub fn from_env() -> Option<Self> {
+        let mode = match std::env::var("SLUICE_CUDA_PROFILE").ok()?.as_str() {
+            "1" => Mode::Sync,
+            "events" => Mode::Events,
+            _ => return None,
+        };
+        Some(OpProfile { mode, totals: Mutex::default(), pending: Mutex::default() })
+    }
+
+    pub fn measure<R>(&self, gpu: &Gpu, name: &'static str, f: impl FnOnce() -> R) -> R {
+        let record = || {
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            gpu.stream.record_event(flags).unwrap_or_else(|e| fail("event record", e))
+        };
+        match self.mode {
+            Mode::Sync => {
+                gpu.sync();
+                let t = std::time::Instant::now();
+                let r = f();
+                gpu.sync();
+                self.add(name, t.elapsed().as_secs_f64());
+                r
+            }
+            Mode::Events => {
+                let start = record();
+                let r = f();
+                let end = record();
+                self.pending.lock().expect("profile poisoned").push((name, start, end));
+                r
+            }
+        }
+    }
+
+    fn add(&self, name: &'static str, seconds: f64) {
+        let mut t = self.totals.lock().expect("profile poisoned");
+        let e = t.entry(name).or_default();
+        e.0 += seconds;
+        e.1 += 1;
+    }
+
+    /// `(name, seconds, calls)` since the last call, largest first.
+    pub fn take(&self, gpu: &Gpu) -> Vec<(&'static str, f64, u64)> {
+        let pending = std::mem::take(&mut *self.pending.lock().expect("profile poisoned"));
+        if !pending.is_empty() {
+            gpu.sync();
+        }
+        for (name, start, end) in pending {
+            let ms = start.elapsed_ms(&end).unwrap_or_else(|e| fail("event timing", e));
+            self.add(name, ms as f64 / 1e3);
+        }
+        let mut v: Vec<_> = std::mem::take(&mut *self.totals.lock().expect("profile poisoned"))
+            .into_iter()
+            .map(|(k, (t, n))| (k, t, n))
+            .collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        v
+    }
+}
