@@ -4,7 +4,7 @@
 # build commands listed in tools/bench/gpu_checks.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-mkdir -p .device
+rm -rf .device && mkdir -p .device
 for b in sluice router prefill-worker decode-worker kvstore; do
   cp target/release/$b .device/
 done
