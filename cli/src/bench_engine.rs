@@ -167,6 +167,9 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
                 if i > 0 {
                     steps.push(dt);
                     traffic.push((w + kv) as f64);
+                } else {
+                    // The first step of a shape loads kernels lazily: not in the profile.
+                    engine.model.backend.take_profile();
                 }
                 next = out.iter().map(|l| engine::sampling::argmax(l)).collect();
             }
@@ -181,7 +184,7 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
             );
             print_profile(
                 &engine.model.backend,
-                &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps + 1),
+                &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps),
             );
             // The device's own step time: steps queued behind a 20 ms hold, so the host
             // has issued everything before the device starts (the hold subtracted).

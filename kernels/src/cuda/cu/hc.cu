@@ -25,41 +25,50 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
     const int mixn = (2 + hc) * hc;
     const float* m = mix + (long long)r * mixn;
-    if (threadIdx.x == 0) {
-        for (int j = 0; j < hc; j++) {
-            pre_s[j] = sigmoidf_(m[j] * inv * s_pre + base.v[j]) + hc_eps;
-            post[r * hc + j] = 2.0f * sigmoidf_(m[hc + j] * inv * s_post + base.v[hc + j]);
-        }
-        for (int i = 0; i < hc * hc; i++) c[i] = m[2 * hc + i] * inv * s_comb + base.v[2 * hc + i];
-        // Sinkhorn: row softmax + eps, column-normalise, then iters-1 row/column rounds.
-        for (int j = 0; j < hc; j++) {
-            float mx = NEG_INF;
-            for (int k = 0; k < hc; k++) mx = fmaxf(mx, c[j * hc + k]);
-            float sum = 0.0f;
-            for (int k = 0; k < hc; k++) {
-                c[j * hc + k] = expf(c[j * hc + k] - mx);
-                sum += c[j * hc + k];
-            }
-            for (int k = 0; k < hc; k++) c[j * hc + k] = c[j * hc + k] / sum + hc_eps;
-        }
-        for (int it = 0; it < iters; it++) {
-            if (it > 0) {
-                for (int j = 0; j < hc; j++) {
-                    float sum = 0.0f;
-                    for (int k = 0; k < hc; k++) sum += c[j * hc + k];
-                    sum += hc_eps;
-                    for (int k = 0; k < hc; k++) c[j * hc + k] /= sum;
-                }
-            }
-            for (int k = 0; k < hc; k++) {
-                float sum = 0.0f;
-                for (int j = 0; j < hc; j++) sum += c[j * hc + k];
-                sum += hc_eps;
-                for (int j = 0; j < hc; j++) c[j * hc + k] /= sum;
-            }
-        }
-        for (int i = 0; i < hc * hc; i++) comb[(long long)r * hc * hc + i] = c[i];
+    // The hc × hc mixing matrix, one element per thread of the first hc² threads, which
+    // run the Sinkhorn rounds in step (each row or column sum taken in index order by
+    // every thread of it, the same operations as one thread doing it all).
+    const int j = threadIdx.x / hc, k = threadIdx.x % hc;
+    const bool mine = threadIdx.x < hc * hc;
+    if (threadIdx.x < hc) {
+        pre_s[threadIdx.x] = sigmoidf_(m[threadIdx.x] * inv * s_pre + base.v[threadIdx.x]) + hc_eps;
+        post[r * hc + threadIdx.x] = 2.0f * sigmoidf_(m[hc + threadIdx.x] * inv * s_post + base.v[hc + threadIdx.x]);
     }
+    if (mine) c[threadIdx.x] = m[2 * hc + threadIdx.x] * inv * s_comb + base.v[2 * hc + threadIdx.x];
+    __syncthreads();
+    // Row softmax + eps.
+    float v = 0.0f;
+    if (mine) {
+        float mx = NEG_INF;
+        for (int q = 0; q < hc; q++) mx = fmaxf(mx, c[j * hc + q]);
+        float sum = 0.0f;
+        for (int q = 0; q < hc; q++) sum += expf(c[j * hc + q] - mx);
+        v = expf(c[j * hc + k] - mx) / sum + hc_eps;
+    }
+    __syncthreads();
+    if (mine) c[threadIdx.x] = v;
+    __syncthreads();
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+            if (mine) {
+                float sum = 0.0f;
+                for (int q = 0; q < hc; q++) sum += c[j * hc + q];
+                v = c[threadIdx.x] / (sum + hc_eps);
+            }
+            __syncthreads();
+            if (mine) c[threadIdx.x] = v;
+            __syncthreads();
+        }
+        if (mine) {
+            float sum = 0.0f;
+            for (int q = 0; q < hc; q++) sum += c[q * hc + k];
+            v = c[threadIdx.x] / (sum + hc_eps);
+        }
+        __syncthreads();
+        if (mine) c[threadIdx.x] = v;
+        __syncthreads();
+    }
+    if (mine) comb[(long long)r * hc * hc + threadIdx.x] = c[threadIdx.x];
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float acc = 0.0f;

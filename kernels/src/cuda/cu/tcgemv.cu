@@ -80,53 +80,96 @@ __device__ __forceinline__ void fp4x8_f16pairs(u32 q, u32* out) {
     }
 }
 
-// One row's 16 consecutive inputs from input k as 8 packed pairs (bf16x2 or f16x2).
+// One row's stored bytes for 16 consecutive inputs (bf16: 32 bytes; FP8: 16; FP4: 8 and
+// the group's scale byte), loaded before they are needed so a warp has all its loads in
+// flight at once.
 template <int WT>
-__device__ __forceinline__ void tc_load_row(const void* w, const void* scales, long long row, int K, int k, u32* pairs,
+struct RowRaw {
+    uint4 a, b;  // bf16 uses both; FP8 a; FP4 a.x, a.y
+    u32 s;       // FP4 scale byte
+};
+
+template <int WT>
+__device__ __forceinline__ void tc_load_raw(RowRaw<WT>& r, const void* w, const void* scales, long long row, int K, int k,
                                             bool live) {
     if (!live) {
-#pragma unroll
-        for (int i = 0; i < 8; i++) pairs[i] = 0u;
+        r.a = make_uint4(0u, 0u, 0u, 0u);
+        r.b = r.a;
+        r.s = 127u;
         return;
     }
     if (WT == 1) {
         const uint4* p = (const uint4*)((const u16*)w + row * K + k);
-        const uint4 a = __ldg(p), b = __ldg(p + 1);
-        pairs[0] = a.x; pairs[1] = a.y; pairs[2] = a.z; pairs[3] = a.w;
-        pairs[4] = b.x; pairs[5] = b.y; pairs[6] = b.z; pairs[7] = b.w;
+        r.a = __ldg(p);
+        r.b = __ldg(p + 1);
     } else if (WT == 2) {
-        const uint4 q = __ldg((const uint4*)((const u8*)w + row * K + k));
-        fp8x4_f16pairs(q.x, &pairs[0], &pairs[1]);
-        fp8x4_f16pairs(q.y, &pairs[2], &pairs[3]);
-        fp8x4_f16pairs(q.z, &pairs[4], &pairs[5]);
-        fp8x4_f16pairs(q.w, &pairs[6], &pairs[7]);
+        r.a = __ldg((const uint4*)((const u8*)w + row * K + k));
     } else {
         const uint2 q = __ldg((const uint2*)((const u8*)w + row * (K / 2) + k / 2));
-        fp4x8_f16pairs(q.x, &pairs[0]);
-        fp4x8_f16pairs(q.y, &pairs[4]);
+        r.a = make_uint4(q.x, q.y, 0u, 0u);
+        r.s = __ldg((const u8*)scales + row * (K / 32) + k / 32);
+    }
+}
+
+// The 16 inputs as 8 packed pairs (bf16x2 or f16x2; see the file comment).
+template <int WT>
+__device__ __forceinline__ void tc_pairs(const RowRaw<WT>& r, u32* pairs) {
+    if (WT == 1) {
+        pairs[0] = r.a.x; pairs[1] = r.a.y; pairs[2] = r.a.z; pairs[3] = r.a.w;
+        pairs[4] = r.b.x; pairs[5] = r.b.y; pairs[6] = r.b.z; pairs[7] = r.b.w;
+    } else if (WT == 2) {
+        fp8x4_f16pairs(r.a.x, &pairs[0], &pairs[1]);
+        fp8x4_f16pairs(r.a.y, &pairs[2], &pairs[3]);
+        fp8x4_f16pairs(r.a.z, &pairs[4], &pairs[5]);
+        fp8x4_f16pairs(r.a.w, &pairs[6], &pairs[7]);
+    } else {
+        fp4x8_f16pairs(r.a.x, &pairs[0]);
+        fp4x8_f16pairs(r.a.y, &pairs[4]);
         // The 16 inputs lie in one group of 32: scale them by 2^(s+14) as f16 (exact for
         // the scale range the host allows), so the mma sees value·2^s.
-        const u32 s = __ldg((const u8*)scales + row * (K / 32) + k / 32);
-        const u32 f = ((s - 127u + 14u + 15u) & 0x1fu) << 10;  // f16 2^(s-127+14)
+        const u32 f = ((r.s - 127u + 14u + 15u) & 0x1fu) << 10;  // f16 2^(s-127+14)
         const u32 f2 = f | (f << 16);
 #pragma unroll
         for (int i = 0; i < 8; i++) pairs[i] = hmul2(pairs[i], f2);
     }
 }
 
-// One warp: 16 outputs (rows o0 + g, o0 + g + 8 of W) over inputs [k_lo, k_hi) in steps
-// of 64, B from the block's staged activations (pairs of 16-bit values, [8][KB/2] per
-// half). acc: the thread's 4 accumulators (outputs g, g + 8 × batch columns 2t, 2t + 1).
+// Steps of 64 inputs a warp takes per block: TC_KB / 2 inputs (its half) / 64.
+#define TC_STEPS (TC_KB / 2 / 64)
+
+// One warp's loads: rows o0 + g and o0 + g + 8 of W, its steps of 64 inputs from k_lo
+// (steps past k_hi are not loaded).
 template <int WT>
-__device__ __forceinline__ void tc_warp(float* acc, const void* w, const void* scales, long long o0, int N, int K,
-                                        int kbase, int k_lo, int k_hi, const u32* xs_hi, const u32* xs_lo) {
+struct WarpLoads {
+    RowRaw<WT> r0[TC_STEPS], r1[TC_STEPS];
+};
+
+template <int WT>
+__device__ __forceinline__ void tc_warp_load(WarpLoads<WT>& l, const void* w, const void* scales, long long o0, int N,
+                                             int K, int kbase, int k_lo, int k_hi) {
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bool live0 = o0 + g < N, live1 = o0 + g + 8 < N;
-#pragma unroll 2
-    for (int k = k_lo; k < k_hi; k += 64) {
+#pragma unroll
+    for (int st = 0; st < TC_STEPS; st++) {
+        const int k = k_lo + 64 * st;
+        tc_load_raw<WT>(l.r0[st], w, scales, o0 + g, K, kbase + k + 16 * t, k < k_hi && o0 + g < N);
+        tc_load_raw<WT>(l.r1[st], w, scales, o0 + g + 8, K, kbase + k + 16 * t, k < k_hi && o0 + g + 8 < N);
+    }
+}
+
+// The warp's products over its loaded steps, B from the block's staged activations
+// (pairs of 16-bit values, [8][KB/2] per half). acc: the thread's 4 accumulators
+// (outputs g, g + 8 × batch columns 2t, 2t + 1).
+template <int WT>
+__device__ __forceinline__ void tc_warp_mma(float* acc, const WarpLoads<WT>& l, const void* scales, long long o0, int K,
+                                            int kbase, int k_lo, int k_hi, const u32* xs_hi, const u32* xs_lo) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int st = 0; st < TC_STEPS; st++) {
+        const int k = k_lo + 64 * st;
+        if (k >= k_hi) break;
         u32 w0[8], w1[8];
-        tc_load_row<WT>(w, scales, o0 + g, K, kbase + k + 16 * t, w0, live0);
-        tc_load_row<WT>(w, scales, o0 + g + 8, K, kbase + k + 16 * t, w1, live1);
+        tc_pairs<WT>(l.r0[st], w0);
+        tc_pairs<WT>(l.r1[st], w1);
         // Activations of batch row g, the same 16 inputs: 8 pairs of hi and of lo.
         const uint4* ph = (const uint4*)(xs_hi + g * (TC_KB / 2) + (k + 16 * t) / 2);
         const uint4* pl = (const uint4*)(xs_lo + g * (TC_KB / 2) + (k + 16 * t) / 2);
@@ -160,49 +203,55 @@ __device__ __forceinline__ void tc_warp(float* acc, const void* w, const void* s
 // Stage rows [0, rows) of x[:, kbase .. kbase + TC_KB) as 16-bit hi/lo pairs; rows past
 // `rows` are zero. f16 (WT 2, 3): each row scaled by 2^-e so its largest value is below
 // 2^14; `row_scale[r]` = 2^e multiplies the row's results back. bf16 (WT 1): unscaled.
+// One pass: thread i loads pair i of every row (all loads in flight together), the row
+// maxima are reduced from those registers, then the pairs are converted and stored.
 template <int WT>
 __device__ void tc_stage_x(const float* x, int x_stride, int rows, int kbase, int kn, u32* xs_hi, u32* xs_lo,
                            float* row_scale) {
-    __shared__ float rmax[8];
-    const int tid = threadIdx.x;
+    __shared__ float rmax[8][8];  // [warp][row]
+    const int p = threadIdx.x, warp = p >> 5, lane = p & 31;
+    const bool in = 2 * p < kn;
+    float2 v[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        v[r] = (r < rows && in) ? *(const float2*)(x + (long long)r * x_stride + kbase + 2 * p) : make_float2(0.f, 0.f);
     if (WT != 1) {
-        // Row maxima over this block's inputs: warp r handles row r.
-        const int warp = tid >> 5, lane = tid & 31;
-        float m = 0.0f;
-        if (warp < rows)
-            for (int k = lane; k < kn; k += 32) m = fmaxf(m, fabsf(x[(long long)warp * x_stride + kbase + k]));
-        m = warp_max(m);
-        if (lane == 0) rmax[warp] = m;
-        __syncthreads();
-    }
-    if (tid < 8) {
-        float sc = 1.0f;
-        if (WT != 1 && tid < rows && rmax[tid] > 0.0f) {
-            // 2^e with max·2^-e < 2^14: e = exponent(max) - 13 (kept a normal float).
-            const int e = max(-126, min(127, (int)((__float_as_uint(rmax[tid]) >> 23) & 0xff) - 127 - 13));
-            sc = __uint_as_float((u32)(e + 127) << 23);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float m = warp_max(fmaxf(fabsf(v[r].x), fabsf(v[r].y)));
+            if (lane == 0) rmax[warp][r] = m;
         }
-        row_scale[tid] = sc;
+        __syncthreads();
+        if (p < 8) {
+            float m = 0.0f;
+            for (int wi = 0; wi < 8; wi++) m = fmaxf(m, rmax[wi][p]);
+            float sc = 1.0f;
+            if (m > 0.0f && m <= 3.0e38f) {
+                // 2^e with max·2^-e < 2^14: e = exponent(max) - 13 (kept a normal float).
+                const int e = max(-126, min(127, (int)((__float_as_uint(m) >> 23) & 0xff) - 127 - 13));
+                sc = __uint_as_float((u32)(e + 127) << 23);
+            }
+            row_scale[p] = sc;
+        }
+    } else if (p < 8) {
+        row_scale[p] = 1.0f;
     }
     __syncthreads();
-    for (int i = tid; i < 8 * (TC_KB / 2); i += blockDim.x) {
-        const int r = i / (TC_KB / 2), p = i % (TC_KB / 2);
-        u32 hi = 0u, lo = 0u;
-        if (r < rows && 2 * p < kn) {
-            const float2 v = *(const float2*)(x + (long long)r * x_stride + kbase + 2 * p);
-            if (WT == 1) {
-                const float h0 = round_bf16(v.x), h1 = round_bf16(v.y);
-                hi = (u32)f2bf(v.x) | ((u32)f2bf(v.y) << 16);
-                lo = (u32)f2bf(v.x - h0) | ((u32)f2bf(v.y - h1) << 16);
-            } else {
-                const float inv = 1.0f / row_scale[r];  // a power of two: exact
-                const float a = v.x * inv, b = v.y * inv;
-                hi = pack_f16x2(a, b);
-                lo = pack_f16x2(a - f16lo_to_f32(hi), b - f16hi_to_f32(hi));
-            }
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        u32 hi, lo;
+        if (WT == 1) {
+            const float h0 = round_bf16(v[r].x), h1 = round_bf16(v[r].y);
+            hi = (u32)f2bf(v[r].x) | ((u32)f2bf(v[r].y) << 16);
+            lo = (u32)f2bf(v[r].x - h0) | ((u32)f2bf(v[r].y - h1) << 16);
+        } else {
+            const float inv = 1.0f / row_scale[r];  // a power of two: exact
+            const float a = v[r].x * inv, b = v[r].y * inv;
+            hi = pack_f16x2(a, b);
+            lo = pack_f16x2(a - f16lo_to_f32(hi), b - f16hi_to_f32(hi));
         }
-        xs_hi[i] = hi;
-        xs_lo[i] = lo;
+        xs_hi[r * (TC_KB / 2) + p] = hi;
+        xs_lo[r * (TC_KB / 2) + p] = lo;
     }
     __syncthreads();
 }
@@ -222,14 +271,20 @@ __device__ void tc_body(float* out, const float* x, const void* w, const void* w
     const long long ob = (long long)blockIdx.x * TC_OUT;
     const int kbase = blockIdx.y * TC_KB, kn = min(TC_KB, K - kbase);
     const float* xb = x + (ob / g_out) * K;
-    tc_stage_x<WT>(xb, x_stride, rows, kbase, kn, xs_hi, xs_lo, row_scale);
-
     const int og = warp & 3, kh = warp >> 2;
     const long long o0 = ob + og * 16;
     const int half = kn / 2;  // kn is a multiple of 128
+    const int k_lo = kh * half, k_hi = (kh + 1) * half;
+    // Weight loads first: they do not depend on the activations, so their latency
+    // overlaps the staging below.
+    WarpLoads<WT> l0, l3;
+    tc_warp_load<WT>(l0, w, scales, o0, N, K, kbase, k_lo, k_hi);
+    if (DUAL) tc_warp_load<WT>(l3, w3, scales3, o0, N, K, kbase, k_lo, k_hi);
+    tc_stage_x<WT>(xb, x_stride, rows, kbase, kn, xs_hi, xs_lo, row_scale);
+
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc3[4] = {0.f, 0.f, 0.f, 0.f};
-    tc_warp<WT>(acc, w, scales, o0, N, K, kbase, kh * half, (kh + 1) * half, xs_hi, xs_lo);
-    if (DUAL) tc_warp<WT>(acc3, w3, scales3, o0, N, K, kbase, kh * half, (kh + 1) * half, xs_hi, xs_lo);
+    tc_warp_mma<WT>(acc, l0, scales, o0, K, kbase, k_lo, k_hi, xs_hi, xs_lo);
+    if (DUAL) tc_warp_mma<WT>(acc3, l3, scales3, o0, K, kbase, k_lo, k_hi, xs_hi, xs_lo);
 
     // Accumulator i: output row o0 + g + 8·(i / 2), batch column 2t + (i % 2).
     const int g = lane >> 2, t = lane & 3;
