@@ -246,9 +246,9 @@ fn round_dtype(v: &[f32], dtype: EntryDtype) -> Vec<f32> {
 fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
     let mut rng = ChaCha8Rng::seed_from_u64(17);
     let specs = [
-        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
-        LayerSpec { kind: AttnKind::Hca, ratio: 16, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0, rope_dim: 8 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 8 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 16, head_dim: HD, index_dim: 0, rope_dim: 8 },
     ];
     let (block, window) = (16, 8);
     let layout = KvLayout::new(block, window, dtype, &specs);

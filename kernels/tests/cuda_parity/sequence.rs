@@ -91,9 +91,9 @@ fn sequence_ops(dtype: EntryDtype) {
     let Some(g) = gpu(&name) else { return };
     let mut rng = rng(&name);
     let specs = [
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
-        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0, rope_dim: 64 },
     ];
     let layout = KvLayout::new(128, 128, dtype, &specs);
     let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
@@ -259,7 +259,7 @@ fn cuda_compressor_respects_pages_final_until() {
     let Some(g) = gpu("cuda_compressor_respects_pages_final_until") else { return };
     let cpu = CpuBackend::new();
     let mut rng = rng("pages_final_until");
-    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM }];
+    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
     let layout = KvLayout::new(128, 128, EntryDtype::F32, &spec);
     let raw = vec![[
         rand_vec(&mut rng, 4 * 2 * HD, 0.5),
@@ -304,9 +304,9 @@ fn cuda_compressor_long_batches_match_cpu() {
     let cpu = CpuBackend::new();
     let mut rng = rng("compressor_long_batches");
     let specs = [
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
-        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Hca, ratio: 256, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 256, head_dim: HD, index_dim: 0, rope_dim: 64 },
     ];
     let layout = KvLayout::new(256, 128, EntryDtype::F32, &specs);
     let raw = compressor_params(&mut rng, &specs, 0.5);

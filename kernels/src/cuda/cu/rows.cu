@@ -58,6 +58,15 @@ extern "C" __global__ void round_to_bf16(float* x, long long n) {
     if (i < n) x[i] = round_bf16(x[i]);
 }
 
+// x[rows, dim] -> each row as an fp8 entry reads back (one warp per row: the block
+// scales are warp reductions), so attention over this step's rows sees what the ring
+// and pages will hold.
+extern "C" __global__ void round_to_fp8(float* x, int rows, int dim, int tail) {
+    const long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (r >= rows) return;
+    entry_store_warp(x + r * dim, nullptr, x + r * dim, DTYPE_FP8, dim, tail, 0);
+}
+
 // x[rows, k] -> hi[rows, k] = bf16(x), lo[rows, k] = bf16(x - hi): two bf16 operands
 // whose sum carries ~16 mantissa bits, so bf16 tensor-core products of each against
 // bf16 weights, accumulated, come close to the f32 product.
