@@ -44,6 +44,11 @@ impl EntryDtype {
             _ => None,
         }
     }
+
+    /// `--kv-dtype` of every command and worker: the dtype, or a message naming the choices.
+    pub fn parse_arg(s: &str) -> Result<Self, String> {
+        Self::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use f32, bf16 or fp8"))
+    }
 }
 
 /// Dims that share one power-of-two scale in an FP8 entry.
