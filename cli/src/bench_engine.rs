@@ -305,7 +305,13 @@ fn print_table(r: &Value) {
 fn compress_bench(b: &CudaBackend, tokens: usize, dtype: EntryDtype, reps: usize) -> Value {
     let mut out = Vec::new();
     for (kind, ratio) in [(AttnKind::Csa, 4usize), (AttnKind::Hca, 128)] {
-        let spec = LayerSpec { kind, ratio, head_dim: 512, index_dim: if kind == AttnKind::Csa { 128 } else { 0 }, rope_dim: 64 };
+        let spec = LayerSpec {
+            kind,
+            ratio,
+            head_dim: 512,
+            index_dim: if kind == AttnKind::Csa { 128 } else { 0 },
+            rope_dim: 64,
+        };
         let layout = KvLayout::new(128, 128, dtype, &[spec]);
         let lk = &layout.layers[0];
         let width = lk.comp_width(Branch::Main);

@@ -6,8 +6,8 @@
 //! Activations are dense row-major f32 buffers whose shapes the caller tracks; every
 //! op documents the shapes it reads and writes.
 
-use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::EntryDtype;
+use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
 

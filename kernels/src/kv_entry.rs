@@ -44,9 +44,7 @@ pub fn encode(fmt: &EntryFormat, values: &[f32], out: &mut [u8]) {
     assert_eq!(values.len(), fmt.dim, "entry of {} values for a {}-dim format", values.len(), fmt.dim);
     assert_eq!(out.len(), fmt.bytes(), "entry bytes for {fmt:?}");
     match fmt.dtype {
-        EntryDtype::F32 => {
-            out.chunks_exact_mut(4).zip(values).for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes()))
-        }
+        EntryDtype::F32 => out.chunks_exact_mut(4).zip(values).for_each(|(o, v)| o.copy_from_slice(&v.to_le_bytes())),
         EntryDtype::Bf16 => {
             out.chunks_exact_mut(2).zip(values).for_each(|(o, v)| o.copy_from_slice(&f32_to_bf16(*v).to_le_bytes()))
         }
@@ -55,12 +53,16 @@ pub fn encode(fmt: &EntryFormat, values: &[f32], out: &mut [u8]) {
             let (codes, rest) = out.split_at_mut(n8);
             let (tail, rest) = rest.split_at_mut(2 * fmt.tail);
             let (scales, pad) = rest.split_at_mut(fmt.scales());
-            for ((block, codes), s) in values[..n8].chunks(FP8_SCALE_BLOCK).zip(codes.chunks_mut(FP8_SCALE_BLOCK)).zip(scales) {
+            for ((block, codes), s) in
+                values[..n8].chunks(FP8_SCALE_BLOCK).zip(codes.chunks_mut(FP8_SCALE_BLOCK)).zip(scales)
+            {
                 *s = fp8_scale_byte(block.iter().fold(0f32, |a, v| a.max(v.abs())));
                 let scale = ue8m0_to_f32(*s);
                 codes.iter_mut().zip(block).for_each(|(c, v)| *c = f32_to_fp8_e4m3(v / scale));
             }
-            tail.chunks_exact_mut(2).zip(&values[n8..]).for_each(|(o, v)| o.copy_from_slice(&f32_to_bf16(*v).to_le_bytes()));
+            tail.chunks_exact_mut(2)
+                .zip(&values[n8..])
+                .for_each(|(o, v)| o.copy_from_slice(&f32_to_bf16(*v).to_le_bytes()));
             pad.fill(0);
         }
     }
@@ -82,7 +84,9 @@ pub fn decode(fmt: &EntryFormat, bytes: &[u8], out: &mut [f32]) {
             let lut = &*FP8_LUT;
             let n8 = fmt.fp8_dims();
             let scales = &bytes[fmt.scale_offset()..fmt.scale_offset() + fmt.scales()];
-            for ((o, codes), s) in out[..n8].chunks_mut(FP8_SCALE_BLOCK).zip(bytes[..n8].chunks(FP8_SCALE_BLOCK)).zip(scales) {
+            for ((o, codes), s) in
+                out[..n8].chunks_mut(FP8_SCALE_BLOCK).zip(bytes[..n8].chunks(FP8_SCALE_BLOCK)).zip(scales)
+            {
                 let scale = ue8m0_to_f32(*s);
                 o.iter_mut().zip(codes).for_each(|(o, &c)| *o = lut[c as usize] * scale);
             }

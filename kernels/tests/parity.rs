@@ -7,13 +7,13 @@
 //! functions on device 0; without a GPU those tests say they are skipped and pass.
 
 use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing};
-use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::kv_entry;
+use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::reference as refr;
 use kernels::rope::Yarn;
 use kernels::{
-    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState, LayerSpec,
-    RopeTable,
+    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState,
+    LayerSpec, RopeTable,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -338,20 +338,16 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
     let simt_only = *SIMT_ONLY.get_or_init(|| std::env::var("SLUICE_CUDA_ATTENTION").is_ok_and(|v| v == "simt"));
     let lk = &layout.layers[layer];
     let hd = lk.spec.head_dim;
-    let aligned = [layout.ring_elems, lk.ring, layout.page_elems, lk.page_offset(Branch::Main), lk.stride(Branch::Main)]
-        .iter()
-        .all(|v| v % 8 == 0);
+    let aligned =
+        [layout.ring_elems, lk.ring, layout.page_elems, lk.page_offset(Branch::Main), lk.stride(Branch::Main)]
+            .iter()
+            .all(|v| v % 8 == 0);
     let dtype_ok = match layout.dtype {
         crate::EntryDtype::Bf16 => true,
         crate::EntryDtype::Fp8 => lk.main.tail.is_multiple_of(8),
         crate::EntryDtype::F32 => false,
     };
-    !simt_only
-        && rows >= MMA_MIN_ROWS
-        && dtype_ok
-        && hd.is_multiple_of(64)
-        && hd <= ATT_HD_MAX
-        && aligned
+    !simt_only && rows >= MMA_MIN_ROWS && dtype_ok && hd.is_multiple_of(64) && hd <= ATT_HD_MAX && aligned
 }
 
 pub(crate) fn store_window(

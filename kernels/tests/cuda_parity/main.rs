@@ -15,8 +15,8 @@ use kernels::cuda::CudaBackend;
 use kernels::quant::{bf16_to_f32, dequant_fp8_blocks, f32_to_bf16, quantize_fp8_blocks, ue8m0_to_f32};
 use kernels::rope::Yarn;
 use kernels::{
-    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState, LayerSpec,
-    RopeTable, kv_entry,
+    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState,
+    LayerSpec, RopeTable, kv_entry,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -153,8 +153,11 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
         [(EntryDtype::Bf16, 512, 64), (EntryDtype::Fp8, 512, 64), (EntryDtype::Fp8, 128, 0), (EntryDtype::Fp8, 32, 16)]
     {
         let fmt = EntryFormat { dtype, dim, tail };
-        let x: Vec<f32> =
-            rand_vec(&mut rng, 11 * dim, 1.0).iter().enumerate().map(|(i, v)| v * 10f32.powi((i / 64 % 7) as i32 - 3)).collect();
+        let x: Vec<f32> = rand_vec(&mut rng, 11 * dim, 1.0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 10f32.powi((i / 64 % 7) as i32 - 3))
+            .collect();
         let mut gx = g.upload(&x);
         g.round_to(&mut gx, &fmt);
         let mut want = x.clone();
