@@ -23,7 +23,7 @@ pub fn token_ids(s: &str) -> Result<TokenIds, String> {
 }
 
 pub fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
-    EntryDtype::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use f32 or bf16"))
+    EntryDtype::parse_arg(s)
 }
 
 /// `--device`: `cpu` or `cuda:N`.
@@ -40,7 +40,8 @@ mod tests {
         assert_eq!(token_ids("1, 2,3").unwrap(), TokenIds(vec![1, 2, 3]));
         assert!(token_ids("1,x").unwrap_err().contains("item 2 (`x`)"));
         assert!(token_ids("").is_err());
-        assert!(kv_dtype("fp16").is_err());
+        assert!(kv_dtype("fp16").unwrap_err().contains("f32, bf16 or fp8"));
+        assert_eq!(kv_dtype("fp8").unwrap(), EntryDtype::Fp8);
         assert_eq!(device("cuda:1").unwrap(), Device::Cuda(1));
         assert!(device("cuda:").unwrap_err().contains("cpu or cuda:N"));
     }

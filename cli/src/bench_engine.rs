@@ -182,10 +182,7 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
                 bytes_per_step / 1e6,
                 100.0 * gbs / copy_gbs
             );
-            print_profile(
-                &engine.model.backend,
-                &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps),
-            );
+            print_profile(&engine.model.backend, &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps));
             // The device's own step time: steps queued behind a 20 ms hold, so the host
             // has issued everything before the device starts (the hold subtracted).
             let hold = 0.02;
@@ -362,7 +359,13 @@ fn print_table(r: &Value) {
 fn compress_bench(b: &CudaBackend, tokens: usize, dtype: EntryDtype, reps: usize) -> Value {
     let mut out = Vec::new();
     for (kind, ratio) in [(AttnKind::Csa, 4usize), (AttnKind::Hca, 128)] {
-        let spec = LayerSpec { kind, ratio, head_dim: 512, index_dim: if kind == AttnKind::Csa { 128 } else { 0 } };
+        let spec = LayerSpec {
+            kind,
+            ratio,
+            head_dim: 512,
+            index_dim: if kind == AttnKind::Csa { 128 } else { 0 },
+            rope_dim: 64,
+        };
         let layout = KvLayout::new(128, 128, dtype, &[spec]);
         let lk = &layout.layers[0];
         let width = lk.comp_width(Branch::Main);

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::kv_store_client::KvStoreClient;
 
+use crate::args;
 use crate::bench_cmd::bench_prompt;
 use crate::local::{self, KvstoreOptions, LocalCluster, Options};
 
@@ -43,6 +44,9 @@ pub struct PrefixArgs {
     /// Compute threads of each worker (default: all cores each).
     #[arg(long)]
     threads_per_worker: Option<usize>,
+    /// KV entry storage of the workers and the kvstore's records: f32, bf16 or fp8.
+    #[arg(long, default_value = "bf16", value_parser = args::kv_dtype)]
+    kv_dtype: EntryDtype,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -86,12 +90,19 @@ pub fn run(a: PrefixArgs) -> Result<()> {
                        "ttft_hit_ms": r.ttft_hit_ms})
             })
             .collect();
-        println!("{}", json!({"prefix_tokens": a.prefix_tokens, "suffix_tokens": a.suffix_tokens, "rows": out}));
+        println!(
+            "{}",
+            json!({"prefix_tokens": a.prefix_tokens, "suffix_tokens": a.suffix_tokens, "kv_dtype": a.kv_dtype.name(), "rows": out})
+        );
         return Ok(());
     }
     println!(
-        "{} shared + {} unique prompt tokens, {} generated; medians of {} requests",
-        a.prefix_tokens, a.suffix_tokens, a.max_tokens, a.repeat
+        "{} shared + {} unique prompt tokens, {} generated, KV {}; medians of {} requests",
+        a.prefix_tokens,
+        a.suffix_tokens,
+        a.max_tokens,
+        a.kv_dtype.name(),
+        a.repeat
     );
     println!(
         "| policy | stored per prefix | of it window state | cached tokens on a hit | recomputed on a hit | TTFT cold | TTFT hit | cold ÷ hit |"
@@ -145,7 +156,7 @@ async fn measure(a: &PrefixArgs, model: &std::path::Path, vocab: usize, policy: 
         http: format!("127.0.0.1:{}", free_port()),
         prefill: 1,
         decode: 1,
-        kv_dtype: EntryDtype::Bf16,
+        kv_dtype: a.kv_dtype,
         threads_per_worker: a.threads_per_worker,
         log_dir: dir.path().join("logs"),
         timeout: Duration::from_secs(120),

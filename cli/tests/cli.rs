@@ -38,6 +38,17 @@ fn init_inspect_generate() {
     let v: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(v["layers"].as_array().unwrap().len(), 4);
     assert!(v["bytes_per_token"]["total"].as_f64().unwrap() > 0.0);
+    // fp8 entries: the tiny preset's 32-dim entries (16 BF16 RoPE dims) are 56-byte
+    // records against 64 bytes in bf16; 32-dim indexer keys 40 (32 + 1 scale, padded)
+    // against 64.
+    let per_token = |dtype: &str| -> serde_json::Value {
+        let o = sluice(&["model", "inspect", m, "--json", "--kv-dtype", dtype]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()["bytes_per_token"].clone()
+    };
+    let (fp8, bf16) = (per_token("fp8"), per_token("bf16"));
+    let ratio = |pool: &str| fp8[pool].as_f64().unwrap() / bf16[pool].as_f64().unwrap();
+    assert_eq!((ratio("csa_main"), ratio("hca"), ratio("csa_index")), (56.0 / 64.0, 56.0 / 64.0, 40.0 / 64.0));
 
     let args = [
         "generate",

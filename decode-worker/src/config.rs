@@ -5,10 +5,6 @@ use std::path::PathBuf;
 use clap::Parser;
 use kernels::EntryDtype;
 
-fn kv_dtype(s: &str) -> Result<EntryDtype, String> {
-    EntryDtype::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use bf16 or f32"))
-}
-
 #[derive(Parser, Clone, Debug)]
 #[command(
     name = "decode-worker",
@@ -39,7 +35,7 @@ pub struct DecodeConfig {
     #[arg(long, env = "SLUICE_METRICS_LISTEN", default_value = "127.0.0.1:9101")]
     pub metrics_listen: String,
     /// KV entry storage (must match the prefill workers').
-    #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = kv_dtype)]
+    #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = EntryDtype::parse_arg)]
     pub kv_dtype: EntryDtype,
     /// KV pages (128-token blocks) in the pool.
     #[arg(long, env = "SLUICE_MAX_PAGES", default_value_t = 1024)]

@@ -89,8 +89,14 @@ fn one_step_can_mix_a_prefill_chunk_and_a_decode_token() {
 
 #[test]
 fn export_import_resumes_exactly_in_another_engine() {
-    let mut src = engine_with(EntryDtype::F32, 16, 2);
-    let mut dst = engine_with(EntryDtype::F32, 16, 2);
+    for dtype in [EntryDtype::F32, EntryDtype::Fp8] {
+        export_import_resumes_exactly(dtype);
+    }
+}
+
+fn export_import_resumes_exactly(dtype: EntryDtype) {
+    let mut src = engine_with(dtype, 16, 2);
+    let mut dst = engine_with(dtype, 16, 2);
     let p = prompt(200, 3);
     let mut s = src.open_sequence().unwrap();
     let last = src.prefill(&mut s, &p, Logits::Last).unwrap();
@@ -129,6 +135,11 @@ fn import_rejects_foreign_or_damaged_exports() {
     let mut newer = bytes.clone();
     newer[8] = 99;
     assert!(matches!(f32_engine.import(&newer), Err(EngineError::Import(ImportError::Version(99)))));
+    // A version-2 export (before fp8 entries) is refused with both versions named.
+    let mut older = bytes.clone();
+    older[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let err = f32_engine.import(&older).unwrap_err().to_string();
+    assert!(err.contains("format version 2") && err.contains("only version 3"), "{err}");
     assert_eq!(bf16_engine.pool_stats(), before, "failed imports must not take pages or slots");
 }
 

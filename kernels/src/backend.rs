@@ -7,7 +7,7 @@
 //! op documents the shapes it reads and writes.
 
 use crate::EntryDtype;
-use crate::kv_layout::{Branch, KvLayout};
+use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
 use crate::stored::WeightView;
@@ -232,9 +232,11 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// `x *= factor`.
     fn scale(&self, x: &mut Self::Buf, factor: f32);
-    /// Round values to what `dtype` can store (identity for f32), so that values used
-    /// straight from activations equal the ones later read back from storage.
-    fn round_to(&self, x: &mut Self::Buf, dtype: EntryDtype);
+    /// Replace each `fmt.dim`-long entry of `x` (`[rows, fmt.dim]`) by what storing it
+    /// in `fmt` and reading it back gives (identity for f32; per-entry FP8 block scales
+    /// for fp8), so that values used straight from activations equal the ones later
+    /// read back from storage.
+    fn round_to(&self, x: &mut Self::Buf, fmt: &EntryFormat);
 
     /// mHC mixing before a sub-block. `streams[rows, hc, hidden]` →
     /// `collapsed[rows, hidden]` (input of the sub-block), `post[rows, hc]`,

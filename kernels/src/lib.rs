@@ -12,12 +12,15 @@
 //! - [`rope`]: rotary frequency tables (plain and YaRN) and the pair rotation.
 //! - [`quant`]: stored number formats (BF16, FP8 e4m3, FP4 e2m1, ue8m0 scales).
 //! - [`stored`]: typed views of weights as checkpoints store them (what backends load).
+//! - [`kv_entry`]: one KV entry as stored bytes in each entry dtype (the fp8 record
+//!   codec every backend and test shares).
 //! - [`mapped`]: read-only memory maps of weight files.
 
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod kv_entry;
 pub mod mapped;
 pub mod plan;
 pub mod quant;
@@ -29,7 +32,7 @@ pub use backend::{Backend, HostMatrix, KvState};
 pub use cpu::CpuBackend;
 /// KV geometry is shared with services that never compute (transfer, kvstore, router).
 pub use model_spec::layout as kv_layout;
-pub use model_spec::{AttnKind, Branch, EntryDtype, KvLayout, LayerSpec};
+pub use model_spec::{AttnKind, Branch, EntryDtype, EntryFormat, KvLayout, LayerSpec};
 pub use plan::{BatchPlan, SeqSlice};
 pub use rope::RopeTable;
 pub use stored::WeightView;

@@ -7,12 +7,14 @@
 //! functions on device 0; without a GPU those tests say they are skipped and pass.
 
 use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing};
+use kernels::kv_entry;
 use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::reference as refr;
 use kernels::rope::Yarn;
 use kernels::stored::{OwnedFormat, OwnedWeight};
 use kernels::{
-    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, HostMatrix, KvLayout, KvState, LayerSpec, RopeTable,
+    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState,
+    LayerSpec, RopeTable,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -26,6 +28,10 @@ struct Tolerances {
 }
 
 const F32_TOL: Tolerances = Tolerances { matmul: 1e-5, elementwise: 1e-5, moe: 2e-5, attention: 2e-5 };
+/// Sequence ops over fp8 entries (either device): both sides store through the same
+/// codec, so only an element that f32-vs-f64 arithmetic puts on the other side of an FP8
+/// rounding step (1/16 relative) differs.
+const FP8_SEQ_TOL: f32 = 1e-2;
 /// CUDA: f32 arithmetic in another order (parallel reductions, split-bf16 tensor-core
 /// products for many rows, device `expf`/`sincosf`).
 #[cfg(feature = "cuda")]
@@ -258,19 +264,20 @@ const IDX_HEADS: usize = 4;
 const IDX_DIM: usize = 8;
 const TOP_K: usize = 3;
 
-fn round_dtype(v: &[f32], dtype: EntryDtype) -> Vec<f32> {
-    match dtype {
-        EntryDtype::F32 => v.to_vec(),
-        EntryDtype::Bf16 => v.iter().map(|&x| bf16_to_f32(f32_to_bf16(x))).collect(),
-    }
+/// What storing entries in `fmt` keeps of them (the shared codec, the same for every
+/// backend: what the reference attends to and what pages must decode to).
+fn stored(v: &[f32], fmt: &EntryFormat) -> Vec<f32> {
+    let mut v = v.to_vec();
+    kv_entry::round(fmt, &mut v);
+    v
 }
 
 fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
     let mut rng = ChaCha8Rng::seed_from_u64(17);
     let specs = [
-        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
-        LayerSpec { kind: AttnKind::Hca, ratio: 16, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0, rope_dim: 8 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 8 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 16, head_dim: HD, index_dim: 0, rope_dim: 8 },
     ];
     let (block, window) = (16, 8);
     let layout = KvLayout::new(block, window, dtype, &specs);
@@ -289,7 +296,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
                 .map(|s| {
                     let cw = if s.kind == AttnKind::Csa { 2 * HD } else { HD };
                     History {
-                        new_kv: round_dtype(&rand_vec(&mut rng, t * HD, 1.0), dtype),
+                        new_kv: stored(&rand_vec(&mut rng, t * HD, 1.0), &layout.layers[0].main),
                         q: rand_vec(&mut rng, t * HEADS * HD, 0.5),
                         main_kv: rand_vec(&mut rng, t * cw, 1.0),
                         main_score: rand_vec(&mut rng, t * cw, 1.5),
@@ -337,7 +344,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
             &table,
         )
         .iter()
-        .map(|e| round_dtype(e, dtype))
+        .map(|e| stored(e, &layout.layers[l].format(branch)))
         .collect()
     };
 
@@ -490,19 +497,15 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
             };
             for &branch in branches {
                 let lk = &layout.layers[l];
-                let dim = lk.branch_dim(branch);
+                let fmt = lk.format(branch);
                 let per_page = lk.entries_per_page(block);
                 for (i, want) in entries(s, l, branch).iter().enumerate() {
                     let at = table_s[i / per_page] as usize * layout.page_elems
                         + lk.page_offset(branch)
-                        + (i % per_page) * dim;
-                    let bytes = b.kv_read(&kv.pages, at, dim);
-                    let got: Vec<f32> = match dtype {
-                        EntryDtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(&bytes),
-                        EntryDtype::Bf16 => {
-                            bytemuck::pod_collect_to_vec::<u8, u16>(&bytes).into_iter().map(bf16_to_f32).collect()
-                        }
-                    };
+                        + (i % per_page) * lk.stride(branch);
+                    let bytes = b.kv_read(&kv.pages, at, lk.stride(branch));
+                    let mut got = vec![0f32; fmt.dim];
+                    kv_entry::decode(&fmt, &bytes, &mut got);
                     assert_close(&format!("entry {i} layer {l} seq {s} {branch:?}"), &got, want, tol);
                 }
             }
@@ -535,6 +538,13 @@ fn cpu_sequence_ops_match_reference_bf16_storage() {
     // Entries are rounded to bf16 on both sides; what remains is f32-vs-f64 arithmetic
     // and the odd element whose rounding lands on the other side of a bf16 step.
     check_sequence_ops(&CpuBackend::new(), EntryDtype::Bf16, 1e-2);
+}
+
+#[test]
+fn cpu_sequence_ops_match_reference_fp8_storage() {
+    // Entries go through the same fp8 codec on both sides; what remains is f32-vs-f64
+    // arithmetic, and an element whose rounding lands on the other side of an FP8 step.
+    check_sequence_ops(&CpuBackend::new(), EntryDtype::Fp8, FP8_SEQ_TOL);
 }
 
 #[cfg(feature = "cuda")]
@@ -574,5 +584,11 @@ mod cuda {
     fn cuda_sequence_ops_match_reference_bf16_storage() {
         let Some(b) = gpu("cuda_sequence_ops_match_reference_bf16_storage") else { return };
         check_sequence_ops(b, EntryDtype::Bf16, 1e-2);
+    }
+
+    #[test]
+    fn cuda_sequence_ops_match_reference_fp8_storage() {
+        let Some(b) = gpu("cuda_sequence_ops_match_reference_fp8_storage") else { return };
+        check_sequence_ops(b, EntryDtype::Fp8, FP8_SEQ_TOL);
     }
 }

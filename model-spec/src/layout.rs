@@ -10,13 +10,21 @@
 pub enum EntryDtype {
     F32,
     Bf16,
+    /// The reference's serving format: each entry is one byte record (see
+    /// [`EntryFormat`]) of FP8 e4m3 codes with power-of-two block scales, its RoPE
+    /// tail in BF16. Storage "elements" are bytes.
+    Fp8,
 }
 
 impl EntryDtype {
+    pub const ALL: [EntryDtype; 3] = [EntryDtype::F32, EntryDtype::Bf16, EntryDtype::Fp8];
+
+    /// Bytes of one storage element: a value for f32/bf16, a byte of a record for fp8.
     pub fn size(self) -> usize {
         match self {
             EntryDtype::F32 => 4,
             EntryDtype::Bf16 => 2,
+            EntryDtype::Fp8 => 1,
         }
     }
 
@@ -24,6 +32,7 @@ impl EntryDtype {
         match self {
             EntryDtype::F32 => "f32",
             EntryDtype::Bf16 => "bf16",
+            EntryDtype::Fp8 => "fp8",
         }
     }
 
@@ -31,8 +40,70 @@ impl EntryDtype {
         match s {
             "f32" | "float32" => Some(EntryDtype::F32),
             "bf16" | "bfloat16" => Some(EntryDtype::Bf16),
+            "fp8" | "fp8_e4m3" => Some(EntryDtype::Fp8),
             _ => None,
         }
+    }
+
+    /// `--kv-dtype` of every command and worker: the dtype, or a message naming the choices.
+    pub fn parse_arg(s: &str) -> Result<Self, String> {
+        Self::parse(s).ok_or_else(|| format!("`{s}` is not a KV dtype; use f32, bf16 or fp8"))
+    }
+}
+
+/// Dims that share one power-of-two scale in an FP8 entry.
+pub const FP8_SCALE_BLOCK: usize = 64;
+
+/// How one entry of `dim` values is stored. For f32/bf16 an entry is `dim` elements.
+/// For fp8 it is a byte record (the reference's serving format):
+/// 1. `dim - tail` FP8 e4m3fn codes, each its value divided by its block's scale
+///    (blocks of [`FP8_SCALE_BLOCK`] dims from dim 0; the last may be partial);
+/// 2. `tail` BF16 values, little endian (the RoPE dims, which FP8 would blur);
+/// 3. one ue8m0 scale byte per block (`2^(b-127)`);
+/// 4. zero padding to a multiple of 8 bytes, so every record starts 8-byte aligned.
+///
+/// V4: main entries 448 + 2·64 + 7 = 583 → 584 bytes; indexer keys 128 + 2 → 136.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EntryFormat {
+    pub dtype: EntryDtype,
+    pub dim: usize,
+    /// Trailing dims kept in BF16 by fp8 (the RoPE dims of main entries, 0 for
+    /// indexer keys); ignored by f32/bf16.
+    pub tail: usize,
+}
+
+impl EntryFormat {
+    /// FP8-coded dims.
+    pub fn fp8_dims(&self) -> usize {
+        self.dim - self.tail
+    }
+
+    /// Scale bytes of an fp8 record.
+    pub fn scales(&self) -> usize {
+        self.fp8_dims().div_ceil(FP8_SCALE_BLOCK)
+    }
+
+    /// Byte offset of the BF16 tail inside an fp8 record.
+    pub fn tail_offset(&self) -> usize {
+        self.fp8_dims()
+    }
+
+    /// Byte offset of the scale bytes inside an fp8 record.
+    pub fn scale_offset(&self) -> usize {
+        self.fp8_dims() + 2 * self.tail
+    }
+
+    /// Storage elements of one entry (bytes of a record for fp8).
+    pub fn stride(&self) -> usize {
+        match self.dtype {
+            EntryDtype::F32 | EntryDtype::Bf16 => self.dim,
+            EntryDtype::Fp8 => (self.scale_offset() + self.scales()).next_multiple_of(8),
+        }
+    }
+
+    /// Bytes of one entry.
+    pub fn bytes(&self) -> usize {
+        self.stride() * self.dtype.size()
     }
 }
 
@@ -67,6 +138,8 @@ pub struct LayerSpec {
     pub head_dim: usize,
     /// Dimension of an indexer key (CSA only; 0 otherwise).
     pub index_dim: usize,
+    /// Trailing RoPE dims of a KV entry (fp8 storage keeps them in BF16).
+    pub rope_dim: usize,
 }
 
 /// The two compressors a CSA layer runs (HCA layers only have `Main`).
@@ -76,11 +149,15 @@ pub enum Branch {
     Indexer,
 }
 
-/// One layer's offsets. Page offsets are in entry elements; compressor offsets are in
-/// f32 elements of the slot's compressor region.
+/// One layer's offsets. Page and ring offsets are in storage elements (bytes for
+/// fp8); compressor offsets are in f32 elements of the slot's compressor region.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerKv {
     pub spec: LayerSpec,
+    /// How a main entry (compressed or window) is stored.
+    pub main: EntryFormat,
+    /// How an indexer key is stored (dim 0 outside CSA layers).
+    pub index: EntryFormat,
     pub page_main: usize,
     pub page_index: usize,
     pub ring: usize,
@@ -107,6 +184,19 @@ impl LayerKv {
             Branch::Main => self.spec.head_dim,
             Branch::Indexer => self.spec.index_dim,
         }
+    }
+
+    /// How a branch's entries are stored.
+    pub fn format(&self, branch: Branch) -> EntryFormat {
+        match branch {
+            Branch::Main => self.main,
+            Branch::Indexer => self.index,
+        }
+    }
+
+    /// Storage elements from one entry of a branch to the next (pages and rings).
+    pub fn stride(&self, branch: Branch) -> usize {
+        self.format(branch).stride()
     }
 
     /// Element offset of a branch's entries inside a page.
@@ -162,9 +252,9 @@ pub struct KvLayout {
     /// Sliding window length (current token and the ones before it).
     pub window: usize,
     pub dtype: EntryDtype,
-    /// Entry elements per page.
+    /// Storage elements per page (bytes for fp8).
     pub page_elems: usize,
-    /// Entry elements of window rings per state slot.
+    /// Storage elements of window rings per state slot.
     pub ring_elems: usize,
     /// f32 elements of compressor slots per state slot.
     pub comp_elems: usize,
@@ -180,15 +270,19 @@ impl KvLayout {
         let mut ring = 0;
         let mut layers = Vec::with_capacity(specs.len());
         for spec in specs {
-            let mut lk = LayerKv { spec: *spec, page_main: 0, page_index: 0, ring, comp_main: 0, comp_index: 0 };
-            ring += window * spec.head_dim;
+            assert!(spec.rope_dim <= spec.head_dim, "rope dims {} exceed head_dim {}", spec.rope_dim, spec.head_dim);
+            let main = EntryFormat { dtype, dim: spec.head_dim, tail: spec.rope_dim };
+            let index = EntryFormat { dtype, dim: spec.index_dim, tail: 0 };
+            let mut lk =
+                LayerKv { spec: *spec, main, index, page_main: 0, page_index: 0, ring, comp_main: 0, comp_index: 0 };
+            ring += window * main.stride();
             if spec.kind != AttnKind::Window {
                 lk.page_main = page;
-                page += (block / spec.ratio) * spec.head_dim;
+                page += (block / spec.ratio) * main.stride();
             }
             if spec.kind == AttnKind::Csa {
                 lk.page_index = page;
-                page += (block / spec.ratio) * spec.index_dim;
+                page += (block / spec.ratio) * index.stride();
             }
             layers.push(lk);
         }
@@ -238,16 +332,15 @@ impl KvLayout {
     /// Page bytes split into the pools operators watch.
     pub fn pool_bytes_per_block(&self) -> PoolBytes {
         let mut p = PoolBytes::default();
-        let sz = self.dtype.size();
         for l in &self.layers {
             let n = l.entries_per_page(self.block);
             match l.kind() {
                 AttnKind::Window => {}
                 AttnKind::Csa => {
-                    p.csa_main += n * l.spec.head_dim * sz;
-                    p.csa_index += n * l.spec.index_dim * sz;
+                    p.csa_main += n * l.main.bytes();
+                    p.csa_index += n * l.index.bytes();
                 }
-                AttnKind::Hca => p.hca += n * l.spec.head_dim * sz,
+                AttnKind::Hca => p.hca += n * l.main.bytes(),
             }
         }
         p
@@ -271,9 +364,9 @@ mod tests {
     use super::*;
 
     fn flash_like() -> Vec<LayerSpec> {
-        let w = LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 512, index_dim: 0 };
-        let c = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 512, index_dim: 128 };
-        let h = LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 512, index_dim: 0 };
+        let w = LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 512, index_dim: 0, rope_dim: 64 };
+        let c = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 512, index_dim: 128, rope_dim: 64 };
+        let h = LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 512, index_dim: 0, rope_dim: 64 };
         let mut v = vec![w, w];
         for _ in 0..20 {
             v.push(c);
@@ -318,21 +411,56 @@ mod tests {
 
     #[test]
     fn offsets_do_not_overlap() {
-        let layout = KvLayout::new(128, 128, EntryDtype::F32, &flash_like());
-        let mut spans = Vec::new();
-        for l in &layout.layers {
-            let n = l.entries_per_page(128);
-            if l.kind() != AttnKind::Window {
-                spans.push((l.page_main, l.page_main + n * l.spec.head_dim));
+        for dtype in EntryDtype::ALL {
+            let layout = KvLayout::new(128, 128, dtype, &flash_like());
+            let mut spans = Vec::new();
+            for l in &layout.layers {
+                let n = l.entries_per_page(128);
+                if l.kind() != AttnKind::Window {
+                    spans.push((l.page_main, l.page_main + n * l.stride(Branch::Main)));
+                }
+                if l.kind() == AttnKind::Csa {
+                    spans.push((l.page_index, l.page_index + n * l.stride(Branch::Indexer)));
+                }
             }
-            if l.kind() == AttnKind::Csa {
-                spans.push((l.page_index, l.page_index + n * l.spec.index_dim));
+            spans.sort();
+            for w in spans.windows(2) {
+                assert!(w[0].1 <= w[1].0, "overlapping page spans {:?} ({})", w, dtype.name());
             }
+            assert_eq!(spans.last().unwrap().1, layout.page_elems);
         }
-        spans.sort();
-        for w in spans.windows(2) {
-            assert!(w[0].1 <= w[1].0, "overlapping page spans {:?}", w);
+    }
+
+    #[test]
+    fn fp8_records_match_the_reference_serving_format() {
+        // V4: 448 FP8 codes + 64 BF16 rope dims + 7 scales = 583, padded to 584 bytes;
+        // indexer keys 128 codes + 2 scales = 130, padded to 136.
+        let main = EntryFormat { dtype: EntryDtype::Fp8, dim: 512, tail: 64 };
+        assert_eq!((main.tail_offset(), main.scale_offset(), main.scales(), main.stride()), (448, 576, 7, 584));
+        let index = EntryFormat { dtype: EntryDtype::Fp8, dim: 128, tail: 0 };
+        assert_eq!((index.scale_offset(), index.scales(), index.stride()), (128, 2, 136));
+        // Tiny test models: 16 codes in one partial block, 16 BF16 dims, 1 scale.
+        let tiny = EntryFormat { dtype: EntryDtype::Fp8, dim: 32, tail: 16 };
+        assert_eq!((tiny.scale_offset(), tiny.stride()), (48, 56));
+        for dtype in [EntryDtype::F32, EntryDtype::Bf16] {
+            let f = EntryFormat { dtype, ..main };
+            assert_eq!((f.stride(), f.bytes()), (512, 512 * dtype.size()));
         }
-        assert_eq!(spans.last().unwrap().1, layout.page_elems);
+
+        let bf16 = KvLayout::new(128, 128, EntryDtype::Bf16, &flash_like());
+        let fp8 = KvLayout::new(128, 128, EntryDtype::Fp8, &flash_like());
+        let pools = fp8.pool_bytes_per_block();
+        assert_eq!(pools.csa_main, 21 * 32 * 584);
+        assert_eq!(pools.csa_index, 21 * 32 * 136);
+        assert_eq!(pools.hca, 20 * 584);
+        assert_eq!(fp8.page_bytes(), pools.csa_main + pools.csa_index + pools.hca);
+        assert_eq!(fp8.window_bytes(), 43 * 128 * 584);
+        // Compressor slots stay f32 whatever the entry dtype.
+        assert_eq!(fp8.comp_elems, bf16.comp_elems);
+        assert_eq!(fp8.state_bytes(), fp8.window_bytes() + fp8.comp_elems * 4);
+        for l in &fp8.layers {
+            assert_eq!(l.ring % 8, 0, "ring records stay 8-byte aligned");
+            assert_eq!((l.page_main % 8, l.page_index % 8), (0, 0), "page records stay 8-byte aligned");
+        }
     }
 }

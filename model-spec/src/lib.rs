@@ -18,7 +18,7 @@ pub mod prefix;
 pub mod text;
 
 pub use config::{BLOCK_TOKENS, ConfigError, MlpKind, ModelConfig, StoredDtype};
-pub use layout::{AttnKind, Branch, EntryDtype, KvLayout, LayerKv, LayerSpec, PoolBytes};
+pub use layout::{AttnKind, Branch, EntryDtype, EntryFormat, KvLayout, LayerKv, LayerSpec, PoolBytes};
 pub use prefix::{Restore, RestorePlan, SwaPolicy};
 
 /// YaRN parameters (as in the config's `rope_scaling`).

@@ -3,7 +3,8 @@
 //! and `usage.cached_tokens` says what was restored; hits at, before and after block
 //! boundaries and prompts that diverge after a shared prefix; two prefill workers
 //! putting the same prefix; a store smaller than the working set; restarts and a
-//! `kill -9` in the middle of writes; and a store that cannot be reached at all.
+//! `kill -9` in the middle of writes; a store that cannot be reached at all; and fp8
+//! KV entries (`--kv-dtype fp8`) stored and restored through it.
 
 use std::time::Duration;
 
@@ -24,7 +25,11 @@ const MAX_TOKENS: usize = 8;
 const LOGPROB_TOL: f32 = 2e-3;
 
 fn local_engine(c: &TestCluster) -> Engine<CpuBackend> {
-    let opts = EngineOptions { kv_dtype: EntryDtype::Bf16, max_pages: 64, max_sequences: 2, max_chunk_tokens: 2048 };
+    local_engine_with(c, EntryDtype::Bf16)
+}
+
+fn local_engine_with(c: &TestCluster, kv_dtype: EntryDtype) -> Engine<CpuBackend> {
+    let opts = EngineOptions { kv_dtype, max_pages: 64, max_sequences: 2, max_chunk_tokens: 2048 };
     Engine::load(&c.model, CpuBackend::new(), opts).expect("load model in-process")
 }
 
@@ -271,5 +276,39 @@ async fn an_unreachable_store_means_cold_prompts_and_counted_misses() {
     assert!(metric(&m, r#"sluice_prefix_cache_errors_total{op="lookup"}"#) >= 3.0);
     assert_eq!(metric(&m, r#"sluice_prefix_cache_hit_tokens_total{pool="csa_main"}"#), 0.0);
     assert_eq!(metric(&m, r#"sluice_prefix_cache_query_tokens_total{pool="csa_main"}"#), 1200.0);
+    c.assert_pages_return(Duration::from_secs(5)).await;
+}
+
+/// fp8 KV entries end to end: workers storing fp8 records put pages and snapshots into
+/// the store, and a later prompt restored from them (a snapshot plus recomputed gap
+/// under `periodic`) reproduces the cold fp8 run of an in-process engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fp8_kv_entries_round_trip_through_the_store() {
+    let fp8 = vec!["--kv-dtype".to_string(), "fp8".to_string()];
+    let spec = Spec {
+        kvstore: Some(KvSpec::policy("periodic:256")),
+        prefill_args: vec![fp8.clone()],
+        decode_args: fp8,
+        ..Spec::new(1, 1)
+    };
+    let c = TestCluster::start(spec).await;
+    let mut engine = local_engine_with(&c, EntryDtype::Fp8);
+    let policy: SwaPolicy = "periodic:256".parse().unwrap();
+    let base = prompt(700, 4, VOCAB);
+    let first = c.generate(ids_request(base.clone(), MAX_TOKENS as u32)).await.expect("cold request");
+    assert_same(&first, &cold(&mut engine, &base), "fp8: first request");
+    let blocks = base.len() / BLOCK;
+    let snapshots = (1..=blocks).filter(|&k| policy.snapshots_at(k, BLOCK)).count() as u64;
+    assert!(snapshots > 0, "the prompt spans a periodic snapshot");
+    let stats = c.wait_kvstore(blocks as u64, snapshots).await;
+    assert_eq!((stats.pages, stats.snapshots), (blocks as u64, snapshots), "fp8: pages and periodic snapshots stored");
+    for (what, p) in [("same prompt", base.clone()), ("ends one token after a boundary", base[..641].to_vec())] {
+        let got = c.generate(ids_request(p.clone(), MAX_TOKENS as u32)).await.expect("cached request");
+        assert_same(&got, &cold(&mut engine, &p), &format!("fp8: {what}"));
+        assert_eq!(cached(&got), expected_cached(policy, p.len(), blocks), "fp8 {what}: usage.cached_tokens");
+    }
+    let kv = c.scrape("kvstore").await;
+    assert!(metric(&kv, "sluice_kvstore_hit_tokens_total") > 0.0);
+    assert_eq!(metric(&kv, "sluice_kvstore_corrupt_records_total"), 0.0);
     c.assert_pages_return(Duration::from_secs(5)).await;
 }

@@ -32,7 +32,7 @@ pub use receiver::{Receiver, RegisteredRegion};
 pub use registered::{Landing, RegisteredKv};
 pub use sender::{RemoteWrite, SendParts, SendStats, Sender};
 pub use target::{RegionSpec, Target};
-pub use wire::{WIRE_VERSION, WireError, WireGeometry};
+pub use wire::{WIRE_VERSION, WireError, WireGeometry, WireLayer};
 
 use thiserror::Error;
 

@@ -259,7 +259,7 @@ mod tests {
 
     #[test]
     fn remote_keys_are_reused_between_sends_and_released_when_idle() {
-        let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16 };
+        let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 };
         let g = WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Bf16, &[spec]), &Fingerprint([1; 32]), 64);
         let rx = Receiver::start().unwrap();
         let [pool, rings, comp, logits] =

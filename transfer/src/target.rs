@@ -71,3 +71,43 @@ impl Target {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kernels::{AttnKind, EntryDtype, KvLayout, LayerSpec};
+    use model_spec::Fingerprint;
+
+    use super::*;
+
+    fn target() -> Target {
+        let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 };
+        let region = RegionSpec { base: 4096, len: 1 << 20, rkey: vec![1, 2, 3] };
+        Target {
+            geometry: WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Fp8, &[spec]), &Fingerprint([5; 32]), 64),
+            ucx_address: vec![9; 12],
+            pages: region.clone(),
+            rings: region.clone(),
+            comp: region.clone(),
+            logits: region,
+            page_ids: vec![3, 1, 4],
+            slot: 2,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_refuses_other_wire_versions_naming_both() {
+        let t = target();
+        assert_eq!(Target::from_proto(&t.to_proto()).unwrap(), t);
+        for theirs in [WIRE_VERSION - 1, WIRE_VERSION + 1] {
+            let mut p = t.to_proto();
+            p.wire_version = theirs;
+            let err = Target::from_proto(&p).unwrap_err();
+            assert_eq!(err, WireError::Version { theirs });
+            let msg = err.to_string();
+            assert!(
+                msg.contains(&format!("version {theirs}")) && msg.contains(&format!("version {WIRE_VERSION}")),
+                "{msg}"
+            );
+        }
+    }
+}

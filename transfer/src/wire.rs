@@ -1,19 +1,25 @@
 //! The KV wire description (see `WIRE_VERSION`): everything two processes must agree on before
 //! one writes KV bytes into the other's memory. Pages and state move as raw bytes and
 //! the receiver reads them through its own layout table, so the description names the
-//! model fingerprint, entry dtype, page and state geometry and the per-layer table; any
-//! difference refuses the transfer and names the first field that differs.
+//! model fingerprint, entry dtype, page and state geometry and the per-layer table
+//! (with each branch's entry stride); any difference refuses the transfer and names the
+//! first field that differs.
 
-use kernels::{AttnKind, EntryDtype, KvLayout, LayerSpec};
+use kernels::{AttnKind, Branch, EntryDtype, KvLayout, LayerSpec};
 use model_spec::Fingerprint;
 use sluice_proto::v1 as pb;
 use thiserror::Error;
 
-pub const WIRE_VERSION: u32 = 2;
+/// 3: fp8 entries (byte records) and per-layer RoPE dims and entry strides. A version-2
+/// peer knows neither, so the two refuse each other instead of misreading bytes.
+pub const WIRE_VERSION: u32 = 3;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum WireError {
-    #[error("KV wire version {theirs} is not supported (this build speaks {WIRE_VERSION})")]
+    #[error(
+        "peer speaks KV wire version {theirs}, this build speaks version {WIRE_VERSION}: \
+         upgrade prefill and decode workers together"
+    )]
     Version { theirs: u32 },
     #[error("KV geometry differs in {field}: theirs {theirs}, ours {ours}")]
     Mismatch { field: String, theirs: String, ours: String },
@@ -34,7 +40,16 @@ pub struct WireGeometry {
     pub comp_bytes: usize,
     /// Last-token logits of one slot (vocab × f32).
     pub logits_bytes: usize,
-    pub layers: Vec<LayerSpec>,
+    pub layers: Vec<WireLayer>,
+}
+
+/// One row of the layer table: what the layer stores and how far apart its entries lie
+/// (storage elements: dims for f32/bf16, record bytes for fp8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireLayer {
+    pub spec: LayerSpec,
+    pub main_stride: usize,
+    pub index_stride: usize,
 }
 
 impl WireGeometry {
@@ -48,7 +63,15 @@ impl WireGeometry {
             ring_bytes: layout.ring_elems * layout.dtype.size(),
             comp_bytes: layout.comp_elems * 4,
             logits_bytes: vocab * 4,
-            layers: layout.layers.iter().map(|l| l.spec).collect(),
+            layers: layout
+                .layers
+                .iter()
+                .map(|l| WireLayer {
+                    spec: l.spec,
+                    main_stride: l.stride(Branch::Main),
+                    index_stride: l.stride(Branch::Indexer),
+                })
+                .collect(),
         }
     }
 
@@ -66,10 +89,13 @@ impl WireGeometry {
                 .layers
                 .iter()
                 .map(|l| pb::LayerGeometry {
-                    kind: l.kind.name().to_string(),
-                    ratio: l.ratio as u32,
-                    head_dim: l.head_dim as u32,
-                    index_dim: l.index_dim as u32,
+                    kind: l.spec.kind.name().to_string(),
+                    ratio: l.spec.ratio as u32,
+                    head_dim: l.spec.head_dim as u32,
+                    index_dim: l.spec.index_dim as u32,
+                    rope_dim: l.spec.rope_dim as u32,
+                    main_stride: l.main_stride as u32,
+                    index_stride: l.index_stride as u32,
                 })
                 .collect(),
         }
@@ -87,12 +113,14 @@ impl WireGeometry {
                     "hca" => AttnKind::Hca,
                     other => return Err(bad(&format!("layer kind `{other}`"))),
                 };
-                Ok(LayerSpec {
+                let spec = LayerSpec {
                     kind,
                     ratio: l.ratio as usize,
                     head_dim: l.head_dim as usize,
                     index_dim: l.index_dim as usize,
-                })
+                    rope_dim: l.rope_dim as usize,
+                };
+                Ok(WireLayer { spec, main_stride: l.main_stride as usize, index_stride: l.index_stride as usize })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(WireGeometry {
@@ -146,9 +174,9 @@ mod tests {
 
     fn geometry() -> WireGeometry {
         let specs = [
-            LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 32, index_dim: 0 },
-            LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16 },
-            LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 32, index_dim: 0 },
+            LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 32, index_dim: 0, rope_dim: 16 },
+            LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 },
+            LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 32, index_dim: 0, rope_dim: 16 },
         ];
         let layout = KvLayout::new(128, 128, EntryDtype::Bf16, &specs);
         WireGeometry::new(&layout, &Fingerprint([7; 32]), 320)
@@ -160,7 +188,7 @@ mod tests {
         assert_eq!(WireGeometry::from_proto(&g.to_proto()).unwrap(), g);
         assert!(g.check_compatible(&g).is_ok());
         let mut other = g.clone();
-        other.layers[1].index_dim = 8;
+        other.layers[1].spec.index_dim = 8;
         let err = g.check_compatible(&other).unwrap_err();
         assert!(err.to_string().contains("layer 1"), "{err}");
         let mut other = g.clone();
@@ -169,5 +197,23 @@ mod tests {
         let mut p = g.to_proto();
         p.entry_dtype = "fp16".into();
         assert!(matches!(WireGeometry::from_proto(&p), Err(WireError::Malformed(_))));
+    }
+
+    #[test]
+    fn fp8_geometry_names_dtype_and_record_strides() {
+        let bf16 = geometry();
+        let specs: Vec<LayerSpec> = bf16.layers.iter().map(|l| l.spec).collect();
+        let fp8 = WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Fp8, &specs), &Fingerprint([7; 32]), 320);
+        assert_eq!(WireGeometry::from_proto(&fp8.to_proto()).unwrap(), fp8);
+        // head_dim 32 with 16 rope dims: 16 codes + 32 tail bytes + 1 scale → 56 bytes;
+        // a 16-dim indexer key: 16 codes + 1 scale → 24 bytes.
+        assert_eq!((fp8.layers[1].main_stride, fp8.layers[1].index_stride), (56, 24));
+        assert_eq!(fp8.to_proto().entry_dtype, "fp8");
+        let err = bf16.check_compatible(&fp8).unwrap_err().to_string();
+        assert!(err.contains("entry dtype") && err.contains("fp8") && err.contains("bf16"), "{err}");
+        // Same dtype, different record layout (say a peer that kept no BF16 tail).
+        let mut other = fp8.clone();
+        other.layers[1].main_stride = 40;
+        assert!(fp8.check_compatible(&other).unwrap_err().to_string().contains("layer 1"));
     }
 }

@@ -10,9 +10,9 @@ use transfer::{Checksums, Receiver, SendParts, Sender, Target, WireGeometry};
 
 fn geometry() -> WireGeometry {
     let specs = [
-        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 32, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16 },
-        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 32, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 32, index_dim: 0, rope_dim: 16 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: 32, index_dim: 0, rope_dim: 16 },
     ];
     WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Bf16, &specs), &Fingerprint([3; 32]), 320)
 }

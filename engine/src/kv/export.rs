@@ -17,7 +17,10 @@ use super::cache::{KvCache, Sequence};
 use super::pool::PoolError;
 use crate::fingerprint::Fingerprint;
 
-pub const SEQUENCE_FORMAT_VERSION: u32 = 2;
+/// 3: fp8 entries (dtype code 2, pages and rings of byte records). Older exports are
+/// refused rather than guessed at: version 2 had no fp8, and its readers would take an
+/// fp8 export's bytes for something else.
+pub const SEQUENCE_FORMAT_VERSION: u32 = 3;
 const MAGIC: &[u8; 8] = b"SLKVSEQ\0";
 const HEADER_LEN: usize = 8 + 4 + 32 + 4 + 4 + 4 + 8 + 4 + 8 + 8 + 8;
 
@@ -25,7 +28,7 @@ const HEADER_LEN: usize = 8 + 4 + 32 + 4 + 4 + 4 + 8 + 4 + 8 + 8 + 8;
 pub enum ImportError {
     #[error("not a sluice sequence export (bad magic or too short)")]
     NotAnExport,
-    #[error("sequence export version {0} is not supported (this build reads {SEQUENCE_FORMAT_VERSION})")]
+    #[error("sequence export has format version {0}, this build reads only version {SEQUENCE_FORMAT_VERSION}")]
     Version(u32),
     #[error("sequence was computed by a different model or KV dtype (fingerprint {theirs}, ours {ours})")]
     Fingerprint { theirs: String, ours: String },
@@ -59,6 +62,7 @@ impl ExportHeader {
         out.push(match self.dtype {
             EntryDtype::F32 => 0,
             EntryDtype::Bf16 => 1,
+            EntryDtype::Fp8 => 2,
         });
         out.extend_from_slice(&[0; 3]);
         out.extend_from_slice(&self.block.to_le_bytes());
@@ -83,6 +87,7 @@ impl ExportHeader {
         let dtype = match bytes[44] {
             0 => EntryDtype::F32,
             1 => EntryDtype::Bf16,
+            2 => EntryDtype::Fp8,
             d => return Err(ImportError::Geometry(format!("unknown entry dtype code {d}"))),
         };
         Ok(ExportHeader {

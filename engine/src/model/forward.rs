@@ -118,8 +118,9 @@ impl<B: Backend> Model<B> {
         b.rms_norm(&mut new_kv, hd, Some(&a.kv_norm), eps);
         b.rope(&mut new_kv, 1, hd, pos, rope, false);
         // Use exactly what the window ring will hold, so a token attends to the same
-        // values whether it is in this chunk or a later one.
-        b.round_to(&mut new_kv, self.layout.dtype);
+        // values whether it is in this chunk or a later one (for fp8 that is each
+        // entry quantised with its own block scales, RoPE tail in BF16).
+        b.round_to(&mut new_kv, &self.layout.layers[l].main);
 
         if let Some(cw) = &a.compressor {
             self.run_compressor(l, Branch::Main, cw, x, kv, plan);

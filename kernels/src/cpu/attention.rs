@@ -21,7 +21,13 @@ fn entry_offset(layout: &KvLayout, layer: usize, branch: Branch, pages: &[u32], 
     let lk = &layout.layers[layer];
     let per_page = lk.entries_per_page(layout.block);
     let page = pages[i / per_page] as usize;
-    page * layout.page_elems + lk.page_offset(branch) + (i % per_page) * lk.branch_dim(branch)
+    page * layout.page_elems + lk.page_offset(branch) + (i % per_page) * lk.stride(branch)
+}
+
+/// Element offset of position `p`'s window entry in a slot's ring for a layer.
+pub(crate) fn ring_offset(layout: &KvLayout, layer: usize, slot: usize, p: usize) -> usize {
+    let lk = &layout.layers[layer];
+    slot * layout.ring_elems + lk.ring + (p % layout.window) * lk.stride(Branch::Main)
 }
 
 /// Gather the keys row `t` of `seq` attends to, as `[n, head_dim]`.
@@ -44,16 +50,15 @@ fn gather_keys(
             let row = seq.first_row + p - seq.start_pos;
             keys.extend_from_slice(&new_kv[row * hd..(row + 1) * hd]);
         } else {
-            let at = seq.slot * layout.ring_elems + lk.ring + (p % window) * hd;
             let n = keys.len();
             keys.resize(n + hd, 0.0);
-            kv.rings.read(at, &mut keys[n..]);
+            kv.rings.read_entry(ring_offset(layout, layer, seq.slot, p), &lk.main, &mut keys[n..]);
         }
     }
     let mut push_entry = |i: usize| {
         let n = keys.len();
         keys.resize(n + hd, 0.0);
-        kv.pages.read(entry_offset(layout, layer, Branch::Main, &seq.pages, i), &mut keys[n..]);
+        kv.pages.read_entry(entry_offset(layout, layer, Branch::Main, &seq.pages, i), &lk.main, &mut keys[n..]);
     };
     match (lk.kind(), selected) {
         (AttnKind::Window, _) => {}
@@ -135,7 +140,7 @@ pub(crate) fn index_topk(
         let mut key = vec![0f32; dim];
         let mut scored: Vec<(f32, i32)> = (0..n)
             .map(|i| {
-                kv.pages.read(entry_offset(layout, layer, Branch::Indexer, &seq.pages, i), &mut key);
+                kv.pages.read_entry(entry_offset(layout, layer, Branch::Indexer, &seq.pages, i), &lk.index, &mut key);
                 let mut s = 0f32;
                 for h in 0..heads {
                     let qh = &q[r * width + h * dim..r * width + (h + 1) * dim];
@@ -162,13 +167,11 @@ pub(crate) fn store_window(
 ) {
     let lk = &layout.layers[layer];
     let hd = lk.spec.head_dim;
-    let window = layout.window;
     for seq in &plan.seqs {
-        for j in seq.rows.saturating_sub(window)..seq.rows {
+        for j in seq.rows.saturating_sub(layout.window)..seq.rows {
             let p = seq.start_pos + j;
             let row = seq.first_row + j;
-            let at = seq.slot * layout.ring_elems + lk.ring + (p % window) * hd;
-            kv.rings.write(at, &new_kv[row * hd..(row + 1) * hd]);
+            kv.rings.write_entry(ring_offset(layout, layer, seq.slot, p), &lk.main, &new_kv[row * hd..(row + 1) * hd]);
         }
     }
 }

@@ -107,6 +107,6 @@ fn write_entry(
         .get(i / per_page)
         .unwrap_or_else(|| panic!("page table too short for compressed entry {i} of layer {layer}"))
         as usize;
-    let offset = page * layout.page_elems + lk.page_offset(branch) + (i % per_page) * dim;
-    pages.write(offset, &entry);
+    let offset = page * layout.page_elems + lk.page_offset(branch) + (i % per_page) * lk.stride(branch);
+    pages.write_entry(offset, &lk.format(branch), &entry);
 }

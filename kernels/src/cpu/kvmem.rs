@@ -3,7 +3,8 @@
 
 use crate::EntryDtype;
 use crate::backend::ExternalMemory;
-use crate::quant::{bf16_to_f32, f32_to_bf16};
+use crate::kv_entry;
+use crate::kv_layout::EntryFormat;
 
 enum Mem {
     /// u64 words keep every element type aligned.
@@ -14,7 +15,7 @@ enum Mem {
 /// Entries of one dtype: pages, window rings, or (always f32) compressor slots.
 pub struct CpuKv {
     dtype: EntryDtype,
-    /// Elements (not bytes).
+    /// Elements (not bytes; for fp8 an element is a byte).
     len: usize,
     mem: Mem,
 }
@@ -89,28 +90,18 @@ impl CpuKv {
         bytemuck::cast_slice_mut(self.bytes_mut())
     }
 
-    /// Read `out.len()` elements starting at element `offset`, widened to f32.
-    pub fn read(&self, offset: usize, out: &mut [f32]) {
-        let n = out.len();
-        match self.dtype {
-            EntryDtype::F32 => out.copy_from_slice(&self.f32s()[offset..offset + n]),
-            EntryDtype::Bf16 => {
-                let v: &[u16] = bytemuck::cast_slice(self.bytes());
-                out.iter_mut().zip(&v[offset..offset + n]).for_each(|(o, b)| *o = bf16_to_f32(*b))
-            }
-        }
+    /// Decode the entry stored at element `offset` into `out` (`fmt.dim` values).
+    pub fn read_entry(&self, offset: usize, fmt: &EntryFormat, out: &mut [f32]) {
+        debug_assert_eq!(fmt.dtype, self.dtype, "entry format of another dtype");
+        let at = offset * self.dtype.size();
+        kv_entry::decode(fmt, &self.bytes()[at..at + fmt.bytes()], out)
     }
 
-    /// Write f32 values starting at element `offset`, narrowed to the storage dtype.
-    pub fn write(&mut self, offset: usize, data: &[f32]) {
-        let n = data.len();
-        match self.dtype {
-            EntryDtype::F32 => self.f32s_mut()[offset..offset + n].copy_from_slice(data),
-            EntryDtype::Bf16 => {
-                let v: &mut [u16] = bytemuck::cast_slice_mut(self.bytes_mut());
-                v[offset..offset + n].iter_mut().zip(data).for_each(|(b, x)| *b = f32_to_bf16(*x))
-            }
-        }
+    /// Encode `data` (`fmt.dim` values) as the entry at element `offset`.
+    pub fn write_entry(&mut self, offset: usize, fmt: &EntryFormat, data: &[f32]) {
+        debug_assert_eq!(fmt.dtype, self.dtype, "entry format of another dtype");
+        let at = offset * self.dtype.size();
+        kv_entry::encode(fmt, data, &mut self.bytes_mut()[at..at + fmt.bytes()])
     }
 }
 
@@ -145,16 +136,19 @@ mod tests {
 
     #[test]
     fn adopted_memory_reads_and_writes_like_owned() {
-        for dtype in [EntryDtype::F32, EntryDtype::Bf16] {
-            let mut ext = CpuKv::adopt(block(16), 20, dtype).unwrap();
-            let mut own = CpuKv::zeroed(20, dtype);
+        for dtype in EntryDtype::ALL {
+            let fmt = EntryFormat { dtype, dim: 7, tail: 3 };
+            let elems = 20 * 4 / dtype.size();
+            let mut ext = CpuKv::adopt(block(16), elems, dtype).unwrap();
+            let mut own = CpuKv::zeroed(elems, dtype);
             let data: Vec<f32> = (0..7).map(|i| i as f32 * 0.75 - 2.0).collect();
-            ext.write(5, &data);
-            own.write(5, &data);
+            let at = 8 / dtype.size();
+            ext.write_entry(at, &fmt, &data);
+            own.write_entry(at, &fmt, &data);
             assert_eq!(ext.bytes(), own.bytes());
             let mut back = vec![0f32; 7];
-            ext.read(5, &mut back);
-            assert_eq!(back, data);
+            ext.read_entry(at, &fmt, &mut back);
+            assert_eq!(back, data, "{}", dtype.name());
         }
         let err = CpuKv::adopt(block(2), 20, EntryDtype::F32).unwrap_err();
         assert!(err.contains("16 bytes, 80 needed"), "{err}");

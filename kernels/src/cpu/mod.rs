@@ -16,7 +16,7 @@ use crate::EntryDtype;
 use crate::backend::{
     Backend, CompressorParams, ExternalMemory, HcHeadWeights, HcWeights, KvState, MoeWeights, Selection,
 };
-use crate::kv_layout::{Branch, KvLayout};
+use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
 use crate::stored::WeightView;
@@ -138,8 +138,8 @@ impl Backend for CpuBackend {
         x.iter_mut().for_each(|v| *v *= factor);
     }
 
-    fn round_to(&self, x: &mut Vec<f32>, dtype: EntryDtype) {
-        rows::round_to(x, dtype)
+    fn round_to(&self, x: &mut Vec<f32>, fmt: &EntryFormat) {
+        rows::round_to(x, fmt)
     }
 
     fn hc_pre(

@@ -3,8 +3,8 @@
 use rayon::prelude::*;
 
 use super::CpuMatrix;
-use crate::EntryDtype;
-use crate::quant::{bf16_to_f32, f32_to_bf16};
+use crate::kv_entry;
+use crate::kv_layout::EntryFormat;
 use crate::rope::{RopeTable, rotate_with};
 
 /// Rows per rayon task for cheap per-row work.
@@ -57,9 +57,7 @@ pub(crate) fn rope(x: &mut [f32], heads: usize, head_dim: usize, positions: &[u3
     });
 }
 
-pub(crate) fn round_to(x: &mut [f32], dtype: EntryDtype) {
-    match dtype {
-        EntryDtype::F32 => {}
-        EntryDtype::Bf16 => x.par_iter_mut().for_each(|v| *v = bf16_to_f32(f32_to_bf16(*v))),
-    }
+pub(crate) fn round_to(x: &mut [f32], fmt: &EntryFormat) {
+    assert_eq!(x.len() % fmt.dim.max(1), 0, "round_to input is not [rows, {}]", fmt.dim);
+    x.par_chunks_mut(fmt.dim.max(1) * ROW_CHUNK).for_each(|rows| kv_entry::round(fmt, rows));
 }

@@ -32,6 +32,7 @@ struct IndexGeom {
     ratio: i32,
     n_max: i32,
     dtype: i32,
+    stride: i32,
     page_elems: i32,
     page_off: i32,
     per_page: i32,
@@ -50,10 +51,11 @@ struct AttnGeom {
     kind: i32,
     ratio: i32,
     top_k: i32,
-    ring_dtype: i32,
+    dtype: i32,
+    tail: i32,
+    stride: i32,
     ring_elems: i32,
     ring_off: i32,
-    page_dtype: i32,
     page_elems: i32,
     page_off: i32,
     per_page: i32,
@@ -92,7 +94,7 @@ pub(crate) fn index_topk(
     let n_max = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).max().unwrap_or(0);
     let dp = b.plans.get(g, plan);
     let visible: usize = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).sum();
-    g.traffic.add_kv(visible * dim * layout.dtype.size());
+    g.traffic.add_kv(visible * lk.index.bytes());
     let scores = b.alloc_buf(rows * n_max);
     if n_max > top_k {
         let smem = (heads * dim + heads) * 4;
@@ -103,6 +105,7 @@ pub(crate) fn index_topk(
             ratio: ratio as i32,
             n_max: n_max as i32,
             dtype: dtype_code(layout.dtype),
+            stride: lk.stride(Branch::Indexer) as i32,
             page_elems: layout.page_elems as i32,
             page_off: lk.page_offset(Branch::Indexer) as i32,
             per_page: lk.entries_per_page(layout.block) as i32,
@@ -265,7 +268,7 @@ pub(crate) fn attention(
                 }
         })
         .sum();
-    g.traffic.add_kv(keys * hd * layout.dtype.size());
+    g.traffic.add_kv(keys * lk.main.bytes());
     let mma = use_mma(layout, layer, rows);
     let hgroups = heads.div_ceil(if mma { MMA_HEADS_PER_BLOCK } else { ATT_HEADS_PER_BLOCK });
     let (splits, per) = if mma { (1, n_max) } else { key_splits(g.sms, rows * hgroups, n_max) };
@@ -277,10 +280,11 @@ pub(crate) fn attention(
         kind,
         ratio: lk.spec.ratio.max(1) as i32,
         top_k: top_k as i32,
-        ring_dtype: dtype_code(layout.dtype),
+        dtype: dtype_code(layout.dtype),
+        tail: lk.main.tail as i32,
+        stride: lk.stride(Branch::Main) as i32,
         ring_elems: layout.ring_elems as i32,
         ring_off: lk.ring as i32,
-        page_dtype: dtype_code(layout.dtype),
         page_elems: layout.page_elems as i32,
         page_off: lk.page_offset(Branch::Main) as i32,
         per_page: lk.entries_per_page(layout.block).max(1) as i32,
@@ -324,8 +328,10 @@ pub(crate) fn attention(
 }
 
 /// Whether this layer's attention runs on the tensor cores: prefill-sized batches over
-/// bf16 entries (exact as bf16 operands) whose geometry the kernel handles (head_dim a
-/// multiple of 64, every entry 16-byte aligned). `SLUICE_CUDA_ATTENTION=simt` keeps the
+/// bf16 or fp8 entries (both exact as bf16 operands: fp8 codes times a power-of-two
+/// scale need 4 significant bits) whose geometry the kernel handles (head_dim a multiple
+/// of 64, every entry 16-byte aligned for bf16, 8-byte for fp8 records, whose FP8 and
+/// BF16 parts then come in whole 8-dim pieces). `SLUICE_CUDA_ATTENTION=simt` keeps the
 /// SIMT kernel everywhere (for comparisons).
 fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
     static SIMT_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -333,13 +339,15 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
     let lk = &layout.layers[layer];
     let hd = lk.spec.head_dim;
     let aligned =
-        [layout.ring_elems, lk.ring, layout.page_elems, lk.page_offset(Branch::Main), hd].iter().all(|v| v % 8 == 0);
-    !simt_only
-        && rows >= MMA_MIN_ROWS
-        && layout.dtype == crate::EntryDtype::Bf16
-        && hd.is_multiple_of(64)
-        && hd <= ATT_HD_MAX
-        && aligned
+        [layout.ring_elems, lk.ring, layout.page_elems, lk.page_offset(Branch::Main), lk.stride(Branch::Main)]
+            .iter()
+            .all(|v| v % 8 == 0);
+    let dtype_ok = match layout.dtype {
+        crate::EntryDtype::Bf16 => true,
+        crate::EntryDtype::Fp8 => lk.main.tail.is_multiple_of(8),
+        crate::EntryDtype::F32 => false,
+    };
+    !simt_only && rows >= MMA_MIN_ROWS && dtype_ok && hd.is_multiple_of(64) && hd <= ATT_HD_MAX && aligned
 }
 
 pub(crate) fn store_window(
@@ -362,7 +370,7 @@ pub(crate) fn store_window(
     launch!(
         g,
         "store_window",
-        cfg_elems(rows * hd),
+        cfg_elems(rows * 32),
         g.ptr(&new_kv.mem),
         g.ptr(&kv.rings.mem),
         g.ptr(&dp.row_seq),
@@ -371,6 +379,8 @@ pub(crate) fn store_window(
         hd as i32,
         layout.window as i32,
         dtype_code(layout.dtype),
+        lk.main.tail as i32,
+        lk.stride(Branch::Main) as i32,
         layout.ring_elems as i32,
         lk.ring as i32,
     );

@@ -221,6 +221,7 @@ pub(crate) fn dtype_code(d: EntryDtype) -> i32 {
     match d {
         EntryDtype::F32 => 0,
         EntryDtype::Bf16 => 1,
+        EntryDtype::Fp8 => 2,
     }
 }
 

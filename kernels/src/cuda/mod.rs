@@ -35,7 +35,7 @@ mod upload;
 
 use crate::EntryDtype;
 use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, KvState, MoeWeights, Selection};
-use crate::kv_layout::{Branch, KvLayout};
+use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
 use crate::stored::WeightView;
@@ -428,8 +428,8 @@ impl Backend for CudaBackend {
         self.prof("scale", || rows::scale(self, x, factor))
     }
 
-    fn round_to(&self, x: &mut CudaBuf, dtype: EntryDtype) {
-        self.prof("round_to", || rows::round_to(self, x, dtype))
+    fn round_to(&self, x: &mut CudaBuf, fmt: &EntryFormat) {
+        self.prof("round_to", || rows::round_to(self, x, fmt))
     }
 
     fn hc_pre(

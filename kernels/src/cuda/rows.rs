@@ -7,6 +7,7 @@ use super::CudaBackend;
 use super::memory::{CudaBuf, CudaWeight, WeightData};
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::EntryDtype;
+use crate::kv_layout::EntryFormat;
 use crate::rope::RopeTable;
 
 /// Most rotated pairs a head may have (the kernel's by-value table).
@@ -145,10 +146,26 @@ pub(crate) fn scale(b: &CudaBackend, x: &mut CudaBuf, factor: f32) {
     launch!(g, "scale_f32", cfg_elems(x.len), g.ptr(&x.mem), x.len as i64, factor);
 }
 
-pub(crate) fn round_to(b: &CudaBackend, x: &mut CudaBuf, dtype: EntryDtype) {
-    if dtype == EntryDtype::F32 || x.len == 0 {
+pub(crate) fn round_to(b: &CudaBackend, x: &mut CudaBuf, fmt: &EntryFormat) {
+    assert_eq!(x.len % fmt.dim.max(1), 0, "round_to input is not [rows, {}]", fmt.dim);
+    if x.len == 0 {
         return;
     }
     let g = &b.gpu;
-    launch!(g, "round_to_bf16", cfg_elems(x.len), g.ptr(&x.mem), x.len as i64);
+    match fmt.dtype {
+        EntryDtype::F32 => {}
+        EntryDtype::Bf16 => launch!(g, "round_to_bf16", cfg_elems(x.len), g.ptr(&x.mem), x.len as i64),
+        EntryDtype::Fp8 => {
+            let rows = x.len / fmt.dim;
+            launch!(
+                g,
+                "round_to_fp8",
+                cfg_elems(rows * 32),
+                g.ptr(&x.mem),
+                rows as i32,
+                fmt.dim as i32,
+                fmt.tail as i32
+            )
+        }
+    }
 }

@@ -43,6 +43,7 @@ const KERNELS: &[&str] = &[
     "rope",
     "scale_f32",
     "round_to_bf16",
+    "round_to_fp8",
     "split_bf16",
     "gemv_f32_r1",
     "gemv_f32_r2",

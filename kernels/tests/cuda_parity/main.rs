@@ -13,11 +13,12 @@
 
 use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing, Selection};
 use kernels::cuda::CudaBackend;
-use kernels::quant::{bf16_to_f32, f32_to_bf16};
+use kernels::quant::f32_to_bf16;
 use kernels::rope::Yarn;
 use kernels::stored::{OwnedFormat, OwnedWeight, WeightView};
 use kernels::{
-    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, HostMatrix, KvLayout, KvState, LayerSpec, RopeTable,
+    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState,
+    LayerSpec, RopeTable, kv_entry,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -159,12 +160,25 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
             check(&format!("rope 64x512 inverse={inverse}"), "f32", &g.download(&gx), &want);
         }
     }
+    // Storage rounding: bf16 values, fp8 entries of V4's main (512 dims, 64 in BF16) and
+    // indexer (128) formats and a tiny model's (32, 16: one partial scale block), over
+    // values spanning many magnitudes so block scales differ from row to row.
+    for (dtype, dim, tail) in
+        [(EntryDtype::Bf16, 512, 64), (EntryDtype::Fp8, 512, 64), (EntryDtype::Fp8, 128, 0), (EntryDtype::Fp8, 32, 16)]
+    {
+        let fmt = EntryFormat { dtype, dim, tail };
+        let x: Vec<f32> = rand_vec(&mut rng, 11 * dim, 1.0)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v * 10f32.powi((i / 64 % 7) as i32 - 3))
+            .collect();
+        let mut gx = g.upload(&x);
+        g.round_to(&mut gx, &fmt);
+        let mut want = x.clone();
+        c.round_to(&mut want, &fmt);
+        assert_eq!(g.download(&gx), want, "{fmt:?} rounding must be bit-identical");
+    }
     let x = rand_vec(&mut rng, 11 * 512, 1.0);
-    let mut gx = g.upload(&x);
-    g.round_to(&mut gx, EntryDtype::Bf16);
-    let mut want = x.clone();
-    c.round_to(&mut want, EntryDtype::Bf16);
-    assert_eq!(g.download(&gx), want, "bf16 rounding must be bit-identical");
     let gathered = g.gather_rows(&g.upload(&x), 512, &[3, 0, 10, 3]);
     assert_eq!(g.download(&gathered), c.gather_rows(&x, 512, &[3, 0, 10, 3]));
     for dtype in ["f32", "bf16", "fp8", "fp4"] {
@@ -373,6 +387,8 @@ fn side<'a, B: Backend>(
     let nan: Vec<u8> = match layout.dtype {
         EntryDtype::F32 => f32::NAN.to_le_bytes().repeat(pages * layout.page_elems),
         EntryDtype::Bf16 => 0x7fc0u16.to_le_bytes().repeat(pages * layout.page_elems),
+        // 0xff is NaN as an e4m3 code, a BF16 tail value and a ue8m0 scale alike.
+        EntryDtype::Fp8 => vec![0xff; pages * layout.page_elems],
     };
     b.kv_write(&mut kv.pages, 0, &nan);
     let params = raw.iter().map(|p| [b.upload(&p[0]), b.upload(&p[1]), b.upload(&p[2]), b.upload(&p[3])]).collect();

@@ -3,6 +3,30 @@
 
 use super::*;
 
+/// Every compressed entry of `pages` pages, decoded in (page, layer, branch, entry) order.
+fn page_entries(layout: &KvLayout, bytes: &[u8], pages: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for p in 0..pages {
+        for lk in &layout.layers {
+            let branches: &[Branch] = match lk.kind() {
+                AttnKind::Window => &[],
+                AttnKind::Hca => &[Branch::Main],
+                AttnKind::Csa => &[Branch::Main, Branch::Indexer],
+            };
+            for &br in branches {
+                let fmt = lk.format(br);
+                for i in 0..lk.entries_per_page(layout.block) {
+                    let at = (p * layout.page_elems + lk.page_offset(br) + i * lk.stride(br)) * layout.dtype.size();
+                    let n = out.len();
+                    out.resize(n + fmt.dim, 0.0);
+                    kv_entry::decode(&fmt, &bytes[at..at + fmt.bytes()], &mut out[n..]);
+                }
+            }
+        }
+    }
+    out
+}
+
 /// Random projections of one layer for a batch, shared by both backends.
 struct StepInputs {
     main_kv: Vec<f32>,
@@ -68,14 +92,13 @@ fn f64_scores<B: Backend>(
     let per_page = lk.entries_per_page(layout.block);
     (0..n)
         .map(|i| {
-            let at = pages[i / per_page] as usize * layout.page_elems + lk.page_index + (i % per_page) * IDX_DIM;
-            let bytes = side.b.kv_read(&side.kv.pages, at, IDX_DIM);
-            let key: Vec<f64> = match layout.dtype {
-                EntryDtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(&bytes).into_iter().map(f64::from).collect(),
-                EntryDtype::Bf16 => {
-                    bytemuck::pod_collect_to_vec::<u8, u16>(&bytes).into_iter().map(|b| bf16_to_f32(b) as f64).collect()
-                }
-            };
+            let at = pages[i / per_page] as usize * layout.page_elems
+                + lk.page_offset(Branch::Indexer)
+                + (i % per_page) * lk.stride(Branch::Indexer);
+            let bytes = side.b.kv_read(&side.kv.pages, at, lk.stride(Branch::Indexer));
+            let mut key = vec![0f32; IDX_DIM];
+            kv_entry::decode(&lk.index, &bytes, &mut key);
+            let key: Vec<f64> = key.into_iter().map(f64::from).collect();
             (0..IDX_HEADS)
                 .map(|h| {
                     let dot: f64 = (0..IDX_DIM).map(|d| q[h * IDX_DIM + d] as f64 * key[d]).sum();
@@ -91,9 +114,9 @@ fn sequence_ops(dtype: EntryDtype) {
     let Some(g) = gpu(&name) else { return };
     let mut rng = rng(&name);
     let specs = [
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
-        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: HD, index_dim: 0, rope_dim: 64 },
     ];
     let layout = KvLayout::new(128, 128, dtype, &specs);
     let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
@@ -126,11 +149,9 @@ fn sequence_ops(dtype: EntryDtype) {
         let rows = plan.rows();
         for (l, spec) in specs.iter().enumerate() {
             let cw = if spec.kind == AttnKind::Csa { 2 * HD } else { HD };
-            let round = |v: Vec<f32>| -> Vec<f32> {
-                match dtype {
-                    EntryDtype::F32 => v,
-                    EntryDtype::Bf16 => v.into_iter().map(|x| bf16_to_f32(f32_to_bf16(x))).collect(),
-                }
+            let round = |mut v: Vec<f32>| -> Vec<f32> {
+                kv_entry::round(&layout.layers[l].main, &mut v);
+                v
             };
             let inp = StepInputs {
                 main_kv: rand_vec(&mut rng, rows * cw, 1.0),
@@ -214,22 +235,21 @@ fn sequence_ops(dtype: EntryDtype) {
     // Every entry written (or left poisoned) the same on both devices.
     let gpages = gs.b.kv_read(&gs.kv.pages, 0, 24 * layout.page_elems);
     let cpages = cs.b.kv_read(&cs.kv.pages, 0, 24 * layout.page_elems);
-    let to_f32 = |bytes: &[u8]| -> Vec<f32> {
-        match dtype {
-            EntryDtype::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes),
-            EntryDtype::Bf16 => bytemuck::pod_collect_to_vec::<u8, u16>(bytes).into_iter().map(bf16_to_f32).collect(),
-        }
-    };
-    let (gp, cp) = (to_f32(&gpages), to_f32(&cpages));
+    let (gp, cp) = (page_entries(&layout, &gpages, 24), page_entries(&layout, &cpages, 24));
     let nan_mismatch = gp.iter().zip(&cp).filter(|(a, b)| a.is_nan() != b.is_nan()).count();
     assert_eq!(nan_mismatch, 0, "entries written on one device only");
     let written: Vec<(f32, f32)> = gp.iter().zip(&cp).filter(|(a, _)| !a.is_nan()).map(|(a, b)| (*a, *b)).collect();
     assert!(!written.is_empty());
     let (ga, ca): (Vec<f32>, Vec<f32>) = written.into_iter().unzip();
-    check("compressed entries", dtype.name(), &ga, &ca);
-    let grings = to_f32(&gs.b.kv_read(&gs.kv.rings, 0, 2 * layout.ring_elems));
-    let crings = to_f32(&cs.b.kv_read(&cs.kv.rings, 0, 2 * layout.ring_elems));
-    assert_eq!(grings, crings, "window rings hold the same stored values");
+    if dtype == EntryDtype::Fp8 {
+        check_fp8_entries(&ga, &ca);
+    } else {
+        check("compressed entries", dtype.name(), &ga, &ca);
+    }
+    // This step's new_kv went through the same codec on both devices: same bytes.
+    let grings = gs.b.kv_read(&gs.kv.rings, 0, 2 * layout.ring_elems);
+    let crings = cs.b.kv_read(&cs.kv.rings, 0, 2 * layout.ring_elems);
+    assert!(grings == crings, "window rings hold the same stored bytes");
     let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 2 * layout.comp_elems);
     let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 2 * layout.comp_elems);
     assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
@@ -252,6 +272,32 @@ fn cuda_sequence_ops_match_cpu_at_flash_shapes_bf16() {
     sequence_ops(EntryDtype::Bf16);
 }
 
+#[test]
+fn cuda_sequence_ops_match_cpu_at_flash_shapes_fp8() {
+    sequence_ops(EntryDtype::Fp8);
+}
+
+/// Compressed fp8 entries of the two devices: the compressors' f32 sums differ in their
+/// last bits, which moves the rare value across an FP8 rounding step (or a block's
+/// maximum across a power of two). So: almost every value identical, and every other one
+/// at most one FP8 step away (an e4m3 step is at most 1/8 of the value, 2^-9 of the
+/// block's scale below the normal range).
+fn check_fp8_entries(g: &[f32], c: &[f32]) {
+    let top = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let mut differ = 0usize;
+    for (i, (a, b)) in g.iter().zip(c).enumerate() {
+        if a == b {
+            continue;
+        }
+        differ += 1;
+        let step = a.abs().max(b.abs()) / 8.0 + top * 2f32.powi(-18);
+        assert!((a - b).abs() <= step, "fp8 entry value {i}: gpu {a} cpu {b}, more than one FP8 step apart");
+    }
+    let frac = differ as f64 / g.len() as f64;
+    eprintln!("PARITY compressed entries fp8: {differ} of {} values one FP8 step apart", g.len());
+    assert!(frac <= 1e-3, "{differ} of {} fp8 entry values differ between the devices", g.len());
+}
+
 /// Compressors inside a restored prefix (`pages_final_until`) refill their rings but
 /// leave the prefix's entries alone, on both devices.
 #[test]
@@ -259,7 +305,7 @@ fn cuda_compressor_respects_pages_final_until() {
     let Some(g) = gpu("cuda_compressor_respects_pages_final_until") else { return };
     let cpu = CpuBackend::new();
     let mut rng = rng("pages_final_until");
-    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM }];
+    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
     let layout = KvLayout::new(128, 128, EntryDtype::F32, &spec);
     let raw = vec![[
         rand_vec(&mut rng, 4 * 2 * HD, 0.5),
@@ -304,9 +350,9 @@ fn cuda_compressor_long_batches_match_cpu() {
     let cpu = CpuBackend::new();
     let mut rng = rng("compressor_long_batches");
     let specs = [
-        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM },
-        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0 },
-        LayerSpec { kind: AttnKind::Hca, ratio: 256, head_dim: HD, index_dim: 0 },
+        LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 128, head_dim: HD, index_dim: 0, rope_dim: 64 },
+        LayerSpec { kind: AttnKind::Hca, ratio: 256, head_dim: HD, index_dim: 0, rope_dim: 64 },
     ];
     let layout = KvLayout::new(256, 128, EntryDtype::F32, &specs);
     let raw = compressor_params(&mut rng, &specs, 0.5);

@@ -9,7 +9,7 @@ fn cuda_indexer_topk_over_many_candidates_matches_cpu() {
     let Some(g) = gpu("cuda_indexer_topk_over_many_candidates_matches_cpu") else { return };
     let cpu = CpuBackend::new();
     let mut rng = rng("topk");
-    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM }];
+    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
     let layout = KvLayout::new(128, 128, EntryDtype::Bf16, &spec);
     let ctx = 262_144usize;
     let pages = ctx / 128;

@@ -161,6 +161,7 @@ impl ModelConfig {
                 ratio,
                 head_dim: self.head_dim,
                 index_dim: if kind == AttnKind::Csa { self.index_head_dim } else { 0 },
+                rope_dim: self.rope_head_dim,
             })
             .collect()
     }

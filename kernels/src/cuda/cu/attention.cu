@@ -10,10 +10,13 @@
 #define ATT_HD_MAX 512
 #define ATT_DPL (ATT_HD_MAX / 32)
 
+// Ring and page entries share one format: `dtype`, `tail` BF16 dims (fp8), `stride`
+// storage elements from one entry to the next.
 struct AttnGeom {
     int heads, hd, window, kind, ratio, top_k;
-    int ring_dtype, ring_elems, ring_off;
-    int page_dtype, page_elems, page_off, per_page;
+    int dtype, tail, stride;
+    int ring_elems, ring_off;
+    int page_elems, page_off, per_page;
     int splits, keys_per_split;
     float scale;
 };
@@ -29,14 +32,14 @@ __device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n
             *off = (long long)(seq[SEQ_FIRST_ROW] + p - start) * g.hd;
             return 0;
         }
-        *off = (long long)seq[SEQ_SLOT] * g.ring_elems + g.ring_off + (long long)(p % g.window) * g.hd;
+        *off = (long long)seq[SEQ_SLOT] * g.ring_elems + g.ring_off + (long long)(p % g.window) * g.stride;
         return 1;
     }
     const int c = j - n_win;
     const int i = g.kind == 1 ? sel_row[c] : c;
     if (i < 0) return -1;
     const u32 page = pages[seq[SEQ_PAGE_OFF] + i / g.per_page];
-    *off = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.hd;
+    *off = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.stride;
     return 2;
 }
 
@@ -85,10 +88,9 @@ extern "C" __global__ void __launch_bounds__(512)
             float* dst = keys + kk * ATT_HD_MAX;
             if (kind == 0) {
                 for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = new_kv[off + d];
-            } else if (kind == 1) {
-                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = load_entry(rings, g.ring_dtype, off + d);
-            } else if (kind == 2) {
-                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = load_entry(page_base, g.page_dtype, off + d);
+            } else if (kind == 1 || kind == 2) {
+                const u8* e = entry_at(kind == 1 ? rings : page_base, g.dtype, off);
+                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = entry_load(e, g.dtype, g.hd, g.tail, d);
             } else {
                 for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = 0.0f;
             }
@@ -181,16 +183,18 @@ extern "C" __global__ void attention_merge(const float* part, const float* sinks
     }
 }
 
-// Window ring update: each sequence's last `window` rows of new_kv go to slot p % window.
+// Window ring update: each sequence's last `window` rows of new_kv go to slot p % window,
+// one warp per row (an fp8 entry's block scales are warp reductions).
 extern "C" __global__ void store_window(const float* new_kv, u8* rings, const int* row_seq, const int* seqs, int rows,
-                                        int hd, int window, int dtype, int ring_elems, int ring_off) {
-    long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)rows * hd) return;
-    const int r = (int)(idx / hd), c = (int)(idx % hd);
+                                        int hd, int window, int dtype, int tail, int stride, int ring_elems,
+                                        int ring_off) {
+    const int r = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP);
+    if (r >= rows) return;
     const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
     const int j = r - seq[SEQ_FIRST_ROW];
     if (j + window < seq[SEQ_ROWS]) return;
     const int p = seq[SEQ_START] + j;
-    const long long at = (long long)seq[SEQ_SLOT] * ring_elems + ring_off + (long long)(p % window) * hd + c;
-    store_entry(rings, dtype, at, new_kv[idx]);
+    const long long at = (long long)seq[SEQ_SLOT] * ring_elems + ring_off + (long long)(p % window) * stride;
+    entry_store_warp(new_kv + (long long)r * hd, entry_at(rings, dtype, at), nullptr, dtype, hd, tail,
+                     stride * entry_elem_bytes(dtype));
 }

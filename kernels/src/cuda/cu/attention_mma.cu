@@ -1,12 +1,14 @@
-// Tensor-core attention for prefill-sized batches over bf16 KV entries (attention.cu
-// defines AttnGeom, key_source and the SIMT kernel that decode and f32 KV use).
+// Tensor-core attention for prefill-sized batches over bf16 or fp8 KV entries
+// (attention.cu defines AttnGeom, key_source and the SIMT kernel that decode and f32 KV
+// use).
 //
 // The SIMT kernel spends ~90% of an 8K prefill's attention time on one-warp-per-head dot
 // products in f32. Here both products run on the tensor cores (mma.sync m16n8k16, bf16
 // in, f32 accumulate): a block takes one row and 32 heads; its 8 warps are 2 head groups
 // (the mma's 16 rows) × 4 dim groups (head_dim / 4 dims each). Keys are exact in bf16
-// (pages and rings store bf16; this step's new_kv was rounded to the entry dtype before
-// attention), and the f32 operands (q and the softmax weights) are split into two bf16
+// (pages and rings store bf16, or fp8 codes times a power-of-two scale, which bf16 holds
+// exactly and which the tile load converts; this step's new_kv was rounded to the entry
+// dtype before attention), and the f32 operands (q and the softmax weights) are split into two bf16
 // halves, x ≈ hi + lo, multiplied separately into the same f32 accumulator: ~16 mantissa
 // bits, so results stay within f32-summation-order distance of the SIMT kernel.
 //
@@ -25,6 +27,27 @@
 #define TC_NTILES_MAX (ATT_HD_MAX / TC_DGROUPS / 8)
 
 __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
+
+// Dims d0 .. d0+7 of the fp8 entry record at `e` as 8 bf16, exactly (a code times a
+// power of two needs 4 significant bits). d0, n8 = dim - tail and the tail are
+// multiples of 8 (use_mma checks), so a piece is all codes or all BF16 tail, and every
+// load is 8-byte aligned (records are).
+__device__ __forceinline__ uint4 fp8_piece_bf16(const u8* e, int n8, int tail, int d0) {
+    if (d0 >= n8) {
+        const u8* t = e + n8 + 2 * (d0 - n8);
+        const uint2 a = *(const uint2*)t, b = *(const uint2*)(t + 8);
+        return make_uint4(a.x, a.y, b.x, b.y);
+    }
+    const uint2 q = *(const uint2*)(e + d0);
+    const float s = ue8m0_scale(e[n8 + 2 * tail + d0 / FP8_BLOCK]);
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u32 word = (j < 2 ? q.x : q.y) >> (16 * (j & 1));
+        w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
 
 // (a, b) ≈ (hi + lo) per element, both halves packed as bf16 pairs.
 __device__ __forceinline__ void split_pair(float a, float b, u32* hi, u32* lo) {
@@ -117,10 +140,10 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                     const float4 b = *(const float4*)(new_kv + off + c * 8 + 4);
                     v = make_uint4(pack_bf16x2(f2bf(a.x), f2bf(a.y)), pack_bf16x2(f2bf(a.z), f2bf(a.w)),
                                    pack_bf16x2(f2bf(b.x), f2bf(b.y)), pack_bf16x2(f2bf(b.z), f2bf(b.w)));
-                } else if (kind == 1) {
-                    v = *(const uint4*)((const u16*)rings + off + c * 8);
-                } else if (kind == 2) {
-                    v = *(const uint4*)((const u16*)page_base + off + c * 8);
+                } else if (kind == 1 || kind == 2) {
+                    const u8* base = kind == 1 ? rings : page_base;
+                    if (g.dtype == DTYPE_BF16) v = *(const uint4*)((const u16*)base + off + c * 8);
+                    else v = fp8_piece_bf16(base + off, g.hd - g.tail, g.tail, c * 8);
                 }
             }
             *(uint4*)(kb + kk * TC_KSTRIDE + c * 8) = v;

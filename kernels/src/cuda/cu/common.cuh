@@ -29,11 +29,6 @@ __device__ __forceinline__ float fp8_to_f32(u32 b) {
     return __uint_as_float(__float_as_uint(v) | s);
 }
 
-// ue8m0 scale byte: 2^(b - 127) (b = 0 is 2^-127, a subnormal; 0xff never occurs).
-__device__ __forceinline__ float ue8m0_to_f32(u32 b) {
-    return b == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
-}
-
 // FP4 e2m1 nibble (the low 4 bits of `nib`; bit 3 is the sign) as f32: magnitudes
 // 0, 0.5, 1, 1.5, 2, 3, 4, 6. Codes 2..7 are 2^(e-1)·(1 + m/2) with e = code >> 1 and
 // m = code & 1, i.e. f32 bits (code + 252) << 22; codes 0 and 1 are 0 and 0.5.
@@ -85,13 +80,58 @@ __device__ __forceinline__ void fp4x8_scaled(u32 q, float* out) {
     }
 }
 
-// Entry storage (pages, rings): 0 = f32, 1 = bf16.
-__device__ __forceinline__ float load_entry(const u8* base, int dtype, long long i) {
-    return dtype == 0 ? ((const float*)base)[i] : bf2f(((const u16*)base)[i]);
+// Entry storage (pages, rings): 0 = f32, 1 = bf16, 2 = fp8 records. Offsets count
+// storage elements (bytes of records for fp8), as the KV layout does.
+#define DTYPE_F32 0
+#define DTYPE_BF16 1
+#define DTYPE_FP8 2
+__device__ __forceinline__ int entry_elem_bytes(int dtype) { return dtype == DTYPE_F32 ? 4 : dtype == DTYPE_BF16 ? 2 : 1; }
+__device__ __forceinline__ const u8* entry_at(const u8* base, int dtype, long long elem) {
+    return base + elem * entry_elem_bytes(dtype);
 }
-__device__ __forceinline__ void store_entry(u8* base, int dtype, long long i, float v) {
-    if (dtype == 0) ((float*)base)[i] = v;
-    else ((u16*)base)[i] = f2bf(v);
+__device__ __forceinline__ u8* entry_at(u8* base, int dtype, long long elem) {
+    return base + elem * entry_elem_bytes(dtype);
+}
+
+// FP8 entry records, as kernels/src/kv_entry.rs writes them (the CPU side is the
+// reference; the GPU parity tests compare bytes): for an entry of `dim` values whose last
+// `tail` are kept in BF16, n8 = dim - tail FP8 e4m3fn codes (value / its 64-dim block's
+// scale), then the tail as BF16, then one ue8m0 scale byte per block, zero-padded to 8
+// bytes. n8 is even (asserted by the layout), so the BF16 tail is 2-byte aligned.
+#define FP8_BLOCK 64
+// ue8m0 byte -> scale 2^(b-127) (b = 0 is the subnormal 2^-127).
+__device__ __forceinline__ float ue8m0_scale(u32 b) {
+    return b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(b << 23);
+}
+// The smallest power-of-two scale with amax / scale <= 448, as its ue8m0 byte: the
+// ceiling of log2(amax / 448) read off the quotient's bits (IEEE division, as on the CPU).
+__device__ __forceinline__ u32 fp8_scale_byte(float amax) {
+    const u32 bits = __float_as_uint(__fdiv_rn(fmaxf(amax, 1e-30f), 448.0f));
+    const int e = (int)((bits >> 23) & 0xffu) - 127 + ((bits & 0x7fffffu) != 0u ? 1 : 0);
+    return (u32)min(max(e + 127, 0), 254);
+}
+// f32 -> e4m3fn, round to nearest even, saturating at ±448 (the hardware conversion);
+// a zero result is +0 whatever the sign, as the CPU encoder writes it.
+__device__ __forceinline__ u32 f2fp8(float v) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(v));
+    const u32 c = r & 0xffu;
+    return (c & 0x7fu) == 0u ? 0u : c;
+}
+
+// Value d of the entry stored at `e` (pointer to its first byte).
+__device__ __forceinline__ float entry_load(const u8* e, int dtype, int dim, int tail, int d) {
+    if (dtype == DTYPE_F32) return ((const float*)e)[d];
+    if (dtype == DTYPE_BF16) return bf2f(((const u16*)e)[d]);
+    const int n8 = dim - tail;
+    if (d >= n8) return bf2f(((const u16*)(e + n8))[d - n8]);
+    return fp8_to_f32(e[d]) * ue8m0_scale(e[n8 + 2 * tail + d / FP8_BLOCK]);
+}
+
+// f32 and bf16 entries are stored value by value.
+__device__ __forceinline__ void store_value(u8* e, int dtype, int d, float v) {
+    if (dtype == DTYPE_F32) ((float*)e)[d] = v;
+    else ((u16*)e)[d] = f2bf(v);
 }
 
 template <typename T>
@@ -104,6 +144,46 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
+}
+
+// One warp stores the entry x[0..dim) at `e` (any dtype; `bytes` = the record's size),
+// and when `back` is set writes there what reading the entry gives (x and back may be
+// the same memory: each lane reads its values before writing them). Every lane of the
+// warp must call it with the same arguments.
+__device__ void entry_store_warp(const float* x, u8* e, float* back, int dtype, int dim, int tail, int bytes) {
+    const int lane = threadIdx.x & 31;
+    if (dtype != DTYPE_FP8) {
+        for (int d = lane; d < dim; d += WARP) {
+            const float v = x[d];
+            if (e) store_value(e, dtype, d, v);
+            if (back) back[d] = dtype == DTYPE_F32 ? v : round_bf16(v);
+        }
+        return;
+    }
+    const int n8 = dim - tail, nb = (n8 + FP8_BLOCK - 1) / FP8_BLOCK;
+    for (int b = 0; b < nb; b++) {
+        const int c0 = b * FP8_BLOCK + lane, c1 = c0 + WARP;
+        const float v0 = c0 < n8 ? x[c0] : 0.0f, v1 = c1 < n8 ? x[c1] : 0.0f;
+        const u32 sb = fp8_scale_byte(warp_max(fmaxf(fabsf(v0), fabsf(v1))));
+        const float scale = ue8m0_scale(sb);
+        const u32 q0 = f2fp8(__fdiv_rn(v0, scale)), q1 = f2fp8(__fdiv_rn(v1, scale));
+        if (c0 < n8) {
+            if (e) e[c0] = (u8)q0;
+            if (back) back[c0] = fp8_to_f32(q0) * scale;
+        }
+        if (c1 < n8) {
+            if (e) e[c1] = (u8)q1;
+            if (back) back[c1] = fp8_to_f32(q1) * scale;
+        }
+        if (lane == 0 && e) e[n8 + 2 * tail + b] = (u8)sb;
+    }
+    for (int d = lane; d < tail; d += WARP) {
+        const u16 h = f2bf(x[n8 + d]);
+        if (e) ((u16*)(e + n8))[d] = h;
+        if (back) back[n8 + d] = bf2f(h);
+    }
+    if (e)
+        for (int p = n8 + 2 * tail + nb + lane; p < bytes; p += WARP) e[p] = 0;
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.

@@ -12,10 +12,11 @@
 
 #define LOG2E 1.4426950408889634f
 
+// Page entries: `dtype`, `tail` BF16 dims (fp8), `stride` storage elements apart.
 struct CompressGeom {
     int ratio, slots, width, dim, overlap;
     int comp_elems, comp_off;
-    int dtype, page_elems, page_off, per_page;
+    int dtype, tail, stride, page_elems, page_off, per_page;
     float eps;
 };
 
@@ -250,6 +251,33 @@ __device__ __forceinline__ float block_sum_1bar(float v, int parity) {
     return s;
 }
 
+// A thread's NC channels c.. of an fp8 entry record `e` (see entry_store_warp in
+// common.cuh for the format). Thread t holds channels NC·t.., so the 64/NC lanes of one
+// scale block are neighbours inside one warp; their maximum is a butterfly over them.
+template <int NC>
+__device__ __forceinline__ void comp_store_fp8(u8* e, const float* v, bool live, int c, const CompressGeom& g) {
+    const int n8 = g.dim - g.tail;
+    const bool coded = live && c < n8;
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NC; j++) a = coded ? fmaxf(a, fabsf(v[j])) : a;
+#pragma unroll
+    for (int o = FP8_BLOCK / NC / 2; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    if (!live) return;
+    if (coded) {
+        const u32 sb = fp8_scale_byte(a);
+        const float scale = ue8m0_scale(sb);
+#pragma unroll
+        for (int j = 0; j < NC; j++) e[c + j] = (u8)f2fp8(__fdiv_rn(v[j], scale));
+        if (c % FP8_BLOCK == 0) e[n8 + 2 * g.tail + c / FP8_BLOCK] = (u8)sb;
+    } else {
+#pragma unroll
+        for (int j = 0; j < NC; j++) ((u16*)(e + n8))[c - n8 + j] = f2bf(v[j]);
+    }
+    if (c == 0)
+        for (int p = n8 + 2 * g.tail + (n8 + FP8_BLOCK - 1) / FP8_BLOCK; p < g.stride; p++) e[p] = 0;
+}
+
 template <int NC>
 __device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* page_base, const float* norm,
                             const CompressGeom& g, const RopeParams& rp, int parity) {
@@ -261,17 +289,25 @@ __device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* pag
         for (int j = 0; j < NC; j++) ss = fmaf(v[j], v[j], ss);
     }
     ss = block_sum_1bar(ss, parity);
+    if (live) {
+        const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
+#pragma unroll
+        for (int j = 0; j < NC; j++) v[j] = w[j] * (v[j] * inv);
+        const int rope_from = g.dim - 2 * rp.pairs;
+#pragma unroll
+        for (int j = 0; j < NC; j += 2)
+            if (c + j >= rope_from)
+                rope_pair(&v[j], &v[j + 1], (float)(g.ratio * i), rp.inv_freq[(c + j - rope_from) / 2],
+                          rp.attention_factor, false);
+    }
+    const long long entry = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.stride;
+    if (g.dtype == DTYPE_FP8) {
+        // Every lane takes part in its 64-channel block's maximum, live or not.
+        comp_store_fp8<NC>(page_base + entry, v, live, c, g);
+        return;
+    }
     if (!live) return;
-    const float inv = 1.0f / sqrtf(ss / (float)g.dim + g.eps);
-#pragma unroll
-    for (int j = 0; j < NC; j++) v[j] = w[j] * (v[j] * inv);
-    const int rope_from = g.dim - 2 * rp.pairs;
-#pragma unroll
-    for (int j = 0; j < NC; j += 2)
-        if (c + j >= rope_from)
-            rope_pair(&v[j], &v[j + 1], (float)(g.ratio * i), rp.inv_freq[(c + j - rope_from) / 2],
-                      rp.attention_factor, false);
-    const long long at = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.dim + c;
+    const long long at = entry + c;
     if (g.dtype == 0) {
         st_vec<NC>((float*)page_base + at, v);
     } else {

@@ -170,7 +170,7 @@ __device__ void gemm_body(float* out, int out_stride, const u16* xh, const u16* 
                 const uint2 q = *(const uint2*)(raw + kk / 2);
                 fp4x8_scaled(q.x, v);
                 fp4x8_scaled(q.y, v + 8);
-                sc = row < N ? ue8m0_to_f32(((const u8*)scales)[row * (K / 32) + k0 / 32]) * FP4_F16_SCALE : 0.f;
+                sc = row < N ? ue8m0_scale(((const u8*)scales)[row * (K / 32) + k0 / 32]) * FP4_F16_SCALE : 0.f;
             }
             u32 p[8];
 #pragma unroll

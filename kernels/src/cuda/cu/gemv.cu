@@ -47,7 +47,7 @@ __device__ __forceinline__ float load_chunk(const void* w, const void* scales, i
         fp4x8_scaled(q.y, wf + 8);
         fp4x8_scaled(q.z, wf + 16);
         fp4x8_scaled(q.w, wf + 24);
-        return ue8m0_to_f32(__ldg((const u8*)scales + (long long)o * (K / 32) + c)) * FP4_F16_SCALE;
+        return ue8m0_scale(__ldg((const u8*)scales + (long long)o * (K / 32) + c)) * FP4_F16_SCALE;
     }
 }
 
@@ -59,7 +59,7 @@ __device__ __forceinline__ float load_one(const void* w, const void* scales, int
     if (WT == 2) return fp8_to_f32(((const u8*)w)[i]) * ((const float*)scales)[(o / 128) * ((K + 127) / 128) + k / 128];
     const u8 byte = ((const u8*)w)[i / 2];
     const int groups = (K + 31) / 32;
-    return e2m1_to_f32(k % 2 == 0 ? byte : byte >> 4) * ue8m0_to_f32(((const u8*)scales)[(long long)o * groups + k / 32]);
+    return e2m1_to_f32(k % 2 == 0 ? byte : byte >> 4) * ue8m0_scale(((const u8*)scales)[(long long)o * groups + k / 32]);
 }
 
 template <int R, int WT, bool DUAL>

@@ -4,7 +4,7 @@
 
 struct IndexGeom {
     int heads, dim, ratio, n_max;
-    int dtype, page_elems, page_off, per_page;
+    int dtype, stride, page_elems, page_off, per_page;
 };
 
 // grid (ceil(n_max / 256), rows), 256 threads, one entry per thread; q and w of the row
@@ -31,7 +31,8 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
     }
     const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
     const u32 page = pages[seq[SEQ_PAGE_OFF] + e / g.per_page];
-    const long long at = (long long)page * g.page_elems + g.page_off + (long long)(e % g.per_page) * g.dim;
+    const u8* key =
+        entry_at(page_base, g.dtype, (long long)page * g.page_elems + g.page_off + (long long)(e % g.per_page) * g.stride);
     float score = 0.0f;
     for (int hg = 0; hg < g.heads; hg += 16) {
         float acc[16];
@@ -40,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
         for (int d0 = 0; d0 < g.dim; d0 += 8) {
             float k[8];
 #pragma unroll
-            for (int x = 0; x < 8; x++) k[x] = d0 + x < g.dim ? load_entry(page_base, g.dtype, at + d0 + x) : 0.0f;
+            for (int x = 0; x < 8; x++) k[x] = d0 + x < g.dim ? entry_load(key, g.dtype, g.dim, 0, d0 + x) : 0.0f;
 #pragma unroll
             for (int h = 0; h < 16; h++) {
                 if (hg + h < g.heads) {

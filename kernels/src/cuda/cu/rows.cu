@@ -58,6 +58,15 @@ extern "C" __global__ void round_to_bf16(float* x, long long n) {
     if (i < n) x[i] = round_bf16(x[i]);
 }
 
+// x[rows, dim] -> each row as an fp8 entry reads back (one warp per row: the block
+// scales are warp reductions), so attention over this step's rows sees what the ring
+// and pages will hold.
+extern "C" __global__ void round_to_fp8(float* x, int rows, int dim, int tail) {
+    const long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (r >= rows) return;
+    entry_store_warp(x + r * dim, nullptr, x + r * dim, DTYPE_FP8, dim, tail, 0);
+}
+
 extern "C" __global__ void embed_fp8(float* out, const u8* q, const float* scales, const u32* tokens, int rows,
                                      int cols) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -74,5 +83,5 @@ extern "C" __global__ void embed_fp4(float* out, const u8* packed, const u8* sca
     int r = (int)(i / cols), c = (int)(i % cols);
     long long t = tokens[r];
     const u8 byte = packed[(t * cols + c) / 2];
-    out[i] = e2m1_to_f32(c % 2 == 0 ? byte : byte >> 4) * ue8m0_to_f32(scales[t * ((cols + 31) / 32) + c / 32]);
+    out[i] = e2m1_to_f32(c % 2 == 0 ? byte : byte >> 4) * ue8m0_scale(scales[t * ((cols + 31) / 32) + c / 32]);
 }
