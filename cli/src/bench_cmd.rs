@@ -91,7 +91,7 @@ fn engine(a: EngineArgs) -> Result<()> {
             _tmp = tempfile::tempdir()?;
             let d = _tmp.path().join(preset.name());
             eprintln!("no --model: writing the {} preset to {} ...", preset.name(), d.display());
-            write_checkpoint(&d, &InitOptions { preset, seed: 0, dtype: WeightDtype::Bf16 })?;
+            write_checkpoint(&d, &InitOptions::new(preset, 0, WeightDtype::Bf16))?;
             d
         }
     };

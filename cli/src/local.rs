@@ -17,7 +17,7 @@ pub fn default_model() -> Result<PathBuf> {
     let dir = PathBuf::from("target/models/small");
     if !dir.join("config.json").exists() {
         eprintln!("writing the small preset model to {} (once) ...", dir.display());
-        write_checkpoint(&dir, &InitOptions { preset: Preset::Small, seed: 0, dtype: WeightDtype::Bf16 })?;
+        write_checkpoint(&dir, &InitOptions::new(Preset::Small, 0, WeightDtype::Bf16))?;
     }
     Ok(dir)
 }

@@ -13,6 +13,7 @@
 //! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
 //! - `bench_prefix`: `sluice bench prefix` (the SWA policy table: bytes, recompute, TTFT).
 //! - `args`: shared argument parsing helpers.
+//! - `progress`: a progress bar over a byte counter (long `model init` writes).
 
 mod args;
 mod bench_cmd;
@@ -24,6 +25,7 @@ mod client;
 mod generate_cmd;
 mod local;
 mod model_cmd;
+mod progress;
 mod up_cmd;
 
 use clap::{Parser, Subcommand};

@@ -6,7 +6,7 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use engine::EntryDtype;
 use engine::config::ModelConfig;
-use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
+use engine::init::{InitOptions, Preset, WeightDtype, planned_bytes, write_checkpoint_with};
 
 use crate::args;
 
@@ -20,18 +20,24 @@ pub enum ModelCmd {
 
 #[derive(Args)]
 pub struct InitArgs {
-    /// Model shape: tiny (tests) or small (~70M parameters, the local cluster's default).
-    #[arg(long, default_value = "small", value_parser = |s: &str| Preset::parse(s).ok_or(format!("unknown preset `{s}`; use tiny or small")))]
+    /// Model shape: tiny (tests), small (~70M parameters, the local cluster's default),
+    /// flash-bench (V4-Flash attention widths, 4 layers, small MoE), flash or pro (the
+    /// released V4-Flash / V4-Pro configs, sharded, FP8 + FP4 experts as shipped).
+    #[arg(long, default_value = "small", value_parser = |s: &str| Preset::parse(s).ok_or(format!("unknown preset `{s}`; use tiny, small, flash-bench, flash or pro")))]
     preset: Preset,
+    /// flash / pro only: keep the first N layers (real widths, the real layer pattern).
+    #[arg(long)]
+    layers: Option<usize>,
     /// Seed of the random weights; the same seed writes the same bytes.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Directory to create (must not already hold a checkpoint).
     #[arg(long)]
     out: PathBuf,
-    /// Weight storage: bf16, f32, or fp8 (FP8 projections + FP4 experts, as DeepSeek ships V4).
-    #[arg(long, default_value = "bf16", value_parser = |s: &str| WeightDtype::parse(s).ok_or(format!("unknown dtype `{s}`; use bf16, f32 or fp8")))]
-    dtype: WeightDtype,
+    /// Weight storage: bf16, f32, or fp8 (FP8 projections + FP4 experts, as DeepSeek ships
+    /// V4). Default: bf16 for the small presets, fp8 (the only choice) for flash and pro.
+    #[arg(long, value_parser = |s: &str| WeightDtype::parse(s).ok_or(format!("unknown dtype `{s}`; use bf16, f32 or fp8")))]
+    dtype: Option<WeightDtype>,
 }
 
 #[derive(Args)]
@@ -50,17 +56,24 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
     match cmd {
         ModelCmd::Init(a) => {
             let started = std::time::Instant::now();
-            eprintln!("writing {} preset (seed {}) to {} ...", a.preset.name(), a.seed, a.out.display());
-            let cfg = write_checkpoint(&a.out, &InitOptions { preset: a.preset, seed: a.seed, dtype: a.dtype })?;
-            let size = std::fs::metadata(a.out.join("model.safetensors")).map(|m| m.len()).unwrap_or(0);
+            let default = if a.preset.is_full_size() { WeightDtype::Fp8 } else { WeightDtype::Bf16 };
+            let opts = InitOptions { layers: a.layers, ..InitOptions::new(a.preset, a.seed, a.dtype.unwrap_or(default)) };
+            let layers = a.layers.map(|n| format!(", first {n} layers")).unwrap_or_default();
+            eprintln!("writing {} preset (seed {}{layers}) to {} ...", a.preset.name(), a.seed, a.out.display());
+            let done = std::sync::atomic::AtomicU64::new(0);
+            let cfg = crate::progress::while_counting("writing", planned_bytes(&opts), &done, || {
+                write_checkpoint_with(&a.out, &opts, &done)
+            })?;
+            let bytes = done.load(std::sync::atomic::Ordering::Relaxed);
+            let secs = started.elapsed().as_secs_f64();
             println!(
-                "wrote {} ({} layers, hidden {}, vocab {}; {:.1} MB) in {:.1}s",
+                "wrote {} ({} layers, hidden {}, vocab {}; {:.2} GB of tensors) in {secs:.1}s ({:.2} GB/s)",
                 a.out.display(),
                 cfg.num_layers,
                 cfg.hidden_size,
                 cfg.vocab_size,
-                size as f64 / 1e6,
-                started.elapsed().as_secs_f64()
+                bytes as f64 / 1e9,
+                bytes as f64 / 1e9 / secs.max(1e-9)
             );
             Ok(())
         }

@@ -38,7 +38,7 @@ fn bench_kvstore_moves_every_byte_and_reports_fio_next_to_it() {
 fn bench_prefix_reports_each_policy() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny");
-    write_checkpoint(&model, &InitOptions { preset: Preset::Tiny, seed: 5, dtype: WeightDtype::Bf16 }).unwrap();
+    write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 5, WeightDtype::Bf16)).unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["bench", "prefix", "--prefix-tokens", "1024", "--suffix-tokens", "16", "--repeat", "1", "--json"])
         .arg("--model")

@@ -88,7 +88,7 @@ fn missing_config_field_is_named() {
 }
 
 fn init(dir: &Path, preset: Preset, seed: u64, dtype: WeightDtype) {
-    write_checkpoint(dir, &InitOptions { preset, seed, dtype }).unwrap();
+    write_checkpoint(dir, &InitOptions::new(preset, seed, dtype)).unwrap();
 }
 
 #[test]
@@ -102,7 +102,7 @@ fn init_is_deterministic_per_seed() {
     assert!(read(&a) == read(&b), "same seed, different bytes");
     assert!(read(&a) != read(&c), "different seeds, same bytes");
     assert!(
-        write_checkpoint(&a, &InitOptions { preset: Preset::Tiny, seed: 1, dtype: WeightDtype::Bf16 }).is_err(),
+        write_checkpoint(&a, &InitOptions::new(Preset::Tiny, 1, WeightDtype::Bf16)).is_err(),
         "init must not overwrite"
     );
 }

@@ -300,7 +300,7 @@ fn drive<B: kernels::Backend>(e: &mut Engine<B>, steps: usize) -> (Vec<Vec<f32>>
 
 fn small_model() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    write_checkpoint(&dir.path().join("m"), &InitOptions { preset: Preset::Small, seed: 5, dtype: WeightDtype::Bf16 })
+    write_checkpoint(&dir.path().join("m"), &InitOptions::new(Preset::Small, 5, WeightDtype::Bf16))
         .unwrap();
     dir
 }

@@ -2,9 +2,11 @@
 //! layout (config.json + model.safetensors + tokenizer.json) for a preset shape. The same seed gives the
 //! same bytes on every machine: each tensor draws from its own ChaCha stream keyed by
 //! the seed and the tensor's name, so generation order and thread count do not matter.
+//! The released shapes (`flash`, `pro`) are written sharded and streamed (`sharded`).
 
 mod manifest;
 mod presets;
+mod sharded;
 mod tokenizer;
 
 use std::path::Path;
@@ -20,6 +22,7 @@ use thiserror::Error;
 
 pub use manifest::{Class, Fill, TensorSpec, manifest};
 pub use presets::Preset;
+pub use sharded::total_bytes;
 pub use tokenizer::{BOS, EOS, tokenizer_json};
 
 use crate::checkpoint::{CheckpointError, OwnedTensor, write_safetensors};
@@ -51,6 +54,14 @@ pub struct InitOptions {
     pub preset: Preset,
     pub seed: u64,
     pub dtype: WeightDtype,
+    /// Full-size presets only: keep the first this many layers (all widths unchanged).
+    pub layers: Option<usize>,
+}
+
+impl InitOptions {
+    pub fn new(preset: Preset, seed: u64, dtype: WeightDtype) -> Self {
+        InitOptions { preset, seed, dtype, layers: None }
+    }
 }
 
 #[derive(Debug, Error)]
@@ -63,9 +74,11 @@ pub enum InitError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error("{0}")]
+    Options(String),
 }
 
-fn rng_for(seed: u64, name: &str) -> ChaCha8Rng {
+pub(super) fn rng_for(seed: u64, name: &str) -> ChaCha8Rng {
     let digest = Sha256::digest([seed.to_le_bytes().as_slice(), name.as_bytes()].concat());
     ChaCha8Rng::from_seed(digest.into())
 }
@@ -77,7 +90,7 @@ fn normal(rng: &mut ChaCha8Rng) -> f32 {
     ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
 }
 
-fn values(spec: &TensorSpec, seed: u64) -> Vec<f32> {
+pub(super) fn values(spec: &TensorSpec, seed: u64) -> Vec<f32> {
     let mut rng = rng_for(seed, &spec.name);
     let n: usize = spec.shape.iter().product();
     match spec.fill {
@@ -141,17 +154,39 @@ fn encode(spec: &TensorSpec, seed: u64, dtype: WeightDtype) -> Vec<(String, Owne
     }
 }
 
-fn io(path: &Path, e: impl std::fmt::Display) -> InitError {
+pub(super) fn io(path: &Path, e: impl std::fmt::Display) -> InitError {
     InitError::Io { path: path.display().to_string(), reason: e.to_string() }
 }
 
-/// Write the checkpoint and return its parsed config.
-pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, InitError> {
+/// Write the checkpoint and return its parsed config. `progress` receives the bytes of
+/// tensor data written so far (full-size presets write for a while; small ones report
+/// once at the end).
+pub fn write_checkpoint_with(
+    dir: &Path,
+    opts: &InitOptions,
+    progress: &std::sync::atomic::AtomicU64,
+) -> Result<ModelConfig, InitError> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    if dir.join("config.json").exists() || dir.join("model.safetensors").exists() {
+    if ["config.json", "model.safetensors", "model.safetensors.index.json"].iter().any(|f| dir.join(f).exists()) {
         return Err(InitError::NotEmpty { path: dir.display().to_string() });
     }
-    let mut conf = opts.preset.config_json();
+    if opts.layers.is_some() && !opts.preset.is_full_size() {
+        return Err(InitError::Options(format!(
+            "--layers applies to the released shapes (flash, pro); {} has a fixed shape",
+            opts.preset.name()
+        )));
+    }
+    if opts.preset.is_full_size() && opts.dtype != WeightDtype::Fp8 {
+        return Err(InitError::Options(format!(
+            "the {} preset is written in the shipped formats (fp8: FP8 projections, FP4 experts); drop --dtype",
+            opts.preset.name()
+        )));
+    }
+    let mut conf = if opts.preset.is_full_size() {
+        opts.preset.full_config(opts.layers).map_err(InitError::Options)?
+    } else {
+        opts.preset.config_json()
+    };
     let m = conf.as_object_mut().expect("object");
     match opts.dtype {
         WeightDtype::F32 => drop(m.insert("torch_dtype".into(), json!("float32"))),
@@ -167,12 +202,33 @@ pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, I
         }
     }
     let cfg = parse_hf(&conf)?;
-    let tensors: Vec<(String, OwnedTensor)> =
-        manifest(&cfg).par_iter().flat_map_iter(|spec| encode(spec, opts.seed, opts.dtype)).collect();
-    write_safetensors(&dir.join("model.safetensors"), &tensors)?;
+    if opts.preset.is_full_size() {
+        sharded::write_shards(dir, &cfg, opts.seed, progress)?;
+    } else {
+        let tensors: Vec<(String, OwnedTensor)> =
+            manifest(&cfg).par_iter().flat_map_iter(|spec| encode(spec, opts.seed, opts.dtype)).collect();
+        write_safetensors(&dir.join("model.safetensors"), &tensors)?;
+        let bytes: usize = tensors.iter().map(|(_, t)| t.data.len()).sum();
+        progress.fetch_add(bytes as u64, std::sync::atomic::Ordering::Relaxed);
+    }
     let tok = tokenizer_json(cfg.vocab_size).map_err(|e| io(&dir.join("tokenizer.json"), e))?;
     std::fs::write(dir.join("tokenizer.json"), tok).map_err(|e| io(&dir.join("tokenizer.json"), e))?;
     let text = serde_json::to_string_pretty(&conf).expect("json") + "\n";
     std::fs::write(dir.join("config.json"), text).map_err(|e| io(&dir.join("config.json"), e))?;
     Ok(cfg)
+}
+
+/// Bytes of tensor data a full-size preset writes (for progress bars); `None` for the
+/// small presets, which are written at once.
+pub fn planned_bytes(opts: &InitOptions) -> Option<u64> {
+    if !opts.preset.is_full_size() {
+        return None;
+    }
+    let conf = opts.preset.full_config(opts.layers).ok()?;
+    Some(total_bytes(&parse_hf(&conf).ok()?))
+}
+
+/// [`write_checkpoint_with`] without progress reporting.
+pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, InitError> {
+    write_checkpoint_with(dir, opts, &std::sync::atomic::AtomicU64::new(0))
 }

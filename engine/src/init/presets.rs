@@ -2,9 +2,13 @@
 //! attention kinds or CSA/HCA interleave, hash and top-k MoE layers, 128-token window,
 //! YaRN on compressor layers, 4 residual streams): `tiny` and `small` at sizes a CPU
 //! runs comfortably, `flash-bench` with V4-Flash's attention at full size for the GPU
-//! benchmark.
+//! benchmark, and `flash` / `pro`: the released V4-Flash and V4-Pro configs
+//! (`configs/`, as DeepSeek publishes them), optionally truncated to their first layers.
 
 use serde_json::{Value, json};
+
+const FLASH_CONFIG: &str = include_str!("configs/deepseek-v4-flash.json");
+const PRO_CONFIG: &str = include_str!("configs/deepseek-v4-pro.json");
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
@@ -17,6 +21,10 @@ pub enum Preset {
     /// (8 experts of 1024, top-2, one shared) and a 32K vocabulary: ~1.2G parameters,
     /// the GPU benchmark's checkpoint (`sluice bench engine --device cuda:0`).
     FlashBench,
+    /// DeepSeek-V4-Flash as released: 43 layers, 256 routed experts of 2048 (FP4), ~155 GB.
+    Flash,
+    /// DeepSeek-V4-Pro as released: 61 layers, 384 routed experts of 3072 (FP4), ~875 GB.
+    Pro,
 }
 
 impl Preset {
@@ -25,6 +33,8 @@ impl Preset {
             "tiny" => Some(Preset::Tiny),
             "small" => Some(Preset::Small),
             "flash-bench" => Some(Preset::FlashBench),
+            "flash" => Some(Preset::Flash),
+            "pro" => Some(Preset::Pro),
             _ => None,
         }
     }
@@ -34,11 +44,52 @@ impl Preset {
             Preset::Tiny => "tiny",
             Preset::Small => "small",
             Preset::FlashBench => "flash-bench",
+            Preset::Flash => "flash",
+            Preset::Pro => "pro",
         }
+    }
+
+    /// Whether this is a released model's config (written sharded, in the shipped
+    /// formats, streamed), as opposed to a small test shape.
+    pub fn is_full_size(self) -> bool {
+        matches!(self, Preset::Flash | Preset::Pro)
+    }
+
+    /// `config.json` of a full-size preset, truncated to its first `layers` layers when
+    /// given. What truncation keeps: every width, the first `layers` entries of
+    /// `compress_ratios` (plus the MTP entry, the list's last), and at most `layers - 1`
+    /// hash-routed layers, so at least one layer routes by top-k. With 4 or more layers
+    /// of Flash (`[0, 0, 4, 128, …]`, 3 hash layers) every attention kind (window, CSA,
+    /// HCA) and both MoE kinds are present; Pro's pattern (`[128, 128, 4, 128, …]`) has
+    /// no window-only layer at any depth.
+    pub fn full_config(self, layers: Option<usize>) -> Result<Value, String> {
+        let text = match self {
+            Preset::Flash => FLASH_CONFIG,
+            Preset::Pro => PRO_CONFIG,
+            other => return Err(format!("preset {} is not a released model config", other.name())),
+        };
+        let mut v: Value = serde_json::from_str(text).expect("embedded config is JSON");
+        let Some(n) = layers else { return Ok(v) };
+        let m = v.as_object_mut().expect("object");
+        let total = m["num_hidden_layers"].as_u64().expect("num_hidden_layers") as usize;
+        if n == 0 || n > total {
+            return Err(format!("--layers {n}: {} has {total} layers; choose 1 to {total}", self.name()));
+        }
+        let ratios: Vec<Value> = m["compress_ratios"].as_array().expect("compress_ratios").clone();
+        let mut kept: Vec<Value> = ratios[..n].to_vec();
+        kept.push(ratios.last().expect("MTP entry").clone());
+        let hash = m["num_hash_layers"].as_u64().expect("num_hash_layers") as usize;
+        m.insert("num_hidden_layers".into(), json!(n));
+        m.insert("compress_ratios".into(), Value::Array(kept));
+        m.insert("num_hash_layers".into(), json!(hash.min(n.saturating_sub(1))));
+        Ok(v)
     }
 
     /// `config.json` in the form DeepSeek ships (legacy HF keys, MTP entry included).
     pub fn config_json(self) -> Value {
+        if self.is_full_size() {
+            return self.full_config(None).expect("full-size preset");
+        }
         let (shape, ratios, hash_layers, max_pos) = match self {
             Preset::Tiny => (
                 json!({
@@ -73,6 +124,7 @@ impl Preset {
                 1,
                 1048576,
             ),
+            Preset::Flash | Preset::Pro => unreachable!("handled above"),
         };
         let mut v = shape;
         let m = v.as_object_mut().expect("object");

@@ -110,10 +110,18 @@ pub(crate) fn index_topk(
             page_off: lk.page_offset(Branch::Indexer) as i32,
             per_page: lk.entries_per_page(layout.block) as i32,
         };
+        // Few rows (decode): heads across warps, 32 candidates a block, so the grid fills
+        // the GPU; otherwise one thread per candidate.
+        let heads_parallel = rows * n_max.div_ceil(256) < 2 * g.sms;
+        let (name, grid, smem) = if heads_parallel {
+            ("index_scores_heads", (n_max.div_ceil(32) as u32, rows as u32, 1), smem + 256 * 4)
+        } else {
+            ("index_scores", (n_max.div_ceil(256) as u32, rows as u32, 1), smem)
+        };
         launch!(
             g,
-            "index_scores",
-            cfg((n_max.div_ceil(256) as u32, rows as u32, 1), 256, smem as u32),
+            name,
+            cfg(grid, 256, smem as u32),
             g.ptr(&q.mem),
             g.ptr(&weights.mem),
             g.ptr(&dp.positions),

@@ -143,6 +143,7 @@ const KERNELS: &[&str] = &[
     "compress_stream",
     "compress_store",
     "index_scores",
+    "index_scores_heads",
     "topk_select",
     "topk_hist",
     "topk_gather",

@@ -59,6 +59,56 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
     out[e] = score;
 }
 
+// The same scores for decode-sized batches, where one thread per candidate leaves most
+// of the GPU idle: grid (ceil(n_max / 32), rows), 8 warps; lane = candidate, warp w
+// takes heads [w·H/8, (w+1)·H/8) and its partial Σ w_h·relu(q_h·k) over them, and the
+// 8 partials are summed in warp order. Dynamic shared memory: heads·dim + heads + 256 floats.
+extern "C" __global__ void __launch_bounds__(256) index_scores_heads(const float* q, const float* w,
+                                                                     const u32* positions, const int* row_seq,
+                                                                     const int* seqs, const u32* pages,
+                                                                     const u8* page_base, float* scores, IndexGeom g) {
+    extern __shared__ float sm[];
+    float* qs = sm;
+    float* ws = sm + g.heads * g.dim;
+    float* part = ws + g.heads;  // [8 warps][32 candidates]
+    const int r = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int hdim = g.heads * g.dim;
+    for (int i = threadIdx.x; i < hdim; i += blockDim.x) qs[i] = q[(long long)r * hdim + i];
+    for (int i = threadIdx.x; i < g.heads; i += blockDim.x) ws[i] = w[(long long)r * g.heads + i];
+    __syncthreads();
+    const int e = blockIdx.x * 32 + lane;
+    const int n = (int)((positions[r] + 1) / (u32)g.ratio);
+    float partial = 0.0f;
+    if (e < n) {
+        const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
+        const u32 page = pages[seq[SEQ_PAGE_OFF] + e / g.per_page];
+        const u8* key = entry_at(page_base, g.dtype,
+                                 (long long)page * g.page_elems + g.page_off + (long long)(e % g.per_page) * g.stride);
+        const int h_lo = warp * g.heads / 8, h_hi = (warp + 1) * g.heads / 8;
+        for (int hg = h_lo; hg < h_hi; hg += 8) {
+            float acc[8];
+#pragma unroll
+            for (int h = 0; h < 8; h++) acc[h] = 0.0f;
+            for (int d = 0; d < g.dim; d++) {
+                const float k = entry_load(key, g.dtype, g.dim, 0, d);
+#pragma unroll
+                for (int h = 0; h < 8; h++)
+                    if (hg + h < h_hi) acc[h] += qs[(hg + h) * g.dim + d] * k;
+            }
+#pragma unroll
+            for (int h = 0; h < 8; h++)
+                if (hg + h < h_hi) partial += ws[hg + h] * fmaxf(acc[h], 0.0f);
+        }
+    }
+    part[warp * 32 + lane] = partial;
+    __syncthreads();
+    if (warp == 0 && e < g.n_max) {
+        float score = 0.0f;
+        for (int wi = 0; wi < 8; wi++) score += part[wi * 32 + lane];
+        scores[(long long)r * g.n_max + e] = e < n ? score : NEG_INF;
+    }
+}
+
 // Order-preserving map of f32 to u32 (larger float, larger key; -0 below +0 like total_cmp).
 __device__ __forceinline__ u32 fkey(float f) {
     u32 u = __float_as_uint(f);
