@@ -271,6 +271,14 @@ impl KvLayout {
         let mut layers = Vec::with_capacity(specs.len());
         for spec in specs {
             assert!(spec.rope_dim <= spec.head_dim, "rope dims {} exceed head_dim {}", spec.rope_dim, spec.head_dim);
+            // fp8 records put the BF16 tail right after the codes: keep it 2-byte aligned
+            // (RoPE dims come in pairs, so V4-style entries always are).
+            assert!(
+                dtype != EntryDtype::Fp8 || (spec.head_dim - spec.rope_dim).is_multiple_of(2),
+                "fp8 entries need an even count of FP8 dims (head_dim {} - rope dims {})",
+                spec.head_dim,
+                spec.rope_dim
+            );
             let main = EntryFormat { dtype, dim: spec.head_dim, tail: spec.rope_dim };
             let index = EntryFormat { dtype, dim: spec.index_dim, tail: 0 };
             let mut lk =
