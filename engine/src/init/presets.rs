@@ -164,3 +164,39 @@ impl Preset {
         v
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{MlpKind, parse_hf};
+    use kernels::AttnKind;
+
+    #[test]
+    fn released_configs_parse_with_their_published_sizes() {
+        let flash = parse_hf(&Preset::Flash.config_json()).unwrap();
+        assert_eq!((flash.num_layers, flash.hidden_size, flash.n_routed_experts), (43, 4096, 256));
+        let pro = parse_hf(&Preset::Pro.config_json()).unwrap();
+        assert_eq!((pro.num_layers, pro.hidden_size, pro.n_routed_experts), (61, 7168, 384));
+    }
+
+    #[test]
+    fn four_flash_layers_hold_every_attention_kind_and_both_moe_kinds() {
+        let cfg = parse_hf(&Preset::Flash.full_config(Some(4)).unwrap()).unwrap();
+        assert_eq!(cfg.num_layers, 4);
+        assert_eq!(cfg.hidden_size, 4096, "widths stay real");
+        for kind in [AttnKind::Window, AttnKind::Csa, AttnKind::Hca] {
+            assert!(cfg.attn_kinds.contains(&kind), "{kind:?} missing from {:?}", cfg.attn_kinds);
+        }
+        assert!(cfg.mlp_kinds.contains(&MlpKind::HashMoe) && cfg.mlp_kinds.contains(&MlpKind::TopKMoe));
+        // Two layers: both window-only (Flash's first two), one hash and one top-k layer.
+        let two = parse_hf(&Preset::Flash.full_config(Some(2)).unwrap()).unwrap();
+        assert_eq!(two.mlp_kinds, vec![MlpKind::HashMoe, MlpKind::TopKMoe]);
+    }
+
+    #[test]
+    fn truncation_refuses_impossible_layer_counts() {
+        assert!(Preset::Flash.full_config(Some(0)).unwrap_err().contains("choose 1 to 43"));
+        assert!(Preset::Pro.full_config(Some(62)).unwrap_err().contains("choose 1 to 61"));
+        assert!(Preset::Small.full_config(Some(2)).is_err());
+    }
+}
