@@ -50,6 +50,25 @@ pub struct InspectArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also print the memory plan for this device kind: `cuda` (an H200 unless
+    /// --gpu-memory says otherwise) or `cpu` (weights dequantised, host memory).
+    #[arg(long, value_parser = ["cpu", "cuda"])]
+    device: Option<String>,
+    /// Memory of one device for the plan (e.g. 141GB, 80GiB). Default: an H200 (143,771 MiB).
+    #[arg(long, value_parser = engine::memory_plan::parse_size)]
+    gpu_memory: Option<u64>,
+    /// GPUs one worker spans (routed experts split across them; the rest replicated).
+    #[arg(long, default_value_t = 1)]
+    devices: usize,
+    /// Rows of one step (decode batch, or prefill token budget).
+    #[arg(long, default_value_t = 64)]
+    max_batch: usize,
+    /// Longest context a row attends over.
+    #[arg(long, default_value_t = 65536)]
+    context: usize,
+    /// Running sequences (state slots).
+    #[arg(long)]
+    sequences: Option<usize>,
 }
 
 pub fn run(cmd: ModelCmd) -> Result<()> {
@@ -57,7 +76,8 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
         ModelCmd::Init(a) => {
             let started = std::time::Instant::now();
             let default = if a.preset.is_full_size() { WeightDtype::Fp8 } else { WeightDtype::Bf16 };
-            let opts = InitOptions { layers: a.layers, ..InitOptions::new(a.preset, a.seed, a.dtype.unwrap_or(default)) };
+            let opts =
+                InitOptions { layers: a.layers, ..InitOptions::new(a.preset, a.seed, a.dtype.unwrap_or(default)) };
             let layers = a.layers.map(|n| format!(", first {n} layers")).unwrap_or_default();
             eprintln!("writing {} preset (seed {}{layers}) to {} ...", a.preset.name(), a.seed, a.out.display());
             let done = std::sync::atomic::AtomicU64::new(0);
@@ -81,10 +101,39 @@ pub fn run(cmd: ModelCmd) -> Result<()> {
             let path = if a.model.is_dir() { a.model.join("config.json") } else { a.model.clone() };
             let cfg = ModelConfig::from_file(&path).with_context(|| format!("reading {}", path.display()))?;
             let r = engine::inspect::report(&cfg, a.kv_dtype);
+            let plan = match a.device.as_deref() {
+                None => None,
+                Some(kind) => {
+                    use engine::memory_plan::{Devices, H200_BYTES, MemoryPlan, Residence, StepShape};
+                    if a.devices == 0 {
+                        anyhow::bail!("--devices must be at least 1");
+                    }
+                    let (residence, default) = match kind {
+                        "cuda" => (Residence::Gpu, H200_BYTES),
+                        _ => (Residence::Cpu, engine::device::memory_bytes(engine::device::Device::Cpu)?),
+                    };
+                    let shape = StepShape {
+                        rows: a.max_batch,
+                        context: a.context,
+                        sequences: a.sequences.unwrap_or(a.max_batch),
+                    };
+                    let dir = if a.model.is_dir() { a.model.clone() } else { a.model.with_file_name("") };
+                    let bytes = a.gpu_memory.unwrap_or(default);
+                    let on = Devices { residence, count: a.devices, bytes };
+                    Some(MemoryPlan::for_dir(&dir, &cfg, on, a.kv_dtype, shape)?)
+                }
+            };
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&r.json)?);
+                let mut v = r.json;
+                if let Some(p) = &plan {
+                    v["memory_plan"] = p.json();
+                }
+                println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 print!("{}", r.text);
+                if let Some(p) = &plan {
+                    print!("\n{}", p.text());
+                }
             }
             Ok(())
         }

@@ -24,7 +24,9 @@ fn flash_with_two_layers_is_written_sharded_and_inspected() {
     let tmp = tempfile::tempdir().unwrap();
     let free = free_bytes(tmp.path()).unwrap_or(0);
     if free < 14 << 30 {
-        eprintln!("SKIPPED flash_with_two_layers_is_written_sharded_and_inspected: not enough disk ({free} bytes free, 14 GiB wanted)");
+        eprintln!(
+            "SKIPPED flash_with_two_layers_is_written_sharded_and_inspected: not enough disk ({free} bytes free, 14 GiB wanted)"
+        );
         return;
     }
     let dir = tmp.path().join("flash2");
@@ -58,7 +60,11 @@ fn full_size_options_are_checked() {
     let d = tmp.path().join("m");
     let d = d.to_str().unwrap();
     let o = sluice(&["model", "init", "--preset", "small", "--layers", "2", "--out", d]);
-    assert!(!o.status.success() && text(&o.stderr).contains("--layers applies to the released shapes"), "{}", text(&o.stderr));
+    assert!(
+        !o.status.success() && text(&o.stderr).contains("--layers applies to the released shapes"),
+        "{}",
+        text(&o.stderr)
+    );
     let o = sluice(&["model", "init", "--preset", "flash", "--dtype", "bf16", "--out", d]);
     assert!(!o.status.success() && text(&o.stderr).contains("drop --dtype"), "{}", text(&o.stderr));
     let o = sluice(&["model", "init", "--preset", "pro", "--layers", "99", "--out", d]);

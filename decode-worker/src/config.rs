@@ -37,6 +37,10 @@ pub struct DecodeConfig {
     /// KV entry storage (must match the prefill workers').
     #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = EntryDtype::parse_arg)]
     pub kv_dtype: EntryDtype,
+    /// Device memory to plan for (e.g. `70GiB` on a shared GPU); default: the whole
+    /// device. The worker refuses to start when its model, workspace and KV pool do not fit.
+    #[arg(long, env = "SLUICE_GPU_MEMORY", value_parser = engine::memory_plan::parse_size)]
+    pub gpu_memory: Option<u64>,
     /// KV pages (128-token blocks) in the pool.
     #[arg(long, env = "SLUICE_MAX_PAGES", default_value_t = 1024)]
     pub max_pages: usize,

@@ -84,6 +84,28 @@ pub fn cuda_backend(ordinal: usize) -> Result<CudaBackend, DeviceError> {
         .map_err(|e| DeviceError::Unavailable { device: Device::Cuda(ordinal), reason: e.to_string() })
 }
 
+/// Bytes of memory of `device`: a GPU's total memory, or the host's (`MemTotal`).
+pub fn memory_bytes(device: Device) -> Result<u64, DeviceError> {
+    match device {
+        Device::Cpu => {
+            let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+            let kb = info
+                .lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| DeviceError::Unavailable { device, reason: "no MemTotal in /proc/meminfo".into() })?;
+            Ok(kb * 1024)
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(o) => CudaBackend::device_memory(o)
+            .map(|b| b as u64)
+            .map_err(|e| DeviceError::Unavailable { device, reason: e.to_string() }),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(_) => Err(DeviceError::NotBuilt),
+    }
+}
+
 /// An engine on whichever device was chosen at run time.
 // One per process and never moved around: boxing the larger variant buys nothing.
 #[allow(clippy::large_enum_variant)]

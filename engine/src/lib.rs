@@ -15,6 +15,7 @@
 //! - [`generate`]: in-process generation loop.
 //! - [`init`]: deterministic random checkpoints (`sluice model init`) and presets.
 //! - [`inspect`]: layer table and KV bytes per token per pool.
+//! - [`memory_plan`]: weights, workspace and the KV that fits on a device.
 //! - [`fingerprint`]: computing a model's fingerprint from its checkpoint.
 #![forbid(unsafe_code)]
 
@@ -28,6 +29,7 @@ pub mod handoff;
 pub mod init;
 pub mod inspect;
 pub mod kv;
+pub mod memory_plan;
 pub mod mirror;
 pub mod model;
 pub mod prefix;

@@ -304,8 +304,7 @@ fn drive<B: kernels::Backend>(e: &mut Engine<B>, steps: usize) -> (Vec<Vec<f32>>
 
 fn small_model() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    write_checkpoint(&dir.path().join("m"), &InitOptions::new(Preset::Small, 5, WeightDtype::Bf16))
-        .unwrap();
+    write_checkpoint(&dir.path().join("m"), &InitOptions::new(Preset::Small, 5, WeightDtype::Bf16)).unwrap();
     dir
 }
 

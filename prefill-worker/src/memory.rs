@@ -25,6 +25,7 @@ pub struct KvRegions {
 pub fn build(cfg: &PrefillConfig, receiver: &Receiver) -> Result<(AnyEngine, KvRegions), WorkerError> {
     let model_cfg = ModelConfig::from_file(&cfg.model.join("config.json"))?;
     let layout = model_cfg.kv_layout(cfg.kv_dtype);
+    plan_memory(cfg, &model_cfg)?;
     let kv = RegisteredKv::allocate(receiver, &layout, cfg.max_pages, cfg.max_sequences, None)?;
     let regions = KvRegions {
         ucx_address: receiver.address().to_vec(),
@@ -58,4 +59,25 @@ pub fn build(cfg: &PrefillConfig, receiver: &Receiver) -> Result<(AnyEngine, KvR
         }
     };
     Ok((engine, regions))
+}
+
+/// Log the memory plan for this worker's settings and refuse, saying what to change,
+/// when its model, workspace and KV pool do not fit the device.
+fn plan_memory(cfg: &PrefillConfig, model_cfg: &ModelConfig) -> Result<(), WorkerError> {
+    use engine::memory_plan::{Devices, MemoryPlan, Residence, StepShape};
+    let residence = if cfg.device.is_cuda() { Residence::Gpu } else { Residence::Cpu };
+    let bytes = match cfg.gpu_memory {
+        Some(b) => b,
+        None => engine::device::memory_bytes(cfg.device).map_err(|e| WorkerError::Config(e.to_string()))?,
+    };
+    let shape = StepShape {
+        rows: cfg.token_budget,
+        context: (cfg.max_pages * 128).min(model_cfg.max_position),
+        sequences: cfg.max_sequences,
+    };
+    let on = Devices { residence, count: 1, bytes };
+    let plan = MemoryPlan::for_dir(&cfg.model, model_cfg, on, cfg.kv_dtype, shape)
+        .map_err(|e| WorkerError::Config(e.to_string()))?;
+    tracing::info!(device = %cfg.device, max_pages = cfg.max_pages, "{}", plan.summary());
+    plan.check_pages(cfg.max_pages, &cfg.device.to_string()).map_err(|e| WorkerError::Config(e.to_string()))
 }

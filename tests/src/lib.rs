@@ -114,8 +114,7 @@ pub struct TestCluster {
 /// The `tiny` preset (seed 3), the model every test cluster serves.
 pub fn write_model(dir: &std::path::Path) -> PathBuf {
     let model = dir.join("tiny");
-    write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 3, WeightDtype::Bf16))
-        .expect("write model");
+    write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 3, WeightDtype::Bf16)).expect("write model");
     model
 }
 

@@ -85,22 +85,41 @@ fn ue8m0_near(x: f32) -> u8 {
 fn stored(spec: &TensorSpec) -> Vec<Stored> {
     let n: usize = spec.shape.iter().product();
     let scale_name = || spec.name.strip_suffix(".weight").map(|b| format!("{b}.scale")).unwrap_or_default();
-    let one = |dtype, bytes, make| vec![Stored { name: spec.name.clone(), dtype, shape: spec.shape.clone(), bytes, make }];
+    let one =
+        |dtype, bytes, make| vec![Stored { name: spec.name.clone(), dtype, shape: spec.shape.clone(), bytes, make }];
     match spec.class {
         Class::Fp8 => {
             let (r, c) = (spec.shape[0], spec.shape[1]);
             let grid = vec![r.div_ceil(128), c.div_ceil(128)];
             let base = ue8m0_near(target_std(spec) / FP8_SIGMA);
             vec![
-                Stored { name: spec.name.clone(), dtype: Dtype::F8_E4M3, shape: spec.shape.clone(), bytes: n, make: Make::Fp8Codes },
-                Stored { name: scale_name(), dtype: Dtype::F8_E8M0, bytes: grid[0] * grid[1], shape: grid, make: Make::Scales { base } },
+                Stored {
+                    name: spec.name.clone(),
+                    dtype: Dtype::F8_E4M3,
+                    shape: spec.shape.clone(),
+                    bytes: n,
+                    make: Make::Fp8Codes,
+                },
+                Stored {
+                    name: scale_name(),
+                    dtype: Dtype::F8_E8M0,
+                    bytes: grid[0] * grid[1],
+                    shape: grid,
+                    make: Make::Scales { base },
+                },
             ]
         }
         Class::Fp4 => {
             let (r, c) = (spec.shape[0], spec.shape[1]);
             let base = ue8m0_near(target_std(spec) / FP4_SIGMA);
             vec![
-                Stored { name: spec.name.clone(), dtype: Dtype::I8, shape: vec![r, c / 2], bytes: n / 2, make: Make::Random },
+                Stored {
+                    name: spec.name.clone(),
+                    dtype: Dtype::I8,
+                    shape: vec![r, c / 2],
+                    bytes: n / 2,
+                    make: Make::Random,
+                },
                 Stored {
                     name: scale_name(),
                     dtype: Dtype::F8_E8M0,

@@ -82,6 +82,21 @@ impl CudaBackend {
         })
     }
 
+    /// Total memory of device `ordinal` in bytes, without starting a backend (no kernels
+    /// are compiled): for plans made before loading.
+    pub fn device_memory(ordinal: usize) -> Result<usize, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        cudarc::driver::result::init().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        let count = cudarc::driver::CudaContext::device_count().map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        if ordinal as i32 >= count {
+            return Err(CudaError::NoDevice { ordinal, count });
+        }
+        let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        ctx.total_mem().map_err(|e| CudaError::Driver(format!("{e:?}")))
+    }
+
     /// Number of CUDA devices, 0 when there is no driver.
     pub fn device_count() -> usize {
         if !driver_present() {
