@@ -114,6 +114,15 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         free as f64 / (1u64 << 30) as f64,
         total as f64 / (1u64 << 30) as f64
     );
+    // The memory plan's weight figure next to what the device holds after loading (the
+    // KV pool, context and kernels included in the latter).
+    let plan_weights = {
+        use engine::memory_plan::{Devices, MemoryPlan, Residence, StepShape};
+        let on = Devices { residence: Residence::Gpu, count: 1, bytes: total as u64 };
+        let shape = StepShape { rows: a.prefill_tokens.min(a.chunk_tokens), context: max_ctx, sequences: max_batch };
+        MemoryPlan::for_dir(c.dir, engine.config(), on, c.kv_dtype, shape).ok().map(|p| (p.weights.total(), p.workspace))
+    };
+    let used_after_load = (total - free) as u64;
 
     // Warm-up: kernels loaded, cuBLAS handles and the allocator's pool primed.
     let mut seq = engine.open_sequence()?;
@@ -237,6 +246,10 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         })
         .collect();
     let load = &engine.load;
+    let used_at_end = {
+        let (f, t) = engine.model.backend.memory_info();
+        (t - f) as u64
+    };
 
     let report = json!({
         "engine": "sluice",
@@ -245,6 +258,11 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         "kv_dtype": c.kv_dtype.name(),
         "copy_gb_s": copy_gbs,
         "load_s": load_s,
+        "memory": json!({
+            "plan_weights": plan_weights.map(|p| p.0), "plan_workspace": plan_weights.map(|p| p.1),
+            "used_after_load": used_after_load,
+            "used_at_end": used_at_end,
+        }),
         "load": json!({
             "bytes": load.bytes, "seconds": load.seconds, "gb_s": load.gb_per_s(),
             "peak_extra_host_bytes": load.peak_extra_host_bytes,
@@ -283,6 +301,14 @@ fn print_profile(b: &CudaBackend, what: &str) {
 fn print_table(r: &Value) {
     println!("sluice engine on {} (KV {})", r["device"].as_str().unwrap_or("?"), r["kv_dtype"].as_str().unwrap_or("?"));
     println!("  copy bandwidth        {:>10.0} GB/s", r["copy_gb_s"].as_f64().unwrap_or(0.0));
+    let m = &r["memory"];
+    println!(
+        "  memory                plan: weights {:.2} GB, workspace {:.2} GB; device in use after load {:.2} GB, at the end {:.2} GB",
+        m["plan_weights"].as_f64().unwrap_or(0.0) / 1e9,
+        m["plan_workspace"].as_f64().unwrap_or(0.0) / 1e9,
+        m["used_after_load"].as_f64().unwrap_or(0.0) / 1e9,
+        m["used_at_end"].as_f64().unwrap_or(0.0) / 1e9
+    );
     let l = &r["load"];
     println!(
         "  load                  {:>10.2} GB in {:.1} s ({:.2} GB/s), peak host memory beyond page cache {} MiB",
