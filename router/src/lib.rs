@@ -13,12 +13,14 @@
 //! - `workers`: gRPC channels per worker, membership, load polling.
 //! - `orchestrate`: one request from admission to its last token.
 //! - `stops`: stop strings over streamed text.
+//! - [`chat`]: chat completions (V4 prompt encoding, structured output, reply parsing).
 //! - `grpc`, `http`: the two APIs (the HTTP listener also serves `/metrics`); `request_id`:
 //!   ids for both.
 //!
 //! Telemetry (metrics, the `request` trace span and its children) is recorded in
 //! `orchestrate`; the metric set and trace propagation live in `cluster::telemetry`.
 
+pub mod chat;
 pub mod config;
 mod grpc;
 mod http;
