@@ -6,6 +6,7 @@
 //! - [`config`]: flags and environment, validated once.
 //! - `memory`: UCX regions handed to the engine as KV memory.
 //! - `reservations`: reservation lifecycle and leases (pure logic).
+//! - `constraint`: grammars that mask sampling (llguidance), per request.
 //! - `engine_loop`: the engine thread (commands, batching, sampling).
 //! - `service`: the gRPC adapter.
 //!
@@ -13,6 +14,7 @@
 //! served on `--metrics-listen`; trace spans continue their callers' traces.
 
 pub mod config;
+mod constraint;
 mod engine_loop;
 mod memory;
 mod reservations;
