@@ -29,6 +29,29 @@ pub struct Grammars {
     factory: Arc<ParserFactory>,
 }
 
+/// The end-of-sentence token every grammar ends with.
+const EOS: &str = "<｜end▁of▁sentence｜>";
+
+mod tokenizers_json {
+    /// The part of `tokenizer.json` that names the added tokens.
+    #[derive(serde::Deserialize)]
+    pub struct Added {
+        pub added_tokens: Vec<Token>,
+    }
+
+    #[derive(serde::Deserialize)]
+    pub struct Token {
+        pub id: u32,
+        pub content: String,
+    }
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Grammars")
+    }
+}
+
 /// Token bytes for a trie; ids are the model's, so masks line up with its logits.
 struct Env {
     trie: TokTrie,
@@ -47,12 +70,20 @@ impl TokenizerEnv for Env {
 impl Grammars {
     /// Build from a model directory's `tokenizer.json`: `None` when there is none (the
     /// model serves token ids only, so there is nothing to constrain).
-    pub fn load(model_dir: &Path, vocab: usize, eos: u32) -> Result<Option<Self>, ConstraintError> {
+    pub fn load(model_dir: &Path, vocab: usize) -> Result<Option<Self>, ConstraintError> {
         let path = model_dir.join("tokenizer.json");
         if !path.exists() {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&path).map_err(|e| ConstraintError::Unsupported(e.to_string()))?;
+        let codec: tokenizers_json::Added =
+            serde_json::from_str(&text).map_err(|e| ConstraintError::Unsupported(e.to_string()))?;
+        let eos = codec
+            .added_tokens
+            .iter()
+            .find(|t| t.content == EOS)
+            .map(|t| t.id)
+            .ok_or_else(|| ConstraintError::Unsupported(format!("tokenizer.json has no {EOS} token")))?;
         Self::from_tokenizer_json(&text, vocab, eos).map(Some)
     }
 

@@ -22,7 +22,8 @@ pub const BOS: &str = "<｜begin▁of▁sentence｜>";
 pub const EOS: &str = "<｜end▁of▁sentence｜>";
 
 /// DeepSeek-V4's chat special tokens (the spellings of its tokenizer), ids 2 onwards.
-pub const CHAT_TOKENS: [&str; 6] = ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>"];
+pub const CHAT_TOKENS: [&str; 6] =
+    ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>"];
 
 const CORPUS: &str = include_str!("corpus.txt");
 
