@@ -24,8 +24,8 @@ pub fn grammar(conv: &Conversation, policy: &ToolPolicy, t: GrammarTokens) -> Op
         }
         ToolPolicy::Auto => match &conv.response_format {
             ResponseFormat::Text => return None,
-            ResponseFormat::JsonObject => "start: body\nbody: %json {\"type\": \"object\"}\n".to_string(),
-            ResponseFormat::JsonSchema(schema) => format!("start: body\nbody: %json {schema}\n"),
+            ResponseFormat::JsonObject => format!("start: body\nbody: %json {}\n", compact_json(r#"{"type": "object"}"#)),
+            ResponseFormat::JsonSchema(schema) => format!("start: body\nbody: %json {}\n", compact_json(schema)),
         },
     };
     Some(if conv.thinking {
@@ -58,7 +58,7 @@ fn tool_calls(tools: &[ToolSpec], many: bool, t: GrammarTokens) -> String {
             seq.push_str(&if *required { format!(" {rule}") } else { format!(" {rule}?") });
             let (flag, value) = match string_values(schema) {
                 Some(v) => ("true", v),
-                None => ("false", format!("%json {schema}")),
+                None => ("false", format!("%json {}", compact_json(schema))),
             };
             let head = quote(&format!("parameter name=\"{key}\" string=\"{flag}\">"));
             g.push_str(&format!("{rule}: \"<\" {d} {head} {value} \"</\" {d} \"parameter>\\n\"\n"));
@@ -67,6 +67,18 @@ fn tool_calls(tools: &[ToolSpec], many: bool, t: GrammarTokens) -> String {
         g.push_str(&format!("f{i}: \"<\" {d} {head}{seq} \"</\" {d} \"invoke>\"\n"));
     }
     g
+}
+
+/// `schema` with llguidance's option for JSON without free whitespace, so a model cannot
+/// spend its tokens on blanks.
+fn compact_json(schema: &str) -> String {
+    let mut parts = vec![r#""x-guidance": {"whitespace_flexible": false}"#.to_string()];
+    for (k, v) in object_members(schema).unwrap_or_default() {
+        if k != "x-guidance" {
+            parts.push(format!("{}: {}", quote(&k), v.get()));
+        }
+    }
+    format!("{{{}}}", parts.join(", "))
 }
 
 /// (name, schema, required) of each property of an object schema, in order.
