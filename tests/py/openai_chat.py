@@ -66,7 +66,7 @@ record(
     "tool_named",
     lambda: client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "What time is it?"}], tools=[WEATHER, CLOCK],
-        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=64,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=200,
     ).model_dump(),
 )
 record(
@@ -75,7 +75,7 @@ record(
         c.model_dump()
         for c in client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
-            tool_choice="required", max_tokens=96, stream=True, seed=3, temperature=0.7,
+            tool_choice="required", max_tokens=400, stream=True, seed=3, temperature=0.7,
         )
     ],
 )
@@ -83,7 +83,7 @@ record(
     "json_schema",
     lambda: [
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "Describe a person"}], max_tokens=96, seed=s,
+            model="tiny", messages=[{"role": "user", "content": "Describe a person"}], max_tokens=400, seed=s,
             temperature=1.0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
         ).model_dump()
         for s in (1, 2)
@@ -92,7 +92,7 @@ record(
 record(
     "json_object",
     lambda: client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Reply in JSON"}], max_tokens=96,
+        model="tiny", messages=[{"role": "user", "content": "Reply in JSON"}], max_tokens=400,
         response_format={"type": "json_object"}, temperature=0,
     ).model_dump(),
 )

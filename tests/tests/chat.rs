@@ -76,7 +76,8 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
     let chunks = ok(&results, "stream").as_array().unwrap();
     assert!(chunks.iter().all(|ch| ch["object"] == "chat.completion.chunk" && ch["id"] == chunks[0]["id"]));
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let finishes: Vec<&Value> = chunks.iter().filter_map(|ch| ch["choices"].get(0)).filter(|c| !c["finish_reason"].is_null()).collect();
+    let finishes: Vec<&Value> =
+        chunks.iter().filter_map(|ch| ch["choices"].get(0)).filter(|c| !c["finish_reason"].is_null()).collect();
     assert_eq!(finishes.len(), 1, "one finish reason");
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"].as_array().unwrap().len(), 0, "usage chunk has no choices");
@@ -120,10 +121,16 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
         assert_eq!(choice["finish_reason"], "stop", "{choice}");
         check_person(choice["message"]["content"].as_str().unwrap());
     }
+    // Any JSON object: a random model may not close it within max_tokens, but what it
+    // wrote is an object's beginning, and a finished one parses.
     let obj = &ok(&results, "json_object")["choices"][0];
-    assert_eq!(obj["finish_reason"], "stop", "{obj}");
-    let v: Value = serde_json::from_str(obj["message"]["content"].as_str().unwrap()).unwrap();
-    assert!(v.is_object());
+    let content = obj["message"]["content"].as_str().unwrap();
+    assert!(content.starts_with('{'), "{obj}");
+    if obj["finish_reason"] == "stop" {
+        assert!(serde_json::from_str::<Value>(content).unwrap().is_object(), "{obj}");
+    } else {
+        assert_eq!(obj["finish_reason"], "length", "{obj}");
+    }
 
     // n = 2 with logprobs.
     let n2 = ok(&results, "n2_logprobs");
@@ -167,7 +174,8 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
         }
     }
     // Without a key the HTTP API refuses; health stays open.
-    let (status, body) = c.http_post("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}]}"#).await.unwrap();
+    let (status, body) =
+        c.http_post("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}]}"#).await.unwrap();
     assert_eq!(status, 401, "{body}");
     assert_eq!(c.http_get("/health").await.unwrap().0, 200);
     c.assert_pages_return(Duration::from_secs(5)).await;

@@ -24,7 +24,9 @@ pub fn grammar(conv: &Conversation, policy: &ToolPolicy, t: GrammarTokens) -> Op
         }
         ToolPolicy::Auto => match &conv.response_format {
             ResponseFormat::Text => return None,
-            ResponseFormat::JsonObject => format!("start: body\nbody: %json {}\n", compact_json(r#"{"type": "object"}"#)),
+            ResponseFormat::JsonObject => {
+                format!("start: body\nbody: %json {}\n", compact_json(r#"{"type": "object"}"#))
+            }
             ResponseFormat::JsonSchema(schema) => format!("start: body\nbody: %json {}\n", compact_json(schema)),
         },
     };
@@ -107,4 +109,33 @@ fn string_values(schema: &str) -> Option<String> {
         Some(n) => format!("/[^<]{{0,{n}}}/"),
         None => "/[^<]*/".to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_grammars_keep_the_schema_and_drop_free_whitespace() {
+        let schema = r#"{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}"#;
+        let conv = Conversation {
+            system: vec![],
+            turns: vec![],
+            tools: vec![],
+            response_format: ResponseFormat::JsonSchema(schema.into()),
+            thinking: false,
+            effort: None,
+        };
+        let t = GrammarTokens { think_end: 5, dsml: 6 };
+        let g = grammar(&conv, &ToolPolicy::Auto, t).unwrap();
+        assert_eq!(
+            g,
+            "start: body\nbody: %json {\"x-guidance\": {\"whitespace_flexible\": false}, \"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}}, \"required\": [\"a\"]}\n"
+        );
+        let thinking = grammar(&Conversation { thinking: true, ..conv }, &ToolPolicy::Auto, t).unwrap();
+        assert!(
+            thinking.starts_with("start: REASONING <[5]> answer\n") && thinking.contains("answer: body"),
+            "{thinking}"
+        );
+    }
 }
