@@ -19,12 +19,11 @@ use tonic::{Code, Status};
 
 use crate::chat::ChatError;
 use crate::chat::convert::{self, ChatPlan};
-use crate::chat::grammar::{GrammarTokens, grammar};
 use crate::chat::output::{Delta, OutputParser};
 use crate::chat::request::ChatRequest;
+use crate::chat_run::{self, Refusal};
 use crate::http::{Body, HttpState, error, now_s, status_response, usage_json};
-use crate::orchestrate::{self, Event, Events, TokenOut};
-use crate::validate::{self, Prompt, Sampling};
+use crate::orchestrate::{Event, TokenOut};
 
 /// One choice as it builds up.
 struct Choice {
@@ -57,12 +56,6 @@ fn invalid(state: &HttpState, message: impl Into<String>, param: Option<&str>) -
     error(StatusCode::BAD_REQUEST, "invalid_request_error", message, param, None)
 }
 
-/// A seed for choices that gave none: different per request, as OpenAI's sampling is.
-fn fresh_seed() -> u64 {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    t.as_nanos() as u64 ^ 0x9e37_79b9_7f4a_7c15
-}
-
 pub async fn chat_completions(
     State(state): State<Arc<HttpState>>,
     headers: HeaderMap,
@@ -75,60 +68,12 @@ pub async fn chat_completions(
         Ok(p) => p,
         Err(ChatError::Invalid { message, param }) => return invalid(&state, message, param),
     };
+    let streams = match chat_run::start(&state.ctx, &state.limits, &plan, &request_id, &metadata) {
+        Ok(s) => s,
+        Err(Refusal::Invalid { message, param }) => return invalid(&state, message, param),
+        Err(Refusal::Status(s)) => return status_response(&s),
+    };
     let model = &state.ctx.model;
-    let tokens = match &model.chat {
-        Ok(t) => *t,
-        Err(why) => return invalid(&state, why.clone(), Some("model")),
-    };
-    let Some(codec) = model.codec.as_ref() else {
-        return invalid(&state, "the model has no tokenizer", Some("model"));
-    };
-    let prompt = match codec.encode(&plan.conversation.render()) {
-        Ok(ids) => ids,
-        Err(e) => return invalid(&state, format!("cannot tokenize the conversation: {e}"), Some("messages")),
-    };
-    let room = model.max_position.saturating_sub(prompt.len()) as u32;
-    let max_tokens = plan.max_tokens.unwrap_or_else(|| state.limits.max_tokens_limit.min(room));
-    let constraint = grammar(
-        &plan.conversation,
-        &plan.tool_policy,
-        GrammarTokens { think_end: tokens.think_end, dsml: tokens.dsml },
-    );
-    let base_seed = plan.seed.unwrap_or_else(fresh_seed);
-    let mut streams: Vec<Events> = Vec::with_capacity(plan.n as usize);
-    for i in 0..plan.n {
-        let id = if plan.n == 1 { request_id.clone() } else { format!("{request_id}-{i}") };
-        let arrival = orchestrate::arrive(&id, &metadata);
-        let sampling = Sampling {
-            temperature: plan.temperature,
-            top_p: plan.top_p,
-            top_k: plan.top_k,
-            seed: Some(base_seed.wrapping_add(i as u64)),
-            logprobs: plan.logprobs,
-            top_logprobs: plan.top_logprobs,
-        };
-        let checked = validate::validate(
-            model,
-            &state.limits,
-            id,
-            &plan.model,
-            Some(Prompt::Ids(prompt.clone())),
-            max_tokens,
-            sampling,
-            vec![tokens.eos],
-            plan.stop.clone(),
-        );
-        let mut v = match checked {
-            Ok(v) => v,
-            Err(m) => return status_response(&orchestrate::refuse(&state.ctx, &arrival, Status::invalid_argument(m))),
-        };
-        v.constraint = constraint.clone();
-        match orchestrate::start(state.ctx.clone(), v, arrival) {
-            Ok(e) => streams.push(e),
-            // Dropping the choices already started cancels them.
-            Err(s) => return status_response(&s),
-        }
-    }
     let reply = Reply {
         id: format!("chatcmpl-{request_id}"),
         created: now_s(),

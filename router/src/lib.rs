@@ -15,14 +15,17 @@
 //! - `stops`: stop strings over streamed text.
 //! - [`chat`]: chat completions (V4 prompt encoding, structured output, reply parsing).
 //! - `grpc`, `http`: the two APIs (the HTTP listener also serves `/metrics`); `request_id`:
-//!   ids for both; `chat_http`: `/v1/chat/completions`; `auth`: optional API keys.
+//!   ids for both; `chat_http`: `/v1/chat/completions`, `chat_grpc`: `Chat` over gRPC,
+//!   `chat_run`: starting a chat request for either API; `auth`: optional API keys.
 //!
 //! Telemetry (metrics, the `request` trace span and its children) is recorded in
 //! `orchestrate`; the metric set and trace propagation live in `cluster::telemetry`.
 
 mod auth;
 pub mod chat;
+mod chat_grpc;
 mod chat_http;
+mod chat_run;
 pub mod config;
 mod grpc;
 mod http;

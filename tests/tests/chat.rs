@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde_json::Value;
 use sluice_e2e::pytools::{bounded, pytools};
 use sluice_e2e::{Spec, TestCluster};
+use sluice_proto::v1 as pb;
 
 const KEY: &str = "sk-test-chat";
 
@@ -173,6 +174,42 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
             assert_eq!(e["param"], p, "{case}: {e}");
         }
     }
+    // The gRPC twin: a named tool call arrives as a tool-call event, then the final.
+    let req = pb::ChatRequest {
+        messages: vec![pb::ChatMessage {
+            role: "user".into(),
+            content: "What time is it?".into(),
+            ..Default::default()
+        }],
+        tools: vec![pb::ToolDefinition { name: "get_time".into(), ..Default::default() }],
+        tool_choice: "get_time".into(),
+        max_tokens: 200,
+        ..Default::default()
+    };
+    let mut stream = c.client().await.chat(req).await.expect("grpc chat").into_inner();
+    let mut events = Vec::new();
+    while let Some(ev) = tokio::time::timeout(Duration::from_secs(60), stream.message()).await.unwrap().unwrap() {
+        events.push(ev.event.expect("an event"));
+    }
+    let calls: Vec<&pb::ToolCall> =
+        events.iter().filter_map(|e| if let pb::chat_event::Event::ToolCall(t) = e { Some(t) } else { None }).collect();
+    assert_eq!(calls.len(), 1, "{events:?}");
+    assert_eq!((calls[0].name.as_str(), calls[0].arguments.as_str()), ("get_time", "{}"));
+    match events.last() {
+        Some(pb::chat_event::Event::Final(f)) => {
+            assert_eq!(f.finish_reason, "tool_calls");
+            assert!(f.usage.as_ref().is_some_and(|u| u.prompt_tokens > 0 && u.completion_tokens > 0));
+        }
+        other => panic!("last event {other:?}"),
+    }
+    let bad = pb::ChatRequest {
+        messages: vec![pb::ChatMessage { role: "wizard".into(), ..Default::default() }],
+        ..Default::default()
+    };
+    let err = c.client().await.chat(bad).await.expect_err("an unknown role");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("unknown message role `wizard`"), "{err:?}");
+
     // Without a key the HTTP API refuses; health stays open.
     let (status, body) =
         c.http_post("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}]}"#).await.unwrap();
