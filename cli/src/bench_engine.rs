@@ -120,7 +120,9 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         use engine::memory_plan::{Devices, MemoryPlan, Residence, StepShape};
         let on = Devices { residence: Residence::Gpu, count: 1, bytes: total as u64 };
         let shape = StepShape { rows: a.prefill_tokens.min(a.chunk_tokens), context: max_ctx, sequences: max_batch };
-        MemoryPlan::for_dir(c.dir, engine.config(), on, c.kv_dtype, shape).ok().map(|p| (p.weights.total(), p.workspace))
+        MemoryPlan::for_dir(c.dir, engine.config(), on, c.kv_dtype, shape)
+            .ok()
+            .map(|p| (p.weights.total(), p.workspace))
     };
     let used_after_load = (total - free) as u64;
 

@@ -24,6 +24,7 @@ use tonic::Status;
 use tracing::Span;
 use transfer::{Checksums, SendParts};
 
+use crate::constraint::{Constraint, Grammars, Mask};
 use crate::reservations::{Table, TableError};
 
 pub type EventTx = mpsc::UnboundedSender<Result<pb::DecodeEvent, Status>>;
@@ -72,6 +73,8 @@ pub struct LoopConfig {
     /// Test hook: a pause before every decode step.
     pub step_delay: Duration,
     pub metrics: DecodeMetrics,
+    /// The model's token table for grammars (`None`: no tokenizer, no constrained decoding).
+    pub grammars: Option<std::sync::Arc<Grammars>>,
 }
 
 struct Running {
@@ -85,6 +88,8 @@ struct Running {
     stops: Vec<u32>,
     events: EventTx,
     span: Span,
+    /// The request's grammar, advanced past every emitted token.
+    constraint: Option<Constraint>,
 }
 
 /// Send a failure to a request's client and mark its span failed.
@@ -280,7 +285,25 @@ impl<B: Backend> State<B> {
             self.engine.release(entry.seq);
             return;
         }
+        let constraint = match (req.constraint.as_ref(), &self.cfg.grammars) {
+            (None, _) => None,
+            (Some(_), None) => {
+                let msg = "this model has no tokenizer.json, so it cannot decode under a grammar";
+                fail(&events, &span, Status::invalid_argument(msg));
+                self.engine.release(entry.seq);
+                return;
+            }
+            (Some(c), Some(g)) => match g.matcher(&c.lark) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    fail(&events, &span, Status::invalid_argument(e.to_string()));
+                    self.engine.release(entry.seq);
+                    return;
+                }
+            },
+        };
         let mut r = Running {
+            constraint,
             request_id: req.request_id,
             seq: entry.seq,
             sampler: Sampler::new(params),
@@ -297,7 +320,12 @@ impl<B: Backend> State<B> {
             self.engine.release(r.seq);
             return;
         };
-        let s = r.sampler.sample(&logits);
+        // No step to overlap with yet: the first mask is computed here.
+        let mask = r.constraint.as_mut().map(Constraint::mask);
+        let Some(s) = sample(&mut r, &logits, mask) else {
+            self.engine.release(r.seq);
+            return;
+        };
         self.cfg.metrics.tokens.inc();
         if emit(&mut r, s) {
             self.engine.release(r.seq);
@@ -320,9 +348,24 @@ impl<B: Backend> State<B> {
             std::thread::sleep(self.cfg.step_delay);
         }
         let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
-        let mut seqs: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.seq).collect();
         let started = Instant::now();
-        let result = self.engine.decode(&mut seqs, &tokens);
+        // The grammar masks for the tokens sampled after this step are computed on a
+        // helper thread while the engine runs the step.
+        let (result, mut masks) = {
+            let (mut seqs, mut constraints): (Vec<&mut Sequence>, Vec<Option<&mut Constraint>>) =
+                self.running.iter_mut().map(|r| (&mut r.seq, r.constraint.as_mut())).unzip();
+            let engine = &mut self.engine;
+            std::thread::scope(|scope| {
+                let masker = constraints.iter().any(Option::is_some).then(|| {
+                    scope
+                        .spawn(move || constraints.iter_mut().map(|c| c.as_mut().map(|c| c.mask())).collect::<Vec<_>>())
+                });
+                let result = engine.decode(&mut seqs, &tokens);
+                let masks = masker.map(|h| h.join().expect("the mask thread does not panic"));
+                (result, masks.unwrap_or_default())
+            })
+        };
+        masks.resize_with(self.running.len(), || None);
         self.cfg.metrics.step_seconds.observe(started.elapsed().as_secs_f64());
         let logits = match result {
             Ok(l) => l,
@@ -337,8 +380,11 @@ impl<B: Backend> State<B> {
         };
         let mut keep = Vec::with_capacity(self.running.len());
         self.cfg.metrics.tokens.inc_by(self.running.len() as u64);
-        for (mut r, l) in self.running.drain(..).zip(logits) {
-            let s = r.sampler.sample(&l);
+        for ((mut r, l), mask) in self.running.drain(..).zip(logits).zip(masks) {
+            let Some(s) = sample(&mut r, &l, mask) else {
+                self.engine.release(r.seq);
+                continue;
+            };
             if emit(&mut r, s) {
                 self.engine.release(r.seq);
             } else {
@@ -370,6 +416,31 @@ impl<B: Backend> State<B> {
             logits: self.engine.slot_logits_bytes(&e.seq).unwrap_or_default().to_vec(),
         })
     }
+}
+
+/// Sample a request's next token (under its grammar's mask, when it has one) and advance
+/// its grammar past it; `None` when the grammar failed (the request is failed).
+fn sample(
+    r: &mut Running,
+    logits: &[f32],
+    mask: Option<Result<Mask, crate::constraint::ConstraintError>>,
+) -> Option<Sampled> {
+    let s = match mask {
+        None => r.sampler.sample(logits),
+        Some(Ok(mask)) => r.sampler.sample_allowed(logits, |t| mask.allows(t)),
+        Some(Err(e)) => {
+            fail(&r.events, &r.span, Status::internal(format!("grammar failed: {e}")));
+            return None;
+        }
+    };
+    if let Some(c) = r.constraint.as_mut()
+        && !r.stops.contains(&s.token)
+        && let Err(e) = c.commit(s.token)
+    {
+        fail(&r.events, &r.span, Status::internal(format!("grammar failed: {e}")));
+        return None;
+    }
+    Some(s)
 }
 
 /// Send one sampled token; returns whether the request is finished (done, or the

@@ -6,6 +6,7 @@
 //! - [`config`]: flags and environment, validated once.
 //! - `memory`: UCX regions handed to the engine as KV memory.
 //! - `reservations`: reservation lifecycle and leases (pure logic).
+//! - `constraint`: grammars that mask sampling (llguidance), per request.
 //! - `engine_loop`: the engine thread (commands, batching, sampling).
 //! - `service`: the gRPC adapter.
 //!
@@ -13,6 +14,7 @@
 //! served on `--metrics-listen`; trace spans continue their callers' traces.
 
 pub mod config;
+mod constraint;
 mod engine_loop;
 mod memory;
 mod reservations;
@@ -73,6 +75,14 @@ pub async fn run(
         lease,
         step_delay: Duration::from_millis(cfg.debug_step_delay_ms),
         metrics: recorder,
+        // A tokenizer llguidance cannot read only costs structured output, not serving.
+        grammars: match constraint::Grammars::load(&cfg.model, engine.config().vocab_size) {
+            Ok(g) => g.map(std::sync::Arc::new),
+            Err(e) => {
+                tracing::warn!(error = %e, "constrained decoding is off");
+                None
+            }
+        },
     };
     let tx = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.

@@ -98,8 +98,21 @@ impl Sampler {
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
-        let lp = log_softmax(logits);
         let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
+        self.report(logits, token)
+    }
+
+    /// Sample among the tokens `allowed` accepts (constrained decoding; at least one must
+    /// be allowed). Logprobs stay those of the unconstrained distribution.
+    pub fn sample_allowed(&mut self, logits: &[f32], allowed: impl Fn(u32) -> bool) -> Sampled {
+        let masked: Vec<f32> =
+            logits.iter().enumerate().map(|(i, &l)| if allowed(i as u32) { l } else { f32::NEG_INFINITY }).collect();
+        let token = if self.params.is_greedy() { argmax(&masked) } else { self.draw(&masked) };
+        self.report(logits, token)
+    }
+
+    fn report(&self, logits: &[f32], token: u32) -> Sampled {
+        let lp = log_softmax(logits);
         let top = if self.params.top_logprobs > 0 {
             let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
             let k = self.params.top_logprobs.min(idx.len());
@@ -117,6 +130,10 @@ impl Sampler {
         let t = self.params.temperature as f64;
         let mut order: Vec<u32> = (0..logits.len() as u32).collect();
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        // Masked-out tokens (constrained decoding) are never candidates.
+        if let Some(end) = order.iter().position(|&i| logits[i as usize] == f32::NEG_INFINITY) {
+            order.truncate(end.max(1));
+        }
         if self.params.top_k > 0 {
             order.truncate(self.params.top_k);
         }
@@ -176,6 +193,22 @@ mod tests {
         top3.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
         assert!(a.iter().all(|t| top3[..3].contains(t)));
         assert!(top3[..3].iter().all(|t| a.contains(t)), "all three candidates get drawn in 200 tries");
+    }
+
+    #[test]
+    fn masked_sampling_only_picks_allowed_tokens_and_keeps_model_logprobs() {
+        let logits: Vec<f32> = (0..40).map(|i| (i as f32 * 0.61).cos()).collect();
+        let allowed = |t: u32| t % 5 == 3;
+        for params in
+            [SamplingParams::default(), SamplingParams { temperature: 1.3, top_k: 4, seed: 9, ..Default::default() }]
+        {
+            let mut s = Sampler::new(params);
+            for _ in 0..50 {
+                let out = s.sample_allowed(&logits, allowed);
+                assert!(allowed(out.token), "{}", out.token);
+                assert_eq!(out.logprob, log_softmax(&logits)[out.token as usize]);
+            }
+        }
     }
 
     #[test]

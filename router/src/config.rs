@@ -54,6 +54,10 @@ pub struct RouterConfig {
     /// is placed as if nothing were cached.
     #[arg(long, env = "SLUICE_KVSTORE_LOOKUP_TIMEOUT_MS", default_value_t = 200)]
     pub kvstore_lookup_timeout_ms: u64,
+    /// A file of API keys, one per line (blank lines and `#` comments skipped). With it,
+    /// every `/v1/...` HTTP request needs `Authorization: Bearer <key>` (else 401).
+    #[arg(long, env = "SLUICE_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
 }
 
 impl RouterConfig {

@@ -1,4 +1,4 @@
-//! The `sluice.v1.Generation` gRPC service.
+//! The `sluice.v1.Generation` gRPC service (`Chat` converts in `chat_grpc`).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -58,6 +58,26 @@ pub fn to_proto(e: Event) -> pb::GenerateEvent {
 #[tonic::async_trait]
 impl Generation for GenerationService {
     type GenerateStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
+    type ChatStream = crate::chat_grpc::ChatStream;
+
+    async fn chat(&self, request: Request<pb::ChatRequest>) -> Result<Response<Self::ChatStream>, Status> {
+        let id = request_id(&request.get_ref().request_id, &request);
+        let metadata = request.metadata().clone();
+        let refuse = |s: Status| {
+            self.ctx.metrics.outcome(s.code());
+            s
+        };
+        let r = crate::chat_grpc::to_request(request.into_inner()).map_err(refuse)?;
+        let plan = crate::chat::convert::plan(r).map_err(|e| refuse(Status::invalid_argument(e.to_string())))?;
+        let streams = match crate::chat_run::start(&self.ctx, &self.limits, &plan, &id, &metadata) {
+            Ok(s) => s,
+            Err(crate::chat_run::Refusal::Invalid { message, .. }) => {
+                return Err(refuse(Status::invalid_argument(message)));
+            }
+            Err(crate::chat_run::Refusal::Status(s)) => return Err(s),
+        };
+        Ok(Response::new(crate::chat_grpc::events(streams, plan.conversation.thinking)))
+    }
 
     async fn generate(&self, request: Request<pb::GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
         let id = request_id(&request.get_ref().request_id, &request);

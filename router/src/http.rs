@@ -1,6 +1,7 @@
-//! OpenAI-compatible HTTP API: `POST /v1/completions` (streaming as server-sent events,
-//! or one JSON response), `GET /v1/models`, `GET /health`. Errors use OpenAI's shape
-//! (`{"error": {"message", "type", "code"}}`) with the matching HTTP status.
+//! OpenAI-compatible HTTP API: `POST /v1/completions` and `POST /v1/chat/completions`
+//! (`chat_http`; streaming as server-sent events, or one JSON response), `GET /v1/models`,
+//! `GET /health`. Errors use OpenAI's shape (`{"error": {"message", "type", "param",
+//! "code"}}`) with the matching HTTP status; unknown paths and methods get one too.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -30,13 +31,31 @@ pub struct HttpState {
 pub fn router(state: Arc<HttpState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(crate::chat_http::chat_completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "invalid_request_error", "no such endpoint", None, None) })
+        .method_not_allowed_fallback(|| async {
+            error(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method not allowed on this endpoint",
+                None,
+                None,
+            )
+        })
         .with_state(state)
 }
 
-fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    let body = json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+pub fn error(
+    status: StatusCode,
+    kind: &str,
+    message: impl Into<String>,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response {
+    let body = json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}});
     (status, Json(body)).into_response()
 }
 
@@ -52,11 +71,11 @@ pub fn status_response(s: &Status) -> Response {
         Code::Cancelled => (StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST), "cancelled"),
         _ => (StatusCode::INTERNAL_SERVER_ERROR, "server_error"),
     };
-    error(code, kind, s.message())
+    error(code, kind, s.message(), None, None)
 }
 
 /// JSON body with OpenAI-style errors for malformed input (counted as invalid_argument).
-struct Body<T>(T);
+pub struct Body<T>(pub T);
 
 impl<T: serde::de::DeserializeOwned> FromRequest<Arc<HttpState>> for Body<T> {
     type Rejection = Response;
@@ -66,7 +85,7 @@ impl<T: serde::de::DeserializeOwned> FromRequest<Arc<HttpState>> for Body<T> {
             Ok(Json(v)) => Ok(Body(v)),
             Err(e) => {
                 state.ctx.metrics.outcome(Code::InvalidArgument);
-                Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", rejection_message(e)))
+                Err(error(StatusCode::BAD_REQUEST, "invalid_request_error", rejection_message(e), None, None))
             }
         }
     }
@@ -130,7 +149,7 @@ fn one() -> f32 {
     1.0
 }
 
-fn now_s() -> u64 {
+pub fn now_s() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -266,10 +285,10 @@ async fn completions(
             Err(s) => return status_response(&s),
         }
     }
-    error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "the request ended without a result")
+    error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "the request ended without a result", None, None)
 }
 
-fn usage_json(prompt: u32, cached: u32, completion: u32) -> Value {
+pub fn usage_json(prompt: u32, cached: u32, completion: u32) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            "prompt_tokens_details": {"cached_tokens": cached}})
 }
@@ -277,7 +296,7 @@ fn usage_json(prompt: u32, cached: u32, completion: u32) -> Value {
 async fn models(State(state): State<Arc<HttpState>>) -> Json<Value> {
     let m = &state.ctx.model;
     Json(json!({"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "sluice",
-                                             "max_model_len": m.max_position}]}))
+                                             "max_model_len": m.max_position, "context_length": m.max_position}]}))
 }
 
 async fn health(State(state): State<Arc<HttpState>>) -> Response {

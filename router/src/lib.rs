@@ -13,12 +13,19 @@
 //! - `workers`: gRPC channels per worker, membership, load polling.
 //! - `orchestrate`: one request from admission to its last token.
 //! - `stops`: stop strings over streamed text.
+//! - [`chat`]: chat completions (V4 prompt encoding, structured output, reply parsing).
 //! - `grpc`, `http`: the two APIs (the HTTP listener also serves `/metrics`); `request_id`:
-//!   ids for both.
+//!   ids for both; `chat_http`: `/v1/chat/completions`, `chat_grpc`: `Chat` over gRPC,
+//!   `chat_run`: starting a chat request for either API; `auth`: optional API keys.
 //!
 //! Telemetry (metrics, the `request` trace span and its children) is recorded in
 //! `orchestrate`; the metric set and trace propagation live in `cluster::telemetry`.
 
+mod auth;
+pub mod chat;
+mod chat_grpc;
+mod chat_http;
+mod chat_run;
 pub mod config;
 mod grpc;
 mod http;
@@ -121,10 +128,13 @@ pub async fn run(
         .add_service(health)
         .add_service(GenerationServer::new(grpc::GenerationService { ctx: ctx.clone(), limits: limits() }))
         .serve_with_incoming_shutdown(cluster::net::incoming(grpc), shutdown.clone().cancelled_owned());
-    let app = http::router(Arc::new(http::HttpState { ctx, limits: limits() }))
-        .merge(cluster::telemetry::serve::routes(registry, Some(refresh)))
-        .layer(PropagateRequestIdLayer::x_request_id())
-        .layer(SetRequestIdLayer::x_request_id(ids));
+    let keys = cfg.api_keys_file.as_deref().map(auth::ApiKeys::load).transpose().map_err(RouterError::Config)?;
+    let mut app = http::router(Arc::new(http::HttpState { ctx, limits: limits() }))
+        .merge(cluster::telemetry::serve::routes(registry, Some(refresh)));
+    if let Some(keys) = keys {
+        app = app.layer(axum::middleware::from_fn_with_state(keys, auth::require_key));
+    }
+    let app = app.layer(PropagateRequestIdLayer::x_request_id()).layer(SetRequestIdLayer::x_request_id(ids));
     let http_server = axum::serve(http, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
     tracing::info!(grpc = %grpc_addr, http = %http_addr, model = %cfg.model_name(), "router serving");
     let (g, h) = tokio::join!(grpc_server, http_server);

@@ -369,6 +369,7 @@ async fn run(
             max_tokens: req.max_tokens,
             sampling: Some(sampling),
             stop_token_ids: req.stop_ids.clone(),
+            constraint: req.constraint.clone().map(|lark| pb::Constraint { lark }),
         });
         let mut stream = match decode.await {
             Ok(s) => s.into_inner(),

@@ -26,6 +26,8 @@ pub struct Validated {
     pub sampling: Sampling,
     pub stop_ids: Vec<u32>,
     pub stop_strings: Vec<String>,
+    /// A grammar (llguidance Lark) every sampled token must satisfy; chat requests only.
+    pub constraint: Option<String>,
 }
 
 /// A prompt as the client sent it.
@@ -105,7 +107,7 @@ pub fn validate(
             model.name
         ));
     }
-    Ok(Validated { request_id, prompt, max_tokens, sampling, stop_ids, stop_strings })
+    Ok(Validated { request_id, prompt, max_tokens, sampling, stop_ids, stop_strings, constraint: None })
 }
 
 /// Validate a gRPC `GenerateRequest`.
@@ -137,7 +139,15 @@ mod tests {
     use super::*;
 
     fn model() -> ModelInfo {
-        ModelInfo { name: "small".into(), vocab: 100, max_position: 64, codec: None, layers: 8, window: 128 }
+        ModelInfo {
+            name: "small".into(),
+            vocab: 100,
+            max_position: 64,
+            codec: None,
+            layers: 8,
+            window: 128,
+            chat: Err("no chat".into()),
+        }
     }
 
     fn greedy() -> Sampling {

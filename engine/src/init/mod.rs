@@ -23,7 +23,7 @@ use thiserror::Error;
 pub use manifest::{Class, Fill, TensorSpec, manifest};
 pub use presets::Preset;
 pub use sharded::total_bytes;
-pub use tokenizer::{BOS, EOS, tokenizer_json};
+pub use tokenizer::{BOS, CHAT_TOKENS, EOS, tokenizer_json};
 
 use crate::checkpoint::{CheckpointError, OwnedTensor, write_safetensors};
 use crate::config::{ConfigError, ModelConfig, parse_hf};

@@ -1,7 +1,9 @@
 //! A byte-level BPE `tokenizer.json` for `model init` checkpoints, trained on a fixed
 //! corpus (`corpus.txt`, this project's own documentation) so that the same preset
 //! always gets the same tokenizer. Ids 0 and 1 are the begin/end-of-sentence tokens,
-//! as in DeepSeek's tokenizer; the corpus supports about 2,000 merges, so a larger
+//! as in DeepSeek's tokenizer, followed by V4's chat tokens (roles, thinking markers,
+//! the DSML tool-call token) so that the router can encode chats for these models; the
+//! corpus supports about 2,000 merges, so a larger
 //! model vocabulary leaves its upper ids unused by the tokenizer (they decode to
 //! nothing).
 
@@ -19,6 +21,10 @@ use tokenizers::{AddedToken, TokenizerBuilder, TokenizerImpl};
 pub const BOS: &str = "<｜begin▁of▁sentence｜>";
 pub const EOS: &str = "<｜end▁of▁sentence｜>";
 
+/// DeepSeek-V4's chat special tokens (the spellings of its tokenizer), ids 2 onwards.
+pub const CHAT_TOKENS: [&str; 6] =
+    ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>"];
+
 const CORPUS: &str = include_str!("corpus.txt");
 
 type Impl = TokenizerImpl<ModelWrapper, NormalizerWrapper, PreTokenizerWrapper, PostProcessorWrapper, DecoderWrapper>;
@@ -29,7 +35,7 @@ pub fn tokenizer_json(vocab_size: usize) -> Result<String, String> {
         .vocab_size(vocab_size)
         .min_frequency(2)
         .show_progress(false)
-        .special_tokens(vec![AddedToken::from(BOS, true), AddedToken::from(EOS, true)])
+        .special_tokens([BOS, EOS].iter().chain(CHAT_TOKENS.iter()).map(|t| AddedToken::from(*t, true)).collect())
         .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
         .build();
     let mut trainer = TrainerWrapper::BpeTrainer(trainer);
@@ -59,6 +65,11 @@ mod tests {
         let t = tokenizers::Tokenizer::from_str(&json).unwrap();
         assert_eq!(t.token_to_id(BOS), Some(0));
         assert_eq!(t.token_to_id(EOS), Some(1));
+        for (i, chat) in CHAT_TOKENS.iter().enumerate() {
+            assert_eq!(t.token_to_id(chat), Some(2 + i as u32), "{chat}");
+        }
+        let chat = "<｜User｜>hi<｜Assistant｜></think>";
+        assert_eq!(t.encode(chat, false).unwrap().get_ids().first(), Some(&2));
         let text = "Prefill workers write pages straight into the decode worker's memory. Ünïcödé ✓";
         let ids = t.encode(text, false).unwrap().get_ids().to_vec();
         assert!(ids.len() < text.len() / 2, "merges should shorten English text: {} ids", ids.len());
