@@ -87,6 +87,9 @@ impl DecodeConfig {
     /// The arguments alone, touching no files or ports (`--check-config`).
     pub fn validate_args(&self) -> Result<(), String> {
         cluster::net::check_listen("--listen", &self.listen)?;
+        if self.gpu_memory.is_some() && !self.device.is_cuda() {
+            return Err("--gpu-memory plans GPU memory; it needs --device cuda:N".into());
+        }
         cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
         for (flag, v) in

@@ -150,3 +150,6 @@ pub async fn run(
     drop(receiver);
     result.map_err(WorkerError::from)
 }
+
+#[cfg(test)]
+mod memory_tests;
