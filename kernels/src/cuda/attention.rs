@@ -209,7 +209,7 @@ pub(crate) fn select_topk(
 /// a whole number of tiles.
 fn key_splits(sms: usize, blocks: usize, n_max: usize) -> (usize, usize) {
     let want = (2 * sms).div_ceil(blocks.max(1));
-    let splits = want.clamp(1, n_max.div_ceil(4 * ATT_T).max(1));
+    let splits = want.clamp(1, n_max.div_ceil(ATT_T).max(1));
     let per = n_max.div_ceil(splits).div_ceil(ATT_T) * ATT_T;
     (n_max.div_ceil(per.max(1)).max(1), per.max(ATT_T))
 }

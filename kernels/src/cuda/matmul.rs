@@ -171,9 +171,14 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
     }
 }
 
-/// gemv in launches of up to [`GEMV_ROWS`] rows: tensor cores where the weight allows.
+/// gemv in launches of up to [`GEMV_ROWS`] rows: tensor cores where the weight allows,
+/// except BF16 at one or two rows, where the SIMT kernel streams faster (measured on the
+/// H200: 8192 × 4096 at one row 20.8 µs SIMT vs 29.6 µs tensor cores; FP8 and FP4 are
+/// even or faster on tensor cores, and every format is 3-6x faster there at 8 rows).
 fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
+    let simt_wins = op.rows <= 2 && matches!(w.data, WeightData::Bf16(_));
     if let Some(fam) = tc_family(&op, w)
+        && !simt_wins
         && w3.is_none_or(|w3| tc_family(&op, w3) == Some(fam))
     {
         return tc_gemv(gpu, fam, op, w, w3, limit);

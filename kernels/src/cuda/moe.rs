@@ -58,6 +58,7 @@ pub(crate) fn moe(
     assert_eq!(x.len, rows * d, "moe input is not [rows, {d}]");
     assert_eq!(out.len, rows * d, "moe output is not [rows, {d}]");
     assert!(n_exp <= MAX_EXPERTS, "{n_exp} experts exceed the CUDA routing kernel's {MAX_EXPERTS}");
+    assert!(w.top_k <= 16, "top-{} routing exceeds the CUDA routing kernel's 16", w.top_k);
     if rows == 0 {
         return;
     }
@@ -88,7 +89,7 @@ pub(crate) fn moe(
         launch!(
             g,
             "moe_route",
-            cfg((rows.div_ceil(128) as u32, 1, 1), 128, 0),
+            cfg((rows as u32, 1, 1), 256, 0),
             g.ptr(&logits.mem),
             rows as i32,
             n_exp as i32,
@@ -102,7 +103,7 @@ pub(crate) fn moe(
         (experts, weights)
     });
     if device_routable(rows, w) {
-        b.prof("moe: experts", || experts_routed_on_device(b, x, rows, w, &chosen, &weights, out));
+        b.prof("moe: experts", || experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out));
     } else {
         let mut host = vec![0i32; rows * k];
         g.read(&chosen, 0, &mut host);
@@ -123,11 +124,18 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
     let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
         (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
     };
-    rows <= GEMV_MAX_ROWS
-        && w.experts.len() == w.gate.rows
+    let uniform = w.experts.len() == w.gate.rows
         && same(&first.w1, &first.w3)
-        && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2))
+        && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2));
+    // Up to 8 rows every format works (SIMT grouped gemv as the fallback); larger decode
+    // batches when the tensor-core gemv takes both projections of every expert.
+    let tc = || tc_experts(w, true, first.w1.cols).is_some() && tc_experts(w, false, first.w2.cols).is_some();
+    uniform && (rows <= GEMV_MAX_ROWS || (rows <= DEVICE_ROUTED_MAX_ROWS && tc()))
 }
+
+/// Most rows a batch may have for its experts to run routed on the device (beyond it
+/// the routing is read back and experts run as grouped tensor-core tiles).
+const DEVICE_ROUTED_MAX_ROWS: usize = 64;
 
 /// The tensor-core gemv family every expert's `swiglu` (gate/up) or down projection
 /// takes, if all of them take it.
@@ -157,10 +165,12 @@ fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> u64
 /// The routed experts of a decode batch without the host seeing the routing: lists on
 /// the device, rows gathered in expert order, one grouped SwiGLU and one grouped down
 /// projection over all experts, then each row's weighted sum in list order.
+#[allow(clippy::too_many_arguments)]
 fn experts_routed_on_device(
     b: &CudaBackend,
     x: &CudaBuf,
     rows: usize,
+    tokens: &[u32],
     w: &MoeWeights<CudaBackend>,
     chosen: &cudarc::driver::CudaSlice<i32>,
     weights: &CudaBuf,
@@ -214,10 +224,21 @@ fn experts_routed_on_device(
             // table repeats an expert within a token).
             let slots = n_exp.min(n);
             let (bx, ks) = (n_out.div_ceil(64), k_in.div_ceil(512));
-            let parts = match w.routing {
-                Routing::TopK { .. } => rows.div_ceil(8),
-                Routing::Hash { .. } => n.div_ceil(8),
+            // Rows an expert can receive: one per row under top-k routing; under hash
+            // routing the table's rows say (an expert listed twice for a token counts twice).
+            let most = match &w.routing {
+                Routing::TopK { .. } => rows,
+                Routing::Hash { tid2eid } => {
+                    let mut count = std::collections::HashMap::new();
+                    for &t in &tokens[..rows] {
+                        for &e in &tid2eid[t as usize * k..(t as usize + 1) * k] {
+                            *count.entry(e).or_insert(0usize) += 1;
+                        }
+                    }
+                    count.into_values().max().unwrap_or(0)
+                }
             };
+            let parts = most.div_ceil(8);
             let (partials, tickets) = tc_scratch(g, slots * ks * 8 * n_out * if swiglu { 2 } else { 1 }, slots * bx);
             let name = format!("{}_{fam}", if swiglu { "tcmoe_swiglu" } else { "tcmoe_down" });
             for part in 0..parts {
@@ -262,16 +283,36 @@ fn experts_routed_on_device(
             w.swiglu_limit,
         );
     }
+    if rows <= GEMV_MAX_ROWS {
+        launch!(
+            g,
+            "moe_combine",
+            cfg_elems(rows * d),
+            g.ptr(&out.mem),
+            g.ptr(&y.mem),
+            list_rows,
+            list_widx,
+            g.ptr(&weights.mem),
+            n as i32,
+            rows as i32,
+            d as i32
+        );
+        return;
+    }
+    // Larger batches: each row's list positions first (one thread a row, in list order),
+    // then k reads an output instead of a scan of the whole list.
+    let pos = g.alloc::<i32>(n);
+    launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
     launch!(
         g,
-        "moe_combine",
+        "moe_combine_rows",
         cfg_elems(rows * d),
         g.ptr(&out.mem),
         g.ptr(&y.mem),
-        list_rows,
+        g.ptr(&pos),
         list_widx,
         g.ptr(&weights.mem),
-        n as i32,
+        k as i32,
         rows as i32,
         d as i32
     );

@@ -104,6 +104,7 @@ const KERNELS: &[&str] = &[
     "moe_lists",
     "moe_combine",
     "moe_combine_rows",
+    "moe_positions",
     "moe_down_f32_r1",
     "moe_down_f32_r2",
     "moe_down_f32_r4",

@@ -82,17 +82,23 @@ extern "C" __global__ void __launch_bounds__(512)
             src_off[threadIdx.x] = off;
         }
         __syncthreads();
-        for (int kk = 0; kk < nt; kk++) {
-            const int kind = src_kind[kk];
+        // Warp w loads keys w, w + warps, … (one key a warp for 16 warps), lanes across the
+        // key's dims: each warp's loads come from one entry and are unrolled, so they are
+        // in flight together instead of one key after another.
+        for (int kk = warp; kk < ATT_T; kk += (int)(blockDim.x >> 5)) {
+            const int kind = kk < nt ? src_kind[kk] : -1;
             const long long off = src_off[kk];
             float* dst = keys + kk * ATT_HD_MAX;
             if (kind == 0) {
-                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = new_kv[off + d];
+                const float* src = new_kv + off;
+#pragma unroll 8
+                for (int d = lane; d < g.hd; d += WARP) dst[d] = src[d];
             } else if (kind == 1 || kind == 2) {
                 const u8* e = entry_at(kind == 1 ? rings : page_base, g.dtype, off);
-                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = entry_load(e, g.dtype, g.hd, g.tail, d);
+#pragma unroll 8
+                for (int d = lane; d < g.hd; d += WARP) dst[d] = entry_load(e, g.dtype, g.hd, g.tail, d);
             } else {
-                for (int d = threadIdx.x; d < g.hd; d += blockDim.x) dst[d] = 0.0f;
+                for (int d = lane; d < g.hd; d += WARP) dst[d] = 0.0f;
             }
         }
         __syncthreads();

@@ -7,38 +7,75 @@ struct F512 {
 
 __device__ __forceinline__ float softplus_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// One thread per row: scores sqrt(softplus(logit)); experts by the hash table rows
-// (`hash_rows[r*k..]`, gathered by token on the host) or by top-k of score + bias
-// (ties to the lower expert id, as the CPU sorts); weights = normalised chosen scores
-// times `route_scale`.
-extern "C" __global__ void moe_route(const float* logits, int rows, int n_exp, int k, const u32* hash_rows, F512 bias,
-                                     float route_scale, int* experts, float* weights) {
-    int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows) return;
+// One block per row (256 threads; n_exp <= 512): scores sqrt(softplus(logit)) once per
+// expert in shared memory; experts by the hash table rows (`hash_rows[r*k..]`, gathered
+// by token on the host) or by k rounds of a block-wide argmax of score + bias (ties to
+// the lower expert id, as the CPU sorts); weights = normalised chosen scores times
+// `route_scale`, summed in choice order.
+extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits, int rows, int n_exp, int k,
+                                                           const u32* hash_rows, F512 bias, float route_scale,
+                                                           int* experts, float* weights) {
+    __shared__ float score[512];
+    __shared__ float key[512];
+    __shared__ float best_v[8];
+    __shared__ int best_i[8];
+    __shared__ int chosen[16];
+    const int r = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const float* l = logits + (long long)r * n_exp;
-    int* chosen = experts + (long long)r * k;
+    for (int e = tid; e < n_exp; e += blockDim.x) {
+        score[e] = sqrtf(softplus_(l[e]));
+        key[e] = score[e] + bias.v[e];
+    }
+    __syncthreads();
     if (hash_rows) {
-        for (int j = 0; j < k; j++) chosen[j] = (int)hash_rows[(long long)r * k + j];
+        if (tid < k) chosen[tid] = (int)hash_rows[(long long)r * k + tid];
     } else {
         for (int j = 0; j < k; j++) {
-            int best = -1;
-            float best_key = 0.0f;
-            for (int e = 0; e < n_exp; e++) {
-                bool taken = false;
-                for (int q = 0; q < j; q++) taken |= chosen[q] == e;
-                if (taken) continue;
-                float key = sqrtf(softplus_(l[e])) + bias.v[e];
-                if (best < 0 || key > best_key) {
-                    best = e;
-                    best_key = key;
+            float bv = NEG_INF;
+            int bi = n_exp;
+            for (int e = tid; e < n_exp; e += blockDim.x) {
+                if (key[e] > bv) {  // e ascends per thread: the first maximum is kept
+                    bv = key[e];
+                    bi = e;
                 }
             }
-            chosen[j] = best;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            if (lane == 0) {
+                best_v[warp] = bv;
+                best_i[warp] = bi;
+            }
+            __syncthreads();
+            if (tid == 0) {
+                float v = best_v[0];
+                int i = best_i[0];
+                for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+                    if (best_v[w] > v || (best_v[w] == v && best_i[w] < i)) {
+                        v = best_v[w];
+                        i = best_i[w];
+                    }
+                chosen[j] = i;
+                key[i] = NEG_INF;  // taken
+            }
+            __syncthreads();
         }
     }
-    float sum = 0.0f;
-    for (int j = 0; j < k; j++) sum += sqrtf(softplus_(l[chosen[j]]));
-    for (int j = 0; j < k; j++) weights[(long long)r * k + j] = sqrtf(softplus_(l[chosen[j]])) / (sum + 1e-20f) * route_scale;
+    __syncthreads();
+    if (tid == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += score[chosen[j]];
+        for (int j = 0; j < k; j++) {
+            experts[(long long)r * k + j] = chosen[j];
+            weights[(long long)r * k + j] = score[chosen[j]] / (sum + 1e-20f) * route_scale;
+        }
+    }
 }
 
 // out[rows_of[i], :] += weights[widx[i]] · y[i, :] for i in order (one thread per column,
@@ -146,4 +183,13 @@ extern "C" __global__ void moe_combine_rows(float* out, const float* y, const in
         acc += weights[list_widx[i]] * y[(long long)i * d + c];
     }
     out[t] = acc;
+}
+
+// pos[r*k + j] = the j-th list position (ascending) whose row is r: one thread a row.
+extern "C" __global__ void moe_positions(int* pos, const int* list_rows, int n, int rows, int k) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    int j = 0;
+    for (int i = 0; i < n && j < k; i++)
+        if (list_rows[i] == r) pos[r * k + j++] = i;
 }
