@@ -16,7 +16,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use safetensors::Dtype;
-use serde_json::json;
+use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
@@ -213,7 +213,7 @@ pub fn write_checkpoint_with(
     }
     let tok = tokenizer_json(cfg.vocab_size).map_err(|e| io(&dir.join("tokenizer.json"), e))?;
     std::fs::write(dir.join("tokenizer.json"), tok).map_err(|e| io(&dir.join("tokenizer.json"), e))?;
-    let text = serde_json::to_string_pretty(&conf).expect("json") + "\n";
+    let text = serde_json::to_string_pretty(&keys_sorted(&conf)).expect("json") + "\n";
     std::fs::write(dir.join("config.json"), text).map_err(|e| io(&dir.join("config.json"), e))?;
     Ok(cfg)
 }
@@ -231,4 +231,19 @@ pub fn planned_bytes(opts: &InitOptions) -> Option<u64> {
 /// [`write_checkpoint_with`] without progress reporting.
 pub fn write_checkpoint(dir: &Path, opts: &InitOptions) -> Result<ModelConfig, InitError> {
     write_checkpoint_with(dir, opts, &std::sync::atomic::AtomicU64::new(0))
+}
+
+/// `v` with every object's keys in sorted order. serde_json keeps insertion order when any
+/// crate in the build turns on its `preserve_order` feature (llguidance does), so files
+/// written from a `Value` would otherwise depend on what else is linked in.
+pub(crate) fn keys_sorted(v: &Value) -> Value {
+    match v {
+        Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            Value::Object(keys.into_iter().map(|k| (k.clone(), keys_sorted(&m[k]))).collect())
+        }
+        Value::Array(a) => Value::Array(a.iter().map(keys_sorted).collect()),
+        other => other.clone(),
+    }
 }

@@ -263,7 +263,8 @@ pub fn write_shards(dir: &Path, cfg: &ModelConfig, seed: u64, done: &AtomicU64) 
         shards.iter().flat_map(|s| s.tensors.iter().map(move |t| (t.name.clone(), json!(s.file)))).collect();
     let index = json!({"metadata": {"total_size": total}, "weight_map": weight_map});
     let path = dir.join("model.safetensors.index.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&index).expect("json") + "\n").map_err(|e| io(&path, e))?;
+    std::fs::write(&path, serde_json::to_string_pretty(&super::keys_sorted(&index)).expect("json") + "\n")
+        .map_err(|e| io(&path, e))?;
     Ok(total)
 }
 
