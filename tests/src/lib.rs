@@ -78,6 +78,9 @@ pub struct KvSpec {
     pub args: Vec<String>,
     /// Point the workers at this URL instead of starting a store (an unreachable one, say).
     pub url: Option<String>,
+    /// Keep the store's files here (a filesystem of its own, say) instead of in the
+    /// cluster's temporary directory.
+    pub dir: Option<PathBuf>,
 }
 
 impl KvSpec {
@@ -122,7 +125,8 @@ impl TestCluster {
     pub async fn start(spec: Spec) -> TestCluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let model = write_model(dir.path());
-        let kvstore_dir = dir.path().join("kvstore");
+        let kvstore_dir =
+            spec.kvstore.as_ref().and_then(|k| k.dir.clone()).unwrap_or_else(|| dir.path().join("kvstore"));
         let mut c = TestCluster {
             dir,
             model,
@@ -233,8 +237,33 @@ impl TestCluster {
     }
 
     async fn try_start_router(&mut self) -> Result<(), LaunchError> {
+        self.try_start_router_on(free_port(), free_port()).await
+    }
+
+    /// `kill -9` the router and, after `down`, start it again on the same ports (as a
+    /// supervisor would), so clients find it where it was.
+    pub async fn restart_router(&mut self, down: Duration) {
+        let mut old = self.router.take().expect("a running router");
+        old.kill().await;
+        let restarts = self.workers.iter().filter(|w| w.name.starts_with("router")).count();
+        old.name = format!("router-killed-{}", restarts + 1);
+        self.workers.push(old); // keeps its log for failure reports
+        self.killed.push(self.workers.last().expect("pushed").name.clone());
+        tokio::time::sleep(down).await;
+        let port = |url: &str| url.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).expect("a port");
+        let (gp, hp) = (port(&self.grpc), port(&self.http));
+        // The old sockets may linger a moment after the kill: a few bounded tries.
+        for attempt in 1..=20 {
+            match self.try_start_router_on(gp, hp).await {
+                Ok(()) => return,
+                Err(e) if lost_bind_race(&e) && attempt < 20 => tokio::time::sleep(Duration::from_millis(250)).await,
+                Err(e) => panic!("router restart: {e:?}"),
+            }
+        }
+    }
+
+    async fn try_start_router_on(&mut self, gp: u16, hp: u16) -> Result<(), LaunchError> {
         let bin = find_binary("router").expect("router binary");
-        let (gp, hp) = (free_port(), free_port());
         let mut args = vec![
             "--model".into(),
             self.model.display().to_string(),
