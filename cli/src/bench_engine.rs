@@ -414,8 +414,9 @@ fn compress_bench(b: &CudaBackend, tokens: usize, dtype: EntryDtype, reps: usize
         let norm = b.upload(&vec![1.0; 512]);
         let rope = RopeTable::plain(160000.0, 64);
         let p = CompressorParams::<CudaBackend> { ape: &ape, norm: &norm, eps: 1e-6, rope: &rope };
-        let t =
-            b.time_kernel_us(reps, || b.compress(&mut kv, &layout, 0, Branch::Main, &plan, &proj_kv, &proj_score, &p));
+        let t = b.time_kernel_us(reps, || {
+            b.compress(&mut kv.view_mut(), &layout, 0, Branch::Main, &plan, &proj_kv, &proj_score, &p)
+        });
         let entries = tokens / ratio;
         let slots = lk.comp_slots();
         let bytes = 2 * tokens * width * 4 + ratio * width * 4 + entries * 512 * dtype.size() + 2 * slots * width * 4;

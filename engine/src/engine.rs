@@ -84,6 +84,9 @@ impl<B: Backend> Engine<B> {
         provided: Option<ProvidedKv<B>>,
     ) -> Result<Self, EngineError> {
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        // A backend over several devices splits the pools between them; refuse before
+        // loading anything when they do not divide.
+        backend.set_kv_pools(options.max_pages, options.max_sequences).map_err(EngineError::Pools)?;
         let ck = Checkpoint::open(dir)?;
         let (weights, load) = ModelWeights::load(&ck, &config, &backend)?;
         let fingerprint = crate::fingerprint::compute(&config, ck.files(), options.kv_dtype);

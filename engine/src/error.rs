@@ -24,6 +24,8 @@ pub enum EngineError {
     EmptyInput,
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    #[error("the KV pools do not fit the devices: {0}")]
+    Pools(String),
 }
 
 impl EngineError {

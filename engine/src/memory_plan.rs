@@ -426,6 +426,43 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((v * mul) as u64)
 }
 
+/// What a worker checks at start: its model on `devices` with `max_pages` pages and
+/// `max_sequences` slots split evenly between them, `rows` rows a step; `gpu_memory`
+/// overrides each device's size. Logs the plan and refuses, saying what to change, when
+/// one device's share does not fit.
+#[allow(clippy::too_many_arguments)]
+pub fn check_worker(
+    dir: &std::path::Path,
+    cfg: &ModelConfig,
+    devices: &[crate::device::Device],
+    gpu_memory: Option<u64>,
+    kv_dtype: EntryDtype,
+    rows: usize,
+    max_pages: usize,
+    max_sequences: usize,
+) -> Result<MemoryPlan, String> {
+    let n = devices.len().max(1);
+    let residence = if devices.iter().all(|d| d.is_cuda()) { Residence::Gpu } else { Residence::Cpu };
+    let bytes = match gpu_memory {
+        Some(b) => b,
+        None => {
+            let mut least = u64::MAX;
+            for &d in devices {
+                least = least.min(crate::device::memory_bytes(d).map_err(|e| e.to_string())?);
+            }
+            least
+        }
+    };
+    let shape =
+        StepShape { rows, context: (max_pages / n * BLOCK_TOKENS).min(cfg.max_position), sequences: max_sequences / n };
+    let on = Devices { residence, count: n, bytes };
+    let plan = MemoryPlan::for_dir(dir, cfg, on, kv_dtype, shape).map_err(|e| e.to_string())?;
+    let label = crate::device::devices_label(devices);
+    tracing::info!(devices = %label, max_pages, "{}", plan.summary());
+    plan.check_pages(max_pages / n, &label).map_err(|e| e.to_string())?;
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

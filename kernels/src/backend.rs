@@ -63,6 +63,7 @@ pub struct ExpertWeights<B: Backend + ?Sized> {
 }
 
 /// How a MoE layer picks its experts.
+#[derive(Clone, Debug)]
 pub enum Routing {
     /// Top-k of `score + bias`; the bias only selects, weights use the raw score.
     TopK { bias: Vec<f32> },
@@ -75,7 +76,12 @@ pub struct MoeWeights<B: Backend + ?Sized> {
     /// `[n_experts, hidden]` router.
     pub gate: B::Weight,
     pub routing: Routing,
+    /// The routed experts this device holds: global ids `expert_base..expert_base +
+    /// experts.len()` (all of them on one device; a slice under expert parallelism,
+    /// where rows routed elsewhere contribute nothing here).
     pub experts: Vec<ExpertWeights<B>>,
+    /// Global id of `experts[0]`.
+    pub expert_base: usize,
     pub shared: Option<ExpertWeights<B>>,
     pub top_k: usize,
     pub route_scale: f32,
@@ -98,6 +104,37 @@ pub struct KvState<B: Backend + ?Sized> {
     pub pages: B::Kv,
     pub rings: B::Kv,
     pub comp: B::Kv,
+}
+
+impl<B: Backend + ?Sized> KvState<B> {
+    pub fn view(&self) -> KvView<'_, B> {
+        KvView { pages: &self.pages, rings: &self.rings, comp: &self.comp }
+    }
+
+    pub fn view_mut(&mut self) -> KvViewMut<'_, B> {
+        KvViewMut { pages: &mut self.pages, rings: &mut self.rings, comp: &mut self.comp }
+    }
+}
+
+/// The three KV regions as the sequence-aware ops read them. Borrowed rather than
+/// owned so a backend made of several devices can hand each one its own regions.
+pub struct KvView<'a, B: Backend + ?Sized> {
+    pub pages: &'a B::Kv,
+    pub rings: &'a B::Kv,
+    pub comp: &'a B::Kv,
+}
+
+/// [`KvView`] for the ops that write entries.
+pub struct KvViewMut<'a, B: Backend + ?Sized> {
+    pub pages: &'a mut B::Kv,
+    pub rings: &'a mut B::Kv,
+    pub comp: &'a mut B::Kv,
+}
+
+impl<B: Backend + ?Sized> KvViewMut<'_, B> {
+    pub fn as_view(&self) -> KvView<'_, B> {
+        KvView { pages: self.pages, rings: self.rings, comp: self.comp }
+    }
 }
 
 /// Host memory owned by someone else, e.g. a transport-allocated region that remote
@@ -134,6 +171,12 @@ pub trait Backend: Send + Sync + 'static {
     type Kv: Send + Sync;
     /// Integer indices.
     type Idx: Send + Sync;
+    /// An mHC site's parameters as the device keeps them ([`Backend::hc_weights`]).
+    type Hc: Send + Sync;
+    /// The final collapse's parameters ([`Backend::hc_head_weights`]).
+    type HcHead: Send + Sync;
+    /// A MoE block as the device keeps it ([`Backend::moe_weights`]).
+    type Moe: Send + Sync;
 
     /// One line naming the device, for logs.
     fn describe(&self) -> String;
@@ -161,6 +204,31 @@ pub trait Backend: Send + Sync + 'static {
     /// A weight as the checkpoint stores it (validated by the caller): device backends
     /// keep FP8 and FP4 in those formats, the CPU backend dequantises.
     fn weight(&self, w: WeightView<'_>) -> Self::Weight;
+    /// Routed expert `expert` of `n_experts`: where expert parallelism splits the
+    /// experts over devices, the one device that holds it keeps it; otherwise as
+    /// [`Backend::weight`].
+    fn expert_weight(&self, w: WeightView<'_>, expert: usize, n_experts: usize) -> Self::Weight {
+        let _ = (expert, n_experts);
+        self.weight(w)
+    }
+    /// Parameter bundles, once loaded, in the form the ops take (a backend over several
+    /// devices splits them per device; single devices keep them as they are).
+    fn hc_weights(&self, w: HcWeights<Self>) -> Self::Hc;
+    fn hc_head_weights(&self, w: HcHeadWeights<Self>) -> Self::HcHead;
+    fn moe_weights(&self, w: MoeWeights<Self>) -> Self::Moe;
+    /// Devices the backend computes on; KV pages and state slots are split evenly
+    /// between them in id order (page `p` of `n` lives on device `p / (n / ranks)`),
+    /// so KV pools must be sized in multiples of it.
+    fn ranks(&self) -> usize {
+        1
+    }
+    /// The KV pools this backend's memory will hold (`pages` pages, `slots` state slots),
+    /// declared before they are allocated; a backend over several devices refuses pools
+    /// that do not divide evenly between them.
+    fn set_kv_pools(&self, pages: usize, slots: usize) -> Result<(), String> {
+        let _ = (pages, slots);
+        Ok(())
+    }
     /// Every weight has been handed over: wait for queued uploads and free what loading
     /// needed (a device backend's pinned staging buffers).
     fn finish_load(&self) {}
@@ -209,8 +277,9 @@ pub trait Backend: Send + Sync + 'static {
 
     // ---- row-wise ops ----------------------------------------------------------------
 
-    /// `out[r, :] = table[tokens[r], :]`.
-    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Self::Buf);
+    /// `out[r, :] = table[plan.tokens[r], :]`: the first op of a step, which lays the
+    /// batch's rows out (over devices, for a backend of several).
+    fn embed(&self, table: &Self::Weight, plan: &BatchPlan, out: &mut Self::Buf);
     /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`.
     fn matmul(&self, x: &Self::Buf, rows: usize, w: &Self::Weight, out: &mut Self::Buf);
     /// Block-diagonal product: `x[rows, groups * w.cols]`, `w[groups * g_out, w.cols]`;
@@ -232,6 +301,8 @@ pub trait Backend: Send + Sync + 'static {
     );
     /// `x *= factor`.
     fn scale(&self, x: &mut Self::Buf, factor: f32);
+    /// `acc += x`, element-wise.
+    fn add_into(&self, acc: &mut Self::Buf, x: &Self::Buf);
     /// Replace each `fmt.dim`-long entry of `x` (`[rows, fmt.dim]`) by what storing it
     /// in `fmt` and reading it back gives (identity for f32; per-entry FP8 block scales
     /// for fp8), so that values used straight from activations equal the ones later
@@ -245,7 +316,7 @@ pub trait Backend: Send + Sync + 'static {
         &self,
         streams: &Self::Buf,
         rows: usize,
-        w: &HcWeights<Self>,
+        w: &Self::Hc,
         collapsed: &mut Self::Buf,
         post: &mut Self::Buf,
         comb: &mut Self::Buf,
@@ -261,10 +332,21 @@ pub trait Backend: Send + Sync + 'static {
         comb: &Self::Buf,
     );
     /// Final collapse: `out[rows, hidden] = Σ_j pre_j · streams[j]`.
-    fn hc_head(&self, streams: &Self::Buf, rows: usize, w: &HcHeadWeights<Self>, out: &mut Self::Buf);
+    fn hc_head(&self, streams: &Self::Buf, rows: usize, w: &Self::HcHead, out: &mut Self::Buf);
 
     /// A MoE block on `x[rows, hidden]` (already normed); `tokens[r]` feeds hash routing.
-    fn moe(&self, x: &Self::Buf, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut Self::Buf);
+    /// Every row is routed over all experts; the experts this device holds contribute,
+    /// and the shared expert is added on `shared_rows` only (all rows on one device;
+    /// under expert parallelism a device's own rows of the gathered batch).
+    fn moe(
+        &self,
+        x: &Self::Buf,
+        rows: usize,
+        tokens: &[u32],
+        w: &Self::Moe,
+        shared_rows: std::ops::Range<usize>,
+        out: &mut Self::Buf,
+    );
 
     // ---- sequence-aware ops -------------------------------------------------------
 
@@ -274,7 +356,7 @@ pub trait Backend: Send + Sync + 'static {
     #[allow(clippy::too_many_arguments)]
     fn compress(
         &self,
-        kv: &mut KvState<Self>,
+        kv: &mut KvViewMut<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         branch: Branch,
@@ -290,7 +372,7 @@ pub trait Backend: Send + Sync + 'static {
     #[allow(clippy::too_many_arguments)]
     fn index_topk(
         &self,
-        kv: &KvState<Self>,
+        kv: &KvView<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,
@@ -307,7 +389,7 @@ pub trait Backend: Send + Sync + 'static {
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
-        kv: &KvState<Self>,
+        kv: &KvView<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,
@@ -323,7 +405,7 @@ pub trait Backend: Send + Sync + 'static {
     /// Write this step's window entries into each sequence's ring.
     fn store_window(
         &self,
-        kv: &mut KvState<Self>,
+        kv: &mut KvViewMut<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,

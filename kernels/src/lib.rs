@@ -5,6 +5,8 @@
 //!   and the weight/parameter bundles its fused ops take.
 //! - [`cpu`]: the CPU backend (GEMMs through the `gemm` crate, rayon across cores).
 //! - `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled kernels, cuBLAS).
+//! - [`sharded`]: one backend over several devices (data-parallel attention, expert-
+//!   parallel MoE) made of single-device backends and a [`sharded::Collective`].
 //! - [`reference`]: slow, obviously-correct versions of every op, computed from whole
 //!   token histories; every backend is tested against them by one shared test body.
 //! - `kv_layout`: byte geometry of pages and state-cache slots (from `model-spec`).
@@ -26,6 +28,7 @@ pub mod plan;
 pub mod quant;
 pub mod reference;
 pub mod rope;
+pub mod sharded;
 pub mod stored;
 
 pub use backend::{Backend, HostMatrix, KvState};

@@ -135,7 +135,7 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
     let scale = [0.7, 1.3, 0.9];
     let streams = rand_vec(&mut rng, rows * hc * d, 1.0);
     let out = rand_vec(&mut rng, rows * d, 1.0);
-    let w = HcWeights::<B> {
+    let w = b.hc_weights(HcWeights::<B> {
         mix: b.weight((&mix).into()),
         base: base.clone(),
         scale,
@@ -144,7 +144,7 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
         sinkhorn_iters: 20,
         norm_eps: 1e-6,
         hc_eps: 1e-6,
-    };
+    });
     let (mut col, mut post, mut comb) = (poisoned(b, rows * d), poisoned(b, rows * hc), poisoned(b, rows * hc * hc));
     let sbuf = b.upload(&streams);
     b.hc_pre(&sbuf, rows, &w, &mut col, &mut post, &mut comb);
@@ -163,7 +163,7 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
 
     let hmix = rand_matrix(&mut rng, hc, hc * d, 0.1);
     let hbase = rand_vec(&mut rng, hc, 0.5);
-    let head = HcHeadWeights::<B> {
+    let head = b.hc_head_weights(HcHeadWeights::<B> {
         mix: b.weight((&hmix).into()),
         base: hbase.clone(),
         scale: 1.1,
@@ -171,7 +171,7 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
         hidden: d,
         norm_eps: 1e-6,
         hc_eps: 1e-6,
-    };
+    });
     let mut got = poisoned(b, rows * d);
     b.hc_head(&sbuf, rows, &head, &mut got);
     let want: Vec<f32> = (0..rows)
@@ -207,27 +207,32 @@ fn check_moe<B: Backend>(b: &B, tol: &Tolerances) {
     let tokens: Vec<u32> = (0..rows as u32).map(|r| (r * 3) % 10).collect();
     let limit = 1.5; // small enough that the clamps change results
 
-    for hash in [false, true] {
+    // The whole block on one device, then the part a device of an expert-parallel
+    // layout computes: experts 2..5 only, the shared expert on rows 1..3 only.
+    for (hash, held, shared_rows) in
+        [(false, 0..n_exp, 0..rows), (true, 0..n_exp, 0..rows), (false, 2..5, 1..3), (true, 2..5, 1..3)]
+    {
         let to_b = |m: &[HostMatrix; 3]| ExpertWeights::<B> {
             w1: b.weight((&m[0]).into()),
             w2: b.weight((&m[1]).into()),
             w3: b.weight((&m[2]).into()),
         };
-        let w = MoeWeights::<B> {
+        let w = b.moe_weights(MoeWeights::<B> {
             gate: b.weight((&gate).into()),
             routing: if hash {
                 Routing::Hash { tid2eid: tid2eid.clone() }
             } else {
                 Routing::TopK { bias: bias.clone() }
             },
-            experts: experts.iter().map(to_b).collect(),
+            experts: experts[held.clone()].iter().map(to_b).collect(),
+            expert_base: held.start,
             shared: Some(to_b(&shared)),
             top_k: k,
             route_scale: 1.5,
             swiglu_limit: limit,
-        };
+        });
         let mut out = poisoned(b, rows * d);
-        b.moe(&b.upload(&x), rows, &tokens, &w, &mut out);
+        b.moe(&b.upload(&x), rows, &tokens, &w, shared_rows.clone(), &mut out);
         let logits = refr::matmul(&x, rows, &gate);
         let mut want = Vec::new();
         for r in 0..rows {
@@ -235,14 +240,19 @@ fn check_moe<B: Backend>(b: &B, tol: &Tolerances) {
             let t = tokens[r] as usize;
             let hash_row = hash.then(|| &tid2eid[t * k..(t + 1) * k]);
             let chosen = refr::route(&logits[r * n_exp..(r + 1) * n_exp], k, Some(&bias), hash_row, 1.5);
-            let mut acc = refr::swiglu(xr, &shared[0], &shared[1], &shared[2], limit);
-            for (e, wt) in chosen {
+            let mut acc = if shared_rows.contains(&r) {
+                refr::swiglu(xr, &shared[0], &shared[1], &shared[2], limit)
+            } else {
+                vec![0.0; d]
+            };
+            for (e, wt) in chosen.into_iter().filter(|(e, _)| held.contains(e)) {
                 let y = refr::swiglu(xr, &experts[e][0], &experts[e][1], &experts[e][2], limit);
                 acc.iter_mut().zip(&y).for_each(|(a, v)| *a += (*v as f64 * wt) as f32);
             }
             want.extend(acc);
         }
-        assert_close(if hash { "moe hash" } else { "moe top-k" }, &b.download(&out), &want, tol.moe);
+        let name = format!("moe {} experts {held:?} shared rows {shared_rows:?}", if hash { "hash" } else { "top-k" });
+        assert_close(&name, &b.download(&out), &want, tol.moe);
     }
 }
 
@@ -389,7 +399,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
                 let cw = if spec.kind == AttnKind::Csa { 2 * HD } else { HD };
                 let p = CompressorParams::<B> { ape: &ape[l][0], norm: &ape[l][1], eps: 1e-6, rope: &table };
                 b.compress(
-                    &mut kv,
+                    &mut kv.view_mut(),
                     &layout,
                     l,
                     Branch::Main,
@@ -402,7 +412,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
             if spec.kind == AttnKind::Csa {
                 let p = CompressorParams::<B> { ape: &ape[l][2], norm: &ape[l][3], eps: 1e-6, rope: &table };
                 b.compress(
-                    &mut kv,
+                    &mut kv.view_mut(),
                     &layout,
                     l,
                     Branch::Indexer,
@@ -412,7 +422,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
                     &p,
                 );
                 let sel = b.index_topk(
-                    &kv,
+                    &kv.view(),
                     &layout,
                     l,
                     &plan,
@@ -425,7 +435,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
             }
             let mut out = poisoned(b, plan.rows() * HEADS * HD);
             b.attention(
-                &kv,
+                &kv.view(),
                 &layout,
                 l,
                 &plan,
@@ -437,7 +447,7 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
                 0.25,
                 &mut out,
             );
-            b.store_window(&mut kv, &layout, l, &plan, &new_kv);
+            b.store_window(&mut kv.view_mut(), &layout, l, &plan, &new_kv);
 
             let got = b.download(&out);
             let got_sel = selection.as_ref().map(|s| b.idx_download(&s.indices));

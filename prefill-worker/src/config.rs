@@ -22,6 +22,11 @@ pub struct PrefillConfig {
     /// through a registered host mirror).
     #[arg(long, env = "SLUICE_DEVICE", default_value = "cpu")]
     pub device: engine::device::Device,
+    /// Several GPUs of this host as one worker, e.g. `cuda:0,cuda:1` (routed experts
+    /// split over them, each sequence and its KV on one of them); replaces --device.
+    /// `cpu,cpu` runs that layout on the CPU (for trials and tests).
+    #[arg(long, env = "SLUICE_DEVICES", conflicts_with = "device")]
+    pub devices: Option<engine::device::DeviceList>,
     /// Name the model is served as (default: the directory name).
     #[arg(long, env = "SLUICE_MODEL_NAME")]
     pub model_name: Option<String>,
@@ -81,6 +86,11 @@ pub struct PrefillConfig {
 }
 
 impl PrefillConfig {
+    /// The devices the engine computes on (`--devices`, else `--device`).
+    pub fn devices(&self) -> Vec<engine::device::Device> {
+        engine::device::chosen(self.device, self.devices.as_ref())
+    }
+
     /// Everything, including that the model directory holds a config.
     pub fn validate(&self) -> Result<(), String> {
         if !self.model.join("config.json").is_file() {
@@ -92,9 +102,7 @@ impl PrefillConfig {
     /// The arguments alone, touching no files or ports (`--check-config`).
     pub fn validate_args(&self) -> Result<(), String> {
         cluster::net::check_listen("--listen", &self.listen)?;
-        if self.gpu_memory.is_some() && !self.device.is_cuda() {
-            return Err("--gpu-memory plans GPU memory; it needs --device cuda:N".into());
-        }
+        engine::device::check_pools(&self.devices(), self.gpu_memory.is_some(), self.max_pages, self.max_sequences)?;
         cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
         if let Some(k) = &self.kvstore {

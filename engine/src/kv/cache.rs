@@ -2,7 +2,7 @@
 
 use kernels::{Backend, EntryDtype, KvLayout, KvState};
 
-use super::pool::{PagePool, PoolError, SlotPool};
+use super::pool::{PagePool, PoolError, SlotPool, pick_rank};
 
 /// One sequence's share of the KV memory. Dropping it without [`KvCache::release`]
 /// leaks its slot and pages, so it is not `Clone` and the engine owns releasing it.
@@ -52,7 +52,10 @@ pub struct KvCache<B: Backend> {
 }
 
 impl<B: Backend> KvCache<B> {
+    /// Pools on `backend`'s memory, split between its devices (see
+    /// [`kernels::Backend::ranks`]; both counts must be multiples of it).
     pub fn new(backend: &B, layout: KvLayout, max_pages: usize, max_sequences: usize) -> Self {
+        let ranks = backend.ranks();
         let state = KvState {
             pages: backend.kv_alloc(max_pages * layout.page_elems, layout.dtype),
             rings: backend.kv_alloc(max_sequences * layout.ring_elems, layout.dtype),
@@ -62,8 +65,8 @@ impl<B: Backend> KvCache<B> {
             layout,
             state,
             slot_logits: None,
-            pages: PagePool::new(max_pages),
-            slots: SlotPool::new(max_sequences),
+            pages: PagePool::split(max_pages, ranks),
+            slots: SlotPool::split(max_sequences, ranks),
         }
     }
 
@@ -85,16 +88,24 @@ impl<B: Backend> KvCache<B> {
         KvCache { layout, state, slot_logits, pages: PagePool::new(max_pages), slots: SlotPool::new(max_sequences) }
     }
 
-    /// A new empty sequence (takes a state slot).
+    /// A new empty sequence (takes a state slot, on the device with the most free pages
+    /// when the pools span several).
     pub fn open(&mut self) -> Result<Sequence, PoolError> {
-        Ok(Sequence { slot: self.slots.alloc()?, pages: Vec::new(), len: 0 })
+        let rank = pick_rank(&self.pages, &self.slots)?;
+        Ok(Sequence { slot: self.slots.alloc_on(rank)?, pages: Vec::new(), len: 0 })
+    }
+
+    /// Device holding a sequence's slot and pages (0 on one device).
+    pub fn rank_of(&self, seq: &Sequence) -> usize {
+        self.slots.rank_of(seq.slot)
     }
 
     /// Give a sequence enough pages to hold `len` tokens; nothing changes on failure.
     pub fn reserve(&mut self, seq: &mut Sequence, len: usize) -> Result<(), PoolError> {
         let need = len.div_ceil(self.layout.block).saturating_sub(seq.pages.len());
         if need > 0 {
-            seq.pages.extend(self.pages.alloc(need)?);
+            let rank = self.slots.rank_of(seq.slot);
+            seq.pages.extend(self.pages.alloc_on(rank, need)?);
         }
         Ok(())
     }

@@ -155,11 +155,12 @@ impl<B: Backend> KvCache<B> {
             return Err(ImportError::Length { got: bytes.len(), want });
         }
         let (pages, slots) = self.pool_mut();
-        let page_ids = pages.alloc(h.pages as usize)?;
-        let slot = match slots.alloc() {
-            Ok(s) => s,
+        let rank = super::pool::pick_rank(pages, slots)?;
+        let slot = slots.alloc_on(rank)?;
+        let page_ids = match pages.alloc_on(rank, h.pages as usize) {
+            Ok(p) => p,
             Err(e) => {
-                pages.release(&page_ids);
+                slots.release(slot);
                 return Err(e.into());
             }
         };

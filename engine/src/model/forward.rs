@@ -22,7 +22,7 @@ impl<B: Backend> Model<B> {
         let rows = plan.rows();
         let (d, hc) = (c.hidden_size, c.hc_mult);
         let mut x = b.output(rows * d);
-        b.embed(&self.weights.embed, &plan.tokens, &mut x);
+        b.embed(&self.weights.embed, plan, &mut x);
         // Every residual stream starts as the embedding: `[rows, hc, d]`.
         let copies: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
         let mut streams = b.gather_rows(&x, d, &copies);
@@ -67,7 +67,7 @@ impl<B: Backend> Model<B> {
         b.hc_pre(streams, rows, &lw.hc_ffn, &mut x, &mut post, &mut comb);
         b.rms_norm(&mut x, d, Some(&lw.ffn_norm), eps);
         let mut y = b.output(rows * d);
-        b.moe(&x, rows, &plan.tokens, &lw.moe, &mut y);
+        b.moe(&x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
         b.hc_post(streams, rows, hc, &y, &post, &comb);
     }
 
@@ -95,7 +95,7 @@ impl<B: Backend> Model<B> {
             eps: self.config.rms_norm_eps as f32,
             rope: &self.compress_rope,
         };
-        self.backend.compress(kv, &self.layout, l, branch, plan, &proj_kv, &proj_score, &p);
+        self.backend.compress(&mut kv.view_mut(), &self.layout, l, branch, plan, &proj_kv, &proj_score, &p);
     }
 
     fn attention(&self, l: usize, lw: &LayerWeights<B>, x: &B::Buf, kv: &mut KvState<B>, plan: &BatchPlan) -> B::Buf {
@@ -131,12 +131,12 @@ impl<B: Backend> Model<B> {
             b.rope(&mut iq, c.index_heads, c.index_head_dim, pos, &self.compress_rope, false);
             let mut iw = self.project(x, rows, &ix.weights_proj);
             b.scale(&mut iw, c.index_weight_scale());
-            b.index_topk(kv, &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
+            b.index_topk(&kv.view(), &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
         });
 
         let mut out = b.output(rows * h * hd);
         b.attention(
-            kv,
+            &kv.view(),
             &self.layout,
             l,
             plan,
@@ -148,7 +148,7 @@ impl<B: Backend> Model<B> {
             c.attention_scale(),
             &mut out,
         );
-        b.store_window(kv, &self.layout, l, plan, &new_kv);
+        b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
         // K = V carried the rope rotation into the output; rotate it back at the query position.
         b.rope(&mut out, h, hd, pos, rope, true);
 

@@ -37,9 +37,21 @@ impl<B: Backend> Model<B> {
             return 0;
         }
 
+        let plan_from = |from: usize| BatchPlan {
+            seqs: vec![SeqSlice {
+                first_row: 0,
+                rows: p - from,
+                start_pos: from,
+                slot,
+                pages: pages.to_vec(),
+                pages_final_until: p,
+            }],
+            positions: (from..p).map(|t| t as u32).collect(),
+            tokens: prefix[from..].to_vec(),
+        };
         let start = first(0);
         let mut x = b.output((p - start) * d);
-        b.embed(&self.weights.embed, &prefix[start..], &mut x);
+        b.embed(&self.weights.embed, &plan_from(start), &mut x);
         let copies: Vec<usize> = (0..p - start).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
         let mut streams = b.gather_rows(&x, d, &copies);
 
@@ -47,18 +59,7 @@ impl<B: Backend> Model<B> {
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let from = first(l);
             let rows = p - from;
-            let plan = BatchPlan {
-                seqs: vec![SeqSlice {
-                    first_row: 0,
-                    rows,
-                    start_pos: from,
-                    slot,
-                    pages: pages.to_vec(),
-                    pages_final_until: p,
-                }],
-                positions: (from..p).map(|t| t as u32).collect(),
-                tokens: prefix[from..].to_vec(),
-            };
+            let plan = plan_from(from);
             self.layer(l, lw, &mut streams, kv, &plan);
             work += rows;
             if l + 1 < layers {

@@ -42,10 +42,10 @@ pub struct AttentionWeights<B: Backend> {
 pub struct LayerWeights<B: Backend> {
     pub attn_norm: B::Buf,
     pub ffn_norm: B::Buf,
-    pub hc_attn: HcWeights<B>,
-    pub hc_ffn: HcWeights<B>,
+    pub hc_attn: B::Hc,
+    pub hc_ffn: B::Hc,
     pub attn: AttentionWeights<B>,
-    pub moe: MoeWeights<B>,
+    pub moe: B::Moe,
 }
 
 pub struct ModelWeights<B: Backend> {
@@ -53,7 +53,7 @@ pub struct ModelWeights<B: Backend> {
     pub layers: Vec<LayerWeights<B>>,
     pub norm: B::Buf,
     pub head: B::Weight,
-    pub hc_head: HcHeadWeights<B>,
+    pub hc_head: B::HcHead,
 }
 
 struct Loader<'a, B: Backend> {
@@ -82,11 +82,11 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.b.upload(&self.floats(name, &[len])?))
     }
 
-    fn hc(&self, prefix: &str) -> Result<HcWeights<B>, CheckpointError> {
+    fn hc(&self, prefix: &str) -> Result<B::Hc, CheckpointError> {
         let (hc, d) = (self.cfg.hc_mult, self.cfg.hidden_size);
         let mix = (2 + hc) * hc;
         let scale = self.floats(&format!("{prefix}_scale"), &[3])?;
-        Ok(HcWeights {
+        Ok(self.b.hc_weights(HcWeights {
             mix: self.matrix(&format!("{prefix}_fn"), mix, hc * d)?,
             base: self.floats(&format!("{prefix}_base"), &[mix])?,
             scale: [scale[0], scale[1], scale[2]],
@@ -95,7 +95,7 @@ impl<B: Backend> Loader<'_, B> {
             sinkhorn_iters: self.cfg.hc_sinkhorn_iters,
             norm_eps: self.cfg.rms_norm_eps as f32,
             hc_eps: self.cfg.hc_eps as f32,
-        })
+        }))
     }
 
     fn compressor(
@@ -152,7 +152,7 @@ impl<B: Backend> Loader<'_, B> {
         })
     }
 
-    fn moe(&self, l: usize) -> Result<MoeWeights<B>, CheckpointError> {
+    fn moe(&self, l: usize) -> Result<B::Moe, CheckpointError> {
         let c = self.cfg;
         let p = format!("layers.{l}.ffn");
         let (d, n, k, inter) = (c.hidden_size, c.n_routed_experts, c.experts_per_token, c.moe_intermediate_size);
@@ -171,12 +171,15 @@ impl<B: Backend> Loader<'_, B> {
                 Routing::Hash { tid2eid: table.into_iter().map(|e| e as u32).collect() }
             }
         };
-        let to_b = |m: [kernels::WeightView<'_>; 3]| {
+        // Each expert goes where the backend keeps it (one device of several under
+        // expert parallelism).
+        let to_b = |(e, m): (usize, [kernels::WeightView<'_>; 3])| {
             self.progress.add(m.iter().map(|v| v.stored_bytes()).sum());
             let [w1, w2, w3] = m;
-            ExpertWeights { w1: self.b.weight(w1), w2: self.b.weight(w2), w3: self.b.weight(w3) }
+            let place = |v| self.b.expert_weight(v, e, n);
+            ExpertWeights { w1: place(w1), w2: place(w2), w3: place(w3) }
         };
-        let experts = self.ck.experts(l, n, inter, d)?.into_iter().map(to_b).collect();
+        let experts = self.ck.experts(l, n, inter, d)?.into_iter().enumerate().map(to_b).collect();
         let shared = if c.n_shared_experts > 0 {
             let si = c.n_shared_experts * inter;
             Some(ExpertWeights {
@@ -187,15 +190,16 @@ impl<B: Backend> Loader<'_, B> {
         } else {
             None
         };
-        Ok(MoeWeights {
+        Ok(self.b.moe_weights(MoeWeights {
             gate: self.matrix(&format!("{p}.gate.weight"), n, d)?,
             routing,
             experts,
+            expert_base: 0,
             shared,
             top_k: k,
             route_scale: c.route_scale as f32,
             swiglu_limit: c.swiglu_limit as f32,
-        })
+        }))
     }
 
     fn layer(&self, l: usize) -> Result<LayerWeights<B>, CheckpointError> {
@@ -235,7 +239,7 @@ impl<B: Backend> ModelWeights<B> {
             layers,
             norm: ld.vector("norm.weight", d)?,
             head: ld.matrix("head.weight", v, d)?,
-            hc_head: HcHeadWeights {
+            hc_head: b.hc_head_weights(HcHeadWeights {
                 mix: ld.matrix("hc_head_fn", hc, hc * d)?,
                 base: ld.floats("hc_head_base", &[hc])?,
                 scale: head_scale[0],
@@ -243,7 +247,7 @@ impl<B: Backend> ModelWeights<B> {
                 hidden: d,
                 norm_eps: cfg.rms_norm_eps as f32,
                 hc_eps: cfg.hc_eps as f32,
-            },
+            }),
         };
         b.finish_load();
         let stats = progress.finish();

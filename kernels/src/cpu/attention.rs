@@ -5,7 +5,7 @@ use rayon::prelude::*;
 
 use super::CpuBackend;
 use super::simd::{axpy, dot};
-use crate::backend::{KvState, Selection};
+use crate::backend::{KvView, KvViewMut, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::{BatchPlan, SeqSlice};
 
@@ -32,7 +32,7 @@ pub(crate) fn ring_offset(layout: &KvLayout, layer: usize, slot: usize, p: usize
 
 /// Gather the keys row `t` of `seq` attends to, as `[n, head_dim]`.
 fn gather_keys(
-    kv: &KvState<CpuBackend>,
+    kv: &KvView<'_, CpuBackend>,
     layout: &KvLayout,
     layer: usize,
     seq: &SeqSlice,
@@ -71,7 +71,7 @@ fn gather_keys(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
-    kv: &KvState<CpuBackend>,
+    kv: &KvView<'_, CpuBackend>,
     layout: &KvLayout,
     layer: usize,
     plan: &BatchPlan,
@@ -110,7 +110,7 @@ pub(crate) fn attention(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn index_topk(
-    kv: &KvState<CpuBackend>,
+    kv: &KvView<'_, CpuBackend>,
     layout: &KvLayout,
     layer: usize,
     plan: &BatchPlan,
@@ -159,7 +159,7 @@ pub(crate) fn index_topk(
 }
 
 pub(crate) fn store_window(
-    kv: &mut KvState<CpuBackend>,
+    kv: &mut KvViewMut<'_, CpuBackend>,
     layout: &KvLayout,
     layer: usize,
     plan: &BatchPlan,

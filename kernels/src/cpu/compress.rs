@@ -9,14 +9,14 @@
 //! window). The ring therefore holds two windows for CSA and one for HCA.
 
 use super::{CpuBackend, CpuKv, rows::rms_norm_row};
-use crate::backend::{CompressorParams, KvState};
+use crate::backend::{CompressorParams, KvViewMut};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::rotate;
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn compress(
-    kv: &mut KvState<CpuBackend>,
+    kv: &mut KvViewMut<'_, CpuBackend>,
     layout: &KvLayout,
     layer: usize,
     branch: Branch,
@@ -51,7 +51,7 @@ pub(crate) fn compress(
             if (t + 1) % ratio == 0 && t + 1 > seq.pages_final_until {
                 let entry_idx = (t + 1) / ratio - 1;
                 let entry = pool_window(&comp[base..base + 2 * slots * width], lk.kind(), ratio, width, entry_idx);
-                write_entry(&mut kv.pages, layout, layer, branch, &seq.pages, entry_idx, entry, p);
+                write_entry(kv.pages, layout, layer, branch, &seq.pages, entry_idx, entry, p);
             }
         }
     }

@@ -14,7 +14,7 @@ mod simd;
 
 use crate::EntryDtype;
 use crate::backend::{
-    Backend, CompressorParams, ExternalMemory, HcHeadWeights, HcWeights, KvState, MoeWeights, Selection,
+    Backend, CompressorParams, ExternalMemory, HcHeadWeights, HcWeights, KvView, KvViewMut, MoeWeights, Selection,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -38,6 +38,9 @@ impl Backend for CpuBackend {
     type Weight = CpuMatrix;
     type Kv = CpuKv;
     type Idx = Vec<i32>;
+    type Hc = HcWeights<Self>;
+    type HcHead = HcHeadWeights<Self>;
+    type Moe = MoeWeights<Self>;
 
     fn describe(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -65,6 +68,18 @@ impl Backend for CpuBackend {
 
     fn weight(&self, w: WeightView<'_>) -> CpuMatrix {
         CpuMatrix::from_view(&w)
+    }
+
+    fn hc_weights(&self, w: HcWeights<Self>) -> HcWeights<Self> {
+        w
+    }
+
+    fn hc_head_weights(&self, w: HcHeadWeights<Self>) -> HcHeadWeights<Self> {
+        w
+    }
+
+    fn moe_weights(&self, w: MoeWeights<Self>) -> MoeWeights<Self> {
+        w
     }
 
     fn weight_shape(&self, w: &CpuMatrix) -> (usize, usize) {
@@ -106,8 +121,8 @@ impl Backend for CpuBackend {
         idx.clone()
     }
 
-    fn embed(&self, table: &CpuMatrix, tokens: &[u32], out: &mut Vec<f32>) {
-        rows::embed(table, tokens, out)
+    fn embed(&self, table: &CpuMatrix, plan: &BatchPlan, out: &mut Vec<f32>) {
+        rows::embed(table, &plan.tokens, out)
     }
 
     fn matmul(&self, x: &Vec<f32>, rows: usize, w: &CpuMatrix, out: &mut Vec<f32>) {
@@ -136,6 +151,11 @@ impl Backend for CpuBackend {
 
     fn scale(&self, x: &mut Vec<f32>, factor: f32) {
         x.iter_mut().for_each(|v| *v *= factor);
+    }
+
+    fn add_into(&self, acc: &mut Vec<f32>, x: &Vec<f32>) {
+        assert_eq!(acc.len(), x.len(), "add_into of buffers of different lengths");
+        acc.iter_mut().zip(x).for_each(|(a, v)| *a += v);
     }
 
     fn round_to(&self, x: &mut Vec<f32>, fmt: &EntryFormat) {
@@ -170,13 +190,21 @@ impl Backend for CpuBackend {
         hc::hc_head(streams, rows, w, out)
     }
 
-    fn moe(&self, x: &Vec<f32>, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut Vec<f32>) {
-        moe::moe(x, rows, tokens, w, out)
+    fn moe(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        tokens: &[u32],
+        w: &MoeWeights<Self>,
+        shared_rows: std::ops::Range<usize>,
+        out: &mut Vec<f32>,
+    ) {
+        moe::moe(x, rows, tokens, w, shared_rows, out)
     }
 
     fn compress(
         &self,
-        kv: &mut KvState<Self>,
+        kv: &mut KvViewMut<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         branch: Branch,
@@ -190,7 +218,7 @@ impl Backend for CpuBackend {
 
     fn index_topk(
         &self,
-        kv: &KvState<Self>,
+        kv: &KvView<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,
@@ -204,7 +232,7 @@ impl Backend for CpuBackend {
 
     fn attention(
         &self,
-        kv: &KvState<Self>,
+        kv: &KvView<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,
@@ -221,7 +249,7 @@ impl Backend for CpuBackend {
 
     fn store_window(
         &self,
-        kv: &mut KvState<Self>,
+        kv: &mut KvViewMut<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,

@@ -71,7 +71,14 @@ fn gather_rows(x: &[f32], d: usize, rows: &[usize]) -> Vec<f32> {
     g
 }
 
-pub(crate) fn moe(x: &[f32], rows: usize, tokens: &[u32], w: &MoeWeights<CpuBackend>, out: &mut [f32]) {
+pub(crate) fn moe(
+    x: &[f32],
+    rows: usize,
+    tokens: &[u32],
+    w: &MoeWeights<CpuBackend>,
+    shared_rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
     let gate: &CpuMatrix = &w.gate;
     let d = gate.cols;
     assert_eq!(x.len(), rows * d);
@@ -80,11 +87,16 @@ pub(crate) fn moe(x: &[f32], rows: usize, tokens: &[u32], w: &MoeWeights<CpuBack
     matmul(x, rows, gate, &mut logits);
     let (experts, weights) = route(&logits, rows, tokens, w);
 
-    // Rows per expert, so each expert runs one product over all its tokens.
+    // Rows per expert this device holds, so each expert runs one product over all its
+    // tokens; rows routed to experts held elsewhere get nothing from here.
+    let held = w.expert_base..w.expert_base + w.experts.len();
     let mut assigned: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.experts.len()];
     for r in 0..rows {
         for j in 0..w.top_k {
-            assigned[experts[r * w.top_k + j] as usize].push((r, weights[r * w.top_k + j]));
+            let e = experts[r * w.top_k + j] as usize;
+            if held.contains(&e) {
+                assigned[e - w.expert_base].push((r, weights[r * w.top_k + j]));
+            }
         }
     }
     let results: Vec<(usize, Vec<f32>)> = assigned
@@ -104,8 +116,13 @@ pub(crate) fn moe(x: &[f32], rows: usize, tokens: &[u32], w: &MoeWeights<CpuBack
             axpy(&mut out[r * d..(r + 1) * d], wt, &y[i * d..(i + 1) * d]);
         }
     }
-    if let Some(shared) = &w.shared {
-        let y = swiglu(x, rows, shared, w.swiglu_limit);
-        out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+    if let Some(shared) = &w.shared
+        && !shared_rows.is_empty()
+    {
+        assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
+        let xs = &x[shared_rows.start * d..shared_rows.end * d];
+        let y = swiglu(xs, shared_rows.len(), shared, w.swiglu_limit);
+        let os = &mut out[shared_rows.start * d..shared_rows.end * d];
+        os.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
     }
 }

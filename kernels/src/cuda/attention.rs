@@ -6,7 +6,7 @@ use cudarc::driver::DeviceRepr;
 use super::CudaBackend;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
 use super::runtime::{Gpu, cfg, cfg_elems, launch};
-use crate::backend::{KvState, Selection};
+use crate::backend::{KvView, KvViewMut, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
 
@@ -70,7 +70,7 @@ unsafe impl DeviceRepr for AttnGeom {}
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn index_topk(
     b: &CudaBackend,
-    kv: &KvState<CudaBackend>,
+    kv: &KvView<'_, CudaBackend>,
     layout: &KvLayout,
     layer: usize,
     plan: &BatchPlan,
@@ -217,7 +217,7 @@ fn key_splits(sms: usize, blocks: usize, n_max: usize) -> (usize, usize) {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attention(
     b: &CudaBackend,
-    kv: &KvState<CudaBackend>,
+    kv: &KvView<'_, CudaBackend>,
     layout: &KvLayout,
     layer: usize,
     plan: &BatchPlan,
@@ -360,7 +360,7 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
 
 pub(crate) fn store_window(
     b: &CudaBackend,
-    kv: &mut KvState<CudaBackend>,
+    kv: &mut KvViewMut<'_, CudaBackend>,
     layout: &KvLayout,
     layer: usize,
     plan: &BatchPlan,

@@ -12,7 +12,7 @@ use super::devplan::CompressorWork;
 use super::memory::{CudaBuf, dtype_code};
 use super::rows::RopeParams;
 use super::runtime::{cfg, launch};
-use crate::backend::{CompressorParams, KvState};
+use crate::backend::{CompressorParams, KvViewMut};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
 
@@ -65,7 +65,7 @@ fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn compress(
     b: &CudaBackend,
-    kv: &mut KvState<CudaBackend>,
+    kv: &mut KvViewMut<'_, CudaBackend>,
     layout: &KvLayout,
     layer: usize,
     branch: Branch,

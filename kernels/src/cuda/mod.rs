@@ -15,12 +15,14 @@
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
+//! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
 //! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
 mod attention;
 mod bench;
+pub mod collective;
 mod compress;
 mod devplan;
 mod hc;
@@ -34,7 +36,7 @@ pub(crate) mod runtime;
 mod upload;
 
 use crate::EntryDtype;
-use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, KvState, MoeWeights, Selection};
+use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, KvView, KvViewMut, MoeWeights, Selection};
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -294,6 +296,9 @@ impl Backend for CudaBackend {
     type Weight = CudaWeight;
     type Kv = CudaKv;
     type Idx = CudaIdx;
+    type Hc = HcWeights<Self>;
+    type HcHead = HcHeadWeights<Self>;
+    type Moe = MoeWeights<Self>;
 
     fn describe(&self) -> String {
         let g = &self.gpu;
@@ -336,6 +341,18 @@ impl Backend for CudaBackend {
 
     fn finish_load(&self) {
         self.staging.release(&self.gpu.stream);
+    }
+
+    fn hc_weights(&self, w: HcWeights<Self>) -> HcWeights<Self> {
+        w
+    }
+
+    fn hc_head_weights(&self, w: HcHeadWeights<Self>) -> HcHeadWeights<Self> {
+        w
+    }
+
+    fn moe_weights(&self, w: MoeWeights<Self>) -> MoeWeights<Self> {
+        w
     }
 
     fn weight_shape(&self, w: &CudaWeight) -> (usize, usize) {
@@ -394,8 +411,8 @@ impl Backend for CudaBackend {
         out
     }
 
-    fn embed(&self, table: &CudaWeight, tokens: &[u32], out: &mut CudaBuf) {
-        self.prof("embed", || rows::embed(self, table, tokens, out))
+    fn embed(&self, table: &CudaWeight, plan: &BatchPlan, out: &mut CudaBuf) {
+        self.prof("embed", || rows::embed(self, table, &plan.tokens, out))
     }
 
     fn matmul(&self, x: &CudaBuf, rows: usize, w: &CudaWeight, out: &mut CudaBuf) {
@@ -443,6 +460,14 @@ impl Backend for CudaBackend {
         self.prof("scale", || rows::scale(self, x, factor))
     }
 
+    fn add_into(&self, acc: &mut CudaBuf, x: &CudaBuf) {
+        assert_eq!(acc.len, x.len, "add_into of buffers of different lengths");
+        let g = &self.gpu;
+        if acc.len > 0 {
+            launch!(g, "add_into", runtime::cfg_elems(acc.len), g.ptr(&acc.mem), g.ptr(&x.mem), acc.len as i64);
+        }
+    }
+
     fn round_to(&self, x: &mut CudaBuf, fmt: &EntryFormat) {
         self.prof("round_to", || rows::round_to(self, x, fmt))
     }
@@ -467,13 +492,21 @@ impl Backend for CudaBackend {
         self.prof("hc_head", || hc::hc_head(self, streams, rows, w, out))
     }
 
-    fn moe(&self, x: &CudaBuf, rows: usize, tokens: &[u32], w: &MoeWeights<Self>, out: &mut CudaBuf) {
-        self.prof("moe", || moe::moe(self, x, rows, tokens, w, out))
+    fn moe(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        tokens: &[u32],
+        w: &MoeWeights<Self>,
+        shared_rows: std::ops::Range<usize>,
+        out: &mut CudaBuf,
+    ) {
+        self.prof("moe", || moe::moe(self, x, rows, tokens, w, shared_rows, out))
     }
 
     fn compress(
         &self,
-        kv: &mut KvState<Self>,
+        kv: &mut KvViewMut<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         branch: Branch,
@@ -487,7 +520,7 @@ impl Backend for CudaBackend {
 
     fn index_topk(
         &self,
-        kv: &KvState<Self>,
+        kv: &KvView<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,
@@ -501,7 +534,7 @@ impl Backend for CudaBackend {
 
     fn attention(
         &self,
-        kv: &KvState<Self>,
+        kv: &KvView<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,
@@ -520,7 +553,7 @@ impl Backend for CudaBackend {
 
     fn store_window(
         &self,
-        kv: &mut KvState<Self>,
+        kv: &mut KvViewMut<'_, Self>,
         layout: &KvLayout,
         layer: usize,
         plan: &BatchPlan,

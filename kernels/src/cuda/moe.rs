@@ -51,6 +51,7 @@ pub(crate) fn moe(
     rows: usize,
     tokens: &[u32],
     w: &MoeWeights<CudaBackend>,
+    shared_rows: std::ops::Range<usize>,
     out: &mut CudaBuf,
 ) {
     let g = &b.gpu;
@@ -78,8 +79,8 @@ pub(crate) fn moe(
                 for &t in &tokens[..rows] {
                     rows_k.extend_from_slice(&tid2eid[t as usize * k..(t as usize + 1) * k]);
                 }
-                if let Some(&e) = rows_k.iter().find(|&&e| e as usize >= w.experts.len()) {
-                    panic!("hash routing table sends a token to expert {e}, outside 0..{}", w.experts.len());
+                if let Some(&e) = rows_k.iter().find(|&&e| e as usize >= n_exp) {
+                    panic!("hash routing table sends a token to expert {e}, outside 0..{n_exp}");
                 }
                 Some(g.upload(&rows_k))
             }
@@ -109,10 +110,14 @@ pub(crate) fn moe(
         g.read(&chosen, 0, &mut host);
         b.prof("moe: experts", || experts_routed_on_host(b, x, rows, w, &host, &weights, out));
     }
-    if let Some(shared) = &w.shared {
+    if let Some(shared) = &w.shared
+        && !shared_rows.is_empty()
+    {
+        assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
         b.prof("moe: shared", || {
-            let y = expert(b, g.ptr(&x.mem), rows, shared, w.swiglu_limit);
-            launch!(g, "add_into", cfg_elems(rows * d), g.ptr(&out.mem), g.ptr(&y.mem), (rows * d) as i64);
+            let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
+            let y = expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit);
+            launch!(g, "add_into", cfg_elems(n * d), g.ptr(&out.mem) + at, g.ptr(&y.mem), (n * d) as i64);
         });
     }
 }
@@ -333,14 +338,23 @@ fn experts_routed_on_host(
 ) {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
-    // Rows per expert in expert order; the list holds row ids, then weight indices.
+    // Rows per expert this device holds, in expert order; the list holds row ids, then
+    // weight indices. Rows routed to experts held elsewhere get nothing from here.
+    let n_exp = w.gate.rows;
+    let held = w.expert_base..w.expert_base + w.experts.len();
     let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); w.experts.len()];
     for (i, &e) in chosen.iter().enumerate() {
-        let e = usize::try_from(e).ok().filter(|&e| e < w.experts.len());
-        let e = e.unwrap_or_else(|| panic!("routing chose an expert outside 0..{}", w.experts.len()));
-        per_expert[e].push(((i / k) as u32, i as u32));
+        let e = usize::try_from(e).ok().filter(|&e| e < n_exp);
+        let e = e.unwrap_or_else(|| panic!("routing chose an expert outside 0..{n_exp}"));
+        if held.contains(&e) {
+            per_expert[e - w.expert_base].push(((i / k) as u32, i as u32));
+        }
     }
-    let total = rows * k;
+    let total: usize = per_expert.iter().map(Vec::len).sum();
+    if total == 0 {
+        g.memset_zero(&mut out.mem);
+        return;
+    }
     let mut list = Vec::with_capacity(2 * total);
     list.extend(per_expert.iter().flatten().map(|&(r, _)| r));
     list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
@@ -440,11 +454,12 @@ fn experts_grouped(
 ) {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
-    let n = rows * k;
+    // (row, slot) pairs routed to the experts held here (all of them on one device).
+    let n = list.len() / 2;
     let first = &w.experts[0];
     let inter = first.w1.rows;
     // Tiles of at most GEMM_BM rows of one expert, and each row's list positions in
-    // ascending (expert) order for the combine.
+    // ascending (expert) order for the combine (-1 past a row's pairs held here).
     let mut tiles: Vec<i32> = Vec::new();
     let mut at = 0usize;
     let mut used = 0usize;
@@ -455,7 +470,7 @@ fn experts_grouped(
         }
         at += assigned.len();
     }
-    let mut pos = vec![0i32; n];
+    let mut pos = vec![-1i32; rows * k];
     let mut filled = vec![0usize; rows];
     for (i, &r) in list[..n].iter().enumerate() {
         let r = r as usize;

@@ -184,10 +184,11 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
     for dtype in ["f32", "bf16", "fp8", "fp4"] {
         let table = weight(&mut rng, 300, 4096, 0.5, dtype);
         let tokens = [5u32, 299, 0, 17];
+        let plan = kernels::BatchPlan::new(vec![(0, vec![0], 0, &tokens[..])]);
         let mut out = poisoned(g, 4 * 4096);
-        g.embed(&g.weight(table.view()), &tokens, &mut out);
+        g.embed(&g.weight(table.view()), &plan, &mut out);
         let mut want = vec![0f32; 4 * 4096];
-        c.embed(&c.weight(table.view()), &tokens, &mut want);
+        c.embed(&c.weight(table.view()), &plan, &mut want);
         assert_eq!(g.download(&out), want, "embedding rows ({dtype}) must be exact");
     }
 }
@@ -302,9 +303,9 @@ fn cuda_moe_matches_cpu_at_flash_width() {
                 let x = rand_vec(&mut rng, rows * d, 1.0);
                 let tokens: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
                 let mut out = poisoned(g, rows * d);
-                g.moe(&g.upload(&x), rows, &tokens, &gm, &mut out);
+                g.moe(&g.upload(&x), rows, &tokens, &gm, 0..rows, &mut out);
                 let mut want = vec![0f32; rows * d];
-                c.moe(&x, rows, &tokens, &cm, &mut want);
+                c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
                 check(&format!("moe hash={hash} rows={rows}"), dtype, &g.download(&out), &want);
             }
         }
@@ -330,6 +331,7 @@ fn moe_weights<B: Backend>(
         gate: b.weight(gate.view()),
         routing,
         experts: experts.iter().map(expert).collect(),
+        expert_base: 0,
         shared: Some(expert(shared)),
         top_k: k,
         route_scale: 1.5,

@@ -57,13 +57,13 @@ fn run_layer<B: Backend>(
     let up = |v: &Vec<f32>| b.upload(v);
     if spec.kind != AttnKind::Window {
         let p = CompressorParams::<B> { ape: &s.params[l][0], norm: &s.params[l][1], eps: 1e-6, rope };
-        b.compress(&mut s.kv, layout, l, Branch::Main, plan, &up(&inp.main_kv), &up(&inp.main_score), &p);
+        b.compress(&mut s.kv.view_mut(), layout, l, Branch::Main, plan, &up(&inp.main_kv), &up(&inp.main_score), &p);
     }
     let mut sel = None;
     if spec.kind == AttnKind::Csa {
         let p = CompressorParams::<B> { ape: &s.params[l][2], norm: &s.params[l][3], eps: 1e-6, rope };
-        b.compress(&mut s.kv, layout, l, Branch::Indexer, plan, &up(&inp.idx_kv), &up(&inp.idx_score), &p);
-        let chosen = b.index_topk(&s.kv, layout, l, plan, &up(&inp.idx_q), &up(&inp.idx_w), IDX_HEADS, TOP_K);
+        b.compress(&mut s.kv.view_mut(), layout, l, Branch::Indexer, plan, &up(&inp.idx_kv), &up(&inp.idx_score), &p);
+        let chosen = b.index_topk(&s.kv.view(), layout, l, plan, &up(&inp.idx_q), &up(&inp.idx_w), IDX_HEADS, TOP_K);
         sel = Some(b.idx_download(&chosen.indices));
     }
     let used = match (forced, &sel) {
@@ -73,8 +73,8 @@ fn run_layer<B: Backend>(
     };
     let mut out = poisoned(b, plan.rows() * HEADS * HD);
     let new_kv = up(&inp.new_kv);
-    b.attention(&s.kv, layout, l, plan, &up(&inp.q), &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut out);
-    b.store_window(&mut s.kv, layout, l, plan, &new_kv);
+    b.attention(&s.kv.view(), layout, l, plan, &up(&inp.q), &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut out);
+    b.store_window(&mut s.kv.view_mut(), layout, l, plan, &new_kv);
     (b.download(&out), sel)
 }
 
@@ -389,14 +389,14 @@ fn cuda_compressor_long_batches_match_cpu() {
                     eps: 1e-6,
                     rope: &rope,
                 };
-                g.compress(&mut gs.kv, &layout, l, branch, &plan, &g.upload(&kv), &g.upload(&sc), &p);
+                g.compress(&mut gs.kv.view_mut(), &layout, l, branch, &plan, &g.upload(&kv), &g.upload(&sc), &p);
                 let p = CompressorParams::<CpuBackend> {
                     ape: &cs.params[l][k],
                     norm: &cs.params[l][k + 1],
                     eps: 1e-6,
                     rope: &rope,
                 };
-                cpu.compress(&mut cs.kv, &layout, l, branch, &plan, &kv, &sc, &p);
+                cpu.compress(&mut cs.kv.view_mut(), &layout, l, branch, &plan, &kv, &sc, &p);
             }
         }
     }
@@ -424,6 +424,6 @@ impl<B: Backend> CompressSide for Side<'_, B> {
     fn compress_main(&mut self, layout: &KvLayout, plan: &BatchPlan, kv: &[f32], sc: &[f32], rope: &RopeTable) {
         let p = CompressorParams::<B> { ape: &self.params[0][0], norm: &self.params[0][1], eps: 1e-6, rope };
         let (kv, sc) = (self.b.upload(kv), self.b.upload(sc));
-        self.b.compress(&mut self.kv, layout, 0, Branch::Main, plan, &kv, &sc, &p);
+        self.b.compress(&mut self.kv.view_mut(), layout, 0, Branch::Main, plan, &kv, &sc, &p);
     }
 }

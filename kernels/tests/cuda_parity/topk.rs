@@ -38,9 +38,11 @@ fn cuda_indexer_topk_over_many_candidates_matches_cpu() {
         let q = rand_vec(&mut rng, rows * IDX_HEADS * IDX_DIM, 0.3);
         let w = rand_vec(&mut rng, rows * IDX_HEADS, 1.0);
         let gsel = g.idx_download(
-            &gs.b.index_topk(&gs.kv, &layout, 0, plan, &gs.b.upload(&q), &gs.b.upload(&w), IDX_HEADS, TOP_K).indices,
+            &gs.b
+                .index_topk(&gs.kv.view(), &layout, 0, plan, &gs.b.upload(&q), &gs.b.upload(&w), IDX_HEADS, TOP_K)
+                .indices,
         );
-        let csel = cs.b.index_topk(&cs.kv, &layout, 0, plan, &q, &w, IDX_HEADS, TOP_K).indices;
+        let csel = cs.b.index_topk(&cs.kv.view(), &layout, 0, plan, &q, &w, IDX_HEADS, TOP_K).indices;
         for r in 0..rows {
             let (gr, cr) = (&gsel[r * TOP_K..(r + 1) * TOP_K], &csel[r * TOP_K..(r + 1) * TOP_K]);
             assert!(gr.windows(2).all(|p| p[0] < p[1]), "row {r}: selection is not ascending");

@@ -79,7 +79,11 @@ pub fn render(outcomes: &[Outcome], windows: &[Window], f: &Findings) -> String 
     let _ = writeln!(s, "| migrated (router counter) | {:.0} |", f.counters.migrations);
     let _ = writeln!(s, "| p99 TTFT, no fault / during faults | {} / {} |", p99(calm), p99(faulted));
     let _ = writeln!(s, "| pages leaked (decode workers, after the load) | {} |", f.pages_leaked);
-    let _ = writeln!(s, "| corrupt records served | {wrong} (wrong outputs); store: {:.0} detected and dropped |", f.counters.kv_corrupt);
+    let _ = writeln!(
+        s,
+        "| corrupt records served | {wrong} (wrong outputs); store: {:.0} detected and dropped |",
+        f.counters.kv_corrupt
+    );
     let _ = writeln!(s, "| kvstore write errors (disk full) | {:.0} |", f.counters.kv_write_errors);
     s
 }

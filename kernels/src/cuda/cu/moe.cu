@@ -171,7 +171,8 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const int* li
 
 // The same sums for batches of any size: row r's k list positions `pos[r*k .. r*k+k]`
 // (ascending, i.e. in expert order) are summed in that order, so each output costs k
-// reads instead of a scan of the whole list.
+// reads instead of a scan of the whole list. A negative position ends a row's list (its
+// other experts live on another device under expert parallelism).
 extern "C" __global__ void moe_combine_rows(float* out, const float* y, const int* pos, const int* list_widx,
                                             const float* weights, int k, int rows, int d) {
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -180,6 +181,7 @@ extern "C" __global__ void moe_combine_rows(float* out, const float* y, const in
     float acc = 0.0f;
     for (int j = 0; j < k; j++) {
         const int i = pos[r * k + j];
+        if (i < 0) break;
         acc += weights[list_widx[i]] * y[(long long)i * d + c];
     }
     out[t] = acc;

@@ -1,0 +1,128 @@
+//! The ops that read and write KV: each device runs its sequences (with their local
+//! slot and page ids) over its own part of the pools.
+
+use std::sync::Arc;
+
+use super::Sharded;
+use super::buf::{ShardBuf, ShardIdx};
+use super::ops::prepare;
+use super::split::StepSplit;
+use crate::backend::{Backend, CompressorParams, KvView, KvViewMut, Selection};
+use crate::kv_layout::{Branch, KvLayout};
+use crate::plan::BatchPlan;
+
+/// Device `r`'s KV regions.
+fn view<'a, B: Backend>(kv: &'a KvView<'_, Sharded<B>>, r: usize) -> KvView<'a, B> {
+    KvView { pages: &kv.pages.parts[r], rings: &kv.rings.parts[r], comp: &kv.comp.parts[r] }
+}
+
+fn view_mut<'a, B: Backend>(kv: &'a mut KvViewMut<'_, Sharded<B>>, r: usize) -> KvViewMut<'a, B> {
+    KvViewMut { pages: &mut kv.pages.parts[r], rings: &mut kv.rings.parts[r], comp: &mut kv.comp.parts[r] }
+}
+
+/// The step's split, checked against the rows `x` holds.
+fn step<B: Backend>(s: &Sharded<B>, plan: &BatchPlan, x: &ShardBuf<B>) -> Arc<StepSplit> {
+    let step = s.split(plan);
+    let (split, _) = x.rows_at(plan.rows());
+    assert!(
+        Arc::ptr_eq(&split, &step.rows) || *split == *step.rows,
+        "a sharded KV op got rows laid out differently from its plan"
+    );
+    step
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn compress<B: Backend>(
+    s: &Sharded<B>,
+    kv: &mut KvViewMut<'_, Sharded<B>>,
+    layout: &KvLayout,
+    layer: usize,
+    branch: Branch,
+    plan: &BatchPlan,
+    proj_kv: &ShardBuf<B>,
+    proj_score: &ShardBuf<B>,
+    p: &CompressorParams<'_, Sharded<B>>,
+) {
+    let step = step(s, plan, proj_kv);
+    let (kvp, sp) = (proj_kv.rows().1, proj_score.rows().1);
+    for (r, b) in s.ranks.iter().enumerate() {
+        if step.plans[r].seqs.is_empty() {
+            continue;
+        }
+        let pr = CompressorParams { ape: p.ape.on(r), norm: p.norm.on(r), eps: p.eps, rope: p.rope };
+        b.compress(&mut view_mut(kv, r), layout, layer, branch, &step.plans[r], &kvp[r], &sp[r], &pr);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn index_topk<B: Backend>(
+    s: &Sharded<B>,
+    kv: &KvView<'_, Sharded<B>>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &ShardBuf<B>,
+    weights: &ShardBuf<B>,
+    heads: usize,
+    top_k: usize,
+) -> Selection<Sharded<B>> {
+    let step = step(s, plan, q);
+    let (qp, wp) = (q.rows().1, weights.rows().1);
+    let parts = s
+        .ranks
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            (!step.plans[r].seqs.is_empty())
+                .then(|| b.index_topk(&view(kv, r), layout, layer, &step.plans[r], &qp[r], &wp[r], heads, top_k))
+        })
+        .collect();
+    Selection { indices: ShardIdx { split: step.rows.clone(), parts }, top_k }
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention<B: Backend>(
+    s: &Sharded<B>,
+    kv: &KvView<'_, Sharded<B>>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &ShardBuf<B>,
+    new_kv: &ShardBuf<B>,
+    selected: Option<&Selection<Sharded<B>>>,
+    sinks: &ShardBuf<B>,
+    heads: usize,
+    scale: f32,
+    out: &mut ShardBuf<B>,
+) {
+    let step = step(s, plan, q);
+    let qp = q.rows().1;
+    let kp = new_kv.rows().1;
+    prepare(s, out, &step.rows);
+    let (_, outs) = out.rows_mut();
+    for (r, (b, o)) in s.ranks.iter().zip(outs.iter_mut()).enumerate() {
+        if step.plans[r].seqs.is_empty() {
+            continue;
+        }
+        let sel =
+            selected.map(|sel| sel.indices.parts[r].as_ref().expect("a selection for every device that holds rows"));
+        b.attention(&view(kv, r), layout, layer, &step.plans[r], &qp[r], &kp[r], sel, sinks.on(r), heads, scale, o);
+    }
+}
+
+pub(super) fn store_window<B: Backend>(
+    s: &Sharded<B>,
+    kv: &mut KvViewMut<'_, Sharded<B>>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    new_kv: &ShardBuf<B>,
+) {
+    let step = step(s, plan, new_kv);
+    let kp = new_kv.rows().1;
+    for (r, b) in s.ranks.iter().enumerate() {
+        if !step.plans[r].seqs.is_empty() {
+            b.store_window(&mut view_mut(kv, r), layout, layer, &step.plans[r], &kp[r]);
+        }
+    }
+}
