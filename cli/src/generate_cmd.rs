@@ -54,6 +54,10 @@ pub struct GenerateArgs {
     /// Compute device for --model: cpu, or cuda:N (a GPU of this machine).
     #[arg(long, default_value = "cpu", value_parser = args::device, conflicts_with = "router")]
     device: Device,
+    /// Several devices for --model, e.g. `cuda:0,cuda:1` (experts split over them);
+    /// replaces --device.
+    #[arg(long, conflicts_with_all = ["router", "device"])]
+    devices: Option<engine::device::DeviceList>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -84,10 +88,15 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         top_logprobs: a.top_logprobs,
     };
     sampling.validate()?;
+    let devices = engine::device::chosen(a.device, a.devices.as_ref());
+    // The sequence lives on one device; the pools split evenly, so each gets its room.
+    let n = devices.len();
     let needed_pages = (prompt_ids.len() + a.max_tokens).div_ceil(128) + 1;
-    let opts = EngineOptions { kv_dtype: a.kv_dtype, max_pages: needed_pages, max_sequences: 1, ..Default::default() };
-    let mut engine = AnyEngine::load(&model, a.device, opts)
-        .with_context(|| format!("loading model from {} on {}", model.display(), a.device))?;
+    let opts =
+        EngineOptions { kv_dtype: a.kv_dtype, max_pages: needed_pages * n, max_sequences: n, ..Default::default() };
+    let label = engine::device::devices_label(&devices);
+    let mut engine = AnyEngine::load_on(&model, &devices, opts)
+        .with_context(|| format!("loading model from {} on {label}", model.display()))?;
     let req = GenerateRequest {
         prompt: prompt_ids,
         max_tokens: a.max_tokens,

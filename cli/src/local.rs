@@ -45,6 +45,9 @@ pub struct Options {
     pub timeout: Duration,
     pub kvstore: Option<KvstoreOptions>,
     pub extra_prefill_args: Vec<String>,
+    /// Device flags of each worker in start order (decode workers first, then prefill
+    /// workers); empty: all on the CPU.
+    pub worker_devices: Vec<Vec<String>>,
 }
 
 pub struct LocalCluster {
@@ -114,6 +117,7 @@ impl LocalCluster {
         for (i, (role, bin)) in roles.enumerate() {
             let (port, metrics_port) = (free_port(), free_port());
             let mut args = common.clone();
+            args.extend(o.worker_devices.get(i).into_iter().flatten().cloned());
             if role == "prefill" {
                 if let Some(url) = &kvstore_url {
                     args.extend(["--kvstore".into(), url.clone()]);

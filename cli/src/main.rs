@@ -6,6 +6,7 @@
 //! - `generate_cmd`: `sluice generate` (in-process, or through a router).
 //! - `up_cmd`: `sluice up`, a local cluster of child processes (started by `local`).
 //! - `local`: starting and stopping a local cluster.
+//! - `gpu_layout`: which devices each worker of `sluice up` computes on.
 //! - `client`: the gRPC client of the router.
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
 //! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark).
@@ -23,6 +24,7 @@ mod bench_prefix;
 mod bench_transfer;
 mod client;
 mod generate_cmd;
+mod gpu_layout;
 mod local;
 mod model_cmd;
 mod progress;

@@ -15,7 +15,7 @@ use cluster::launch::ServiceProcess;
 use engine::EntryDtype;
 use sluice_proto::v1 as pb;
 
-use crate::{args, local};
+use crate::{args, gpu_layout, local};
 
 #[derive(Args)]
 pub struct UpArgs {
@@ -68,6 +68,16 @@ pub struct UpArgs {
     /// Disk the kvstore may use.
     #[arg(long, default_value = "4GiB")]
     kvstore_capacity: String,
+    /// Where the workers compute: `cpu`, `cuda` (this machine's GPUs, spread over the
+    /// workers, `--gpus-per-worker` each) or `cuda:N` (every worker on GPU N).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Every worker spans these devices (e.g. `cuda:0,cuda:1`); replaces --device.
+    #[arg(long)]
+    devices: Option<String>,
+    /// With `--device cuda`: GPUs each worker spans (expert parallelism over them).
+    #[arg(long, default_value_t = 1)]
+    gpus_per_worker: usize,
 }
 
 pub fn run(a: UpArgs) -> Result<()> {
@@ -89,6 +99,10 @@ async fn up(a: UpArgs) -> Result<()> {
         policy: a.swa_policy.clone(),
         capacity: a.kvstore_capacity.clone(),
     });
+    let choice = gpu_layout::DeviceChoice::from_flags(&a.device, a.devices.as_deref(), a.gpus_per_worker)
+        .map_err(anyhow::Error::msg)?;
+    let placed = gpu_layout::assign(&choice, engine::device::cuda_device_count(), a.decode + a.prefill)
+        .map_err(anyhow::Error::msg)?;
     let opts = local::Options {
         model: model.clone(),
         etcd: a.etcd.clone(),
@@ -102,6 +116,7 @@ async fn up(a: UpArgs) -> Result<()> {
         timeout: Duration::from_secs(a.ready_timeout_s),
         kvstore,
         extra_prefill_args: Vec::new(),
+        worker_devices: placed.iter().map(|d| gpu_layout::flags(d)).collect(),
     };
     let mut cluster = local::LocalCluster::start(&opts).await?;
     let procs = &mut cluster.procs;

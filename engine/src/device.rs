@@ -149,6 +149,14 @@ pub fn cuda_backend(ordinal: usize) -> Result<CudaBackend, DeviceError> {
         .map_err(|e| DeviceError::Unavailable { device: Device::Cuda(ordinal), reason: e.to_string() })
 }
 
+/// CUDA GPUs this process can use (0 without a driver or without the `cuda` feature).
+pub fn cuda_device_count() -> usize {
+    #[cfg(feature = "cuda")]
+    return CudaBackend::device_count();
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
 /// Bytes of memory of `device`: a GPU's total memory, or the host's (`MemTotal`).
 pub fn memory_bytes(device: Device) -> Result<u64, DeviceError> {
     match device {

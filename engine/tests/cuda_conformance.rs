@@ -303,8 +303,14 @@ fn drive<B: kernels::Backend>(e: &mut Engine<B>, steps: usize) -> (Vec<Vec<f32>>
 }
 
 fn small_model() -> tempfile::TempDir {
+    small_model_in(WeightDtype::Bf16)
+}
+
+/// The `small` preset with its weights in `dtype` (`Fp8`: FP8 projections with 128x128
+/// block scales and FP4 routed experts, as V4 ships).
+fn small_model_in(dtype: WeightDtype) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    write_checkpoint(&dir.path().join("m"), &InitOptions::new(Preset::Small, 5, WeightDtype::Bf16)).unwrap();
+    write_checkpoint(&dir.path().join("m"), &InitOptions::new(Preset::Small, 5, dtype)).unwrap();
     dir
 }
 
@@ -318,17 +324,28 @@ fn opts_with(kv_dtype: EntryDtype) -> EngineOptions {
 
 #[test]
 fn cuda_engine_matches_cpu_engine_and_kv_moves_between_them() {
-    engine_parity("cuda_engine_matches_cpu_engine_and_kv_moves_between_them", EntryDtype::Bf16, ENGINE_TOL);
+    let test = "cuda_engine_matches_cpu_engine_and_kv_moves_between_them";
+    engine_parity(test, WeightDtype::Bf16, EntryDtype::Bf16, ENGINE_TOL);
 }
 
 #[test]
 fn cuda_engine_matches_cpu_engine_and_kv_moves_between_them_fp8_kv() {
-    engine_parity("cuda_engine_matches_cpu_engine_and_kv_moves_between_them_fp8_kv", EntryDtype::Fp8, FP8_ENGINE_TOL);
+    let test = "cuda_engine_matches_cpu_engine_and_kv_moves_between_them_fp8_kv";
+    engine_parity(test, WeightDtype::Bf16, EntryDtype::Fp8, FP8_ENGINE_TOL);
 }
 
-fn engine_parity(test: &str, kv_dtype: EntryDtype, tol: f32) {
+/// A checkpoint in the shipped formats (FP8 projections, FP4 experts), kept in them on
+/// the GPU and dequantised by the CPU: the same greedy tokens at bf16 and fp8 KV.
+#[test]
+fn cuda_engine_on_fp8_fp4_weights_matches_cpu_engine() {
+    let test = "cuda_engine_on_fp8_fp4_weights_matches_cpu_engine";
+    engine_parity(test, WeightDtype::Fp8, EntryDtype::Bf16, ENGINE_TOL);
+    engine_parity(test, WeightDtype::Fp8, EntryDtype::Fp8, FP8_ENGINE_TOL);
+}
+
+fn engine_parity(test: &str, weights: WeightDtype, kv_dtype: EntryDtype, tol: f32) {
     let Some(b) = gpu(test) else { return };
-    let dir = small_model();
+    let dir = small_model_in(weights);
     let model = dir.path().join("m");
     let mut gpu_e = Engine::load(&model, b, opts_with(kv_dtype)).unwrap();
     let mut cpu_e = Engine::load(&model, CpuBackend::new(), opts_with(kv_dtype)).unwrap();
@@ -341,7 +358,7 @@ fn engine_parity(test: &str, kv_dtype: EntryDtype, tol: f32) {
     for (i, (g, c)) in gl.iter().zip(&cl).enumerate() {
         errs.check(format!("logits block {i}"), g, c, tol);
     }
-    errs.finish(&format!("small preset cuda vs cpu ({} KV)", kv_dtype.name()));
+    errs.finish(&format!("small preset ({weights:?} weights) cuda vs cpu ({} KV)", kv_dtype.name()));
 
     // The GPU's export continues on the CPU exactly as it would on the GPU.
     let vocab = gpu_e.config().vocab_size;
@@ -416,4 +433,42 @@ fn cuda_mirror_is_pinned_and_round_trips() {
     assert_eq!(x, y, "a sequence staged out and back in decodes differently from its twin");
     e.release(seq);
     e.release(twin);
+}
+
+/// The multi-GPU layout (data-parallel attention, expert-parallel MoE) against one GPU.
+/// Two ranks on one GPU exchange rows by peer copies (NCCL takes a GPU once), which
+/// checks the layout and the collective's ordering on any GPU machine; with two GPUs
+/// the same runs over cuda:0 and cuda:1 through NCCL (or peer copies without it).
+#[test]
+fn cuda_sharded_engine_matches_one_gpu() {
+    let Some(one) = gpu("cuda_sharded_engine_matches_one_gpu") else { return };
+    drop(one);
+    let dir = small_model_in(WeightDtype::Fp8);
+    let model = dir.path().join("m");
+    let opts = |kv_dtype| EngineOptions { kv_dtype, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let mut layouts = vec![vec![0usize, 0]];
+    if CudaBackend::device_count() >= 2 {
+        layouts.push(vec![0, 1]);
+        layouts.push(vec![1, 0]);
+    } else {
+        eprintln!("cuda_sharded_engine_matches_one_gpu: one GPU, so the two-GPU layouts are SKIPPED");
+    }
+    for kv_dtype in [EntryDtype::Bf16, EntryDtype::Fp8] {
+        let mut single = Engine::load(&model, CudaBackend::new(0).unwrap(), opts(kv_dtype)).unwrap();
+        let (want, want_tokens, _) = drive(&mut single, 16);
+        drop(single);
+        for ordinals in &layouts {
+            let backend = engine::device::cuda_sharded(ordinals).unwrap();
+            let what = format!("ranks on cuda {ordinals:?} ({}, {} KV)", backend.collective(), kv_dtype.name());
+            let mut e = Engine::load(&model, backend, opts(kv_dtype)).unwrap();
+            let (got, tokens, _) = drive(&mut e, 16);
+            assert_eq!(tokens, want_tokens, "{what}: greedy tokens differ from one GPU");
+            let mut errs = Errors::default();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let tol = if kv_dtype == EntryDtype::Fp8 { FP8_ENGINE_TOL } else { ENGINE_TOL };
+                errs.check(format!("logits block {i}"), g, w, tol);
+            }
+            errs.finish(&format!("sharded vs one GPU, {what}"));
+        }
+    }
 }

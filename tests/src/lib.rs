@@ -8,6 +8,7 @@
 
 pub mod deploy_files;
 pub mod pytools;
+pub mod reference;
 use std::path::PathBuf;
 use std::time::Duration;
 

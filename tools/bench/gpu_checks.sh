@@ -8,7 +8,7 @@
 #   cargo build --release --workspace --bins
 #   cargo test --release -p kernels --features cuda --no-run
 #   cargo test --release -p engine --features cuda --test cuda_conformance --no-run
-#   cargo test --release -p sluice-e2e --test cuda_serving --no-run
+#   cargo test --release -p sluice-e2e --test device_serving --no-run
 #   tools/bench/pack_device.sh          # copies and strips them into .device/
 # Run (device machine, repository root):
 #   tools/bench/gpu_checks.sh [STEPS...]   STEPS: parity conformance serving bench profile
@@ -46,7 +46,7 @@ for s in $steps; do
     run cuda_parity "$B/cuda_parity" --nocapture --test-threads 1
     ;;
   conformance) run cuda_conformance "$B/cuda_conformance" --nocapture --test-threads 1 ;;
-  serving) run cuda_serving timeout 300 "$B/cuda_serving" --nocapture --test-threads 1 ;;
+  serving) run device_serving timeout 300 "$B/device_serving" --nocapture --test-threads 1 ;;
   bench)
     model=${MODEL:-/dev/shm/fb8}
     [ -f "$model/config.json" ] || run init "$B/sluice" model init --preset flash-bench --seed 0 --dtype fp8 --out "$model"
