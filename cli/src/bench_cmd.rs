@@ -53,6 +53,10 @@ pub struct EngineArgs {
     /// cpu, or cuda:N for the GPU benchmark (contexts x batches, see the options below).
     #[arg(long, default_value = "cpu", value_parser = args::device)]
     device: Device,
+    /// Several GPUs as one engine, e.g. `cuda:0,cuda:1` (the GPU benchmark over all of
+    /// them: copy bandwidth and bytes summed); replaces --device.
+    #[arg(long, conflicts_with = "device")]
+    devices: Option<engine::device::DeviceList>,
     #[command(flatten)]
     gpu: crate::bench_engine::GpuBenchArgs,
 }
@@ -84,7 +88,7 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
 
 fn engine(a: EngineArgs) -> Result<()> {
     let _tmp;
-    let preset = if a.device.is_cuda() { Preset::FlashBench } else { Preset::Small };
+    let preset = if a.device.is_cuda() || a.devices.is_some() { Preset::FlashBench } else { Preset::Small };
     let dir = match &a.model {
         Some(d) => d.clone(),
         None => {
@@ -95,10 +99,12 @@ fn engine(a: EngineArgs) -> Result<()> {
             d
         }
     };
-    if let Device::Cuda(ordinal) = a.device {
+    let devices = engine::device::chosen(a.device, a.devices.as_ref());
+    if devices.iter().all(|d| d.is_cuda()) {
+        let ordinals = devices.iter().map(|d| if let Device::Cuda(n) = d { *n } else { 0 }).collect();
         let common = crate::bench_engine::Common {
             dir: &dir,
-            ordinal,
+            ordinals,
             kv_dtype: a.kv_dtype,
             decode_steps: a.decode_steps,
             repeat: a.repeat,

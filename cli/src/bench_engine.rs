@@ -30,6 +30,7 @@ use engine::EntryDtype;
 #[cfg(feature = "cuda")]
 use {
     crate::bench_cmd::bench_prompt,
+    crate::bench_gpus::MeasuredGpus,
     anyhow::{Context, bail},
     engine::kv::Sequence,
     engine::{CudaBackend, Engine, EngineOptions, Logits},
@@ -72,7 +73,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 pub struct Common<'a> {
     pub dir: &'a Path,
-    pub ordinal: usize,
+    /// GPUs: one, or several as one sharded engine.
+    pub ordinals: Vec<usize>,
     pub kv_dtype: EntryDtype,
     pub decode_steps: usize,
     pub repeat: usize,
@@ -90,25 +92,36 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
     if a.contexts.is_empty() || a.batches.is_empty() || a.batches.contains(&0) {
         bail!("--contexts and --batches need at least one value each, batches at least 1");
     }
-    let backend = engine::device::cuda_backend(c.ordinal)?;
+    match c.ordinals.as_slice() {
+        [one] => run_on(&c, a, engine::device::cuda_backend(*one)?),
+        several => run_on(&c, a, engine::device::cuda_sharded(several)?),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Result<()> {
     let describe = backend.describe();
-    eprintln!("{describe}; kernels: {}", backend.kernel_origin());
-    let copy_gbs = backend.copy_bandwidth_gbs(1 << 30, 10);
+    eprintln!("{describe}; kernels: {}", backend.first().kernel_origin());
+    let copy_gbs = backend.copy_gbs();
+    let ranks = backend.ranks();
 
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
     let max_batch = *a.batches.iter().max().expect("non-empty");
     let pages_per_seq = (max_ctx.max(a.prefill_tokens) + c.decode_steps + 2).div_ceil(128) + 1;
+    // The batch's sequences spread over the GPUs; each GPU's share of the pools has
+    // room for all of them (rounded to whole shares).
+    let seqs = (max_batch + 2).div_ceil(ranks) * ranks;
     let opts = EngineOptions {
         kv_dtype: c.kv_dtype,
-        max_pages: pages_per_seq * (max_batch + 2),
-        max_sequences: max_batch + 2,
+        max_pages: pages_per_seq * seqs,
+        max_sequences: seqs,
         max_chunk_tokens: a.chunk_tokens.max(1),
     };
     let t = Instant::now();
     let mut engine = Engine::load(c.dir, backend, opts).with_context(|| format!("loading {}", c.dir.display()))?;
     let load_s = t.elapsed().as_secs_f64();
     let vocab = engine.config().vocab_size;
-    let (free, total) = engine.model.backend.memory_info();
+    let (free, total) = engine.model.backend.memory();
     eprintln!(
         "loaded in {load_s:.1} s; device memory {:.1} of {:.1} GiB free",
         free as f64 / (1u64 << 30) as f64,
@@ -118,7 +131,7 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
     // KV pool, context and kernels included in the latter).
     let plan_weights = {
         use engine::memory_plan::{Devices, MemoryPlan, Residence, StepShape};
-        let on = Devices { residence: Residence::Gpu, count: 1, bytes: total as u64 };
+        let on = Devices { residence: Residence::Gpu, count: ranks, bytes: (total / ranks) as u64 };
         let shape = StepShape { rows: a.prefill_tokens.min(a.chunk_tokens), context: max_ctx, sequences: max_batch };
         MemoryPlan::for_dir(c.dir, engine.config(), on, c.kv_dtype, shape)
             .ok()
@@ -140,14 +153,14 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         if i == 1 {
             // The first prefill of this length meets new GEMM shapes (library kernels
             // loaded lazily): keep it out of the profile.
-            engine.model.backend.take_profile();
+            engine.model.backend.profile();
         }
         let mut seq = engine.open_sequence()?;
-        engine.model.backend.take_traffic();
+        engine.model.backend.traffic();
         let t = Instant::now();
         engine.prefill(&mut seq, &prompt, Logits::Last)?;
         prefill_s.push(t.elapsed().as_secs_f64());
-        prefill_traffic = engine.model.backend.take_traffic();
+        prefill_traffic = engine.model.backend.traffic();
         engine.release(seq);
     }
     let prefill_tps = a.prefill_tokens as f64 / median(prefill_s.clone());
@@ -161,7 +174,7 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         engine.prefill(&mut template, &bench_prompt(ctx, vocab, 100 + ctx as u64), Logits::Last)?;
         let bytes = engine.export(&template);
         engine.release(template);
-        engine.model.backend.take_profile();
+        engine.model.backend.profile();
         for &batch in &a.batches {
             let mut seqs: Vec<Sequence> = (0..batch).map(|_| engine.import(&bytes)).collect::<Result<_, _>>()?;
             let mut next: Vec<u32> = bench_prompt(batch, vocab, 1000 + batch as u64);
@@ -170,17 +183,17 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
             // One untimed step first: the plan shape and buffers of this batch are new.
             for i in 0..c.decode_steps + 1 {
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
-                engine.model.backend.take_traffic();
+                engine.model.backend.traffic();
                 let t = Instant::now();
                 let out = engine.decode(&mut refs, &next)?;
                 let dt = t.elapsed().as_secs_f64();
-                let (w, kv) = engine.model.backend.take_traffic();
+                let (w, kv) = engine.model.backend.traffic();
                 if i > 0 {
                     steps.push(dt);
                     traffic.push((w + kv) as f64);
                 } else {
                     // The first step of a shape loads kernels lazily: not in the profile.
-                    engine.model.backend.take_profile();
+                    engine.model.backend.profile();
                 }
                 next = out.iter().map(|l| engine::sampling::argmax(l)).collect();
             }
@@ -201,13 +214,13 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
             for _ in 0..3 {
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 let t = Instant::now();
-                engine.model.backend.hold_stream((hold * 1e9) as u64);
+                engine.model.backend.hold((hold * 1e9) as u64);
                 let out = engine.decode(&mut refs, &next)?;
                 device_steps.push(t.elapsed().as_secs_f64() - hold);
                 next = out.iter().map(|l| engine::sampling::argmax(l)).collect();
             }
-            engine.model.backend.take_traffic();
-            engine.model.backend.take_profile();
+            engine.model.backend.traffic();
+            engine.model.backend.profile();
             let device_step = median(device_steps);
             eprintln!("decode ctx {ctx} batch {batch}: {:.3} ms/step on the device alone", device_step * 1e3);
             for s in seqs {
@@ -223,17 +236,18 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
 
     let topk = if a.topk_candidates > 0 {
         let k = engine.config().index_topk;
-        Some(engine.model.backend.time_topk(a.topk_candidates, k, 50))
+        Some(engine.model.backend.first().time_topk(a.topk_candidates, k, 50))
     } else {
         None
     };
     let compress = if a.compress_tokens > 0 {
-        Some(compress_bench(&engine.model.backend, a.compress_tokens, c.kv_dtype, c.repeat.max(20)))
+        Some(compress_bench(engine.model.backend.first(), a.compress_tokens, c.kv_dtype, c.repeat.max(20)))
     } else {
         None
     };
 
-    let products = if a.skip_products { Vec::new() } else { engine.model.backend.bench_products(c.repeat.max(10)) };
+    let products =
+        if a.skip_products { Vec::new() } else { engine.model.backend.first().bench_products(c.repeat.max(10)) };
     let products: Vec<Value> = products
         .iter()
         .map(|p| {
@@ -249,7 +263,7 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         .collect();
     let load = &engine.load;
     let used_at_end = {
-        let (f, t) = engine.model.backend.memory_info();
+        let (f, t) = engine.model.backend.memory();
         (t - f) as u64
     };
 
@@ -288,10 +302,10 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// Where the time went, per op (only with `SLUICE_CUDA_PROFILE=1`).
+/// Where the time went, per op (only with `SLUICE_CUDA_PROFILE=1`; the first GPU's).
 #[cfg(feature = "cuda")]
-fn print_profile(b: &CudaBackend, what: &str) {
-    let Some(p) = b.take_profile() else { return };
+fn print_profile<B: MeasuredGpus>(b: &B, what: &str) {
+    let Some(p) = b.profile() else { return };
     let total: f64 = p.iter().map(|x| x.1).sum();
     eprintln!("profile of {what} ({:.1} ms in ops):", total * 1e3);
     for (name, t, n) in p {

@@ -7,7 +7,9 @@ use engine::device::{Device, devices_label};
 pub enum DeviceChoice {
     Cpu,
     /// Spread the workers over this machine's GPUs, `per_worker` GPUs each.
-    Gpus { per_worker: usize },
+    Gpus {
+        per_worker: usize,
+    },
     /// Every worker on exactly these devices.
     Fixed(Vec<Device>),
 }

@@ -9,7 +9,8 @@
 //! - `gpu_layout`: which devices each worker of `sluice up` computes on.
 //! - `client`: the gRPC client of the router.
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
-//! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark).
+//! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark), over
+//!   `bench_gpus` (one GPU or several: what is measured on them).
 //! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest).
 //! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
 //! - `bench_prefix`: `sluice bench prefix` (the SWA policy table: bytes, recompute, TTFT).
@@ -19,6 +20,7 @@
 mod args;
 mod bench_cmd;
 mod bench_engine;
+mod bench_gpus;
 mod bench_kvstore;
 mod bench_prefix;
 mod bench_transfer;

@@ -64,6 +64,8 @@ pub struct Reserved {
     pub id: String,
     pub page_ids: Vec<u32>,
     pub slot: u32,
+    /// Which of the worker's devices holds the pages and slot.
+    pub device: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -220,9 +222,10 @@ impl<B: Backend> State<B> {
         // running request never runs out of pages mid-stream.
         let seq = self.engine.reserve(prompt_tokens + max_tokens).map_err(engine_status)?;
         let (page_ids, slot) = (seq.pages().to_vec(), seq.slot() as u32);
+        let device = self.engine.cache.rank_of(&seq) as u32;
         let id = self.table.insert(seq, request_id, prompt_tokens, max_tokens, Instant::now());
-        tracing::debug!(reservation = %id, pages = page_ids.len(), slot, "reserved");
-        Ok(Reserved { id, page_ids, slot })
+        tracing::debug!(reservation = %id, pages = page_ids.len(), slot, device, "reserved");
+        Ok(Reserved { id, page_ids, slot, device })
     }
 
     fn landed(&self, seq: &Sequence, tokens: usize) -> Option<Checksums> {

@@ -81,6 +81,7 @@ impl DecodeService {
             reservation_id: reserved.id,
             lease_ms: self.lease.as_millis() as u64,
             target: Some(target.to_proto()),
+            device: reserved.device,
         }))
     }
 }

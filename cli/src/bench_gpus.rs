@@ -1,0 +1,64 @@
+//! What `sluice bench engine` measures on the GPUs an engine computes on: one GPU, or
+//! several as one sharded backend (figures summed over them: copy bandwidth, bytes
+//! moved, memory; kernel-only timings on the first).
+
+#![cfg(feature = "cuda")]
+
+use engine::CudaBackend;
+use kernels::Backend;
+use kernels::sharded::Sharded;
+
+pub trait MeasuredGpus: Backend {
+    /// The first GPU (kernel-only timings run there).
+    fn first(&self) -> &CudaBackend;
+    /// Every GPU.
+    fn gpus(&self) -> Vec<&CudaBackend>;
+
+    /// Device-to-device copy bandwidth of all the GPUs together (GB/s, bytes read +
+    /// written): the roofline of a step that streams its bytes from all of them.
+    fn copy_gbs(&self) -> f64 {
+        self.gpus().iter().map(|g| g.copy_bandwidth_gbs(1 << 30, 10)).sum()
+    }
+
+    /// Bytes `(free, total)` over all the GPUs.
+    fn memory(&self) -> (usize, usize) {
+        self.gpus().iter().map(|g| g.memory_info()).fold((0, 0), |(f, t), (a, b)| (f + a, t + b))
+    }
+
+    /// Weight and KV bytes the ops issued since the last call must read, all GPUs.
+    fn traffic(&self) -> (u64, u64) {
+        self.gpus().iter().map(|g| g.take_traffic()).fold((0, 0), |(w, k), (a, b)| (w + a, k + b))
+    }
+
+    /// Hold every GPU's stream for `ns` (work issued next queues behind it).
+    fn hold(&self, ns: u64) {
+        self.gpus().iter().for_each(|g| g.hold_stream(ns));
+    }
+
+    /// Per-op profile since the last call (`SLUICE_CUDA_PROFILE`), of the first GPU.
+    fn profile(&self) -> Option<Vec<(&'static str, f64, u64)>> {
+        let p = self.first().take_profile();
+        self.gpus().iter().skip(1).for_each(|g| drop(g.take_profile()));
+        p
+    }
+}
+
+impl MeasuredGpus for CudaBackend {
+    fn first(&self) -> &CudaBackend {
+        self
+    }
+
+    fn gpus(&self) -> Vec<&CudaBackend> {
+        vec![self]
+    }
+}
+
+impl MeasuredGpus for Sharded<CudaBackend> {
+    fn first(&self) -> &CudaBackend {
+        &self.devices()[0]
+    }
+
+    fn gpus(&self) -> Vec<&CudaBackend> {
+        self.devices().iter().collect()
+    }
+}
