@@ -174,6 +174,7 @@ async fn a_store_smaller_than_the_working_set_evicts_and_stays_within_capacity()
         policy: "full".into(),
         args: vec!["--capacity".into(), capacity.to_string(), "--segment-bytes".into(), "256KiB".into()],
         url: None,
+        dir: None,
     };
     let c = TestCluster::start(Spec { kvstore: Some(kv), ..Spec::new(1, 1) }).await;
     let mut engine = local_engine(&c);
@@ -263,7 +264,7 @@ async fn the_store_keeps_its_data_across_restarts_and_survives_a_crash_mid_write
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_store_means_cold_prompts_and_counted_misses() {
     let dead = format!("http://127.0.0.1:{}", cluster::launch::free_port());
-    let kv = KvSpec { policy: "full".into(), args: vec![], url: Some(dead) };
+    let kv = KvSpec { policy: "full".into(), args: vec![], url: Some(dead), dir: None };
     let c = TestCluster::start(Spec { kvstore: Some(kv), ..Spec::new(1, 1) }).await;
     let mut engine = local_engine(&c);
     for (len, salt) in [(300usize, 1u32), (300, 1), (600, 2)] {
