@@ -6,6 +6,10 @@
 //! requests join (after their commit) and leave (finished, cancelled, client gone)
 //! between steps. When the batch is full, committed requests wait in arrival order.
 //!
+//! A migrated request (the router re-prefilled its prompt plus the tokens an earlier
+//! decode worker emitted) resumes as if uninterrupted: its event indices, seeded RNG
+//! position and grammar state continue after the `resumed_tokens`.
+//!
 //! Telemetry: each request's `decode` span lives as long as it does here; gauges are
 //! set at the end of every pass of the loop, after every change of state.
 
@@ -83,6 +87,9 @@ struct Running {
     sampler: Sampler,
     /// Token to feed next (the last one sampled).
     next: u32,
+    /// Tokens emitted by an earlier decode worker before this request migrated here;
+    /// event indices continue after them.
+    resumed: usize,
     generated: usize,
     max_tokens: usize,
     stops: Vec<u32>,
@@ -264,13 +271,20 @@ impl<B: Backend> State<B> {
     }
 
     fn start_decode(&mut self, req: pb::DecodeRequest, events: EventTx, span: Span) {
-        let (entry, _tokens) = match self.table.take_committed(&req.reservation_id) {
+        let (entry, tokens) = match self.table.take_committed(&req.reservation_id) {
             Ok(x) => x,
             Err(e) => {
                 fail(&events, &span, table_status(e));
                 return;
             }
         };
+        let resumed = req.resumed_tokens.len();
+        if resumed >= tokens {
+            let msg = format!("{resumed} resumed tokens cannot be the tail of a {tokens}-token committed prompt");
+            fail(&events, &span, Status::invalid_argument(msg));
+            self.engine.release(entry.seq);
+            return;
+        }
         let max_tokens = (req.max_tokens as usize).min(entry.max_tokens);
         let sampling = req.sampling.unwrap_or_default();
         let params = SamplingParams {
@@ -293,7 +307,7 @@ impl<B: Backend> State<B> {
                 self.engine.release(entry.seq);
                 return;
             }
-            (Some(c), Some(g)) => match g.matcher(&c.lark) {
+            (Some(c), Some(g)) => match g.matcher(&c.lark).and_then(|m| m.replayed(&req.resumed_tokens)) {
                 Ok(m) => Some(m),
                 Err(e) => {
                     fail(&events, &span, Status::invalid_argument(e.to_string()));
@@ -306,8 +320,9 @@ impl<B: Backend> State<B> {
             constraint,
             request_id: req.request_id,
             seq: entry.seq,
-            sampler: Sampler::new(params),
+            sampler: Sampler::resumed(params, resumed),
             next: 0,
+            resumed,
             generated: 0,
             max_tokens,
             stops: req.stop_token_ids,
@@ -455,7 +470,7 @@ fn emit(r: &mut Running, s: Sampled) -> bool {
         pb::FinishReason::Unspecified
     };
     let event = pb::DecodeEvent {
-        index: (r.generated - 1) as u32,
+        index: (r.resumed + r.generated - 1) as u32,
         token_id: s.token,
         logprob: s.logprob,
         top_logprobs: s

@@ -43,6 +43,15 @@ pub struct RouterConfig {
     /// Prefill attempts on other workers after one fails.
     #[arg(long, env = "SLUICE_PREFILL_RETRIES", default_value_t = 2)]
     pub prefill_retries: u32,
+    /// Migrations per request: a decode worker lost mid-stream is replaced by another
+    /// pair that re-prefills the prompt plus the tokens already streamed, and the stream
+    /// continues (0: the stream fails with UNAVAILABLE instead).
+    #[arg(long, env = "SLUICE_MIGRATION_LIMIT", default_value_t = 2)]
+    pub migration_limit: u32,
+    /// Longest one migration attempt may take, from the loss to the re-prefill's commit
+    /// (seconds).
+    #[arg(long, env = "SLUICE_MIGRATION_TIMEOUT_S", default_value_t = 30)]
+    pub migration_timeout_s: u64,
     /// How often workers are asked for their load (ms).
     #[arg(long, env = "SLUICE_LOAD_POLL_MS", default_value_t = 200)]
     pub load_poll_ms: u64,
@@ -88,6 +97,9 @@ impl RouterConfig {
         }
         if self.max_concurrency == 0 || self.max_tokens_limit == 0 || self.request_timeout_s == 0 {
             return Err("--max-concurrency, --max-tokens-limit and --request-timeout-s must be at least 1".into());
+        }
+        if self.migration_timeout_s == 0 {
+            return Err("--migration-timeout-s must be at least 1 (turn migration off with --migration-limit 0)".into());
         }
         Ok(())
     }

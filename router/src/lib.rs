@@ -12,6 +12,8 @@
 //! - `prefix`: what a prompt costs its prefill worker, counting the prefix cache.
 //! - `workers`: gRPC channels per worker, membership, load polling.
 //! - `orchestrate`: one request from admission to its last token.
+//! - `relay`: what a request streamed so far (tokens, text state, latencies).
+//! - `migrate`: continuing a request on another pair when its decode worker is lost.
 //! - `stops`: stop strings over streamed text.
 //! - [`chat`]: chat completions (V4 prompt encoding, structured output, reply parsing).
 //! - `grpc`, `http`: the two APIs (the HTTP listener also serves `/metrics`); `request_id`:
@@ -29,10 +31,12 @@ mod chat_run;
 pub mod config;
 mod grpc;
 mod http;
+mod migrate;
 mod model;
 mod orchestrate;
 mod placement;
 mod prefix;
+mod relay;
 mod request_id;
 mod stops;
 mod validate;
@@ -104,6 +108,10 @@ pub async fn run(
         max_concurrency: cfg.max_concurrency,
         request_timeout: Duration::from_secs(cfg.request_timeout_s),
         prefill_retries: cfg.prefill_retries,
+        migration: migrate::MigrationLimits {
+            attempts: cfg.migration_limit,
+            attempt_timeout: Duration::from_secs(cfg.migration_timeout_s),
+        },
         block_tokens: model_spec::BLOCK_TOKENS as u64,
         metrics: metrics.clone(),
     });

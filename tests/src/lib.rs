@@ -467,6 +467,40 @@ impl TestCluster {
         self.decode_client(name).await.load(pb::LoadRequest {}).await.expect("load").into_inner()
     }
 
+    /// Every `ERROR` line in the logs of every service this cluster started (its own and
+    /// UCX's, which both spell the level as a word of its own), as `(service, line)`.
+    pub fn error_lines(&self) -> Vec<(String, String)> {
+        let mut found = Vec::new();
+        for p in self.workers.iter().chain(self.router.iter()).chain(self.kvstore.iter()) {
+            let text = std::fs::read_to_string(&p.log).unwrap_or_else(|e| panic!("{}: {e}", p.log.display()));
+            for line in text.lines().filter(|l| l.split_whitespace().any(|w| w == "ERROR")) {
+                found.push((p.name.clone(), line.to_string()));
+            }
+        }
+        found
+    }
+
+    /// The live decode worker that is running (or queueing) a request: the one to kill to
+    /// interrupt a stream (bounded wait; fails when none or several are busy).
+    pub async fn busy_decode_worker(&self) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut busy = Vec::new();
+            for w in self.workers.iter().filter(|w| w.name.starts_with("decode") && !self.killed.contains(&w.name)) {
+                let l = self.decode_load(&w.name).await;
+                if l.running + l.waiting > 0 {
+                    busy.push(w.name.clone());
+                }
+            }
+            match busy.len() {
+                1 => return busy.remove(0),
+                0 => assert!(std::time::Instant::now() < deadline, "no decode worker is running a request"),
+                _ => panic!("several decode workers are busy: {busy:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Poll until every page and slot of every live decode worker is free again (bounded).
     pub async fn assert_pages_return(&self, within: Duration) {
         let deadline = std::time::Instant::now() + within;

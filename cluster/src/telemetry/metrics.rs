@@ -28,6 +28,7 @@ pub mod names {
     pub const GENERATED_TOKENS: &str = "sluice_generated_tokens_total";
     pub const REQUESTS_RUNNING: &str = "sluice_requests_running";
     pub const ROUTER_WORKERS: &str = "sluice_router_workers";
+    pub const ROUTER_MIGRATIONS: &str = "sluice_router_migrations_total";
 
     // Prefill worker.
     pub const PREFILL_TOKENS: &str = "sluice_prefill_tokens_total";
@@ -81,6 +82,10 @@ pub const KV_POOLS: [&str; 4] = ["csa_main", "csa_indexer", "hca", "swa"];
 
 /// Why a kvstore dropped an offered record, as the `reason` label spells it.
 pub const DROP_REASONS: [&str; 5] = ["queue_full", "staging_full", "no_room", "checksum", "too_large"];
+
+/// How a request migration attempt ended, as the `outcome` label spells it: `resumed`
+/// (another pair re-prefilled and decoding went on) or `failed`.
+pub const MIGRATION_OUTCOMES: [&str; 2] = ["resumed", "failed"];
 
 /// SWA policies, as the `policy` label spells them.
 pub const SWA_POLICIES: [&str; 3] = ["full", "periodic", "zero"];
