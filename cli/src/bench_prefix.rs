@@ -166,6 +166,7 @@ async fn measure(a: &PrefixArgs, model: &std::path::Path, vocab: usize, policy: 
             capacity: "8GiB".into(),
         }),
         extra_prefill_args: Vec::new(),
+        tls: None,
     };
     let mut cluster = LocalCluster::start(&opts).await?;
     let result = async {

@@ -127,7 +127,7 @@ pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<
 
 fn table_status(e: TableError) -> Status {
     match e {
-        TableError::Unknown(_) => Status::not_found(e.to_string()),
+        TableError::Unknown(_) | TableError::LeaseEnded(_) => Status::not_found(e.to_string()),
         TableError::WrongState { .. } => Status::failed_precondition(e.to_string()),
     }
 }
@@ -240,7 +240,14 @@ impl<B: Backend> State<B> {
 
     fn commit(&mut self, req: pb::CommitRequest) -> Result<(), Status> {
         let tokens = req.tokens as usize;
-        let e = self.table.get(&req.reservation_id).map_err(table_status)?;
+        // Only a reservation still waiting for its writer, within its lease, takes a commit.
+        let e = match self.table.writable(&req.reservation_id, Instant::now()) {
+            Ok(e) => e,
+            Err(err) => {
+                self.cfg.metrics.commit_refused("lease");
+                return Err(table_status(err));
+            }
+        };
         if tokens != e.prompt_tokens {
             return Err(Status::invalid_argument(format!(
                 "commit of {tokens} tokens for a reservation of {} prompt tokens",
@@ -255,6 +262,7 @@ impl<B: Backend> State<B> {
             logits: req.logits_checksum,
         };
         if let Some(part) = sent.first_mismatch(&landed) {
+            self.cfg.metrics.commit_refused("checksum");
             // The writer says it is done, so the pages can go back at once.
             if let Ok(Some(seq)) = self.table.release(&req.reservation_id, true) {
                 self.engine.release(seq);

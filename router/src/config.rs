@@ -64,9 +64,15 @@ pub struct RouterConfig {
     #[arg(long, env = "SLUICE_KVSTORE_LOOKUP_TIMEOUT_MS", default_value_t = 200)]
     pub kvstore_lookup_timeout_ms: u64,
     /// A file of API keys, one per line (blank lines and `#` comments skipped). With it,
-    /// every `/v1/...` HTTP request needs `Authorization: Bearer <key>` (else 401).
+    /// every `/v1/...` HTTP request needs `Authorization: Bearer <key>` (else 401), and
+    /// every `sluice.v1.Generation` call the same in its `authorization` metadata (else
+    /// UNAUTHENTICATED).
     #[arg(long, env = "SLUICE_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
+    /// TLS on the client API (no client certificates asked for) and towards the workers and
+    /// the kvstore (with this router's certificate).
+    #[command(flatten)]
+    pub tls: cluster::tls::TlsArgs,
 }
 
 impl RouterConfig {
@@ -82,6 +88,7 @@ impl RouterConfig {
     pub fn validate_args(&self) -> Result<(), String> {
         cluster::net::check_listen("--listen", &self.listen)?;
         cluster::net::check_listen("--http-listen", &self.http_listen)?;
+        self.tls.validate(&self.listeners())?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
         if let Some(k) = &self.kvstore {
             cluster::net::check_endpoints("--kvstore", std::slice::from_ref(k))?;
@@ -102,6 +109,11 @@ impl RouterConfig {
             return Err("--migration-timeout-s must be at least 1 (turn migration off with --migration-limit 0)".into());
         }
         Ok(())
+    }
+
+    /// The listeners, as TLS validation and the start-up log name them.
+    pub fn listeners(&self) -> [(&'static str, &str); 2] {
+        [("--listen", &self.listen), ("--http-listen", &self.http_listen)]
     }
 
     pub fn model_name(&self) -> String {

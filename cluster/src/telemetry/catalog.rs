@@ -222,11 +222,22 @@ pub struct DecodeMetrics {
     pub pages_total: IntGauge,
     pub slots_used: IntGauge,
     pub slots_total: IntGauge,
+    commits_refused: IntCounterVec,
 }
 
 impl DecodeMetrics {
     pub fn new(registry: &Registry) -> Self {
+        let commits_refused = metrics::counter_vec(
+            registry,
+            names::KV_COMMITS_REFUSED,
+            "KV commits refused, never decoded, by reason (checksum, lease).",
+            &["reason"],
+        );
+        for r in metrics::COMMIT_REFUSALS {
+            commits_refused.with_label_values(&[r]);
+        }
         DecodeMetrics {
+            commits_refused,
             tokens: metrics::counter(registry, names::DECODE_TOKENS, "Tokens decoded."),
             step_seconds: metrics::histogram(registry, names::DECODE_STEP, "Time of one decode step of the batch."),
             running: metrics::gauge(registry, names::DECODE_RUNNING, "Requests in the running batch."),
@@ -244,6 +255,12 @@ impl DecodeMetrics {
             slots_used: metrics::gauge(registry, names::KV_STATE_SLOTS_USED, "State-cache slots in use."),
             slots_total: metrics::gauge(registry, names::KV_STATE_SLOTS_TOTAL, "State-cache slots."),
         }
+    }
+
+    /// A refused commit; `reason` is one of [`metrics::COMMIT_REFUSALS`].
+    pub fn commit_refused(&self, reason: &str) {
+        debug_assert!(metrics::COMMIT_REFUSALS.contains(&reason), "{reason}");
+        self.commits_refused.with_label_values(&[reason]).inc();
     }
 }
 
@@ -312,8 +329,10 @@ mod tests {
         assert!(text.contains(r#"sluice_prefix_cache_query_tokens_total{pool="hca"} 7"#), "{text}");
 
         let r = registry("decode-worker");
-        DecodeMetrics::new(&r);
+        DecodeMetrics::new(&r).commit_refused("lease");
         let text = encode(&r);
+        assert!(text.contains(r#"sluice_kv_commits_refused_total{reason="lease"} 1"#), "{text}");
+        assert!(text.contains(r#"sluice_kv_commits_refused_total{reason="checksum"} 0"#), "{text}");
         for name in [
             names::DECODE_TOKENS,
             names::DECODE_STEP,
@@ -323,6 +342,7 @@ mod tests {
             names::KV_PAGES_TOTAL,
             names::KV_STATE_SLOTS_USED,
             names::KV_STATE_SLOTS_TOTAL,
+            names::KV_COMMITS_REFUSED,
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
         }
