@@ -18,9 +18,16 @@ pub struct GenerateArgs {
     /// Model directory (config.json + safetensors) to run in this process.
     #[arg(long, required_unless_present = "router", conflicts_with = "router")]
     model: Option<PathBuf>,
-    /// Router gRPC address of a running cluster, e.g. http://127.0.0.1:50051.
+    /// Router gRPC address of a running cluster, e.g. http://127.0.0.1:50051 (https://…
+    /// for a router serving TLS, with --tls-ca).
     #[arg(long)]
     router: Option<String>,
+    /// CA certificate (PEM) that signed the router's certificate: talk TLS to it.
+    #[arg(long, env = "SLUICE_TLS_CA", requires = "router")]
+    tls_ca: Option<PathBuf>,
+    /// API key for a router started with --api-keys-file (sent as `authorization: Bearer`).
+    #[arg(long, env = "SLUICE_API_KEY", requires = "router", hide_env_values = true)]
+    api_key: Option<String>,
     /// Prompt text (tokenised with the model's tokenizer.json).
     #[arg(long, required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -169,7 +176,8 @@ async fn through_router(router: &str, a: GenerateArgs) -> Result<()> {
     };
     let mut tokens = Vec::new();
     let json = a.json;
-    let fin = crate::client::stream(router, req, |ev| {
+    let access = crate::client::Access::new(router, a.tls_ca.as_deref(), a.api_key.clone())?;
+    let fin = crate::client::stream_with(router, &access, req, |ev| {
         if let Some(pb::generate_event::Event::Token(t)) = &ev.event {
             if !json {
                 print!("{}", t.text_delta);

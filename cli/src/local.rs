@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use cluster::launch::{ServiceProcess, find_binary, free_port};
+use cluster::tls::{ClientTls, Dialer};
 use engine::EntryDtype;
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 
@@ -48,6 +49,8 @@ pub struct Options {
     /// Device flags of each worker in start order (decode workers first, then prefill
     /// workers); empty: all on the CPU.
     pub worker_devices: Vec<Vec<String>>,
+    /// TLS: a directory with `tls.crt`, `tls.key` and `ca.crt` every service uses.
+    pub tls: Option<PathBuf>,
 }
 
 pub struct LocalCluster {
@@ -55,6 +58,8 @@ pub struct LocalCluster {
     pub procs: Vec<ServiceProcess>,
     pub router_url: String,
     pub kvstore_url: Option<String>,
+    /// How the services are dialed (TLS with the services' certificate, when on).
+    pub dialer: Dialer,
 }
 
 impl LocalCluster {
@@ -79,6 +84,15 @@ impl LocalCluster {
         if std::env::var_os("UCX_TLS").is_none() {
             env.push(("UCX_TLS".into(), "shm".into()));
         }
+        let dialer = match &o.tls {
+            None => Dialer::plaintext(),
+            Some(dir) => {
+                env.push(("SLUICE_TLS_DIR".into(), dir.display().to_string()));
+                let live = cluster::tls::Live::load(cluster::tls::Paths::in_dir(dir))?;
+                Dialer::tls(ClientTls::with_identity(&live, None)?)
+            }
+        };
+        let url = |addr: String| dialer.url(&addr);
         let mut procs: Vec<ServiceProcess> = Vec::new();
 
         // The kvstore first: prefill workers and the router are pointed at it.
@@ -100,10 +114,11 @@ impl LocalCluster {
                     "--staging-bytes".into(),
                     "256MiB".into(),
                 ];
-                let url = format!("http://127.0.0.1:{port}");
+                let url = url(format!("127.0.0.1:{port}"));
                 let mut p =
                     ServiceProcess::spawn("kvstore", &find_binary("kvstore")?, &args, &env, url.clone(), &o.log_dir)?
-                        .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+                        .with_dialer(dialer.clone())
+                        .with_metrics_url(format!("{}/metrics", dialer.url(&format!("127.0.0.1:{metrics_port}"))));
                 eprintln!("starting the kvstore ({}, {}) in {} ...", kv.policy, kv.capacity, kv.dir.display());
                 p.wait_healthy(o.timeout).await?;
                 procs.push(p);
@@ -126,10 +141,11 @@ impl LocalCluster {
             }
             args.extend(["--listen".into(), format!("127.0.0.1:{port}")]);
             args.extend(["--metrics-listen".into(), format!("127.0.0.1:{metrics_port}")]);
-            let url = format!("http://127.0.0.1:{port}");
+            let url = url(format!("127.0.0.1:{port}"));
             peers.push(format!("{role}={url}"));
             let p = ServiceProcess::spawn(&format!("{role}-{i}"), bin, &args, &env, url, &o.log_dir)?;
-            procs.push(p.with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics")));
+            let metrics = format!("{}/metrics", dialer.url(&format!("127.0.0.1:{metrics_port}")));
+            procs.push(p.with_dialer(dialer.clone()).with_metrics_url(metrics));
         }
         eprintln!(
             "starting {} prefill and {} decode worker(s) on {} (logs in {}) ...",
@@ -156,13 +172,14 @@ impl LocalCluster {
         if let Some(url) = &kvstore_url {
             router_args.extend(["--kvstore".into(), url.clone()]);
         }
-        let router_url = format!("http://{}", o.grpc);
+        let router_url = dialer.url(&o.grpc);
         let mut router = ServiceProcess::spawn("router", &bins.0, &router_args, &env, router_url.clone(), &o.log_dir)?
-            .with_metrics_url(format!("http://{}/metrics", o.http));
+            .with_dialer(dialer.clone())
+            .with_metrics_url(format!("{}/metrics", dialer.url(&o.http)));
         router.wait_healthy(o.timeout).await?;
-        wait_for_workers(&o.http, o.timeout).await?;
+        wait_for_workers(&o.http, dialer.client_tls(), o.timeout).await?;
         procs.push(router);
-        Ok(LocalCluster { procs, router_url, kvstore_url })
+        Ok(LocalCluster { procs, router_url, kvstore_url, dialer })
     }
 
     /// Stop every process, the router first (SIGTERM, then SIGKILL after a grace).
@@ -176,18 +193,18 @@ impl LocalCluster {
     pub async fn scrape(&self, name: &str) -> Result<String> {
         let p = self.procs.iter().find(|p| p.name == name).with_context(|| format!("no service {name}"))?;
         let url = p.metrics_url.as_deref().with_context(|| format!("{name} serves no metrics"))?;
-        let rest = url.trim_start_matches("http://");
+        let rest = url.trim_start_matches("http://").trim_start_matches("https://");
         let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        let body = http_get(addr, path).await?;
+        let body = http_get(addr, path, self.dialer.client_tls()).await?;
         Ok(body.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or(body))
     }
 }
 
 /// Wait until the router's HTTP health says it reaches prefill and decode workers.
-async fn wait_for_workers(http: &str, timeout: Duration) -> Result<()> {
+async fn wait_for_workers(http: &str, tls: Option<&ClientTls>, timeout: Duration) -> Result<()> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
-        if let Ok(body) = http_get(http, "/health").await
+        if let Ok(body) = http_get(http, "/health", tls).await
             && body.contains("\"status\":\"ok\"")
         {
             return Ok(());
@@ -199,12 +216,31 @@ async fn wait_for_workers(http: &str, timeout: Duration) -> Result<()> {
     }
 }
 
-/// A minimal HTTP/1.1 GET (health and metrics need nothing more).
-async fn http_get(addr: &str, path: &str) -> std::io::Result<String> {
+/// A minimal HTTP/1.1 GET (health and metrics need nothing more), over TLS with `tls`.
+async fn http_get(addr: &str, path: &str, tls: Option<&ClientTls>) -> std::io::Result<String> {
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    let connect = Duration::from_secs(1);
+    match tls {
+        None => exchange(tokio::time::timeout(connect, tokio::net::TcpStream::connect(addr)).await??, &request).await,
+        Some(tls) => {
+            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "443"));
+            let port = port.parse().map_err(|_| std::io::Error::other(format!("{addr}: bad port")))?;
+            exchange(tokio::time::timeout(connect, tls.connect(host, port, true)).await??, &request).await
+        }
+    }
+}
+
+async fn exchange(
+    mut s: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    request: &str,
+) -> std::io::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::time::timeout(Duration::from_secs(1), tokio::net::TcpStream::connect(addr)).await??;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    s.write_all(request.as_bytes()).await?;
     let mut out = String::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await??;
-    Ok(out)
+    // A TLS peer may close without close_notify after `Connection: close`; what was read counts.
+    match tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut out)).await? {
+        Ok(_) => Ok(out),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !out.is_empty() => Ok(out),
+        Err(e) => Err(e),
+    }
 }

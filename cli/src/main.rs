@@ -7,7 +7,8 @@
 //! - `up_cmd`: `sluice up`, a local cluster of child processes (started by `local`).
 //! - `local`: starting and stopping a local cluster.
 //! - `gpu_layout`: which devices each worker of `sluice up` computes on.
-//! - `client`: the gRPC client of the router.
+//! - `client`: the gRPC client of the router (TLS and API keys when the router wants them).
+//! - `health_cmd`: `sluice health`, one gRPC health check (the Helm chart's probe of TLS ports).
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
 //! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark), over
 //!   `bench_gpus` (one GPU or several: what is measured on them).
@@ -27,6 +28,7 @@ mod bench_transfer;
 mod client;
 mod generate_cmd;
 mod gpu_layout;
+mod health_cmd;
 mod local;
 mod model_cmd;
 mod progress;
@@ -56,6 +58,8 @@ enum Command {
     /// Measure performance.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCmd),
+    /// Check a service's gRPC health (exit 0 when SERVING), over TLS with --tls-dir.
+    Health(health_cmd::HealthArgs),
 }
 
 fn main() {
@@ -77,6 +81,7 @@ fn main() {
         Command::Up(args) => up_cmd::run(args),
         Command::Generate(args) => generate_cmd::run(args),
         Command::Bench(cmd) => bench_cmd::run(cmd),
+        Command::Health(args) => health_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

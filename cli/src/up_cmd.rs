@@ -78,6 +78,10 @@ pub struct UpArgs {
     /// With `--device cuda`: GPUs each worker spans (expert parallelism over them).
     #[arg(long, default_value_t = 1)]
     gpus_per_worker: usize,
+    /// Serve TLS everywhere, mutual TLS between the services: a throwaway CA and one
+    /// certificate for the services are written to `tls/` in the log directory.
+    #[arg(long)]
+    tls: bool,
 }
 
 pub fn run(a: UpArgs) -> Result<()> {
@@ -94,6 +98,7 @@ async fn up(a: UpArgs) -> Result<()> {
         Some(d) => d.clone(),
         None => std::env::temp_dir().join(format!("sluice-up-{}", std::process::id())),
     };
+    let tls = if a.tls { Some(throwaway_certificates(&log_dir)?) } else { None };
     let kvstore = (!a.no_kvstore).then(|| local::KvstoreOptions {
         dir: a.kvstore_dir.clone().unwrap_or_else(|| log_dir.join("kvstore")),
         policy: a.swa_policy.clone(),
@@ -117,14 +122,24 @@ async fn up(a: UpArgs) -> Result<()> {
         kvstore,
         extra_prefill_args: Vec::new(),
         worker_devices: placed.iter().map(|d| gpu_layout::flags(d)).collect(),
+        tls: tls.clone(),
     };
     let mut cluster = local::LocalCluster::start(&opts).await?;
     let procs = &mut cluster.procs;
     let router_url = cluster.router_url.clone();
 
+    let http_url = cluster.dialer.url(&a.http);
     println!("sluice is up:");
     println!("  gRPC  {router_url}   (sluice.v1.Generation)");
-    println!("  HTTP  http://{}   (POST /v1/completions, GET /v1/models, GET /health)", a.http);
+    println!("  HTTP  {http_url}   (POST /v1/completions, GET /v1/models, GET /health)");
+    let (ca_flag, curl_ca) = match &tls {
+        Some(dir) => {
+            let ca = dir.join("ca.crt");
+            println!("  TLS   on, mutual between services; clients trust {}", ca.display());
+            (format!(" --tls-ca {}", ca.display()), format!(" --cacert {}", ca.display()))
+        }
+        None => (String::new(), String::new()),
+    };
     println!("metrics (Prometheus):");
     for p in procs.iter() {
         if let Some(url) = &p.metrics_url {
@@ -132,16 +147,22 @@ async fn up(a: UpArgs) -> Result<()> {
         }
     }
     println!("try:");
-    println!("  sluice generate --router {router_url} --prompt \"Once upon a time\" --max-tokens 32");
+    println!("  sluice generate --router {router_url}{ca_flag} --prompt \"Once upon a time\" --max-tokens 32");
     println!(
-        "  curl -s http://{}/v1/completions -H 'content-type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
-        a.http
+        "  curl -s{curl_ca} {http_url}/v1/completions -H 'content-type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'"
     );
 
     let mut result = Ok(());
     if !a.no_sample {
         println!("\nsample request (\"The decode worker\", 24 tokens, greedy):");
-        result = sample(&router_url).await;
+        let access = crate::client::Access {
+            dialer: match &tls {
+                Some(dir) => cluster::tls::Dialer::tls(cluster::tls::ClientTls::trusting(&dir.join("ca.crt"), None)?),
+                None => cluster::tls::Dialer::plaintext(),
+            },
+            api_key: None,
+        };
+        result = sample(&router_url, &access).await;
     }
     if !a.once && result.is_ok() {
         println!("\nCtrl-C stops the cluster.");
@@ -152,7 +173,17 @@ async fn up(a: UpArgs) -> Result<()> {
     result
 }
 
-async fn sample(router: &str) -> Result<()> {
+/// `sluice up --tls`: a CA and one certificate (localhost, 127.0.0.1, ::1) that every
+/// service serves and presents to its peers, in `<log_dir>/tls` (as a Kubernetes secret).
+fn throwaway_certificates(log_dir: &std::path::Path) -> Result<PathBuf> {
+    use cluster::tls::generate::{Ca, local_names};
+    let dir = log_dir.join("tls");
+    let ca = Ca::new("sluice up throwaway CA")?;
+    ca.issue(&local_names())?.write(&dir, &ca)?;
+    Ok(dir)
+}
+
+async fn sample(router: &str, access: &crate::client::Access) -> Result<()> {
     use std::io::Write;
     let req = pb::GenerateRequest {
         prompt: Some(pb::generate_request::Prompt::Text("The decode worker".into())),
@@ -160,7 +191,7 @@ async fn sample(router: &str) -> Result<()> {
         ..Default::default()
     };
     print!("  The decode worker");
-    let fin = crate::client::stream(router, req, |ev| {
+    let fin = crate::client::stream_with(router, access, req, |ev| {
         if let Some(pb::generate_event::Event::Token(t)) = &ev.event {
             print!("{}", t.text_delta.escape_debug());
             let _ = std::io::stdout().flush();

@@ -60,6 +60,8 @@ pub struct ServiceProcess {
     /// Where it serves Prometheus metrics (`http://host:port/metrics`), when it does.
     pub metrics_url: Option<String>,
     pub log: PathBuf,
+    /// How health checks dial the service (TLS with a client certificate, when it serves TLS).
+    dialer: crate::tls::Dialer,
     child: Child,
 }
 
@@ -88,12 +90,25 @@ impl ServiceProcess {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| err(e.to_string()))?;
-        Ok(ServiceProcess { name: name.into(), grpc_url, metrics_url: None, log, child })
+        Ok(ServiceProcess {
+            name: name.into(),
+            grpc_url,
+            metrics_url: None,
+            log,
+            dialer: crate::tls::Dialer::plaintext(),
+            child,
+        })
     }
 
     /// Note where the service serves its metrics.
     pub fn with_metrics_url(mut self, url: impl Into<String>) -> Self {
         self.metrics_url = Some(url.into());
+        self
+    }
+
+    /// Check health over TLS (or plaintext) as `dialer` connects.
+    pub fn with_dialer(mut self, dialer: crate::tls::Dialer) -> Self {
+        self.dialer = dialer;
         self
     }
 
@@ -120,7 +135,7 @@ impl ServiceProcess {
             if let Some(status) = self.exited() {
                 return Err(LaunchError::Exited { name: self.name.clone(), status, log: self.log_tail(20) });
             }
-            if serving(&self.grpc_url).await {
+            if serving_with(&self.grpc_url, &self.dialer).await {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -158,11 +173,16 @@ impl ServiceProcess {
     }
 }
 
-/// Whether the gRPC service at `url` answers health checks with SERVING.
+/// Whether the gRPC service at `url` answers health checks with SERVING (plaintext).
 pub async fn serving(url: &str) -> bool {
-    let Ok(ep) = tonic::transport::Endpoint::from_shared(url.to_string()) else { return false };
+    serving_with(url, &crate::tls::Dialer::plaintext()).await
+}
+
+/// Whether the gRPC service at `url`, dialed as `dialer` does, answers SERVING.
+pub async fn serving_with(url: &str, dialer: &crate::tls::Dialer) -> bool {
+    let Ok(ep) = dialer.endpoint(url) else { return false };
     let ep = ep.connect_timeout(Duration::from_millis(500));
-    let connect = ep.connect();
+    let connect = dialer.connect(&ep);
     let Ok(Ok(ch)) = tokio::time::timeout(Duration::from_secs(1), connect).await else { return false };
     let mut client = HealthClient::new(ch);
     let check = client.check(HealthCheckRequest { service: String::new() });

@@ -12,6 +12,8 @@
 //! - [`service_main`]: what every service binary's `main` does around its `run`.
 //! - [`telemetry`]: Prometheus metrics and their `/metrics` endpoint, logs, OTLP traces and
 //!   W3C trace context across gRPC calls.
+//! - [`tls`]: transport security: TLS on every listener, mutual TLS between services,
+//!   certificates reloaded when their files change, the plaintext-on-loopback-only policy.
 //! - `testing` (cargo feature `testing`): a real etcd server per test, for this crate's tests and
 //!   for other crates' end-to-end tests.
 #![forbid(unsafe_code)]
@@ -25,3 +27,4 @@ pub mod shutdown;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;

@@ -26,12 +26,16 @@ pub fn incoming(
 }
 
 /// The URL peers should use for a listener: `advertise` when given (the address other
-/// hosts can reach), else the bound address (loopback or a specific interface).
-pub fn advertised_url(bound: SocketAddr, advertise: Option<&str>) -> String {
+/// hosts can reach), else the bound address (loopback or a specific interface); `https://`
+/// when the listener serves TLS.
+pub fn advertised_url(bound: SocketAddr, advertise: Option<&str>, tls: bool) -> String {
+    let scheme = if tls { "https" } else { "http" };
     match advertise {
-        Some(a) if a.starts_with("http://") || a.starts_with("https://") => a.to_string(),
-        Some(a) => format!("http://{a}"),
-        None => format!("http://{bound}"),
+        Some(a) => {
+            let rest = a.strip_prefix("http://").or_else(|| a.strip_prefix("https://")).unwrap_or(a);
+            format!("{scheme}://{rest}")
+        }
+        None => format!("{scheme}://{bound}"),
     }
 }
 
@@ -66,5 +70,14 @@ mod check_tests {
         assert!(check_listen("--listen", "host:99999").is_err());
         assert!(check_endpoints("--etcd", &["http://etcd-0.etcd:2379".into(), "10.0.0.1:2379".into()]).is_ok());
         assert!(check_endpoints("--etcd", &["http://etcd".into()]).unwrap_err().contains("--etcd"));
+    }
+
+    #[test]
+    fn advertised_urls_name_the_transport() {
+        let bound: SocketAddr = "127.0.0.1:5".parse().unwrap();
+        assert_eq!(advertised_url(bound, None, false), "http://127.0.0.1:5");
+        assert_eq!(advertised_url(bound, None, true), "https://127.0.0.1:5");
+        assert_eq!(advertised_url(bound, Some("http://10.0.0.1:7"), true), "https://10.0.0.1:7");
+        assert_eq!(advertised_url(bound, Some("10.0.0.1:7"), false), "http://10.0.0.1:7");
     }
 }

@@ -78,6 +78,8 @@ pub struct DecodeConfig {
     /// Test hook: sleep this long before every decode step (needs --debug-hooks).
     #[arg(long, default_value_t = 0)]
     pub debug_step_delay_ms: u64,
+    #[command(flatten)]
+    pub tls: cluster::tls::TlsArgs,
 }
 
 impl DecodeConfig {
@@ -100,6 +102,7 @@ impl DecodeConfig {
         engine::device::check_pools(&self.devices(), self.gpu_memory.is_some(), self.max_pages, self.max_sequences)?;
         cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
+        self.tls.validate(&self.listeners())?;
         for (flag, v) in
             [("--max-pages", self.max_pages), ("--max-sequences", self.max_sequences), ("--max-batch", self.max_batch)]
         {
@@ -114,6 +117,11 @@ impl DecodeConfig {
             return Err(format!("--lease-ms {} is too short to prefill anything; use at least 100", self.lease_ms));
         }
         Ok(())
+    }
+
+    /// The listeners, as TLS validation and the start-up log name them.
+    pub fn listeners(&self) -> [(&'static str, &str); 2] {
+        [("--listen", &self.listen), ("--metrics-listen", &self.metrics_listen)]
     }
 
     pub fn model_name(&self) -> String {

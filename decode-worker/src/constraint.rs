@@ -147,6 +147,15 @@ impl Constraint {
     pub fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
         self.matcher.consume_token(token).map_err(|e| ConstraintError::Rejected { token, reason: e.to_string() })
     }
+
+    /// The grammar state after `tokens` (a migrated request's already-emitted tokens):
+    /// the same as that of the matcher that allowed them one by one.
+    pub fn replayed(mut self, tokens: &[u32]) -> Result<Self, ConstraintError> {
+        for &t in tokens {
+            self.commit(t)?;
+        }
+        Ok(self)
+    }
 }
 
 #[cfg(test)]
@@ -189,6 +198,34 @@ mod tests {
         let text = run(&format!("start: %json {schema}\n"), scrambled);
         let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         assert!(v["n"].as_u64().is_some_and(|n| n <= 99) && v["ok"].is_boolean(), "{text}");
+    }
+
+    #[test]
+    fn a_replayed_grammar_allows_what_the_original_allows_next() {
+        let schema = r#"{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}"#;
+        let lark = format!("start: %json {schema}\n");
+        let (g, _) = tiny();
+        let mut original = g.matcher(&lark).unwrap();
+        let mut emitted = Vec::new();
+        for step in 0..6 {
+            let t = scrambled(&original.mask().unwrap(), step);
+            original.commit(t).unwrap();
+            emitted.push(t);
+        }
+        let mut replayed = g.matcher(&lark).unwrap().replayed(&emitted).unwrap();
+        let allowed = |m: &mut Constraint| {
+            let mask = m.mask().unwrap();
+            (0..320u32).filter(|&t| mask.allows(t)).collect::<Vec<_>>()
+        };
+        let next = allowed(&mut original);
+        assert!(!next.is_empty() && next.len() < 320, "a mid-object mask restricts something: {next:?}");
+        assert_eq!(allowed(&mut replayed), next);
+        // A token the grammar never allowed cannot be replayed into it.
+        let wrong = (0..320u32).find(|t| !g.matcher(&lark).unwrap().mask().unwrap().allows(*t)).unwrap();
+        assert!(matches!(
+            g.matcher(&lark).unwrap().replayed(&[wrong]),
+            Err(ConstraintError::Rejected { token, .. }) if token == wrong
+        ));
     }
 
     #[test]

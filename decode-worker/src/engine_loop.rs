@@ -6,6 +6,10 @@
 //! requests join (after their commit) and leave (finished, cancelled, client gone)
 //! between steps. When the batch is full, committed requests wait in arrival order.
 //!
+//! A migrated request (the router re-prefilled its prompt plus the tokens an earlier
+//! decode worker emitted) resumes as if uninterrupted: its event indices, seeded RNG
+//! position and grammar state continue after the `resumed_tokens`.
+//!
 //! Telemetry: each request's `decode` span lives as long as it does here; gauges are
 //! set at the end of every pass of the loop, after every change of state.
 
@@ -85,6 +89,9 @@ struct Running {
     sampler: Sampler,
     /// Token to feed next (the last one sampled).
     next: u32,
+    /// Tokens emitted by an earlier decode worker before this request migrated here;
+    /// event indices continue after them.
+    resumed: usize,
     generated: usize,
     max_tokens: usize,
     stops: Vec<u32>,
@@ -122,7 +129,7 @@ pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<
 
 fn table_status(e: TableError) -> Status {
     match e {
-        TableError::Unknown(_) => Status::not_found(e.to_string()),
+        TableError::Unknown(_) | TableError::LeaseEnded(_) => Status::not_found(e.to_string()),
         TableError::WrongState { .. } => Status::failed_precondition(e.to_string()),
     }
 }
@@ -236,7 +243,14 @@ impl<B: Backend> State<B> {
 
     fn commit(&mut self, req: pb::CommitRequest) -> Result<(), Status> {
         let tokens = req.tokens as usize;
-        let e = self.table.get(&req.reservation_id).map_err(table_status)?;
+        // Only a reservation still waiting for its writer, within its lease, takes a commit.
+        let e = match self.table.writable(&req.reservation_id, Instant::now()) {
+            Ok(e) => e,
+            Err(err) => {
+                self.cfg.metrics.commit_refused("lease");
+                return Err(table_status(err));
+            }
+        };
         if tokens != e.prompt_tokens {
             return Err(Status::invalid_argument(format!(
                 "commit of {tokens} tokens for a reservation of {} prompt tokens",
@@ -251,6 +265,7 @@ impl<B: Backend> State<B> {
             logits: req.logits_checksum,
         };
         if let Some(part) = sent.first_mismatch(&landed) {
+            self.cfg.metrics.commit_refused("checksum");
             // The writer says it is done, so the pages can go back at once.
             if let Ok(Some(seq)) = self.table.release(&req.reservation_id, true) {
                 self.engine.release(seq);
@@ -267,13 +282,20 @@ impl<B: Backend> State<B> {
     }
 
     fn start_decode(&mut self, req: pb::DecodeRequest, events: EventTx, span: Span) {
-        let (entry, _tokens) = match self.table.take_committed(&req.reservation_id) {
+        let (entry, tokens) = match self.table.take_committed(&req.reservation_id) {
             Ok(x) => x,
             Err(e) => {
                 fail(&events, &span, table_status(e));
                 return;
             }
         };
+        let resumed = req.resumed_tokens.len();
+        if resumed >= tokens {
+            let msg = format!("{resumed} resumed tokens cannot be the tail of a {tokens}-token committed prompt");
+            fail(&events, &span, Status::invalid_argument(msg));
+            self.engine.release(entry.seq);
+            return;
+        }
         let max_tokens = (req.max_tokens as usize).min(entry.max_tokens);
         let sampling = req.sampling.unwrap_or_default();
         let params = SamplingParams {
@@ -296,7 +318,7 @@ impl<B: Backend> State<B> {
                 self.engine.release(entry.seq);
                 return;
             }
-            (Some(c), Some(g)) => match g.matcher(&c.lark) {
+            (Some(c), Some(g)) => match g.matcher(&c.lark).and_then(|m| m.replayed(&req.resumed_tokens)) {
                 Ok(m) => Some(m),
                 Err(e) => {
                     fail(&events, &span, Status::invalid_argument(e.to_string()));
@@ -309,8 +331,9 @@ impl<B: Backend> State<B> {
             constraint,
             request_id: req.request_id,
             seq: entry.seq,
-            sampler: Sampler::new(params),
+            sampler: Sampler::resumed(params, resumed),
             next: 0,
+            resumed,
             generated: 0,
             max_tokens,
             stops: req.stop_token_ids,
@@ -458,7 +481,7 @@ fn emit(r: &mut Running, s: Sampled) -> bool {
         pb::FinishReason::Unspecified
     };
     let event = pb::DecodeEvent {
-        index: (r.generated - 1) as u32,
+        index: (r.resumed + r.generated - 1) as u32,
         token_id: s.token,
         logprob: s.logprob,
         top_logprobs: s

@@ -43,6 +43,8 @@ pub enum WorkerError {
     Transfer(#[from] transfer::TransferError),
     #[error(transparent)]
     Discovery(#[from] cluster::discovery::DiscoveryError),
+    #[error(transparent)]
+    Tls(#[from] cluster::tls::TlsError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("{0}")]
@@ -59,6 +61,7 @@ pub async fn run(
 ) -> Result<(), WorkerError> {
     cfg.validate().map_err(WorkerError::Config)?;
     let bound = listener.local_addr()?;
+    let tls = cfg.tls.start(&cfg.listeners())?;
     let registry = cluster::telemetry::metrics::registry("decode-worker");
     let recorder = cluster::telemetry::DecodeMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
@@ -86,7 +89,7 @@ pub async fn run(
     };
     let tx = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
-    let _metrics = cluster::telemetry::serve::spawn(metrics, registry);
+    let _metrics = cluster::telemetry::serve::spawn(metrics, registry, tls.as_ref().map(|t| t.public_http()));
     let service = service::DecodeService {
         engine: tx,
         template: template.clone(),
@@ -97,7 +100,7 @@ pub async fn run(
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<DecodeServer<service::DecodeService>>().await;
-    let url = cluster::net::advertised_url(bound, cfg.advertise.as_deref());
+    let url = cluster::net::advertised_url(bound, cfg.advertise.as_deref(), tls.is_some());
     let registration = if cfg.etcd.is_empty() {
         None
     } else {
@@ -118,7 +121,10 @@ pub async fn run(
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(DecodeServer::new(service))
-        .serve_with_incoming_shutdown(cluster::net::incoming(listener), shutdown.cancelled());
+        .serve_with_incoming_shutdown(
+            cluster::tls::incoming(listener, tls.as_ref().map(|t| t.internal_grpc()))?,
+            shutdown.cancelled(),
+        );
     // On SIGTERM: leave discovery and report NOT_SERVING first, so routers stop placing
     // work here, then let running requests finish (bounded by --drain-timeout-s).
     let on_stop = async {

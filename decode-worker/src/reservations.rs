@@ -31,6 +31,7 @@ pub struct Entry<S> {
 #[derive(Debug, PartialEq, Eq)]
 pub enum TableError {
     Unknown(String),
+    LeaseEnded(String),
     WrongState { id: String, state: State, wanted: &'static str },
 }
 
@@ -38,6 +39,7 @@ impl std::fmt::Display for TableError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             TableError::Unknown(id) => write!(f, "reservation {id} does not exist (expired or already used)"),
+            TableError::LeaseEnded(id) => write!(f, "the lease of reservation {id} ended; its pages are reclaimed"),
             TableError::WrongState { id, state, wanted } => {
                 write!(f, "reservation {id} is {state:?}, expected {wanted}")
             }
@@ -87,14 +89,25 @@ impl<S> Table<S> {
         self.entries.get_mut(id).ok_or_else(|| TableError::Unknown(id.to_string()))
     }
 
+    /// A reservation its writer may still commit: reserved, and within its lease (a
+    /// commit after the lease is refused even before the expiry sweep reclaims it).
+    pub fn writable(&self, id: &str, now: Instant) -> Result<&Entry<S>, TableError> {
+        let e = self.get(id)?;
+        if e.state != State::Reserved {
+            return Err(TableError::WrongState { id: id.into(), state: e.state, wanted: "Reserved" });
+        }
+        if e.deadline <= now {
+            return Err(TableError::LeaseEnded(id.into()));
+        }
+        Ok(e)
+    }
+
     /// The writer finished: the bytes for `tokens` tokens are in place. The decode
     /// request must follow within a lease.
     pub fn commit(&mut self, id: &str, tokens: usize, now: Instant) -> Result<&mut Entry<S>, TableError> {
         let lease = self.lease;
+        self.writable(id, now)?;
         let e = self.get_mut(id)?;
-        if e.state != State::Reserved {
-            return Err(TableError::WrongState { id: id.into(), state: e.state, wanted: "Reserved" });
-        }
         e.state = State::Committed { tokens };
         e.deadline = now + lease;
         Ok(e)
@@ -165,6 +178,17 @@ mod tests {
         // Writer known to be done: freed at once.
         let c = t.insert(3, "req-c", 10, 1, t0);
         assert_eq!(t.release(&c, true).unwrap(), Some(3));
+    }
+
+    #[test]
+    fn a_commit_after_the_lease_is_refused_even_before_the_sweep() {
+        let t0 = Instant::now();
+        let mut t: Table<u32> = Table::new(Duration::from_secs(5));
+        let a = t.insert(1, "r", 1, 1, t0);
+        assert!(t.writable(&a, t0 + Duration::from_secs(4)).is_ok());
+        assert_eq!(t.commit(&a, 1, t0 + Duration::from_secs(5)).unwrap_err(), TableError::LeaseEnded(a.clone()));
+        assert_eq!(t.get(&a).unwrap().state, State::Reserved, "a refused commit changes nothing");
+        assert!(matches!(t.writable("r99-nope", t0), Err(TableError::Unknown(_))));
     }
 
     #[test]

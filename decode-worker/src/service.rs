@@ -1,6 +1,7 @@
 //! The `sluice.v1.Decode` gRPC service: a thin adapter that forwards each call to the
 //! engine thread and maps the answer to a gRPC status. Reserve, commit and decode
-//! continue their caller's trace (`decode.reserve`, `decode.commit`, `decode` spans).
+//! continue their caller's trace (`decode.reserve`, `decode.commit`, `decode` spans; a
+//! migrated request's `decode` span says how many tokens it resumed after).
 
 use std::sync::mpsc as std_mpsc;
 use std::time::Duration;
@@ -124,6 +125,7 @@ impl Decode for DecodeService {
         let span = tracing::info_span!(
             "decode",
             request_id = %request.get_ref().request_id,
+            resumed_tokens = request.get_ref().resumed_tokens.len(),
             completion_tokens = Empty,
             finish = Empty,
             otel.status_code = Empty,

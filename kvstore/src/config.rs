@@ -72,6 +72,8 @@ pub struct KvstoreConfig {
     /// On SIGTERM, how long to finish requests and write out queued records.
     #[arg(long, env = "SLUICE_DRAIN_TIMEOUT_S", default_value_t = 30)]
     pub drain_timeout_s: u64,
+    #[command(flatten)]
+    pub tls: cluster::tls::TlsArgs,
 }
 
 impl KvstoreConfig {
@@ -96,10 +98,16 @@ impl KvstoreConfig {
         Duration::from_millis(self.get_timeout_ms)
     }
 
+    /// The listeners, as TLS validation and the start-up log name them.
+    pub fn listeners(&self) -> [(&'static str, &str); 2] {
+        [("--listen", &self.listen), ("--metrics-listen", &self.metrics_listen)]
+    }
+
     /// The arguments alone, touching no files or ports (`--check-config`).
     pub fn validate_args(&self) -> Result<(), String> {
         cluster::net::check_listen("--listen", &self.listen)?;
         cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
+        self.tls.validate(&self.listeners())?;
         self.store().validate()?;
         if self.staging_bytes < self.store().max_record() {
             return Err(format!(

@@ -45,6 +45,8 @@ pub enum KvstoreError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Transfer(#[from] transfer::TransferError),
+    #[error(transparent)]
+    Tls(#[from] cluster::tls::TlsError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("{0}")]
@@ -60,6 +62,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), KvstoreError> {
     cfg.validate_args().map_err(KvstoreError::Config)?;
+    let tls = cfg.tls.start(&cfg.listeners())?;
     let registry = cluster::telemetry::metrics::registry("kvstore");
     let recorder = cluster::telemetry::KvstoreMetrics::new(&registry);
     let store = tokio::task::block_in_place(|| Store::open(cfg.store(), recorder.clone()))?;
@@ -76,7 +79,7 @@ pub async fn run(
         cfg.put_lease(),
         cfg.get_timeout(),
     ));
-    let _metrics = cluster::telemetry::serve::spawn(metrics, registry);
+    let _metrics = cluster::telemetry::serve::spawn(metrics, registry, tls.as_ref().map(|t| t.public_http()));
     let sweeper = tokio::spawn({
         let service = service.clone();
         async move {
@@ -104,7 +107,10 @@ pub async fn run(
     let server = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(KvStoreServer::new(service::Shared(service)))
-        .serve_with_incoming_shutdown(cluster::net::incoming(listener), shutdown.cancelled());
+        .serve_with_incoming_shutdown(
+            cluster::tls::incoming(listener, tls.as_ref().map(|t| t.internal_grpc()))?,
+            shutdown.cancelled(),
+        );
     let on_stop = async {
         reporter.set_not_serving::<KvStoreServer<service::Shared>>().await;
     };

@@ -96,7 +96,13 @@ pub enum RecordError {
     Kind(u8),
     #[error("record payload checksum mismatch")]
     PayloadChecksum,
+    #[error("record payload length {0} is more than any file holds")]
+    Length(u64),
 }
+
+/// The longest payload a record may declare: one whose record still ends at a file
+/// offset (`i64`), so offsets computed from it cannot overflow.
+pub const MAX_PAYLOAD_LEN: u64 = i64::MAX as u64 - HEADER_LEN as u64;
 
 pub fn checksum(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
@@ -134,6 +140,10 @@ impl Header {
             return Err(RecordError::HeaderChecksum);
         }
         let kind = Kind::from_code(h[8]).ok_or(RecordError::Kind(h[8]))?;
+        let payload_len = u64_at(112);
+        if payload_len > MAX_PAYLOAD_LEN {
+            return Err(RecordError::Length(payload_len));
+        }
         let parent: Key = h[48..80].try_into().expect("32 bytes");
         Ok(Header {
             kind,
@@ -141,7 +151,7 @@ impl Header {
             key: h[16..48].try_into().expect("32 bytes"),
             parent: (parent != [0; 32]).then_some(parent),
             pools: Pools { csa_main: u64_at(80), csa_indexer: u64_at(88), hca: u64_at(96), swa: u64_at(104) },
-            payload_len: u64_at(112),
+            payload_len,
             payload_checksum: u64_at(120),
         })
     }
@@ -204,6 +214,9 @@ mod tests {
         assert_eq!(Header::decode(&[0u8; 10]), Err(RecordError::Magic));
         let root = Header { parent: None, ..h };
         assert_eq!(Header::decode(&root.encode()).unwrap().parent, None);
+        // A length no file holds (fuzz/regressions/kvstore_record/payload-len-overflow).
+        let huge = Header { payload_len: u64::MAX - 3, ..h };
+        assert_eq!(Header::decode(&huge.encode()), Err(RecordError::Length(u64::MAX - 3)));
     }
 
     #[test]

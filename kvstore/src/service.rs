@@ -148,9 +148,18 @@ impl KvService {
             ids.iter().map(|id| puts.remove(id).expect("listed")).collect()
         };
         for p in &expired {
-            self.release(p);
+            self.lease_ended(p);
         }
         expired.len()
+    }
+
+    /// A put whose lease ended before its commit: its records are not stored (counted),
+    /// and its staging is given back (a late write lands nowhere that is read).
+    fn lease_ended(&self, p: &PendingPut) {
+        for _ in &p.offers {
+            self.metrics.dropped("lease");
+        }
+        self.release(p);
     }
 
     /// Give back a put's staging ranges and reservations.
@@ -312,6 +321,15 @@ impl KvStore for Shared {
             let pending = self.puts().remove(&req.put_id).ok_or_else(|| {
                 Status::not_found(format!("no put {} (its lease ended, or it was committed)", req.put_id))
             })?;
+            // A commit after the lease is refused even before the sweeper reclaims it.
+            if pending.deadline <= Instant::now() {
+                self.lease_ended(&pending);
+                return Err(Status::not_found(format!(
+                    "put {} committed after its {} ms lease; nothing stored",
+                    req.put_id,
+                    self.put_lease.as_millis()
+                )));
+            }
             if req.checksums.len() != pending.offers.len() {
                 self.release(&pending);
                 return Err(Status::invalid_argument(format!(

@@ -586,5 +586,13 @@ fn recover(cfg: &StoreConfig) -> Result<(Shared, u64), StoreError> {
         ms = started.elapsed().as_millis() as u64,
         "kvstore index recovered"
     );
-    Ok((s, ids.last().map_or(1, |l| l + 1)))
+    // The next segment's id; a file already at the largest id leaves none to give.
+    let next = ids.last().map_or(Some(1), |l| l.checked_add(1)).ok_or_else(|| StoreError::Dir {
+        dir: cfg.dir.clone(),
+        source: io::Error::other(format!(
+            "{} has the largest possible segment id, so no newer segment can be named; move it out of the store directory",
+            segment::path(&cfg.dir, u64::MAX).display()
+        )),
+    })?;
+    Ok((s, next))
 }

@@ -83,6 +83,8 @@ pub struct PrefillConfig {
     /// Test hook: sleep this long before writing a prompt's KV (needs --debug-hooks).
     #[arg(long, default_value_t = 0)]
     pub debug_transfer_delay_ms: u64,
+    #[command(flatten)]
+    pub tls: cluster::tls::TlsArgs,
 }
 
 impl PrefillConfig {
@@ -105,6 +107,7 @@ impl PrefillConfig {
         engine::device::check_pools(&self.devices(), self.gpu_memory.is_some(), self.max_pages, self.max_sequences)?;
         cluster::telemetry::serve::check_listen("--metrics-listen", &self.metrics_listen)?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
+        self.tls.validate(&self.listeners())?;
         if let Some(k) = &self.kvstore {
             cluster::net::check_endpoints("--kvstore", std::slice::from_ref(k))?;
         }
@@ -124,6 +127,11 @@ impl PrefillConfig {
             return Err("--debug-transfer-delay-ms is a test hook; it needs --debug-hooks".into());
         }
         Ok(())
+    }
+
+    /// The listeners, as TLS validation and the start-up log name them.
+    pub fn listeners(&self) -> [(&'static str, &str); 2] {
+        [("--listen", &self.listen), ("--metrics-listen", &self.metrics_listen)]
     }
 
     pub fn model_name(&self) -> String {

@@ -56,24 +56,18 @@ pub struct PrefixCache {
     pub timeout: Duration,
 }
 
-/// `host:port` or a URL, as tonic wants it.
-pub fn endpoint_url(s: &str) -> String {
-    if s.contains("://") { s.to_string() } else { format!("http://{s}") }
-}
-
 impl PrefixCache {
     pub fn new(
         url: &str,
+        dialer: &cluster::tls::Dialer,
         fingerprint: Fingerprint,
         layout: KvLayout,
         layers: usize,
         regions: KvRegions,
         timeout: Duration,
     ) -> Result<Arc<Self>, String> {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint_url(url))
-            .map_err(|e| format!("--kvstore {url}: {e}"))?
-            .connect_timeout(timeout)
-            .connect_lazy();
+        let endpoint = dialer.endpoint(url).map_err(|e| format!("--kvstore {e}"))?.connect_timeout(timeout);
+        let channel = dialer.lazy(&endpoint);
         Ok(Arc::new(PrefixCache {
             client: KvStoreClient::with_interceptor(channel, PropagateContext),
             policy: RwLock::new(None),
@@ -248,15 +242,4 @@ fn region(r: &RegionSpec) -> pb::RemoteRegion {
 
 fn region_spec(r: &pb::RemoteRegion) -> RegionSpec {
     RegionSpec { base: r.base, len: r.len, rkey: r.rkey.clone() }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn endpoints_get_a_scheme() {
-        assert_eq!(endpoint_url("kvstore:50070"), "http://kvstore:50070");
-        assert_eq!(endpoint_url("http://10.0.0.1:50070"), "http://10.0.0.1:50070");
-    }
 }

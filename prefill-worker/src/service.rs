@@ -29,6 +29,8 @@ pub struct PrefillService {
     pub max_position: usize,
     pub debug_hooks: bool,
     pub decode_clients: Mutex<HashMap<String, Channel>>,
+    /// How decode workers are dialed (TLS with this worker's certificate, when on).
+    pub dialer: cluster::tls::Dialer,
     pub cache: Option<Arc<PrefixCache>>,
     pub metrics: cluster::telemetry::PrefillMetrics,
 }
@@ -55,10 +57,12 @@ impl PrefillService {
         if let Some(ch) = clients.get(addr) {
             return Ok(DecodeClient::with_interceptor(ch.clone(), PropagateContext));
         }
-        let ch = tonic::transport::Endpoint::from_shared(addr.to_string())
-            .map_err(|e| Status::invalid_argument(format!("decode address `{addr}`: {e}")))?
-            .connect_timeout(Duration::from_secs(5))
-            .connect_lazy();
+        let endpoint = self
+            .dialer
+            .endpoint(addr)
+            .map_err(|e| Status::invalid_argument(format!("decode address: {e}")))?
+            .connect_timeout(Duration::from_secs(5));
+        let ch = self.dialer.lazy(&endpoint);
         clients.insert(addr.to_string(), ch.clone());
         Ok(DecodeClient::with_interceptor(ch, PropagateContext))
     }

@@ -43,6 +43,15 @@ pub struct RouterConfig {
     /// Prefill attempts on other workers after one fails.
     #[arg(long, env = "SLUICE_PREFILL_RETRIES", default_value_t = 2)]
     pub prefill_retries: u32,
+    /// Migrations per request: a decode worker lost mid-stream is replaced by another
+    /// pair that re-prefills the prompt plus the tokens already streamed, and the stream
+    /// continues (0: the stream fails with UNAVAILABLE instead).
+    #[arg(long, env = "SLUICE_MIGRATION_LIMIT", default_value_t = 2)]
+    pub migration_limit: u32,
+    /// Longest one migration attempt may take, from the loss to the re-prefill's commit
+    /// (seconds).
+    #[arg(long, env = "SLUICE_MIGRATION_TIMEOUT_S", default_value_t = 30)]
+    pub migration_timeout_s: u64,
     /// How often workers are asked for their load (ms).
     #[arg(long, env = "SLUICE_LOAD_POLL_MS", default_value_t = 200)]
     pub load_poll_ms: u64,
@@ -55,9 +64,15 @@ pub struct RouterConfig {
     #[arg(long, env = "SLUICE_KVSTORE_LOOKUP_TIMEOUT_MS", default_value_t = 200)]
     pub kvstore_lookup_timeout_ms: u64,
     /// A file of API keys, one per line (blank lines and `#` comments skipped). With it,
-    /// every `/v1/...` HTTP request needs `Authorization: Bearer <key>` (else 401).
+    /// every `/v1/...` HTTP request needs `Authorization: Bearer <key>` (else 401), and
+    /// every `sluice.v1.Generation` call the same in its `authorization` metadata (else
+    /// UNAUTHENTICATED).
     #[arg(long, env = "SLUICE_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
+    /// TLS on the client API (no client certificates asked for) and towards the workers and
+    /// the kvstore (with this router's certificate).
+    #[command(flatten)]
+    pub tls: cluster::tls::TlsArgs,
 }
 
 impl RouterConfig {
@@ -73,6 +88,7 @@ impl RouterConfig {
     pub fn validate_args(&self) -> Result<(), String> {
         cluster::net::check_listen("--listen", &self.listen)?;
         cluster::net::check_listen("--http-listen", &self.http_listen)?;
+        self.tls.validate(&self.listeners())?;
         cluster::net::check_endpoints("--etcd", &self.etcd)?;
         if let Some(k) = &self.kvstore {
             cluster::net::check_endpoints("--kvstore", std::slice::from_ref(k))?;
@@ -89,7 +105,15 @@ impl RouterConfig {
         if self.max_concurrency == 0 || self.max_tokens_limit == 0 || self.request_timeout_s == 0 {
             return Err("--max-concurrency, --max-tokens-limit and --request-timeout-s must be at least 1".into());
         }
+        if self.migration_timeout_s == 0 {
+            return Err("--migration-timeout-s must be at least 1 (turn migration off with --migration-limit 0)".into());
+        }
         Ok(())
+    }
+
+    /// The listeners, as TLS validation and the start-up log name them.
+    pub fn listeners(&self) -> [(&'static str, &str); 2] {
+        [("--listen", &self.listen), ("--http-listen", &self.http_listen)]
     }
 
     pub fn model_name(&self) -> String {

@@ -12,11 +12,14 @@
 //! - `prefix`: what a prompt costs its prefill worker, counting the prefix cache.
 //! - `workers`: gRPC channels per worker, membership, load polling.
 //! - `orchestrate`: one request from admission to its last token.
+//! - `relay`: what a request streamed so far (tokens, text state, latencies).
+//! - `migrate`: continuing a request on another pair when its decode worker is lost.
 //! - `stops`: stop strings over streamed text.
 //! - [`chat`]: chat completions (V4 prompt encoding, structured output, reply parsing).
 //! - `grpc`, `http`: the two APIs (the HTTP listener also serves `/metrics`); `request_id`:
 //!   ids for both; `chat_http`: `/v1/chat/completions`, `chat_grpc`: `Chat` over gRPC,
-//!   `chat_run`: starting a chat request for either API; `auth`: optional API keys.
+//!   `chat_run`: starting a chat request for either API; `auth`: optional API keys (both
+//!   APIs). TLS on both listeners and towards the workers comes from `cluster::tls`.
 //!
 //! Telemetry (metrics, the `request` trace span and its children) is recorded in
 //! `orchestrate`; the metric set and trace propagation live in `cluster::telemetry`.
@@ -29,10 +32,12 @@ mod chat_run;
 pub mod config;
 mod grpc;
 mod http;
+mod migrate;
 mod model;
 mod orchestrate;
 mod placement;
 mod prefix;
+mod relay;
 mod request_id;
 mod stops;
 mod validate;
@@ -57,6 +62,8 @@ pub enum RouterError {
     Config(String),
     #[error(transparent)]
     Discovery(#[from] cluster::discovery::DiscoveryError),
+    #[error(transparent)]
+    Tls(#[from] cluster::tls::TlsError),
     #[error("gRPC server: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("{0}")]
@@ -72,6 +79,8 @@ pub async fn run(
 ) -> Result<(), RouterError> {
     cfg.validate().map_err(RouterError::Config)?;
     let model = model::ModelInfo::load(&cfg.model, cfg.model_name()).map_err(RouterError::Config)?;
+    let tls = cfg.tls.start(&cfg.listeners())?;
+    let dialer = cluster::tls::dialer(tls.as_ref())?;
     let membership = match &cfg.peers {
         Some(p) => Membership::fixed(cluster::peers::parse_peers(p).map_err(RouterError::Config)?),
         None => {
@@ -81,12 +90,13 @@ pub async fn run(
     };
     let registry = cluster::telemetry::metrics::registry("router");
     let metrics = cluster::telemetry::RouterMetrics::new(&registry);
-    let workers = Arc::new(workers::WorkerSet::default());
+    let workers = Arc::new(workers::WorkerSet::new(dialer.clone()));
     workers::spawn_maintenance(workers.clone(), membership, Duration::from_millis(cfg.load_poll_ms), shutdown.clone());
     let prefix = match &cfg.kvstore {
         Some(url) => Some(
             prefix::PrefixLookup::new(
                 url,
+                &dialer,
                 Duration::from_millis(cfg.kvstore_lookup_timeout_ms),
                 model_spec::BLOCK_TOKENS,
                 model.window,
@@ -104,6 +114,10 @@ pub async fn run(
         max_concurrency: cfg.max_concurrency,
         request_timeout: Duration::from_secs(cfg.request_timeout_s),
         prefill_retries: cfg.prefill_retries,
+        migration: migrate::MigrationLimits {
+            attempts: cfg.migration_limit,
+            attempt_timeout: Duration::from_secs(cfg.migration_timeout_s),
+        },
         block_tokens: model_spec::BLOCK_TOKENS as u64,
         metrics: metrics.clone(),
     });
@@ -122,21 +136,33 @@ pub async fn run(
     let ids = request_id::RequestIds::new();
     let grpc_addr = grpc.local_addr()?;
     let http_addr = http.local_addr()?;
+    let keys = cfg.api_keys_file.as_deref().map(auth::ApiKeys::load).transpose().map_err(RouterError::Config)?;
+    let guard = auth::Guard { keys, metrics: ctx.metrics.clone() };
+    let generation = grpc::GenerationService { ctx: ctx.clone(), limits: limits() };
     let grpc_server = tonic::transport::Server::builder()
         .layer(SetRequestIdLayer::x_request_id(ids.clone()))
         .layer(PropagateRequestIdLayer::x_request_id())
         .add_service(health)
-        .add_service(GenerationServer::new(grpc::GenerationService { ctx: ctx.clone(), limits: limits() }))
-        .serve_with_incoming_shutdown(cluster::net::incoming(grpc), shutdown.clone().cancelled_owned());
-    let keys = cfg.api_keys_file.as_deref().map(auth::ApiKeys::load).transpose().map_err(RouterError::Config)?;
+        .add_service(GenerationServer::with_interceptor(generation, guard.clone()))
+        .serve_with_incoming_shutdown(
+            cluster::tls::incoming(grpc, tls.as_ref().map(|t| t.public_grpc()))?,
+            shutdown.clone().cancelled_owned(),
+        );
     let mut app = http::router(Arc::new(http::HttpState { ctx, limits: limits() }))
         .merge(cluster::telemetry::serve::routes(registry, Some(refresh)));
-    if let Some(keys) = keys {
-        app = app.layer(axum::middleware::from_fn_with_state(keys, auth::require_key));
+    if guard.keys.is_some() {
+        app = app.layer(axum::middleware::from_fn_with_state(guard, auth::require_key));
     }
     let app = app.layer(PropagateRequestIdLayer::x_request_id()).layer(SetRequestIdLayer::x_request_id(ids));
+    let http = cluster::tls::accept(http, tls.as_ref().map(|t| t.public_http()))?;
     let http_server = axum::serve(http, app).with_graceful_shutdown(shutdown.clone().cancelled_owned());
-    tracing::info!(grpc = %grpc_addr, http = %http_addr, model = %cfg.model_name(), "router serving");
+    tracing::info!(
+        grpc = %grpc_addr,
+        http = %http_addr,
+        tls = tls.is_some(),
+        model = %cfg.model_name(),
+        "router serving"
+    );
     let (g, h) = tokio::join!(grpc_server, http_server);
     g?;
     h?;

@@ -5,7 +5,11 @@
 //!    the reservation and commits it; a failed prefill is retried on another worker
 //!    with a fresh reservation (bounded), the old one given back safely;
 //! 3. stream the decode worker's tokens to the client, as text deltas (stop strings
-//!    held back and cut) with logprobs, then a final event with usage and timings.
+//!    held back and cut) with logprobs, then a final event with usage and timings
+//!    (`relay`);
+//! 4. when the decode worker is lost mid-stream, migrate: re-prefill the prompt plus the
+//!    tokens already streamed on another pair and continue the stream from there
+//!    (`migrate`; bounded attempts, each bounded in time).
 //!
 //! A client that goes away, or a request past its deadline, drops the task: the
 //! cleanup guard cancels the prefill and gives the reservation back, and a dropped
@@ -17,7 +21,6 @@ use std::time::{Duration, Instant};
 use cluster::telemetry::metrics::status_label;
 use cluster::telemetry::prometheus::IntGauge;
 use cluster::telemetry::{RouterMetrics, propagation};
-use model_spec::text::Detokenizer;
 use sluice_proto::v1 as pb;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tonic::metadata::MetadataMap;
@@ -25,8 +28,9 @@ use tonic::{Code, Status};
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
+use crate::migrate::{self, Budget, Leg, MigrationLimits};
 use crate::model::ModelInfo;
-use crate::stops::{Release, StopMatcher};
+use crate::relay::{Latency, Relay};
 use crate::validate::Validated;
 use crate::workers::{Worker, WorkerSet};
 
@@ -37,6 +41,8 @@ pub struct RouterCtx {
     pub max_concurrency: usize,
     pub request_timeout: Duration,
     pub prefill_retries: u32,
+    /// How far a request whose decode worker is lost may be migrated.
+    pub migration: MigrationLimits,
     /// Tokens per KV page (to size reservations).
     pub block_tokens: u64,
     pub metrics: RouterMetrics,
@@ -232,9 +238,23 @@ impl Drop for Cleanup {
     }
 }
 
-async fn reserve(ctx: &RouterCtx, req: &Validated) -> Result<(Arc<Worker>, pb::Reservation), Status> {
-    let need = (req.prompt.len() as u64 + req.max_tokens as u64).div_ceil(ctx.block_tokens);
-    let candidates = ctx.workers.decode_ranked(need, &[]);
+/// A leg's prefill, committed into a reservation on `decode`.
+struct Placed {
+    decode: Arc<Worker>,
+    reservation_id: String,
+    /// Gives the reservation back if the decode stream never opens.
+    guard: Cleanup,
+    reply: pb::PrefillReply,
+}
+
+async fn reserve(
+    ctx: &RouterCtx,
+    req: &Validated,
+    leg: &Leg,
+    exclude: &[String],
+) -> Result<(Arc<Worker>, pb::Reservation), Status> {
+    let need = (leg.tokens.len() as u64 + leg.max_tokens as u64).div_ceil(ctx.block_tokens);
+    let candidates = ctx.workers.decode_ranked(need, exclude);
     if candidates.is_empty() {
         return Err(Status::unavailable("no decode worker is available"));
     }
@@ -242,8 +262,8 @@ async fn reserve(ctx: &RouterCtx, req: &Validated) -> Result<(Arc<Worker>, pb::R
     for d in candidates {
         let r = pb::ReserveRequest {
             request_id: req.request_id.clone(),
-            prompt_tokens: req.prompt.len() as u32,
-            max_tokens: req.max_tokens,
+            prompt_tokens: leg.tokens.len() as u32,
+            max_tokens: leg.max_tokens,
             fingerprint: String::new(),
         };
         match d.decode().reserve(r).await {
@@ -267,25 +287,28 @@ async fn reserve(ctx: &RouterCtx, req: &Validated) -> Result<(Arc<Worker>, pb::R
     })
 }
 
-async fn run(
+/// Reserve on a decode worker (not one of `exclude`) and prefill `leg` into it, trying
+/// other prefill workers (with a fresh reservation each) when one fails. `first`: the
+/// client's own prompt, which the queue and prompt-token metrics count.
+async fn place(
     ctx: &RouterCtx,
-    req: Validated,
-    tx: &mpsc::Sender<Result<Event, Status>>,
-    arrived: Instant,
-) -> Result<(), Status> {
-    let prompt_len = req.prompt.len() as u64;
+    req: &Validated,
+    leg: &Leg,
+    exclude: &[String],
+    first: Option<Instant>,
+) -> Result<Placed, Status> {
     // What the prefill will cost its worker, counting the cached prefix.
     let plan = match (&ctx.prefix, ctx.workers.fingerprint()) {
-        (Some(p), Some(fp)) => p.plan(&fp, &req.prompt).instrument(tracing::info_span!("prefix_lookup")).await,
+        (Some(p), Some(fp)) => p.plan(&fp, &leg.tokens).instrument(tracing::info_span!("prefix_lookup")).await,
         _ => None,
     };
-    let cost = crate::prefix::prefill_cost(req.prompt.len(), plan.as_ref());
-    let (mut d, mut res) = reserve(ctx, &req).instrument(tracing::info_span!("queue")).await?;
+    let cost = crate::prefix::prefill_cost(leg.tokens.len(), plan.as_ref());
+    let (mut d, mut res) = reserve(ctx, req, leg, exclude).instrument(tracing::info_span!("queue")).await?;
     let mut guard =
         Cleanup { decode: d.clone(), reservation_id: res.reservation_id.clone(), prefill: None, armed: true };
     let mut failed: Vec<String> = Vec::new();
     let mut attempts = 0;
-    let prefill = loop {
+    loop {
         let p = ctx
             .workers
             .prefill_ranked(&failed)
@@ -308,7 +331,7 @@ async fn run(
             .prefill(pb::PrefillRequest {
                 request_id: req.request_id.clone(),
                 reservation_id: res.reservation_id.clone(),
-                tokens: req.prompt.clone(),
+                tokens: leg.tokens.clone(),
                 target: res.target.clone(),
                 decode_addr: d.addr.clone(),
                 lease_ms: res.lease_ms,
@@ -322,13 +345,18 @@ async fn run(
         match r {
             Ok(reply) => {
                 let reply = reply.into_inner();
-                // Router queue (placement, reservation, earlier attempts) plus the
-                // prefill worker's own queue.
-                let queued = (sent - arrived).as_secs_f64() + reply.queue_ms / 1e3;
-                ctx.metrics.queue.observe(queued);
-                ctx.metrics.prompt_tokens.inc_by(prompt_len);
-                ctx.metrics.cached_tokens.inc_by(reply.cached_tokens as u64);
-                break reply;
+                if let Some(arrived) = first {
+                    // Router queue (placement, reservation, earlier attempts) plus the
+                    // prefill worker's own queue.
+                    let queued = (sent - arrived).as_secs_f64() + reply.queue_ms / 1e3;
+                    ctx.metrics.queue.observe(queued);
+                    ctx.metrics.prompt_tokens.inc_by(leg.tokens.len() as u64);
+                    ctx.metrics.cached_tokens.inc_by(reply.cached_tokens as u64);
+                }
+                // Committed: from here the decode worker owns the pages and frees them
+                // when the decode stream ends or is dropped.
+                guard.prefill = None;
+                return Ok(Placed { decode: d, reservation_id: res.reservation_id, guard, reply });
             }
             Err(s) if retryable(&s) && attempts < ctx.prefill_retries => {
                 attempts += 1;
@@ -338,7 +366,7 @@ async fn run(
                 }
                 failed.push(p.id.clone());
                 guard.now().await;
-                (d, res) = reserve(ctx, &req).instrument(tracing::info_span!("queue")).await?;
+                (d, res) = reserve(ctx, req, leg, exclude).instrument(tracing::info_span!("queue")).await?;
                 guard = Cleanup {
                     decode: d.clone(),
                     reservation_id: res.reservation_id.clone(),
@@ -348,10 +376,136 @@ async fn run(
             }
             Err(s) => return Err(Status::new(s.code(), format!("prefill failed: {}", s.message()))),
         }
+    }
+}
+
+/// How a decode leg ended without finishing the request.
+enum LegEnd {
+    /// The request cannot go on (client gone, bad input, a broken stream).
+    Failed(Status),
+    /// The decode worker was lost; the request may continue elsewhere.
+    Lost { worker: Arc<Worker>, status: Status },
+}
+
+async fn run(
+    ctx: &RouterCtx,
+    req: Validated,
+    tx: &mpsc::Sender<Result<Event, Status>>,
+    arrived: Instant,
+) -> Result<(), Status> {
+    let mut leg = Leg::first(&req);
+    let mut placed = place(ctx, &req, &leg, &[], Some(arrived)).await?;
+    let mut relay = Relay::new(&req, placed.reply.clone(), arrived);
+    let mut budget = Budget::new(&ctx.migration);
+    // Decode workers this request lost; a migration goes elsewhere.
+    let mut lost: Vec<String> = Vec::new();
+    loop {
+        let span = tracing::info_span!(
+            "decode",
+            worker = %placed.decode.id,
+            resumed_tokens = leg.resumed.len(),
+            completion_tokens = Empty,
+        );
+        let (worker, status) = match decode_leg(ctx, &req, placed, &leg, &mut relay, tx).instrument(span).await {
+            Ok(()) => return Ok(()),
+            Err(LegEnd::Failed(s)) => return Err(s),
+            Err(LegEnd::Lost { worker, status }) => (worker, status),
+        };
+        worker.mark_failed();
+        lost.push(worker.id.clone());
+        (placed, leg) = migrate(ctx, &req, relay.emitted(), &lost, &mut budget, &worker, status).await?;
+    }
+}
+
+/// Continue a request whose decode worker `from` was lost (`why`) on another pair,
+/// within the budget; each attempt is bounded by `--migration-timeout-s`. Fails with
+/// UNAVAILABLE, saying why, when no attempt is left.
+async fn migrate(
+    ctx: &RouterCtx,
+    req: &Validated,
+    emitted: &[u32],
+    lost: &[String],
+    budget: &mut Budget,
+    from: &Worker,
+    why: Status,
+) -> Result<(Placed, Leg), Status> {
+    let Some(leg) = Leg::after(req, emitted) else {
+        return Err(Status::internal("the decode worker failed after the request's last token"));
     };
-    // Committed: from here the decode worker owns the pages and frees them when the
-    // decode stream ends or is dropped.
-    guard.prefill = None;
+    let mut last_failure: Option<String> = None;
+    loop {
+        let Some(attempt) = budget.take() else {
+            let tried = match (budget.used(), last_failure) {
+                (0, _) => "migration is off (--migration-limit 0)".to_string(),
+                (n, None) => format!("its {n} migrations (--migration-limit) are used up"),
+                (n, Some(e)) => format!("its {n} migrations (--migration-limit) are used up; the last attempt: {e}"),
+            };
+            return Err(Status::unavailable(format!(
+                "decode worker {} was lost after {} tokens ({}); {tried}",
+                from.id,
+                emitted.len(),
+                why.message()
+            )));
+        };
+        tracing::warn!(
+            request_id = %req.request_id,
+            worker = %from.id,
+            code = ?why.code(),
+            message = why.message(),
+            streamed = emitted.len(),
+            attempt,
+            "decode worker lost mid-stream; migrating the request"
+        );
+        let span = tracing::info_span!(
+            "migrate",
+            from = %from.id,
+            attempt,
+            resumed_tokens = emitted.len(),
+            outcome = Empty,
+            otel.status_code = Empty,
+            otel.status_message = Empty,
+        );
+        let timeout = ctx.migration.attempt_timeout;
+        let tried = tokio::time::timeout(timeout, place(ctx, req, &leg, lost, None)).instrument(span.clone()).await;
+        let result = tried.unwrap_or_else(|_| {
+            Err(Status::deadline_exceeded(format!(
+                "re-prefill did not commit within --migration-timeout-s {}",
+                timeout.as_secs()
+            )))
+        });
+        match result {
+            Ok(placed) => {
+                ctx.metrics.migration(migrate::RESUMED);
+                span.record("outcome", migrate::RESUMED);
+                tracing::info!(request_id = %req.request_id, to = %placed.decode.id, attempt, "request migrated");
+                return Ok((placed, leg));
+            }
+            Err(s) => {
+                ctx.metrics.migration(migrate::FAILED);
+                span.record("outcome", migrate::FAILED);
+                record_status(&span, s.code(), s.message());
+                tracing::warn!(request_id = %req.request_id, attempt, code = ?s.code(), message = s.message(), "migration attempt failed");
+                last_failure = Some(s.message().to_string());
+                // Membership and loads are polled: give them a moment before the next try.
+                tokio::time::sleep(MIGRATION_RETRY_PAUSE).await;
+            }
+        }
+    }
+}
+
+/// Pause between failed migration attempts.
+const MIGRATION_RETRY_PAUSE: Duration = Duration::from_millis(200);
+
+/// Decode `leg` on the worker its prefill committed to and relay its tokens, until the
+/// request finishes or the leg ends.
+async fn decode_leg(
+    ctx: &RouterCtx,
+    req: &Validated,
+    mut placed: Placed,
+    leg: &Leg,
+    relay: &mut Relay,
+    tx: &mpsc::Sender<Result<Event, Status>>,
+) -> Result<(), LegEnd> {
     let sampling = pb::SamplingParams {
         temperature: req.sampling.temperature,
         top_p: req.sampling.top_p,
@@ -360,101 +514,47 @@ async fn run(
         logprobs: req.sampling.logprobs,
         top_logprobs: req.sampling.top_logprobs,
     };
-    let span = tracing::info_span!("decode", worker = %d.id, completion_tokens = Empty);
-    let streamed = async {
-        let mut client = d.decode();
-        let decode = client.decode(pb::DecodeRequest {
-            reservation_id: res.reservation_id.clone(),
-            request_id: req.request_id.clone(),
-            max_tokens: req.max_tokens,
-            sampling: Some(sampling),
-            stop_token_ids: req.stop_ids.clone(),
-            constraint: req.constraint.clone().map(|lark| pb::Constraint { lark }),
-        });
-        let mut stream = match decode.await {
-            Ok(s) => s.into_inner(),
-            Err(s) => return Err(Status::unavailable(format!("decode worker failed: {}", s.message()))),
-        };
-        guard.armed = false;
-        stream_tokens(ctx, &req, &mut stream, &prefill, arrived, tx).await
+    let worker = placed.decode.clone();
+    let lost = |status: Status| match status.code() {
+        code if migrate::lost_decode(code) => LegEnd::Lost { worker: worker.clone(), status },
+        Code::InvalidArgument => LegEnd::Failed(status),
+        _ => LegEnd::Failed(Status::unavailable(status.message())),
     };
-    streamed.instrument(span).await
-}
-
-/// Relay the decode worker's tokens to the client as text deltas, then the final event.
-async fn stream_tokens(
-    ctx: &RouterCtx,
-    req: &Validated,
-    stream: &mut tonic::Streaming<pb::DecodeEvent>,
-    prefill: &pb::PrefillReply,
-    arrived: Instant,
-    tx: &mpsc::Sender<Result<Event, Status>>,
-) -> Result<(), Status> {
+    let mut client = worker.decode();
+    let decode = client.decode(pb::DecodeRequest {
+        reservation_id: placed.reservation_id.clone(),
+        request_id: req.request_id.clone(),
+        max_tokens: leg.max_tokens,
+        sampling: Some(sampling),
+        stop_token_ids: req.stop_ids.clone(),
+        constraint: req.constraint.clone().map(|lark| pb::Constraint { lark }),
+        resumed_tokens: leg.resumed.clone(),
+    });
+    let mut stream = match decode.await {
+        Ok(s) => s.into_inner(),
+        Err(s) => return Err(lost(Status::new(s.code(), format!("decode worker failed: {}", s.message())))),
+    };
+    placed.guard.armed = false;
     let codec = ctx.model.codec.as_ref();
-    let mut detok = Detokenizer::new();
-    let mut stops = StopMatcher::new(req.stop_strings.clone());
-    let mut ttft = None;
-    let mut last: Option<Instant> = None;
-    let mut count = 0u32;
     loop {
         let ev = match stream.message().await {
             Ok(Some(ev)) => ev,
-            Ok(None) => return Err(Status::unavailable("the decode worker ended the stream early")),
-            Err(s) if s.code() == Code::InvalidArgument => return Err(s),
-            Err(s) => return Err(Status::unavailable(format!("decode worker failed mid-stream: {}", s.message()))),
+            Ok(None) => return Err(lost(Status::unavailable("the decode worker ended the stream early"))),
+            Err(s) => {
+                return Err(lost(Status::new(s.code(), format!("decode worker failed mid-stream: {}", s.message()))));
+            }
         };
-        let now = Instant::now();
-        match last {
-            None => ctx.metrics.ttft.observe((now - arrived).as_secs_f64()),
-            Some(prev) => ctx.metrics.inter_token.observe((now - prev).as_secs_f64()),
+        let r = relay.accept(codec, &ev, Instant::now()).map_err(LegEnd::Failed)?;
+        match r.latency {
+            Latency::First(d) => ctx.metrics.ttft.observe(d.as_secs_f64()),
+            Latency::Gap(d) => ctx.metrics.inter_token.observe(d.as_secs_f64()),
         }
-        last = Some(now);
-        ttft.get_or_insert(now - arrived);
-        count += 1;
-        let finished = pb::FinishReason::try_from(ev.finish).unwrap_or(pb::FinishReason::Unspecified);
-        let mut text = match codec {
-            Some(c) => detok.push(c, ev.token_id).map_err(|e| Status::internal(e.to_string()))?,
-            None => String::new(),
-        };
-        if finished != pb::FinishReason::Unspecified
-            && let Some(c) = codec
-        {
-            text.push_str(&detok.flush(c).map_err(|e| Status::internal(e.to_string()))?);
-        }
-        let (text, stopped) = match stops.push(&text) {
-            Release::Text(t) => (t, false),
-            Release::Stop(t) => (t, true),
-        };
-        let text = if finished != pb::FinishReason::Unspecified && !stopped { text + &stops.finish() } else { text };
-        let top = if req.sampling.logprobs {
-            ev.top_logprobs
-                .iter()
-                .map(|t| (t.token_id, t.logprob, codec.map(|c| c.token_text(t.token_id)).unwrap_or_default()))
-                .collect()
-        } else {
-            Vec::new()
-        };
-        let token = TokenOut { index: ev.index, token_id: ev.token_id, text, logprob: ev.logprob, top };
-        tx.send(Ok(Event::Token(token))).await.map_err(|_| Status::cancelled("client went away"))?;
+        tx.send(Ok(Event::Token(r.token))).await.map_err(|_| LegEnd::Failed(Status::cancelled("client went away")))?;
         ctx.metrics.generated_tokens.inc();
-        if stopped || finished != pb::FinishReason::Unspecified {
-            let finish = if stopped { pb::FinishReason::Stop } else { finished };
-            let timings = Timings {
-                queue_ms: prefill.queue_ms,
-                prefill_ms: prefill.compute_ms,
-                kv_transfer_ms: prefill.transfer_ms,
-                ttft_ms: ttft.unwrap_or_default().as_secs_f64() * 1e3,
-                total_ms: arrived.elapsed().as_secs_f64() * 1e3,
-            };
-            let fin = Event::Final {
-                finish,
-                prompt_tokens: req.prompt.len() as u32,
-                cached_tokens: prefill.cached_tokens,
-                completion_tokens: count,
-                timings,
-            };
-            ctx.metrics.e2e.observe(arrived.elapsed().as_secs_f64());
-            Span::current().record("completion_tokens", count);
+        if let Some(finish) = r.finish {
+            let fin = relay.final_event(finish);
+            ctx.metrics.e2e.observe(relay.since_arrival().as_secs_f64());
+            Span::current().record("completion_tokens", relay.emitted().len());
             let _ = tx.send(Ok(fin)).await;
             return Ok(());
         }

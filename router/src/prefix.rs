@@ -24,12 +24,17 @@ pub struct PrefixLookup {
 }
 
 impl PrefixLookup {
-    pub fn new(url: &str, timeout: Duration, block: usize, window: usize, layers: usize) -> Result<Self, String> {
-        let url = if url.contains("://") { url.to_string() } else { format!("http://{url}") };
-        let channel = tonic::transport::Endpoint::from_shared(url.clone())
-            .map_err(|e| format!("--kvstore {url}: {e}"))?
-            .connect_timeout(Duration::from_secs(2))
-            .connect_lazy();
+    pub fn new(
+        url: &str,
+        dialer: &cluster::tls::Dialer,
+        timeout: Duration,
+        block: usize,
+        window: usize,
+        layers: usize,
+    ) -> Result<Self, String> {
+        let endpoint =
+            dialer.endpoint(url).map_err(|e| format!("--kvstore {e}"))?.connect_timeout(Duration::from_secs(2));
+        let channel = dialer.lazy(&endpoint);
         Ok(PrefixLookup {
             client: KvStoreClient::with_interceptor(channel, PropagateContext),
             policy: RwLock::new(None),

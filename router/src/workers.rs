@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use cluster::discovery::{Member, Membership, Role};
 use cluster::telemetry::propagation::{PropagateContext, Traced};
+use cluster::tls::Dialer;
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::decode_client::DecodeClient;
 use sluice_proto::v1::prefill_client::PrefillClient;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use crate::placement::{DecodeView, PrefillView, rank_decode, rank_prefill};
 
@@ -40,14 +41,15 @@ pub struct Worker {
 }
 
 impl Worker {
-    fn new(m: &Member) -> Result<Self, String> {
-        let channel = Endpoint::from_shared(m.grpc_addr.clone())
-            .map_err(|e| format!("worker {} address `{}`: {e}", m.id, m.grpc_addr))?
+    fn new(m: &Member, dialer: &Dialer) -> Result<Self, String> {
+        let endpoint = dialer
+            .endpoint(&m.grpc_addr)
+            .map_err(|e| format!("worker {} address: {e}", m.id))?
             .connect_timeout(Duration::from_secs(3))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
-            .keep_alive_timeout(Duration::from_secs(3))
-            .connect_lazy();
+            .keep_alive_timeout(Duration::from_secs(3));
+        let channel = dialer.lazy(&endpoint);
         Ok(Worker {
             id: m.id.clone(),
             role: m.role,
@@ -147,16 +149,22 @@ impl Worker {
 #[derive(Default)]
 pub struct WorkerSet {
     workers: RwLock<HashMap<String, Arc<Worker>>>,
+    /// How workers are dialed (TLS with the router's certificate, when on).
+    dialer: Dialer,
 }
 
 impl WorkerSet {
+    pub fn new(dialer: Dialer) -> Self {
+        WorkerSet { workers: RwLock::default(), dialer }
+    }
+
     /// Make the set match `members` (prefill and decode workers only).
     pub fn sync(&self, members: &[Member]) {
         let mut w = self.workers.write().expect("workers lock");
         w.retain(|id, _| members.iter().any(|m| &m.id == id));
         for m in members.iter().filter(|m| matches!(m.role, Role::Prefill | Role::Decode)) {
             if !w.contains_key(&m.id) {
-                match Worker::new(m) {
+                match Worker::new(m, &self.dialer) {
                     Ok(worker) => {
                         tracing::info!(worker = %m.id, role = m.role.as_str(), addr = %m.grpc_addr, "worker joined");
                         w.insert(m.id.clone(), Arc::new(worker));

@@ -68,6 +68,9 @@ pub struct Spec {
     pub extra_env: Vec<(String, String)>,
     /// A kvstore for prefill workers and the router.
     pub kvstore: Option<KvSpec>,
+    /// TLS: a directory with `tls.crt`, `tls.key` and `ca.crt` that every service serves
+    /// and dials with (`SLUICE_TLS_DIR`); the harness's clients present the same certificate.
+    pub tls: Option<PathBuf>,
 }
 
 /// The cluster's kvstore.
@@ -113,6 +116,8 @@ pub struct TestCluster {
     pub kvstore_url: Option<String>,
     pub kvstore_dir: PathBuf,
     kvstore_starts: usize,
+    /// How the harness dials the services (TLS when [`Spec::tls`] is set).
+    pub dialer: cluster::tls::Dialer,
 }
 
 /// The `tiny` preset (seed 3), the model every test cluster serves.
@@ -128,6 +133,13 @@ impl TestCluster {
         let model = write_model(dir.path());
         let kvstore_dir =
             spec.kvstore.as_ref().and_then(|k| k.dir.clone()).unwrap_or_else(|| dir.path().join("kvstore"));
+        let dialer = match &spec.tls {
+            None => cluster::tls::Dialer::plaintext(),
+            Some(d) => {
+                let live = cluster::tls::Live::load(cluster::tls::Paths::in_dir(d)).expect("TLS files");
+                cluster::tls::Dialer::tls(cluster::tls::ClientTls::with_identity(&live, None).expect("TLS client"))
+            }
+        };
         let mut c = TestCluster {
             dir,
             model,
@@ -141,13 +153,14 @@ impl TestCluster {
             kvstore_url: None,
             kvstore_dir,
             kvstore_starts: 0,
+            dialer,
         };
         if let Some(kv) = c.spec.kvstore.clone() {
             match kv.url {
                 Some(url) => c.kvstore_url = Some(url),
                 None => {
                     for attempt in 1..=BIND_ATTEMPTS {
-                        c.kvstore_url = Some(format!("http://127.0.0.1:{}", free_port()));
+                        c.kvstore_url = Some(c.dialer.url(&format!("127.0.0.1:{}", free_port())));
                         if started("kvstore", attempt, c.try_start_kvstore().await) {
                             break;
                         }
@@ -170,6 +183,9 @@ impl TestCluster {
         let mut env = vec![("RUST_LOG".to_string(), "info,engine=warn".to_string())];
         if let Some(tls) = &self.spec.ucx_tls {
             env.push(("UCX_TLS".into(), tls.clone()));
+        }
+        if let Some(dir) = &self.spec.tls {
+            env.push(("SLUICE_TLS_DIR".into(), dir.display().to_string()));
         }
         env.extend(self.spec.extra_env.iter().cloned());
         env
@@ -218,11 +234,12 @@ impl TestCluster {
             &bin,
             &args,
             &self.env(),
-            format!("http://127.0.0.1:{port}"),
+            self.dialer.url(&format!("127.0.0.1:{port}")),
             &self.dir.path().join("logs"),
         )
         .expect("spawn worker")
-        .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+        .with_dialer(self.dialer.clone())
+        .with_metrics_url(self.dialer.url(&format!("127.0.0.1:{metrics_port}/metrics")));
         p.wait_healthy(READY).await?;
         self.workers.push(p);
         Ok(())
@@ -290,11 +307,12 @@ impl TestCluster {
             args.extend(["--kvstore".into(), url.clone()]);
         }
         args.extend(self.spec.router_args.clone());
-        let url = format!("http://127.0.0.1:{gp}");
+        let url = self.dialer.url(&format!("127.0.0.1:{gp}"));
         let mut r =
             ServiceProcess::spawn("router", &bin, &args, &self.env(), url.clone(), &self.dir.path().join("logs"))
                 .expect("spawn router")
-                .with_metrics_url(format!("http://127.0.0.1:{hp}/metrics"));
+                .with_dialer(self.dialer.clone())
+                .with_metrics_url(self.dialer.url(&format!("127.0.0.1:{hp}/metrics")));
         r.wait_healthy(READY).await?;
         self.grpc = url;
         self.http = format!("127.0.0.1:{hp}");
@@ -310,7 +328,7 @@ impl TestCluster {
     async fn try_start_kvstore(&mut self) -> Result<(), LaunchError> {
         let kv = self.spec.kvstore.clone().expect("a cluster with a kvstore");
         let url = self.kvstore_url.clone().expect("a kvstore URL");
-        let listen = url.trim_start_matches("http://").to_string();
+        let listen = url.trim_start_matches("http://").trim_start_matches("https://").to_string();
         let bin = find_binary("kvstore").expect("kvstore binary");
         let metrics_port = free_port();
         let mut args = vec![
@@ -334,7 +352,8 @@ impl TestCluster {
             if self.kvstore_starts == 1 { "kvstore".to_string() } else { format!("kvstore-{}", self.kvstore_starts) };
         let mut p = ServiceProcess::spawn(&name, &bin, &args, &self.env(), url, &self.dir.path().join("logs"))
             .expect("spawn kvstore")
-            .with_metrics_url(format!("http://127.0.0.1:{metrics_port}/metrics"));
+            .with_dialer(self.dialer.clone())
+            .with_metrics_url(self.dialer.url(&format!("127.0.0.1:{metrics_port}/metrics")));
         p.wait_healthy(READY).await?;
         self.kvstore = Some(p);
         Ok(())
@@ -354,7 +373,9 @@ impl TestCluster {
     }
 
     pub async fn kvstore_client(&self) -> KvStoreClient<Channel> {
-        KvStoreClient::connect(self.kvstore_url.clone().expect("a kvstore")).await.expect("connect kvstore")
+        KvStoreClient::new(
+            self.dialer.channel(self.kvstore_url.as_deref().expect("a kvstore")).await.expect("connect kvstore"),
+        )
     }
 
     pub async fn kvstore_stats(&self) -> pb::KvStats {
@@ -422,9 +443,10 @@ impl TestCluster {
     /// The text exposition a service serves at `/metrics` (bounded wait).
     pub async fn scrape(&self, name: &str) -> String {
         let url = self.metrics_url(name);
-        let rest = url.strip_prefix("http://").expect("an http URL");
+        let rest = url.strip_prefix("http://").or_else(|| url.strip_prefix("https://")).expect("an http(s) URL");
         let (addr, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-        let (status, body) = http(addr, "GET", path, None).await.unwrap_or_else(|e| panic!("scrape {url}: {e}"));
+        let (status, body) =
+            http_with(&self.dialer, addr, "GET", path, None, &[]).await.unwrap_or_else(|e| panic!("scrape {url}: {e}"));
         assert_eq!(status, 200, "scrape {url}: {body}");
         body
     }
@@ -434,15 +456,15 @@ impl TestCluster {
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
-        GenerationClient::connect(self.grpc.clone()).await.expect("connect router")
+        GenerationClient::new(self.dialer.channel(&self.grpc).await.expect("connect router"))
     }
 
     pub async fn decode_client(&self, name: &str) -> DecodeClient<Channel> {
-        DecodeClient::connect(self.worker_url(name)).await.expect("connect decode worker")
+        DecodeClient::new(self.dialer.channel(&self.worker_url(name)).await.expect("connect decode worker"))
     }
 
     pub async fn prefill_client(&self, name: &str) -> PrefillClient<Channel> {
-        PrefillClient::connect(self.worker_url(name)).await.expect("connect prefill worker")
+        PrefillClient::new(self.dialer.channel(&self.worker_url(name)).await.expect("connect prefill worker"))
     }
 
     /// Run a request to completion (bounded), returning its tokens and final event.
@@ -468,6 +490,40 @@ impl TestCluster {
         self.decode_client(name).await.load(pb::LoadRequest {}).await.expect("load").into_inner()
     }
 
+    /// Every `ERROR` line in the logs of every service this cluster started (its own and
+    /// UCX's, which both spell the level as a word of its own), as `(service, line)`.
+    pub fn error_lines(&self) -> Vec<(String, String)> {
+        let mut found = Vec::new();
+        for p in self.workers.iter().chain(self.router.iter()).chain(self.kvstore.iter()) {
+            let text = std::fs::read_to_string(&p.log).unwrap_or_else(|e| panic!("{}: {e}", p.log.display()));
+            for line in text.lines().filter(|l| l.split_whitespace().any(|w| w == "ERROR")) {
+                found.push((p.name.clone(), line.to_string()));
+            }
+        }
+        found
+    }
+
+    /// The live decode worker that is running (or queueing) a request: the one to kill to
+    /// interrupt a stream (bounded wait; fails when none or several are busy).
+    pub async fn busy_decode_worker(&self) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let mut busy = Vec::new();
+            for w in self.workers.iter().filter(|w| w.name.starts_with("decode") && !self.killed.contains(&w.name)) {
+                let l = self.decode_load(&w.name).await;
+                if l.running + l.waiting > 0 {
+                    busy.push(w.name.clone());
+                }
+            }
+            match busy.len() {
+                1 => return busy.remove(0),
+                0 => assert!(std::time::Instant::now() < deadline, "no decode worker is running a request"),
+                _ => panic!("several decode workers are busy: {busy:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Poll until every page and slot of every live decode worker is free again (bounded).
     pub async fn assert_pages_return(&self, within: Duration) {
         let deadline = std::time::Instant::now() + within;
@@ -484,11 +540,11 @@ impl TestCluster {
     }
 
     pub async fn http_get(&self, path: &str) -> Result<(u16, String), String> {
-        http(&self.http, "GET", path, None).await
+        http_with(&self.dialer, &self.http, "GET", path, None, &[]).await
     }
 
     pub async fn http_post(&self, path: &str, body: &str) -> Result<(u16, String), String> {
-        http(&self.http, "POST", path, Some(body)).await
+        http_with(&self.dialer, &self.http, "POST", path, Some(body), &[]).await
     }
 }
 
@@ -509,12 +565,60 @@ impl Generated {
 
 /// One HTTP/1.1 request with a bounded wait; returns status and body.
 pub async fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> Result<(u16, String), String> {
+    http_with(&cluster::tls::Dialer::plaintext(), addr, method, path, body, &[]).await
+}
+
+/// [`http`] over TLS when `dialer` does TLS, with extra `headers`.
+pub async fn http_with(
+    dialer: &cluster::tls::Dialer,
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Result<(u16, String), String> {
+    let Some(tls) = dialer.client_tls() else { return http_plain(addr, method, path, body, headers).await };
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| format!("{addr}: expected host:port"))?;
+    let port: u16 = port.parse().map_err(|_| format!("{addr}: bad port"))?;
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr)
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(bytes::Bytes::from(body.unwrap_or("").to_string()))).map_err(|e| e.to_string())?;
+    let fut = async {
+        let stream = tls.connect(host, port, true).await.map_err(|e| e.to_string())?;
+        let (mut send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(60), fut).await.map_err(|_| "HTTPS request timed out".to_string())?
+}
+
+async fn http_plain(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Result<(u16, String), String> {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Full<bytes::Bytes>>();
     let req = hyper::Request::builder()
         .method(method)
         .uri(format!("http://{addr}{path}"))
-        .header("content-type", "application/json")
+        .header("content-type", "application/json");
+    let req = headers
+        .iter()
+        .fold(req, |r, (k, v)| r.header(*k, *v))
         .body(Full::new(bytes::Bytes::from(body.unwrap_or("").to_string())))
         .map_err(|e| e.to_string())?;
     let fut = async {

@@ -24,7 +24,7 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(20);
 /// (kubeVersion >= 1.27, native gRPC probes) and a recent one.
 const KUBE_VERSIONS: [&str; 2] = ["1.27.0", "1.33.0"];
 /// Custom resources kubernetes-validate has no schema for (it warns and skips them).
-const CUSTOM_KINDS: [&str; 2] = ["ServiceMonitor", "PrometheusRule"];
+const CUSTOM_KINDS: [&str; 4] = ["ServiceMonitor", "PrometheusRule", "Certificate", "Issuer"];
 
 fn chart() -> PathBuf {
     repo().join("deploy/helm/sluice")
@@ -55,6 +55,13 @@ fn manifests(tools: &PyTools, values: Option<&Path>, dir: &Path) -> Vec<Value> {
 
 fn both_renders(tools: &PyTools, dir: &Path) -> Vec<(&'static str, Vec<Value>)> {
     vec![("default values", manifests(tools, None, dir)), ("all-on values", manifests(tools, Some(&all_on()), dir))]
+}
+
+/// The default render with TLS turned off.
+fn plaintext_render(tools: &PyTools, dir: &Path) -> Vec<Value> {
+    let file = dir.join("plaintext-values.yaml");
+    std::fs::write(&file, "tls:\n  enabled: false\n").expect("write values");
+    manifests(tools, Some(&file), dir)
 }
 
 fn kind_name(doc: &Value) -> String {
@@ -121,6 +128,7 @@ fn chart_lints_and_renders_with_default_and_all_on_values() {
         "PodDisruptionBudget/sluice-router",
         "PodDisruptionBudget/sluice-prefill",
         "PodDisruptionBudget/sluice-decode",
+        "Secret/sluice-tls",
     ] {
         assert!(kinds.contains(want), "default render lacks {want}: {kinds:?}");
     }
@@ -144,7 +152,7 @@ fn chart_lints_and_renders_with_default_and_all_on_values() {
         let c = &pod["containers"][0];
         let args = strings(&c["args"]);
         assert_eq!(flag(&args, "--listen"), Some(format!("0.0.0.0:{port}").as_str()), "{args:?}");
-        assert_eq!(flag(&args, "--advertise"), Some(format!("http://$(POD_IP):{port}").as_str()), "{args:?}");
+        assert_eq!(flag(&args, "--advertise"), Some(format!("https://$(POD_IP):{port}").as_str()), "{args:?}");
         assert_eq!(flag(&args, "--metrics-listen"), Some("0.0.0.0:9100"), "{args:?}");
         assert_eq!(flag(&args, "--etcd"), Some("http://sluice-etcd:2379"), "{args:?}");
         assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], 1, "{role}");
@@ -156,9 +164,16 @@ fn chart_lints_and_renders_with_default_and_all_on_values() {
         let mount = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == "model").unwrap();
         assert_eq!(mount["mountPath"], model);
         assert_eq!(mount["readOnly"], true);
+        // TLS is on by default: kubelet's gRPC probes cannot speak it, `sluice health` does.
         for probe in ["startupProbe", "livenessProbe", "readinessProbe"] {
-            assert_eq!(c[probe]["grpc"]["port"], port, "{role} {probe}");
+            let command = strings(&c[probe]["exec"]["command"]);
+            assert_eq!(command[..2], ["sluice", "health"], "{role} {probe}: {command:?}");
+            assert_eq!(flag(&command, "--addr"), Some(format!("https://127.0.0.1:{port}").as_str()), "{role} {probe}");
         }
+        assert_eq!(
+            flag(&strings(&c["readinessProbe"]["exec"]["command"]), "--service"),
+            Some(if role == "prefill" { "sluice.v1.Prefill" } else { "sluice.v1.Decode" })
+        );
         assert_eq!(pod["enableServiceLinks"], false);
     }
 }
@@ -198,10 +213,39 @@ fn all_on_values_turn_every_option_on() {
     // Prefill workers and the router find the store through its Service.
     let prefill_args =
         strings(&pod_spec(find(&docs, "StatefulSet", "sluice-prod-prefill")).unwrap()["containers"][0]["args"]);
-    assert_eq!(flag(&prefill_args, "--kvstore"), Some("http://sluice-prod-kvstore:50081"));
-    let router_args =
-        strings(&pod_spec(find(&docs, "Deployment", "sluice-prod-router")).unwrap()["containers"][0]["args"]);
-    assert_eq!(flag(&router_args, "--kvstore"), Some("http://sluice-prod-kvstore:50081"));
+    assert_eq!(flag(&prefill_args, "--kvstore"), Some("https://sluice-prod-kvstore:50081"));
+    let router_pod = pod_spec(find(&docs, "Deployment", "sluice-prod-router")).unwrap();
+    let router_args = strings(&router_pod["containers"][0]["args"]);
+    assert_eq!(flag(&router_args, "--kvstore"), Some("https://sluice-prod-kvstore:50081"));
+    // API keys from a Secret, mounted where --api-keys-file points.
+    assert_eq!(flag(&router_args, "--api-keys-file"), Some("/etc/sluice/api-keys/keys.txt"));
+    let keys = router_pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "api-keys").unwrap();
+    assert_eq!(keys["secret"]["secretName"], "sluice-prod-api-keys");
+    // cert-manager: the chart's own self-signed root, a CA Issuer, and the services'
+    // certificate with both usages and every name peers and clients dial.
+    for (kind, name) in [
+        ("Issuer", "sluice-prod-selfsigned"),
+        ("Certificate", "sluice-prod-ca"),
+        ("Issuer", "sluice-prod-ca"),
+        ("Certificate", "sluice-prod-tls"),
+    ] {
+        find(&docs, kind, name);
+    }
+    let cert = &find(&docs, "Certificate", "sluice-prod-tls")["spec"];
+    assert_eq!(cert["secretName"], "sluice-prod-tls");
+    assert_eq!(cert["issuerRef"]["name"], "sluice-prod-ca");
+    assert_eq!(cert["duration"], "720h");
+    let usages = strings(&cert["usages"]);
+    assert!(usages.contains(&"server auth".into()) && usages.contains(&"client auth".into()), "{usages:?}");
+    let names = strings(&cert["dnsNames"]);
+    for want in [
+        "sluice-prod.sluice.sluice.internal",
+        "sluice-prod-kvstore",
+        "*.sluice-prod-prefill.sluice.svc",
+        "sluice.example.com",
+    ] {
+        assert!(names.contains(&want.to_string()), "certificate lacks {want}: {names:?}");
+    }
     for role in ["prefill", "decode"] {
         let pod = pod_spec(find(&docs, "StatefulSet", &format!("sluice-prod-{role}"))).unwrap();
         assert_eq!(pod["hostNetwork"], true);
@@ -221,6 +265,11 @@ fn all_on_values_turn_every_option_on() {
     let ports: Vec<&str> =
         monitor["spec"]["endpoints"].as_array().unwrap().iter().map(|e| e["port"].as_str().unwrap()).collect();
     assert_eq!(ports, ["http", "metrics"]);
+    for e in monitor["spec"]["endpoints"].as_array().unwrap() {
+        assert_eq!(e["scheme"], "https", "{e}");
+        assert_eq!(e["tlsConfig"]["ca"]["secret"]["name"], "sluice-prod-tls", "{e}");
+        assert_eq!(e["tlsConfig"]["serverName"], "sluice-prod.sluice.sluice.internal", "{e}");
+    }
     let dashboard = find(&docs, "ConfigMap", "sluice-prod-dashboard");
     assert_eq!(dashboard["metadata"]["labels"]["grafana_dashboard"], "1");
     let embedded: Value = serde_json::from_str(dashboard["data"]["sluice-dashboard.json"].as_str().unwrap()).unwrap();
@@ -246,6 +295,9 @@ fn values_violating_the_schema_are_rejected() {
         ("router:\n  resources:\n    limits:\n      memory: lots\n", "router.resources.limits.memory"),
         ("model:\n  volume:\n    type: nfs\n", "model.volume.type"),
         ("workers:\n  ucx:\n    env:\n      FOO: bar\n", "workers.ucx.env"),
+        ("tls:\n  source: vault\n", "tls.source"),
+        ("tls:\n  reloadMs: 5\n", "tls.reloadMs"),
+        ("router:\n  apiKeys:\n    secret: keys\n", "router.apiKeys"),
         ("unknownTopLevel: true\n", "unknownTopLevel"),
     ];
     for (i, (values, names)) in cases.iter().enumerate() {
@@ -267,6 +319,7 @@ fn values_violating_the_schema_are_rejected() {
         (vec!["--set", "etcd.replicas=3"], "etcd.persistence.enabled"),
         (vec!["--set", "etcd.external.endpoints={http://etcd:2379}"], "etcd.enabled=false"),
         (vec!["--set", "model.volume.type=existingClaim"], "model.volume.existingClaim"),
+        (vec!["--set", "tls.source=existingSecret"], "tls.existingSecret"),
     ];
     for (args, names) in combos {
         let ran = render(tools, None, &args);
@@ -329,7 +382,9 @@ fn covered(root: &Value, node: &Value, value: &Value, path: &str, missing: &mut 
 fn rendered_manifests_pass_kubernetes_validate() {
     let tools = pytools();
     let dir = tempfile::tempdir().unwrap();
-    for (label, values) in [("default", None), ("all-on", Some(all_on()))] {
+    let plaintext = dir.path().join("plaintext-values.yaml");
+    std::fs::write(&plaintext, "tls:\n  enabled: false\n").unwrap();
+    for (label, values) in [("default", None), ("all-on", Some(all_on())), ("plaintext", Some(plaintext))] {
         let ran = render(tools, values.as_deref(), &[]);
         assert!(ran.success(), "helm template ({label}):\n{}", ran.output());
         let file = dir.path().join(format!("{label}.yaml"));
@@ -361,6 +416,113 @@ fn rendered_manifests_pass_kubernetes_validate() {
             );
         }
     }
+}
+
+// ------------------------------------------------------------------------------ TLS
+
+/// The value of env var `name` of a container.
+fn env_value<'a>(c: &'a Value, name: &str) -> Option<&'a str> {
+    c["env"].as_array()?.iter().find(|e| e["name"] == name)?["value"].as_str()
+}
+
+/// Every container running one of our binaries, with its workload's name.
+fn our_containers(docs: &[Value]) -> Vec<(String, &Value, &Value)> {
+    let mut out = Vec::new();
+    for doc in docs {
+        let Some(pod) = pod_spec(doc) else { continue };
+        for c in containers(pod) {
+            let binary = strings(&c["command"]).first().cloned().unwrap_or_default();
+            if OURS.contains(&binary.as_str()) {
+                out.push((kind_name(doc), pod, c));
+            }
+        }
+    }
+    out
+}
+
+/// TLS is on by default: every sluice pod mounts the chart's certificate Secret and points
+/// its service at it; with `tls.enabled=false` every service says --insecure-plaintext
+/// instead and the probes are kubelet's own gRPC probes.
+#[test]
+fn tls_is_on_by_default_in_every_pod_and_off_only_explicitly() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    let docs = manifests(tools, None, dir.path());
+    let secret = find(&docs, "Secret", "sluice-tls");
+    assert_eq!(secret["type"], "kubernetes.io/tls");
+    let ours = our_containers(&docs);
+    assert!(ours.len() >= 3, "{ours:?}");
+    for (what, pod, c) in &ours {
+        assert_eq!(env_value(c, "SLUICE_TLS_DIR"), Some("/etc/sluice/tls"), "{what}");
+        assert_eq!(env_value(c, "SLUICE_TLS_SERVER_NAME"), Some("sluice.sluice.sluice.internal"), "{what}");
+        assert_eq!(env_value(c, "SLUICE_INSECURE_PLAINTEXT"), None, "{what}");
+        let mount = c["volumeMounts"].as_array().unwrap().iter().find(|m| m["name"] == "tls").expect("a tls mount");
+        assert_eq!(mount["mountPath"], "/etc/sluice/tls", "{what}");
+        assert!(mount.get("subPath").is_none(), "{what}: a subPath mount never sees a renewal");
+        let volume = pod["volumes"].as_array().unwrap().iter().find(|v| v["name"] == "tls").expect("a tls volume");
+        assert_eq!(volume["secret"]["secretName"], "sluice-tls", "{what}");
+        assert!(c["readinessProbe"]["exec"].is_object(), "{what}: {}", c["readinessProbe"]);
+    }
+    let decode = find(&docs, "Deployment", "sluice-decode");
+    assert_eq!(decode["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scheme"], "https");
+
+    let plain = plaintext_render(tools, dir.path());
+    assert!(!plain.iter().any(|d| d["kind"] == "Secret"), "no certificate without TLS");
+    for (what, _, c) in our_containers(&plain) {
+        assert_eq!(env_value(c, "SLUICE_INSECURE_PLAINTEXT"), Some("true"), "{what}");
+        assert_eq!(env_value(c, "SLUICE_TLS_DIR"), None, "{what}");
+        assert!(c["readinessProbe"]["grpc"]["port"].is_u64(), "{what}: {}", c["readinessProbe"]);
+    }
+    let args = strings(&pod_spec(find(&plain, "Deployment", "sluice-prefill")).unwrap()["containers"][0]["args"]);
+    assert_eq!(flag(&args, "--advertise"), Some("http://$(POD_IP):50061"));
+}
+
+/// The certificate the chart generates (Helm's genCA / genSignedCert) is one rustls takes:
+/// a real mutual-TLS handshake with it succeeds for the peer name every service checks,
+/// and a client without a certificate is refused by an internal listener.
+#[test]
+fn the_generated_certificate_makes_a_mutual_tls_handshake() {
+    use base64::Engine as _;
+    use tokio_stream::StreamExt as _;
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    let docs = manifests(tools, None, dir.path());
+    let data = &find(&docs, "Secret", "sluice-tls")["data"];
+    let tls_dir = dir.path().join("tls");
+    std::fs::create_dir_all(&tls_dir).unwrap();
+    for file in ["tls.crt", "tls.key", "ca.crt"] {
+        let bytes = base64::engine::general_purpose::STANDARD.decode(data[file].as_str().expect(file)).expect(file);
+        std::fs::write(tls_dir.join(file), bytes).unwrap();
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let live = cluster::tls::Live::load(cluster::tls::Paths::in_dir(&tls_dir)).expect("the chart's Secret loads");
+        let tls = cluster::tls::Tls { live: live.clone(), server_name: Some("sluice.sluice.sluice.internal".into()) };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let mut incoming = cluster::tls::incoming(listener, Some(tls.internal_grpc())).unwrap();
+        let wait = Duration::from_secs(5);
+
+        let peer = cluster::tls::ClientTls::with_identity(&live, tls.server_name.as_deref()).unwrap();
+        let _client = tokio::time::timeout(wait, peer.connect("127.0.0.1", port, false))
+            .await
+            .expect("bounded")
+            .expect("a peer with the chart's certificate completes the handshake");
+        let served = tokio::time::timeout(wait, incoming.next()).await.expect("the server accepts the peer");
+        assert!(matches!(served, Some(Ok(_))));
+
+        let anonymous = cluster::tls::ClientTls::trusting(&tls_dir.join("ca.crt"), tls.server_name.as_deref()).unwrap();
+        // TLS 1.3 finishes on the client's side before the server checks its (missing)
+        // certificate: the refusal shows as a connection the server never hands over.
+        let _ = tokio::time::timeout(wait, anonymous.connect("127.0.0.1", port, false)).await;
+        let refused = tokio::time::timeout(Duration::from_secs(2), incoming.next()).await;
+        assert!(refused.is_err(), "an internal listener accepted a client without a certificate");
+
+        // The name is checked: the generated certificate is not valid for any other name.
+        let wrong = cluster::tls::ClientTls::with_identity(&live, Some("someone.else.example")).unwrap();
+        let r = tokio::time::timeout(wait, wrong.connect("127.0.0.1", port, false)).await.expect("bounded");
+        assert!(r.is_err(), "a certificate for another name was accepted");
+    });
 }
 
 // ------------------------------------------------------------------- --check-config
@@ -431,7 +593,9 @@ fn check_config(inv: &Invocation, args: &[String]) -> Option<Ran> {
 fn every_container_command_passes_check_config() {
     let tools = pytools();
     let dir = tempfile::tempdir().unwrap();
-    for (label, docs) in both_renders(tools, dir.path()) {
+    let mut renders = both_renders(tools, dir.path());
+    renders.push(("plaintext values", plaintext_render(tools, dir.path())));
+    for (label, docs) in renders {
         let mut checked = BTreeSet::new();
         for inv in invocations(&docs) {
             assert!(

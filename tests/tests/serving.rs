@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use engine::generate::{GenerateRequest, Generation, generate};
 use engine::sampling::SamplingParams;
 use engine::{CpuBackend, Engine, EngineOptions, EntryDtype};
-use sluice_e2e::{Spec, TestCluster, ids_request, prompt};
+use sluice_e2e::{KvSpec, Spec, TestCluster, ids_request, prompt};
 use sluice_proto::v1 as pb;
 use tonic::{Code, Status};
 
@@ -144,6 +144,31 @@ async fn http_api_streams_and_answers_like_grpc() {
     let (status, text) = c.http_get("/v1/models").await.unwrap();
     assert_eq!(status, 200);
     assert!(text.contains("\"id\":\"tiny\""), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_cluster_logs_no_error_line() {
+    // As `sluice up` runs it: KV over shared memory, a kvstore, two decode workers.
+    let spec = Spec { ucx_tls: Some("shm".into()), kvstore: Some(KvSpec::policy("periodic:1024")), ..Spec::new(1, 2) };
+    let c = TestCluster::start(spec).await;
+    // Cold prompts at once (placed on both decode workers), then a repeated one whose
+    // blocks come back from the kvstore.
+    let cold = |i: u32| c.generate(ids_request(prompt(150 + i as usize, 30 + i, VOCAB), 8));
+    let (a, b, d, e) = tokio::join!(cold(0), cold(1), cold(2), cold(3));
+    for r in [a, b, d, e] {
+        r.expect("a cold request");
+    }
+    let shared = prompt(300, 21, VOCAB);
+    c.generate(ids_request(shared.clone(), 8)).await.expect("the prefix's first request");
+    // One block from each cold prompt, two from the shared one.
+    c.wait_kvstore(6, 0).await;
+    let hit = c.generate(ids_request(shared, 8)).await.expect("the prefix's second request");
+    assert_eq!(hit.fin.usage.as_ref().map(|u| u.cached_tokens), Some(256), "the kvstore served the prefix");
+    let (status, _) = c.http_post("/v1/completions", r#"{"prompt": "Hello there", "max_tokens": 4}"#).await.unwrap();
+    assert_eq!(status, 200);
+    c.assert_pages_return(Duration::from_secs(5)).await;
+    let errors = c.error_lines();
+    assert!(errors.is_empty(), "a healthy cluster logged errors: {errors:#?}");
 }
 
 /// A prompt whose greedy continuation has no near-tie (top-2 logprob gap > 1e-3 at every

@@ -87,19 +87,29 @@ impl Sender {
         Ok(Sender { worker: Worker::new(&ctx)?, peers: HashMap::new() })
     }
 
-    /// Connect with peer-failure detection where the transports allow it; UCX 1.13's
-    /// shared-memory transports do not, so fall back to no error handling for them.
+    /// Connect with peer-failure detection where the configured transports allow it
+    /// (tcp, RDMA), without it where they do not (UCX 1.13's shared memory): asking
+    /// shared memory for it would fail and make UCX log an ERROR on every connection.
+    /// Without it a dead receiver is noticed by the control plane instead: its commit
+    /// RPC fails and the router retries elsewhere; over shared memory a put is a copy
+    /// into a mapping that stays valid, so it cannot hang on the dead peer.
     fn peer(&mut self, address: &[u8]) -> Result<&mut Peer, TransferError> {
         if self.peers.get(address).is_some_and(|p| p.ep.has_failed()) {
             self.peers.remove(address);
         }
         if !self.peers.contains_key(address) {
-            let ep = match self.worker.connect(address) {
+            let ep = match self.worker.connect_with(address, self.worker.error_mode()) {
                 Ok(ep) => ep,
-                Err(e) => {
-                    tracing::debug!(error = %e, "peer-checked UCX endpoint unavailable; connecting without error handling");
+                Err(e)
+                    if e.status == i32::from(ucx_sys::raw::UCS_ERR_UNREACHABLE)
+                        && self.worker.error_mode() == ErrorMode::Peer =>
+                {
+                    // The transports named include a network one that cannot reach this
+                    // peer (UCX logged why just before); shared memory may still.
+                    tracing::warn!(error = %e, "no UCX transport with peer-failure detection reaches the receiver; connecting without error handling (set UCX_TLS to transports both sides share)");
                     self.worker.connect_with(address, ErrorMode::None)?
                 }
+                Err(e) => return Err(e.into()),
             };
             self.peers.insert(address.to_vec(), Peer { ep, keys: HashMap::new(), last_send: Instant::now() });
         }

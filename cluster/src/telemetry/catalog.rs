@@ -7,7 +7,7 @@
 
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
-use super::metrics::{self, ALL_CODES, KV_POOLS, SWA_POLICIES, names, status_label};
+use super::metrics::{self, ALL_CODES, KV_POOLS, MIGRATION_OUTCOMES, SWA_POLICIES, names, status_label};
 
 /// What the router records: latency as a client sees it, outcomes, token counts.
 #[derive(Clone, Debug)]
@@ -27,6 +27,7 @@ pub struct RouterMetrics {
     /// Requests in flight at the router.
     pub running: IntGauge,
     workers: IntGaugeVec,
+    migrations: IntCounterVec,
 }
 
 impl RouterMetrics {
@@ -48,6 +49,15 @@ impl RouterMetrics {
         );
         for role in ["prefill", "decode"] {
             workers.with_label_values(&[role]);
+        }
+        let migrations = metrics::counter_vec(
+            registry,
+            names::ROUTER_MIGRATIONS,
+            "Attempts to continue a request on another prefill/decode pair after its decode worker was lost, by outcome.",
+            &["outcome"],
+        );
+        for outcome in MIGRATION_OUTCOMES {
+            migrations.with_label_values(&[outcome]);
         }
         RouterMetrics {
             ttft: metrics::histogram(registry, names::REQUEST_TTFT, "Time to first token as the router sees it."),
@@ -72,12 +82,19 @@ impl RouterMetrics {
             generated_tokens: metrics::counter(registry, names::GENERATED_TOKENS, "Tokens streamed to clients."),
             running: metrics::gauge(registry, names::REQUESTS_RUNNING, "Requests in flight at the router."),
             workers,
+            migrations,
         }
     }
 
     /// Count a request's outcome.
     pub fn outcome(&self, code: tonic::Code) {
         self.requests.with_label_values(&[status_label(code)]).inc();
+    }
+
+    /// Count a migration attempt; `outcome` is one of [`MIGRATION_OUTCOMES`].
+    pub fn migration(&self, outcome: &str) {
+        debug_assert!(MIGRATION_OUTCOMES.contains(&outcome), "{outcome}");
+        self.migrations.with_label_values(&[outcome]).inc();
     }
 
     pub fn set_workers(&self, prefill: usize, decode: usize) {
@@ -205,11 +222,22 @@ pub struct DecodeMetrics {
     pub pages_total: IntGauge,
     pub slots_used: IntGauge,
     pub slots_total: IntGauge,
+    commits_refused: IntCounterVec,
 }
 
 impl DecodeMetrics {
     pub fn new(registry: &Registry) -> Self {
+        let commits_refused = metrics::counter_vec(
+            registry,
+            names::KV_COMMITS_REFUSED,
+            "KV commits refused, never decoded, by reason (checksum, lease).",
+            &["reason"],
+        );
+        for r in metrics::COMMIT_REFUSALS {
+            commits_refused.with_label_values(&[r]);
+        }
         DecodeMetrics {
+            commits_refused,
             tokens: metrics::counter(registry, names::DECODE_TOKENS, "Tokens decoded."),
             step_seconds: metrics::histogram(registry, names::DECODE_STEP, "Time of one decode step of the batch."),
             running: metrics::gauge(registry, names::DECODE_RUNNING, "Requests in the running batch."),
@@ -228,6 +256,12 @@ impl DecodeMetrics {
             slots_total: metrics::gauge(registry, names::KV_STATE_SLOTS_TOTAL, "State-cache slots."),
         }
     }
+
+    /// A refused commit; `reason` is one of [`metrics::COMMIT_REFUSALS`].
+    pub fn commit_refused(&self, reason: &str) {
+        debug_assert!(metrics::COMMIT_REFUSALS.contains(&reason), "{reason}");
+        self.commits_refused.with_label_values(&[reason]).inc();
+    }
 }
 
 #[cfg(test)]
@@ -242,6 +276,7 @@ mod tests {
         let m = RouterMetrics::new(&r);
         m.outcome(tonic::Code::InvalidArgument);
         m.set_workers(2, 3);
+        m.migration("resumed");
         let text = encode(&r);
         for name in [
             names::REQUEST_TTFT,
@@ -254,12 +289,15 @@ mod tests {
             names::GENERATED_TOKENS,
             names::REQUESTS_RUNNING,
             names::ROUTER_WORKERS,
+            names::ROUTER_MIGRATIONS,
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
         }
         assert!(text.contains(r#"sluice_requests_total{status="invalid_argument"} 1"#), "{text}");
         assert!(text.contains(r#"sluice_requests_total{status="data_loss"} 0"#), "{text}");
         assert!(text.contains(r#"sluice_router_workers{role="decode"} 3"#), "{text}");
+        assert!(text.contains(r#"sluice_router_migrations_total{outcome="resumed"} 1"#), "{text}");
+        assert!(text.contains(r#"sluice_router_migrations_total{outcome="failed"} 0"#), "{text}");
         assert!(text.contains(r#"sluice_request_ttft_seconds_bucket{le="600"} 0"#), "{text}");
         assert!(
             text.contains(&format!(
@@ -291,8 +329,10 @@ mod tests {
         assert!(text.contains(r#"sluice_prefix_cache_query_tokens_total{pool="hca"} 7"#), "{text}");
 
         let r = registry("decode-worker");
-        DecodeMetrics::new(&r);
+        DecodeMetrics::new(&r).commit_refused("lease");
         let text = encode(&r);
+        assert!(text.contains(r#"sluice_kv_commits_refused_total{reason="lease"} 1"#), "{text}");
+        assert!(text.contains(r#"sluice_kv_commits_refused_total{reason="checksum"} 0"#), "{text}");
         for name in [
             names::DECODE_TOKENS,
             names::DECODE_STEP,
@@ -302,6 +342,7 @@ mod tests {
             names::KV_PAGES_TOTAL,
             names::KV_STATE_SLOTS_USED,
             names::KV_STATE_SLOTS_TOTAL,
+            names::KV_COMMITS_REFUSED,
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
         }

@@ -46,7 +46,7 @@ impl KvstoreMetrics {
         let dropped = metrics::counter_vec(
             registry,
             names::KVSTORE_DROPPED,
-            "Offered records not stored, by reason (queue_full, staging_full, no_room, checksum, too_large).",
+            "Offered records not stored, by reason (queue_full, staging_full, no_room, checksum, too_large, lease).",
             &["reason"],
         );
         for r in DROP_REASONS {

@@ -28,6 +28,7 @@ pub mod names {
     pub const GENERATED_TOKENS: &str = "sluice_generated_tokens_total";
     pub const REQUESTS_RUNNING: &str = "sluice_requests_running";
     pub const ROUTER_WORKERS: &str = "sluice_router_workers";
+    pub const ROUTER_MIGRATIONS: &str = "sluice_router_migrations_total";
 
     // Prefill worker.
     pub const PREFILL_TOKENS: &str = "sluice_prefill_tokens_total";
@@ -43,6 +44,7 @@ pub mod names {
     pub const DECODE_STEP: &str = "sluice_decode_step_seconds";
     pub const DECODE_RUNNING: &str = "sluice_decode_requests_running";
     pub const DECODE_WAITING: &str = "sluice_decode_requests_waiting";
+    pub const KV_COMMITS_REFUSED: &str = "sluice_kv_commits_refused_total";
 
     // Prefix cache, as prefill workers use it.
     pub const PREFIX_CACHE_RECOMPUTE: &str = "sluice_prefix_cache_recompute_tokens_total";
@@ -79,8 +81,18 @@ pub mod names {
 /// The KV pools of a DeepSeek-V4 cache, as the `pool` label spells them.
 pub const KV_POOLS: [&str; 4] = ["csa_main", "csa_indexer", "hca", "swa"];
 
-/// Why a kvstore dropped an offered record, as the `reason` label spells it.
-pub const DROP_REASONS: [&str; 5] = ["queue_full", "staging_full", "no_room", "checksum", "too_large"];
+/// Why a kvstore dropped an offered record, as the `reason` label spells it (`lease`: the
+/// put's lease ended before its commit).
+pub const DROP_REASONS: [&str; 6] = ["queue_full", "staging_full", "no_room", "checksum", "too_large", "lease"];
+
+/// Why a decode worker refused a KV commit, as the `reason` label spells it: `checksum`
+/// (the bytes that landed differ from those sent), `lease` (no live reservation by that
+/// id: its lease ended, it was used or given back, or it never existed).
+pub const COMMIT_REFUSALS: [&str; 2] = ["checksum", "lease"];
+
+/// How a request migration attempt ended, as the `outcome` label spells it: `resumed`
+/// (another pair re-prefilled and decoding went on) or `failed`.
+pub const MIGRATION_OUTCOMES: [&str; 2] = ["resumed", "failed"];
 
 /// SWA policies, as the `policy` label spells them.
 pub const SWA_POLICIES: [&str; 3] = ["full", "periodic", "zero"];

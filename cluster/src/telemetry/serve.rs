@@ -45,27 +45,34 @@ pub fn routes(registry: Registry, refresh: Option<Refresh>) -> Router {
     )
 }
 
-/// Serve `/metrics` on `listener` until `shutdown`.
+/// Serve `/metrics` on `listener` until `shutdown`, over TLS when `tls` is given.
 pub async fn serve(
     listener: TcpListener,
     registry: Registry,
     refresh: Option<Refresh>,
     shutdown: CancellationToken,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> std::io::Result<()> {
     if let Ok(addr) = listener.local_addr() {
-        tracing::info!(url = %format!("http://{addr}/metrics"), "serving metrics");
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        tracing::info!(url = %format!("{scheme}://{addr}/metrics"), "serving metrics");
     }
+    let listener = crate::tls::accept(listener, tls)?;
     axum::serve(listener, routes(registry, refresh)).with_graceful_shutdown(shutdown.cancelled_owned()).await
 }
 
 /// Serve `/metrics` in the background (when `listener` is given) for as long as the
 /// returned guard lives: a worker keeps answering scrapes while it drains.
-pub fn spawn(listener: Option<TcpListener>, registry: Registry) -> Option<tokio_util::sync::DropGuard> {
+pub fn spawn(
+    listener: Option<TcpListener>,
+    registry: Registry,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> Option<tokio_util::sync::DropGuard> {
     let listener = listener?;
     let stop = CancellationToken::new();
     let s = stop.clone();
     tokio::spawn(async move {
-        if let Err(e) = serve(listener, registry, None, s).await {
+        if let Err(e) = serve(listener, registry, None, s, tls).await {
             tracing::warn!(error = %e, "metrics endpoint stopped");
         }
     });
@@ -89,7 +96,7 @@ mod tests {
         let registry = super::super::metrics::registry("test");
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let _guard = spawn(Some(listener), registry);
+        let _guard = spawn(Some(listener), registry, None);
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
         s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
         let mut out = String::new();

@@ -143,6 +143,11 @@ impl<B: Backend> KvCache<B> {
     /// Recreate a sequence from [`Self::export`] bytes in fresh pages and a fresh slot.
     pub fn import(&mut self, b: &B, bytes: &[u8], fingerprint: &Fingerprint) -> Result<Sequence, ImportError> {
         let h = ExportHeader::decode(bytes)?;
+        // Checked before `header_for`, whose u32 page count would wrap for such a token
+        // count and let a sequence of 2^57 tokens pass as one of no pages.
+        if h.tokens.div_ceil(self.layout.block as u64) != h.pages as u64 {
+            return Err(ImportError::Geometry(format!("{} tokens do not fill {} pages", h.tokens, h.pages)));
+        }
         if &h.fingerprint != fingerprint {
             return Err(ImportError::Fingerprint { theirs: h.fingerprint.short(), ours: fingerprint.short() });
         }

@@ -200,6 +200,16 @@ impl ModelConfig {
                 format!("must be even, positive and at most head_dim ({}), got {}", self.head_dim, self.rope_head_dim),
             ));
         }
+        if !(self.head_dim - self.rope_head_dim).is_multiple_of(2) {
+            // FP8 KV entries keep the BF16 RoPE tail 2-byte aligned after the FP8 codes.
+            return Err(invalid(
+                "head_dim",
+                format!(
+                    "head_dim ({}) minus qk_rope_head_dim ({}) must be even (FP8 KV entries store those dims)",
+                    self.head_dim, self.rope_head_dim
+                ),
+            ));
+        }
         if !self.num_heads.is_multiple_of(self.o_groups) {
             return Err(invalid(
                 "o_groups",

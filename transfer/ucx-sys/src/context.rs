@@ -40,6 +40,9 @@ impl BitOr for Features {
 pub(crate) struct ContextInner {
     pub(crate) handle: raw::ucp_context_h,
     pub(crate) features: Features,
+    /// `UCX_TLS` as the context was created with it (override, else environment;
+    /// `None`: unset, all transports).
+    pub(crate) tls: Option<String>,
 }
 
 // SAFETY: the context is created with `mt_workers_shared = 1`, so UCX guards the calls
@@ -87,6 +90,12 @@ impl Context {
         for (name, value) in overrides {
             config.modify(name, value)?;
         }
+        let tls = overrides
+            .iter()
+            .rev()
+            .find(|(name, _)| name.strip_prefix("UCX_").unwrap_or(name) == "TLS")
+            .map(|(_, value)| value.to_string())
+            .or_else(|| std::env::var("UCX_TLS").ok());
         let params = raw::ucp_params_t {
             field_mask: raw::UCP_PARAM_FIELD_FEATURES | raw::UCP_PARAM_FIELD_MT_WORKERS_SHARED,
             features: features.bits(),
@@ -105,11 +114,22 @@ impl Context {
         let status =
             unsafe { raw::ucp_init_version(raw::UCP_API_MAJOR, raw::UCP_API_MINOR, &params, config.0, &mut handle) };
         check(status, "ucp_init (create UCX context)")?;
-        Ok(Context { inner: Arc::new(ContextInner { handle, features }) })
+        Ok(Context { inner: Arc::new(ContextInner { handle, features, tls }) })
     }
 
     pub fn features(&self) -> Features {
         self.inner.features
+    }
+
+    /// The `UCX_TLS` this context was created with (`None`: unset, all transports).
+    pub fn transports(&self) -> Option<&str> {
+        self.inner.tls.as_deref()
+    }
+
+    /// The endpoint error mode this context's transports can honour
+    /// ([`ErrorMode::for_transports`](crate::ErrorMode::for_transports)).
+    pub fn error_mode(&self) -> crate::ErrorMode {
+        crate::ErrorMode::for_transports(self.transports())
     }
 }
 

@@ -10,6 +10,7 @@
 //!   - `worker`: [`Worker`], the progress engine (`!Send`: one thread).
 //!   - `wakeup`: sleeping on a worker's event fd instead of spinning.
 //!   - `endpoint`: [`Endpoint`], a connection to a peer worker.
+//!   - `transports`: which [`ErrorMode`] the configured transports can honour.
 //!   - `memory`: [`MemRegion`] (`Send + Sync`), memory peers can access.
 //!   - `rkey`: [`RemoteKey`], a peer's region as seen through one endpoint.
 //!   - `rma`: puts and gets.
@@ -27,7 +28,8 @@
 //! [`MemRegion::pack_rkey`] (which carries the region's base and length), and keeps
 //! progressing its worker ([`Worker::wait_for_events`] between rounds). The sender
 //! [`Worker::connect`]s ([`Worker::connect_with`] and [`ErrorMode::None`] for shared
-//! memory, see [`ErrorMode`]), [`Endpoint::unpack_rkey`]s and calls [`Worker::put_all`],
+//! memory, see [`ErrorMode`]; [`Worker::error_mode`] picks what the configured transports
+//! can honour), [`Endpoint::unpack_rkey`]s and calls [`Worker::put_all`],
 //! which returns once the bytes are at the receiver.
 //!
 //! The address and rkey bytes are sealed in a checksummed envelope (module `envelope`):
@@ -48,6 +50,7 @@ mod memory;
 mod request;
 mod rkey;
 mod rma;
+mod transports;
 mod wakeup;
 mod worker;
 

@@ -60,6 +60,13 @@ impl Worker {
         Ok(Worker { inner: Rc::new(WorkerInner { handle, ctx: ctx.inner.clone() }) })
     }
 
+    /// The endpoint error mode its context's transports can honour: what
+    /// [`Worker::connect_with`] should be given to connect without UCX logging an error
+    /// (see [`ErrorMode::for_transports`](crate::ErrorMode::for_transports)).
+    pub fn error_mode(&self) -> crate::ErrorMode {
+        crate::ErrorMode::for_transports(self.inner.ctx.tls.as_deref())
+    }
+
     /// This worker's address, sealed for transport to a peer, which passes it to
     /// [`Worker::connect`]. Publish it through the control plane.
     pub fn address(&self) -> Result<Vec<u8>, UcxError> {

@@ -78,6 +78,17 @@ fn two_workers_over_shared_memory() {
 }
 
 #[test]
+fn the_mode_chosen_for_the_transports_connects() {
+    for (tls, want) in [("shm", ErrorMode::None), ("tcp", ErrorMode::Peer), ("shm,tcp", ErrorMode::Peer)] {
+        let ctx = Context::with_config(Features::RMA | Features::WAKEUP, &[("TLS", tls)]).unwrap();
+        assert_eq!(ctx.transports(), Some(tls));
+        let mode = Worker::new(&ctx).unwrap().error_mode();
+        assert_eq!((mode, ctx.error_mode()), (want, want), "UCX_TLS={tls}");
+        two_workers(&ctx, mode);
+    }
+}
+
+#[test]
 fn worker_connected_to_itself_over_the_self_transport() {
     let ctx = Context::with_config(Features::RMA | Features::WAKEUP, &[("TLS", "self")]).unwrap();
     let worker = Worker::new(&ctx).unwrap();

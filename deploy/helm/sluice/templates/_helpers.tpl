@@ -94,6 +94,18 @@ storageClassName: {{ . | quote }}
   value: {{ .Values.logLevel | quote }}
 - name: SLUICE_LOG_FORMAT
   value: {{ .Values.logFormat | quote }}
+{{- if .Values.tls.enabled }}
+- name: SLUICE_TLS_DIR
+  value: {{ include "sluice.tlsDir" . | quote }}
+- name: SLUICE_TLS_SERVER_NAME
+  value: {{ include "sluice.tlsServerName" . | quote }}
+- name: SLUICE_TLS_RELOAD_MS
+  value: {{ .Values.tls.reloadMs | int | toString | quote }}
+{{- else }}
+# TLS is off (tls.enabled=false): plaintext on the pod network is an explicit choice.
+- name: SLUICE_INSECURE_PLAINTEXT
+  value: "true"
+{{- end }}
 {{- with .Values.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
@@ -162,6 +174,93 @@ storageClassName: {{ . | quote }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .port | int | toString | quote }}
 prometheus.io/path: /metrics
+{{- if .root.Values.tls.enabled }}
+prometheus.io/scheme: https
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- TLS (docs/security.md) */}}
+
+{{/* Where every pod mounts the certificate Secret. */}}
+{{- define "sluice.tlsDir" -}}
+/etc/sluice/tls
+{{- end -}}
+
+{{/* http or https, for the URLs services dial each other by. */}}
+{{- define "sluice.scheme" -}}
+{{- if .Values.tls.enabled }}https{{ else }}http{{ end -}}
+{{- end -}}
+
+{{/* The Secret holding tls.crt, tls.key and ca.crt. */}}
+{{- define "sluice.tlsSecretName" -}}
+{{- if eq .Values.tls.source "existingSecret" -}}
+{{- required "tls.existingSecret: name the Secret with tls.crt, tls.key and ca.crt (tls.source=existingSecret)" .Values.tls.existingSecret -}}
+{{- else -}}
+{{- include "sluice.componentName" (dict "root" . "component" "tls") -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The name services check each other's certificates for (--tls-server-name): peers found in
+etcd are dialed by pod IP, which no certificate names. It is never looked up in DNS.
+*/}}
+{{- define "sluice.tlsServerName" -}}
+{{- printf "%s.%s.sluice.internal" (include "sluice.fullname" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* DNS names of the certificate (JSON list): the peer name, every Service, localhost. */}}
+{{- define "sluice.tlsDnsNames" -}}
+{{- $names := list (include "sluice.tlsServerName" .) "localhost" -}}
+{{- range $c := list "router" "prefill" "decode" "kvstore" -}}
+{{- $svc := include "sluice.componentName" (dict "root" $ "component" $c) -}}
+{{- $names = concat $names (list $svc (printf "%s.%s" $svc $.Release.Namespace) (printf "%s.%s.svc" $svc $.Release.Namespace) (printf "*.%s.%s.svc" $svc $.Release.Namespace)) -}}
+{{- end -}}
+{{- concat $names .Values.tls.extraDnsNames | uniq | toJson -}}
+{{- end -}}
+
+{{- define "sluice.tlsVolume" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  secret:
+    secretName: {{ include "sluice.tlsSecretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/* The whole Secret as a directory (no subPath), so a renewal reaches the files. */}}
+{{- define "sluice.tlsMount" -}}
+{{- if .Values.tls.enabled -}}
+- name: tls
+  mountPath: {{ include "sluice.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+A probe's action; call with (dict "root" $ "port" 50061 "service" "sluice.v1.Prefill").
+Kubernetes' native gRPC probes speak plaintext only: with TLS the probe runs
+`sluice health`, which dials TLS and presents the pod's certificate (internal ports
+require one).
+*/}}
+{{- define "sluice.probeAction" -}}
+{{- if .root.Values.tls.enabled -}}
+exec:
+  command:
+    - sluice
+    - health
+    - --addr
+    - {{ printf "https://127.0.0.1:%d" (int .port) }}
+    {{- with .service }}
+    - --service
+    - {{ . }}
+    {{- end }}
+{{- else -}}
+grpc:
+  port: {{ int .port }}
+  {{- with .service }}
+  service: {{ . }}
+  {{- end }}
 {{- end }}
 {{- end -}}
 
@@ -190,7 +289,7 @@ spec:
 {{/* `--kvstore <url>` for the services that use the prefix store, when it is deployed. */}}
 {{- define "sluice.kvstoreArgs" -}}
 {{- if .Values.kvstore.enabled -}}
-{{- list "--kvstore" (printf "http://%s:%d" (include "sluice.componentName" (dict "root" . "component" "kvstore")) (int .Values.kvstore.port)) | toJson -}}
+{{- list "--kvstore" (printf "%s://%s:%d" (include "sluice.scheme" .) (include "sluice.componentName" (dict "root" . "component" "kvstore")) (int .Values.kvstore.port)) | toJson -}}
 {{- else -}}
 []
 {{- end -}}

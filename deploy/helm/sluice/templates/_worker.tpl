@@ -21,7 +21,7 @@ The gRPC port is fixed (--listen 0.0.0.0:<port>) and advertised from the pod IP
 {{- $args := list "--listen" (printf "0.0.0.0:%d" $port) -}}
 {{- if ne .discovery false -}}
 {{- /* Workers register in etcd; the kvstore is found through its Service instead. */ -}}
-{{- $args = concat $args (list "--advertise" (printf "http://$(POD_IP):%d" $port)) -}}
+{{- $args = concat $args (list "--advertise" (printf "%s://$(POD_IP):%d" (include "sluice.scheme" $root) $port)) -}}
 {{- $args = concat $args (list "--etcd" (include "sluice.etcdEndpoints" $root) "--cluster" $root.Values.clusterName) -}}
 {{- end -}}
 {{- $args = concat $args .args (list "--metrics-listen" (printf "0.0.0.0:%d" $metricsPort)) $v.extraArgs -}}
@@ -61,7 +61,9 @@ spec:
     - name: grpc
       port: {{ $port }}
       targetPort: grpc
+      {{- if not $root.Values.tls.enabled }}
       appProtocol: kubernetes.io/h2c
+      {{- end }}
     - name: metrics
       port: {{ $metricsPort }}
       targetPort: metrics
@@ -134,26 +136,20 @@ spec:
             - name: metrics
               containerPort: {{ $metricsPort }}
               protocol: TCP
-          # Native gRPC probes against grpc.health.v1. Liveness asks for the server ("");
-          # readiness for the service, which reports NOT_SERVING while draining.
+          # grpc.health.v1 (natively, or with `sluice health` over TLS). Liveness asks for
+          # the server (""); readiness for the service, which reports NOT_SERVING while draining.
           startupProbe:
-            grpc:
-              port: {{ $port }}
+            {{- include "sluice.probeAction" (dict "root" $root "port" $port) | nindent 12 }}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: {{ max 1 (div (int $v.startupTimeoutSeconds) 10) }}
           livenessProbe:
-            grpc:
-              port: {{ $port }}
+            {{- include "sluice.probeAction" (dict "root" $root "port" $port) | nindent 12 }}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: 6
           readinessProbe:
-            grpc:
-              port: {{ $port }}
-              {{- with .healthService }}
-              service: {{ . }}
-              {{- end }}
+            {{- include "sluice.probeAction" (dict "root" $root "port" $port "service" .healthService) | nindent 12 }}
             periodSeconds: 5
             timeoutSeconds: 5
             failureThreshold: 2
@@ -171,6 +167,7 @@ spec:
               mountPath: /dev/shm
             - name: tmp
               mountPath: /tmp
+            {{- with include "sluice.tlsMount" $root }}{{ . | nindent 12 }}{{ end }}
             {{- with .mounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -184,6 +181,7 @@ spec:
             sizeLimit: {{ $root.Values.workers.shmSize }}
         - name: tmp
           emptyDir: {}
+        {{- with include "sluice.tlsVolume" $root }}{{ . | nindent 8 }}{{ end }}
       {{- with $v.nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
