@@ -206,6 +206,12 @@ impl CudaBackend {
         self.gpu.stream.memcpy_dtod(&s, &mut d).unwrap_or_else(|e| runtime::fail("device-to-device copy", e));
     }
 
+    /// Device address and length in bytes of a KV storage, for registering it with a
+    /// transport that reaches GPU memory (the storage must outlive the registration).
+    pub fn kv_device_range(&self, kv: &CudaKv) -> (u64, usize) {
+        (self.gpu.ptr(&kv.mem), kv.len * kv.dtype.size())
+    }
+
     /// Bytes of weights and of KV entries the ops issued since the last call must read
     /// at least (each once), and reset the counters.
     pub fn take_traffic(&self) -> (u64, u64) {

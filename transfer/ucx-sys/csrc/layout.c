@@ -78,6 +78,14 @@ static const struct ucx_sys_layout_entry table[] = {
     OFF(ucp_ep_params_t, name),
     OFF(ucp_ep_params_t, local_sockaddr),
 
+    SIZE(ucp_context_attr_t),
+    ALIGN(ucp_context_attr_t),
+    OFF(ucp_context_attr_t, field_mask),
+    OFF(ucp_context_attr_t, request_size),
+    OFF(ucp_context_attr_t, thread_mode),
+    OFF(ucp_context_attr_t, memory_types),
+    OFF(ucp_context_attr_t, name),
+
     SIZE(ucp_mem_map_params_t),
     ALIGN(ucp_mem_map_params_t),
     OFF(ucp_mem_map_params_t, field_mask),
@@ -145,11 +153,14 @@ static const struct ucx_sys_layout_entry table[] = {
 
     CONST(UCS_THREAD_MODE_SINGLE),
     CONST(UCS_MEMORY_TYPE_HOST),
+    CONST(UCS_MEMORY_TYPE_CUDA),
 
     CONST(UCP_PARAM_FIELD_FEATURES),
     CONST(UCP_PARAM_FIELD_MT_WORKERS_SHARED),
     CONST(UCP_FEATURE_RMA),
     CONST(UCP_FEATURE_WAKEUP),
+    CONST(UCP_ATTR_FIELD_MEMORY_TYPES),
+    CONST(UCP_ENTITY_NAME_MAX),
 
     CONST(UCP_WORKER_PARAM_FIELD_THREAD_MODE),
 
@@ -163,11 +174,13 @@ static const struct ucx_sys_layout_entry table[] = {
     CONST(UCP_MEM_MAP_PARAM_FIELD_ADDRESS),
     CONST(UCP_MEM_MAP_PARAM_FIELD_LENGTH),
     CONST(UCP_MEM_MAP_PARAM_FIELD_FLAGS),
+    CONST(UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE),
     CONST(UCP_MEM_MAP_ALLOCATE),
     CONST(UCP_MEM_ATTR_FIELD_ADDRESS),
     CONST(UCP_MEM_ATTR_FIELD_LENGTH),
 
     CONST(UCP_OP_ATTR_FIELD_FLAGS),
+    CONST(UCP_OP_ATTR_FIELD_MEMORY_TYPE),
 
     CONST(POLLIN),
     CONST(POLLERR),

@@ -126,6 +126,30 @@ impl Context {
         self.inner.tls.as_deref()
     }
 
+    /// Whether the context's transports reach memory of type `memory` (a libucx built
+    /// without CUDA, such as Debian's, reaches host memory only).
+    pub fn supports(&self, memory: crate::MemoryType) -> bool {
+        self.memory_types() & (1u64 << memory.raw()) != 0
+    }
+
+    /// Bit set of the UCX memory types (`1 << ucs_memory_type_t`) this context supports.
+    pub fn memory_types(&self) -> u64 {
+        let mut attr = raw::ucp_context_attr_t {
+            field_mask: raw::UCP_ATTR_FIELD_MEMORY_TYPES,
+            request_size: 0,
+            thread_mode: 0,
+            memory_types: 0,
+            name: [0; raw::UCP_ENTITY_NAME_MAX],
+        };
+        // SAFETY: the context is alive; attr is a valid out-structure of which UCX writes
+        // only the field the mask asks for.
+        let status = unsafe { raw::ucp_context_query(self.inner.handle, &mut attr) };
+        if check(status, "ucp_context_query").is_err() {
+            return 1 << raw::UCS_MEMORY_TYPE_HOST;
+        }
+        attr.memory_types
+    }
+
     /// The endpoint error mode this context's transports can honour
     /// ([`ErrorMode::for_transports`](crate::ErrorMode::for_transports)).
     pub fn error_mode(&self) -> crate::ErrorMode {
@@ -164,6 +188,26 @@ impl Drop for Config {
         // SAFETY: self.0 came from ucp_config_read and is released exactly once.
         unsafe { raw::ucp_config_release(self.0) }
     }
+}
+
+/// The file the UCX library was loaded from (`libucp.so.0` of the system, or the one
+/// `LD_LIBRARY_PATH` put first, e.g. a CUDA-enabled build), when the loader says.
+pub fn library_path() -> Option<String> {
+    let mut info = raw::Dl_info {
+        dli_fname: ptr::null(),
+        dli_fbase: ptr::null_mut(),
+        dli_sname: ptr::null(),
+        dli_saddr: ptr::null_mut(),
+    };
+    let symbol = raw::ucp_get_version as *const std::ffi::c_void;
+    // SAFETY: dladdr reads the loader's tables for a function of libucp; info is a valid
+    // out-structure whose file name stays valid while the library is loaded (always).
+    let found = unsafe { raw::dladdr(symbol, &mut info) } != 0;
+    if !found || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated path owned by the loader (checked non-null).
+    Some(unsafe { std::ffi::CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned())
 }
 
 /// The version of the UCX library loaded at run time: (major, minor, release).

@@ -11,7 +11,9 @@
 //!   - `wakeup`: sleeping on a worker's event fd instead of spinning.
 //!   - `endpoint`: [`Endpoint`], a connection to a peer worker.
 //!   - `transports`: which [`ErrorMode`] the configured transports can honour.
-//!   - `memory`: [`MemRegion`] (`Send + Sync`), memory peers can access.
+//!   - `memory`: [`MemRegion`] (`Send + Sync`), host memory peers can access;
+//!     [`DeviceRegion`], GPU memory registered with a CUDA-enabled libucx
+//!     ([`Context::supports`]); [`LocalRange`], local memory of either kind by address.
 //!   - `rkey`: [`RemoteKey`], a peer's region as seen through one endpoint.
 //!   - `rma`: puts and gets.
 //!   - `request`: [`Pending`], an operation in flight.
@@ -54,9 +56,9 @@ mod transports;
 mod wakeup;
 mod worker;
 
-pub use context::{Context, Features, version};
+pub use context::{Context, Features, library_path, version};
 pub use endpoint::{Endpoint, ErrorMode};
-pub use memory::MemRegion;
+pub use memory::{DeviceRegion, LocalRange, MemRegion, MemoryType};
 pub use request::Pending;
 pub use rkey::RemoteKey;
 pub use status::{UcxError, check};

@@ -1,4 +1,6 @@
-//! Memory regions registered with UCX, which peers access with puts and gets.
+//! Memory regions registered with UCX, which peers access with puts and gets: host
+//! memory ([`MemRegion`]) and GPU memory ([`DeviceRegion`], where the loaded libucx has
+//! CUDA transports: [`Context::supports`]).
 
 use std::ffi::c_void;
 use std::ptr;
@@ -37,13 +39,105 @@ impl std::fmt::Debug for MemRegion {
     }
 }
 
+/// Where a range of memory lives, as UCX's memory types name it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryType {
+    Host,
+    /// NVIDIA GPU memory (`cuMemAlloc`), reachable through cuda_copy / cuda_ipc / gdr_copy
+    /// (and GPUDirect RDMA on InfiniBand) when libucx was built with CUDA.
+    Cuda,
+}
+
+impl MemoryType {
+    pub(crate) fn raw(self) -> raw::ucs_memory_type_t {
+        match self {
+            MemoryType::Host => raw::UCS_MEMORY_TYPE_HOST,
+            MemoryType::Cuda => raw::UCS_MEMORY_TYPE_CUDA,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryType::Host => "host",
+            MemoryType::Cuda => "cuda",
+        }
+    }
+}
+
+/// A range of local memory to put from or get into, by address: host or GPU memory
+/// (Rust slices cannot point at GPU memory).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LocalRange {
+    pub addr: u64,
+    pub len: usize,
+    pub memory: MemoryType,
+}
+
+impl LocalRange {
+    pub fn host(bytes: &[u8]) -> LocalRange {
+        LocalRange { addr: bytes.as_ptr() as u64, len: bytes.len(), memory: MemoryType::Host }
+    }
+}
+
+/// GPU memory registered for remote access (peers put into it and get from it; UCX
+/// picks cuda_ipc between GPUs of one host). Unmapped on drop; the memory itself stays
+/// the allocator's. `Send + Sync` like [`MemRegion`].
+pub struct DeviceRegion {
+    inner: MemRegion,
+}
+
+impl std::fmt::Debug for DeviceRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRegion").field("address", &self.inner.addr).field("len", &self.inner.len).finish()
+    }
+}
+
+impl DeviceRegion {
+    /// Registers CUDA device memory `addr..addr + len`.
+    ///
+    /// # Safety
+    /// The range must be live device memory of this process and stay allocated for as
+    /// long as the returned region lives (peers may write it until then).
+    pub unsafe fn register(ctx: &Context, addr: u64, len: usize) -> Result<DeviceRegion, UcxError> {
+        if !ctx.supports(MemoryType::Cuda) {
+            return Err(UcxError::new(raw::UCS_ERR_UNSUPPORTED, "register CUDA memory").with_hint(
+                "the loaded libucx has no CUDA transports; load a CUDA-enabled UCX (e.g. the libucx-cu13 wheel's lib/ \
+                 on LD_LIBRARY_PATH)",
+            ));
+        }
+        if addr == 0 || !addr.is_multiple_of(8) {
+            return Err(UcxError::new(raw::UCS_ERR_INVALID_PARAM, format!("register device memory at {addr:#x}"))
+                .with_hint("the memory must be non-null and 8-byte aligned"));
+        }
+        let inner = map(ctx, addr as *mut c_void, len, 0, MemoryType::Cuda)?;
+        Ok(DeviceRegion { inner })
+    }
+
+    pub fn address(&self) -> u64 {
+        self.inner.address()
+    }
+
+    pub fn len(&self) -> usize {
+        self.inner.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.is_empty()
+    }
+
+    /// The sealed remote key, as [`MemRegion::pack_rkey`].
+    pub fn pack_rkey(&self) -> Result<Vec<u8>, UcxError> {
+        self.inner.pack_rkey()
+    }
+}
+
 impl MemRegion {
     /// Allocates `bytes` of zeroed memory through UCX (`UCP_MEM_MAP_ALLOCATE`). UCX picks
     /// the allocator, preferring memory domains that can share it: with shared-memory
     /// transports a peer on the same host then maps the region and puts become plain
     /// copies.
     pub fn allocate(ctx: &Context, bytes: usize) -> Result<MemRegion, UcxError> {
-        let region = map(ctx, ptr::null_mut(), bytes, raw::UCP_MEM_MAP_ALLOCATE)?;
+        let region = map(ctx, ptr::null_mut(), bytes, raw::UCP_MEM_MAP_ALLOCATE, MemoryType::Host)?;
         // SAFETY: UCX just allocated at least `bytes` writable bytes at addr, which nobody
         // else knows about yet.
         unsafe { ptr::write_bytes(region.addr, 0, region.len) };
@@ -62,7 +156,7 @@ impl MemRegion {
             return Err(UcxError::new(raw::UCS_ERR_INVALID_PARAM, format!("register memory at {ptr:p}"))
                 .with_hint("the memory must be non-null and 8-byte aligned"));
         }
-        map(ctx, ptr.cast(), len, 0)
+        map(ctx, ptr.cast(), len, 0, MemoryType::Host)
     }
 
     /// The region's base address, as peers see it (pass it with the packed rkey).
@@ -125,20 +219,28 @@ impl MemRegion {
     }
 }
 
-fn map(ctx: &Context, address: *mut c_void, len: usize, flags: u32) -> Result<MemRegion, UcxError> {
+fn map(ctx: &Context, address: *mut c_void, len: usize, flags: u32, memory: MemoryType) -> Result<MemRegion, UcxError> {
     if len == 0 {
         return Err(UcxError::new(raw::UCS_ERR_INVALID_PARAM, "ucp_mem_map of 0 bytes"));
     }
-    let what = if address.is_null() { "ucp_mem_map (allocate)" } else { "ucp_mem_map (register)" };
+    let what = match (address.is_null(), memory) {
+        (true, _) => "ucp_mem_map (allocate)",
+        (false, MemoryType::Host) => "ucp_mem_map (register)",
+        (false, MemoryType::Cuda) => "ucp_mem_map (register CUDA memory)",
+    };
+    // Host memory keeps the field unset (as before: UCX detects it); device memory says
+    // what it is, so UCX does not have to probe the pointer.
+    let memory_field = if memory == MemoryType::Host { 0 } else { raw::UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE };
     let params = raw::ucp_mem_map_params_t {
         field_mask: raw::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
             | raw::UCP_MEM_MAP_PARAM_FIELD_LENGTH
-            | raw::UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+            | raw::UCP_MEM_MAP_PARAM_FIELD_FLAGS
+            | memory_field,
         address,
         length: len,
         flags,
         prot: 0,
-        memory_type: raw::UCS_MEMORY_TYPE_HOST,
+        memory_type: memory.raw(),
     };
     let mut memh = ptr::null_mut();
     // SAFETY: the context is alive; params is valid for the call (for registration the

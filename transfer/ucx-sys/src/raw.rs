@@ -122,6 +122,7 @@ pub fn UCS_STATUS_PTR(status: ucs_status_t) -> ucs_status_ptr_t {
 
 pub const UCS_THREAD_MODE_SINGLE: ucs_thread_mode_t = 0;
 pub const UCS_MEMORY_TYPE_HOST: ucs_memory_type_t = 0;
+pub const UCS_MEMORY_TYPE_CUDA: ucs_memory_type_t = 1;
 
 // ---- ucp/api/ucp_version.h -------------------------------------------------------------
 
@@ -134,6 +135,19 @@ pub const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
 pub const UCP_PARAM_FIELD_MT_WORKERS_SHARED: u64 = 1 << 5;
 pub const UCP_FEATURE_RMA: u64 = 1 << 1;
 pub const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
+pub const UCP_ATTR_FIELD_MEMORY_TYPES: u64 = 1 << 2;
+pub const UCP_ENTITY_NAME_MAX: usize = 32;
+
+/// `ucp_context_attr_t` as UCX 1.13 declares it; later versions only append fields, and
+/// `ucp_context_query` writes just the ones `field_mask` asks for.
+#[repr(C)]
+pub struct ucp_context_attr_t {
+    pub field_mask: u64,
+    pub request_size: usize,
+    pub thread_mode: ucs_thread_mode_t,
+    pub memory_types: u64,
+    pub name: [c_char; UCP_ENTITY_NAME_MAX],
+}
 
 #[repr(C)]
 pub struct ucp_params_t {
@@ -214,6 +228,7 @@ pub struct ucp_ep_params_t {
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
 pub const UCP_MEM_MAP_PARAM_FIELD_FLAGS: u64 = 1 << 2;
+pub const UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE: u64 = 1 << 4;
 pub const UCP_MEM_MAP_ALLOCATE: c_uint = 1 << 1;
 pub const UCP_MEM_ATTR_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_ATTR_FIELD_LENGTH: u64 = 1 << 1;
@@ -239,6 +254,7 @@ pub struct ucp_mem_attr_t {
 // ---- requests --------------------------------------------------------------------------
 
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+pub const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
 
 /// The `cb` union of `ucp_request_param_t`: every member is a function pointer, so it is
 /// represented by the one member this crate would ever set.
@@ -292,6 +308,8 @@ unsafe extern "C" {
 // Linked by build.rs (libucp, libucs).
 unsafe extern "C" {
     pub fn ucp_get_version(major_version: *mut c_uint, minor_version: *mut c_uint, release_number: *mut c_uint);
+
+    pub fn ucp_context_query(context_p: ucp_context_h, attr: *mut ucp_context_attr_t) -> ucs_status_t;
 
     pub fn ucp_config_read(
         env_prefix: *const c_char,
@@ -376,6 +394,20 @@ unsafe extern "C" {
 unsafe extern "C" {
     /// Returns a static, NUL-terminated string (never NULL).
     pub fn ucs_status_string(status: ucs_status_t) -> *const c_char;
+}
+
+// ---- dlfcn.h (which file a loaded symbol came from) -----------------------------------
+
+#[repr(C)]
+pub struct Dl_info {
+    pub dli_fname: *const c_char,
+    pub dli_fbase: *mut c_void,
+    pub dli_sname: *const c_char,
+    pub dli_saddr: *mut c_void,
+}
+
+unsafe extern "C" {
+    pub fn dladdr(addr: *const c_void, info: *mut Dl_info) -> c_int;
 }
 
 // ---- csrc/layout.c ---------------------------------------------------------------------

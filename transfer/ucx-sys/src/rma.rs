@@ -9,13 +9,57 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::Endpoint;
+use crate::memory::{LocalRange, MemoryType};
 use crate::raw;
 use crate::request::Pending;
 use crate::rkey::RemoteKey;
 use crate::status::UcxError;
 use crate::worker::Worker;
 
+/// Request parameters that name the local buffer's memory type (host buffers leave it
+/// unset, as before: UCX detects it).
+fn param_for(memory: MemoryType) -> raw::ucp_request_param_t {
+    let mut p = raw::ucp_request_param_t::empty();
+    if memory != MemoryType::Host {
+        p.op_attr_mask |= raw::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        p.memory_type = memory.raw();
+    }
+    p
+}
+
 impl Endpoint {
+    /// Starts writing the local range `local` (host or GPU memory) to `remote_addr` in
+    /// the peer region of `rkey`, as [`Endpoint::put`].
+    ///
+    /// # Safety
+    /// `local` must be live memory of its type, unmodified until the returned
+    /// [`Pending`] has been waited for or dropped.
+    pub unsafe fn put_range(&self, local: LocalRange, remote_addr: u64, rkey: &RemoteKey) -> Result<Pending, UcxError> {
+        let ep = self.inner.live()?;
+        let handle = rkey.handle_for(self, remote_addr, local.len)?;
+        let param = param_for(local.memory);
+        // SAFETY: ep and the rkey are live and belong together (checked above); the remote
+        // range lies inside the region; the caller keeps `local` valid until the request
+        // finishes.
+        let ptr = unsafe { raw::ucp_put_nbx(ep, local.addr as *const c_void, local.len, remote_addr, handle, &param) };
+        Pending::issued_rma(ptr, &rkey.inner, "ucp_put_nbx")
+    }
+
+    /// Starts reading `local.len` bytes at `remote_addr` of the peer region of `rkey`
+    /// into the local range (host or GPU memory), as [`Endpoint::get`].
+    ///
+    /// # Safety
+    /// `local` must be live memory of its type, neither read nor written until the
+    /// returned [`Pending`] has been waited for or dropped.
+    pub unsafe fn get_range(&self, local: LocalRange, remote_addr: u64, rkey: &RemoteKey) -> Result<Pending, UcxError> {
+        let ep = self.inner.live()?;
+        let handle = rkey.handle_for(self, remote_addr, local.len)?;
+        let param = param_for(local.memory);
+        // SAFETY: as for put_range.
+        let ptr = unsafe { raw::ucp_get_nbx(ep, local.addr as *mut c_void, local.len, remote_addr, handle, &param) };
+        Pending::issued_rma(ptr, &rkey.inner, "ucp_get_nbx")
+    }
+
     /// Starts writing `local` to `remote_addr` in the peer region of `rkey`.
     ///
     /// Completion of the returned request means `local` may be reused; the bytes are
@@ -74,18 +118,36 @@ impl Worker {
         rkey: &RemoteKey,
         timeout: Duration,
     ) -> Result<(), UcxError> {
+        let ranges: Vec<(LocalRange, u64)> = puts.iter().map(|(b, at)| (LocalRange::host(b), *at)).collect();
+        // SAFETY: `puts` borrows every host buffer for the whole call, and put_ranges
+        // returns only once UCX is done with them.
+        unsafe { self.put_ranges(ep, &ranges, rkey, timeout) }
+    }
+
+    /// [`Worker::put_all`] for local ranges of any memory type (GPU memory with a
+    /// CUDA-enabled libucx).
+    ///
+    /// # Safety
+    /// Every range must be live memory of its type, unmodified for the whole call.
+    pub unsafe fn put_ranges(
+        &self,
+        ep: &Endpoint,
+        puts: &[(LocalRange, u64)],
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
         self.owns(&ep.inner.worker)?;
         for (local, remote_addr) in puts {
-            rkey.handle_for(ep, *remote_addr, local.len())?;
+            rkey.handle_for(ep, *remote_addr, local.len)?;
         }
         let deadline = Instant::now() + timeout;
         let mut issued = Vec::with_capacity(puts.len());
         let mut result = Ok(());
-        for (local, remote_addr) in puts.iter().filter(|(local, _)| !local.is_empty()) {
-            // SAFETY: `puts` borrows every buffer for the whole call, and every Pending is
-            // finished (waited for, or given up after closing the endpoint) before we
-            // return: below, or by its Drop if we return early.
-            match unsafe { ep.put(local, *remote_addr, rkey) } {
+        for (local, remote_addr) in puts.iter().filter(|(local, _)| local.len > 0) {
+            // SAFETY: the caller keeps every range valid for the whole call, and every
+            // Pending is finished (waited for, or given up after closing the endpoint)
+            // before we return: below, or by its Drop if we return early.
+            match unsafe { ep.put_range(*local, *remote_addr, rkey) } {
                 Ok(pending) => issued.push(pending),
                 Err(e) => {
                     result = Err(e);
@@ -103,6 +165,47 @@ impl Worker {
         // After a successful flush every put has completed.
         for pending in issued {
             let status = pending.wait_until(deadline);
+            result = result.and(status);
+        }
+        result
+    }
+
+    /// Reads every `(local, remote_addr)` range from the region of `rkey` (host or GPU
+    /// memory locally); returns once all of them have landed. On timeout the endpoint is
+    /// closed, as for [`Worker::put_all`].
+    ///
+    /// # Safety
+    /// Every range must be live memory of its type, neither read nor written for the
+    /// whole call.
+    pub unsafe fn get_ranges(
+        &self,
+        ep: &Endpoint,
+        gets: &[(LocalRange, u64)],
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        self.owns(&ep.inner.worker)?;
+        for (local, remote_addr) in gets {
+            rkey.handle_for(ep, *remote_addr, local.len)?;
+        }
+        let deadline = Instant::now() + timeout;
+        let mut issued = Vec::with_capacity(gets.len());
+        let mut result = Ok(());
+        for (local, remote_addr) in gets.iter().filter(|(local, _)| local.len > 0) {
+            // SAFETY: as in put_ranges; each Pending is finished before we return.
+            match unsafe { ep.get_range(*local, *remote_addr, rkey) } {
+                Ok(pending) => issued.push(pending),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        for pending in issued {
+            let status = pending.wait_until(deadline);
+            if status.as_ref().is_err_and(UcxError::is_timeout) {
+                ep.inner.force_close();
+            }
             result = result.and(status);
         }
         result

@@ -45,6 +45,8 @@ fn rust_table() -> Vec<(String, i64)> {
         size!(ucs_sock_addr_t),
         size!(ucp_ep_params_t),
         align!(ucp_ep_params_t),
+        size!(ucp_context_attr_t),
+        align!(ucp_context_attr_t),
         size!(ucp_mem_map_params_t),
         align!(ucp_mem_map_params_t),
         size!(ucp_mem_attr_t),
@@ -96,6 +98,7 @@ fn rust_table() -> Vec<(String, i64)> {
         name,
         local_sockaddr
     ));
+    t.extend(off!(ucp_context_attr_t, field_mask, request_size, thread_mode, memory_types, name));
     t.extend(off!(ucp_mem_map_params_t, field_mask, address, length, flags, prot, memory_type));
     t.extend(off!(ucp_mem_attr_t, field_mask, address, length, mem_type));
     t.extend(off!(
@@ -151,10 +154,13 @@ fn rust_table() -> Vec<(String, i64)> {
     t.extend(consts!(
         UCS_THREAD_MODE_SINGLE,
         UCS_MEMORY_TYPE_HOST,
+        UCS_MEMORY_TYPE_CUDA,
         UCP_PARAM_FIELD_FEATURES,
         UCP_PARAM_FIELD_MT_WORKERS_SHARED,
         UCP_FEATURE_RMA,
         UCP_FEATURE_WAKEUP,
+        UCP_ATTR_FIELD_MEMORY_TYPES,
+        UCP_ENTITY_NAME_MAX,
         UCP_WORKER_PARAM_FIELD_THREAD_MODE,
         UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
         UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
@@ -165,10 +171,12 @@ fn rust_table() -> Vec<(String, i64)> {
         UCP_MEM_MAP_PARAM_FIELD_ADDRESS,
         UCP_MEM_MAP_PARAM_FIELD_LENGTH,
         UCP_MEM_MAP_PARAM_FIELD_FLAGS,
+        UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
         UCP_MEM_MAP_ALLOCATE,
         UCP_MEM_ATTR_FIELD_ADDRESS,
         UCP_MEM_ATTR_FIELD_LENGTH,
         UCP_OP_ATTR_FIELD_FLAGS,
+        UCP_OP_ATTR_FIELD_MEMORY_TYPE,
         POLLIN,
         POLLERR,
         POLLHUP,
