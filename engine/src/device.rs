@@ -263,7 +263,8 @@ impl AnyEngine {
             devices = %devices_label(devices),
             pinned,
             "KV lives in device memory; transfers go through a registered host mirror staged around them \
-             (UCX does not register CUDA memory here), pinned for the device copies unless pinned=false"
+             (workers do not register device memory with UCX yet; see the UCX line above for whether the loaded \
+             libucx could), pinned for the device copies unless pinned=false"
         );
         Ok(engine)
     }

@@ -48,7 +48,31 @@ impl Receiver {
             .map_err(|e| TransferError::Thread(e.to_string()))?;
         let address =
             rx.recv().map_err(|_| TransferError::Thread("progress thread exited before starting".into()))??;
-        Ok(Receiver { ctx, address, stop, thread: Some(thread) })
+        let r = Receiver { ctx, address, stop, thread: Some(thread) };
+        tracing::info!("{}", r.describe_library());
+        Ok(r)
+    }
+
+    /// One line on the loaded libucx: version, file, transports and whether it reaches
+    /// GPU memory.
+    pub fn describe_library(&self) -> String {
+        let (major, minor, release) = ucx_sys::version();
+        let path = ucx_sys::library_path().unwrap_or_else(|| "an unknown file".into());
+        let cuda = self.supports_cuda();
+        format!(
+            "UCX {major}.{minor}.{release} from {path}, UCX_TLS={}, CUDA memory {}",
+            self.ctx.transports().unwrap_or("(all)"),
+            if cuda {
+                "supported"
+            } else {
+                "not supported (a CUDA-enabled UCX: tools/ucx/fetch_cuda_ucx.sh, then LD_LIBRARY_PATH)"
+            }
+        )
+    }
+
+    /// Whether the loaded libucx reaches GPU memory (cuda_copy, cuda_ipc).
+    pub fn supports_cuda(&self) -> bool {
+        self.ctx.supports(ucx_sys::MemoryType::Cuda)
     }
 
     /// The worker address peers connect to.
