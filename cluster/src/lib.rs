@@ -25,6 +25,6 @@ pub mod peers;
 pub mod service_main;
 pub mod shutdown;
 pub mod telemetry;
-pub mod tls;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tls;
