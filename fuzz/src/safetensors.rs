@@ -109,7 +109,7 @@ fn build(path: &Path, bytes: &[u8]) -> bool {
         let dtype = DTYPES[s.dtype as usize % DTYPES.len()];
         let shape: Vec<usize> = s.shape.iter().take(3).map(|&d| d as usize % 40).collect();
         let bits = shape.iter().product::<usize>() * dtype.bitsize();
-        if bits % 8 != 0 || bits / 8 > 1 << 16 {
+        if !bits.is_multiple_of(8) || bits / 8 > 1 << 16 {
             continue;
         }
         let data = (0..bits / 8).map(|i| (i as u8).wrapping_mul(s.fill | 1).wrapping_add(s.fill)).collect();
@@ -142,12 +142,14 @@ fn check(dir: &Path) {
     let fused = ck.files().get("model.layers.0.mlp.experts.gate_up_proj");
     if let Some([n, two_inter, hidden]) = fused.map(|t| t.shape) {
         let (n, inter, hidden) = (*n, *two_inter / 2, *hidden);
-        if n > 0 && inter > 0 && hidden > 0 {
-            if let Ok(experts) = ck.experts(0, n, inter, hidden) {
-                assert_eq!(experts.len(), n);
-                for e in experts.iter().flatten() {
-                    e.validate().expect("a fused expert slice validates");
-                }
+        if n > 0
+            && inter > 0
+            && hidden > 0
+            && let Ok(experts) = ck.experts(0, n, inter, hidden)
+        {
+            assert_eq!(experts.len(), n);
+            for e in experts.iter().flatten() {
+                e.validate().expect("a fused expert slice validates");
             }
         }
     }
