@@ -20,6 +20,7 @@ use sluice_proto::v1 as pb;
 use tonic::metadata::MetadataMap;
 use tonic::{Code, Status};
 
+use crate::model::ModelInfo;
 use crate::orchestrate::{self, Event, RouterCtx};
 use crate::validate::{self, Limits, Prompt, Sampling};
 
@@ -119,7 +120,7 @@ struct StreamOptions {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct CompletionRequest {
+pub(crate) struct CompletionRequest {
     #[serde(default)]
     model: String,
     prompt: Option<PromptField>,
@@ -160,7 +161,12 @@ fn finish_name(f: pb::FinishReason) -> &'static str {
     }
 }
 
-fn parse(state: &HttpState, r: CompletionRequest, request_id: String) -> Result<validate::Validated, Status> {
+pub(crate) fn parse(
+    model: &ModelInfo,
+    limits: &Limits,
+    r: CompletionRequest,
+    request_id: String,
+) -> Result<validate::Validated, Status> {
     if r.n.is_some_and(|n| n != 1) {
         return Err(Status::invalid_argument("n must be 1: one completion per request"));
     }
@@ -189,18 +195,8 @@ fn parse(state: &HttpState, r: CompletionRequest, request_id: String) -> Result<
         logprobs: r.logprobs.is_some(),
         top_logprobs: logprobs,
     };
-    validate::validate(
-        &state.ctx.model,
-        &state.limits,
-        request_id,
-        &r.model,
-        prompt,
-        r.max_tokens,
-        sampling,
-        vec![],
-        stops,
-    )
-    .map_err(Status::invalid_argument)
+    validate::validate(model, limits, request_id, &r.model, prompt, r.max_tokens, sampling, vec![], stops)
+        .map_err(Status::invalid_argument)
 }
 
 fn logprobs_json(tokens: &[orchestrate::TokenOut], offset0: usize) -> Value {
@@ -230,7 +226,7 @@ async fn completions(
     let stream = r.stream;
     let include_usage = r.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let arrival = orchestrate::arrive(&request_id, &MetadataMap::from_headers(headers));
-    let v = match parse(&state, r, request_id.clone()) {
+    let v = match parse(&state.ctx.model, &state.limits, r, request_id.clone()) {
         Ok(v) => v,
         Err(s) => return status_response(&orchestrate::refuse(&state.ctx, &arrival, s)),
     };

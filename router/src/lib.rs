@@ -20,6 +20,7 @@
 //!   ids for both; `chat_http`: `/v1/chat/completions`, `chat_grpc`: `Chat` over gRPC,
 //!   `chat_run`: starting a chat request for either API; `auth`: optional API keys (both
 //!   APIs). TLS on both listeners and towards the workers comes from `cluster::tls`.
+//! - [`inputs`]: every client request decoded and checked without I/O (what `fuzz/` drives).
 //!
 //! Telemetry (metrics, the `request` trace span and its children) is recorded in
 //! `orchestrate`; the metric set and trace propagation live in `cluster::telemetry`.
@@ -32,6 +33,7 @@ mod chat_run;
 pub mod config;
 mod grpc;
 mod http;
+pub mod inputs;
 mod migrate;
 mod model;
 mod orchestrate;

@@ -59,7 +59,7 @@ impl Target {
         let geometry = WireGeometry::from_proto(
             t.geometry.as_ref().ok_or_else(|| WireError::Malformed("missing geometry".into()))?,
         )?;
-        Ok(Target {
+        let target = Target {
             geometry,
             ucx_address: t.ucx_address.clone(),
             pages: RegionSpec::from_proto(t.pages.as_ref(), "pages")?,
@@ -68,7 +68,32 @@ impl Target {
             logits: RegionSpec::from_proto(t.logits.as_ref(), "logits")?,
             page_ids: t.page_ids.clone(),
             slot: t.slot,
-        })
+        };
+        target.check_ranges()?;
+        Ok(target)
+    }
+
+    /// Every byte a sender writes for this target (each page at its id, the state parts
+    /// at the slot) lies inside the region the peer registered, and no address computed
+    /// for it overflows: a peer's page id or slot must never send bytes elsewhere.
+    fn check_ranges(&self) -> Result<(), WireError> {
+        let g = &self.geometry;
+        let fits = |r: &RegionSpec, index: u64, size: usize, what: &str| {
+            let end = index.checked_mul(size as u64).and_then(|start| start.checked_add(size as u64));
+            if end.is_some_and(|end| end <= r.len) && r.base.checked_add(r.len).is_some() {
+                return Ok(());
+            }
+            Err(WireError::Malformed(format!(
+                "{what} {index} ({size} bytes each) lies outside its region of {} bytes at {:#x}",
+                r.len, r.base
+            )))
+        };
+        for &id in &self.page_ids {
+            fits(&self.pages, id as u64, g.page_bytes, "page")?;
+        }
+        fits(&self.rings, self.slot as u64, g.ring_bytes, "window rings of slot")?;
+        fits(&self.comp, self.slot as u64, g.comp_bytes, "compressor slots of slot")?;
+        fits(&self.logits, self.slot as u64, g.logits_bytes, "logits of slot")
     }
 }
 
@@ -92,6 +117,23 @@ mod tests {
             page_ids: vec![3, 1, 4],
             slot: 2,
         }
+    }
+
+    #[test]
+    fn refuses_pages_and_slots_outside_the_regions() {
+        // fuzz/regressions/kv_wire/page-outside-region: the sender's address arithmetic
+        // trusted these.
+        let t = target();
+        let mut p = t.to_proto();
+        p.page_ids.push(1 << 20);
+        let err = Target::from_proto(&p).unwrap_err().to_string();
+        assert!(err.contains("page 1048576") && err.contains("outside its region"), "{err}");
+        let mut p = t.to_proto();
+        p.slot = u32::MAX;
+        assert!(Target::from_proto(&p).unwrap_err().to_string().contains("window rings of slot"));
+        let mut p = t.to_proto();
+        p.logits.as_mut().unwrap().base = u64::MAX - 8;
+        assert!(Target::from_proto(&p).unwrap_err().to_string().contains("logits of slot"));
     }
 
     #[test]
