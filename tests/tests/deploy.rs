@@ -257,7 +257,8 @@ fn all_on_values_turn_every_option_on() {
         let env: BTreeMap<&str, &Value> =
             c["env"].as_array().unwrap().iter().map(|e| (e["name"].as_str().unwrap(), e)).collect();
         assert_eq!(env["UCX_TLS"]["value"], "rc,sm,self");
-        assert_eq!(flag(&strings(&c["args"]), "--device"), Some("cuda:0"), "{role} computes on its GPU");
+        let gpus = "cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7";
+        assert_eq!(flag(&strings(&c["args"]), "--devices"), Some(gpus), "{role} spans the pod's 8 GPUs");
         assert_eq!(env["UCX_NET_DEVICES"]["value"], "mlx5_0:1");
         assert_eq!(env["UCX_RNDV_THRESH"]["value"], "8192");
     }
@@ -281,6 +282,30 @@ fn all_on_values_turn_every_option_on() {
 }
 
 #[test]
+fn gpus_per_worker_spans_the_pods_gpus() {
+    let tools = pytools();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("two-gpus.yaml");
+    std::fs::write(&file, "workers:\n  gpusPerWorker: 2\ndecode:\n  gpus: 4\n").unwrap();
+    let docs = manifests(tools, Some(&file), dir.path());
+    for (role, n, devices) in [("prefill", 2, "cuda:0,cuda:1"), ("decode", 4, "cuda:0,cuda:1,cuda:2,cuda:3")] {
+        let pod = pod_spec(find(&docs, "Deployment", &format!("sluice-{role}"))).unwrap();
+        let c = &pod["containers"][0];
+        assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"], n, "{role}");
+        assert_eq!(c["resources"]["requests"]["nvidia.com/gpu"], n, "{role}");
+        assert_eq!(flag(&strings(&c["args"]), "--devices"), Some(devices), "{role}");
+        assert_eq!(flag(&strings(&c["args"]), "--device"), None, "{role}: --devices replaces --device");
+    }
+    // On the CPU nothing is requested and the workers say so.
+    let cpu = dir.path().join("cpu.yaml");
+    std::fs::write(&cpu, "workers:\n  device: cpu\n").unwrap();
+    let docs = manifests(tools, Some(&cpu), dir.path());
+    let pod = pod_spec(find(&docs, "Deployment", "sluice-decode")).unwrap();
+    assert!(pod["containers"][0]["resources"]["limits"].get("nvidia.com/gpu").is_none());
+    assert_eq!(flag(&strings(&pod["containers"][0]["args"]), "--device"), Some("cpu"));
+}
+
+#[test]
 fn values_violating_the_schema_are_rejected() {
     let tools = pytools();
     let dir = tempfile::tempdir().unwrap();
@@ -298,6 +323,8 @@ fn values_violating_the_schema_are_rejected() {
         ("tls:\n  source: vault\n", "tls.source"),
         ("tls:\n  reloadMs: 5\n", "tls.reloadMs"),
         ("router:\n  apiKeys:\n    secret: keys\n", "router.apiKeys"),
+        ("workers:\n  gpusPerWorker: 0\n", "workers.gpusPerWorker"),
+        ("workers:\n  device: tpu\n", "workers.device"),
         ("unknownTopLevel: true\n", "unknownTopLevel"),
     ];
     for (i, (values, names)) in cases.iter().enumerate() {
@@ -320,6 +347,8 @@ fn values_violating_the_schema_are_rejected() {
         (vec!["--set", "etcd.external.endpoints={http://etcd:2379}"], "etcd.enabled=false"),
         (vec!["--set", "model.volume.type=existingClaim"], "model.volume.existingClaim"),
         (vec!["--set", "tls.source=existingSecret"], "tls.existingSecret"),
+        (vec!["--set", "workers.gpusPerWorker=3"], "decode.maxPages (1024) must be a multiple of the 3 GPUs"),
+        (vec!["--set", "prefill.gpus=0"], "prefill.gpus is 0 but workers.device is cuda"),
     ];
     for (args, names) in combos {
         let ran = render(tools, None, &args);

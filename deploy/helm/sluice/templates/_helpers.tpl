@@ -294,3 +294,41 @@ spec:
 []
 {{- end -}}
 {{- end }}
+
+{{/*
+GPUs a prefill or decode pod requests: the role's `gpus` when set, else
+workers.gpusPerWorker; none when the workers compute on the CPU.
+dict "root" $ "v" <role values>
+*/}}
+{{- define "sluice.workerGpus" -}}
+{{- if eq .root.Values.workers.device "cpu" -}}0
+{{- else if kindIs "invalid" .v.gpus -}}{{ int .root.Values.workers.gpusPerWorker }}
+{{- else -}}{{ int .v.gpus }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The worker's device flags for its GPUs (a JSON list): --device for one (or the CPU),
+--devices cuda:0,…,cuda:N-1 for several; refuses pools that do not split over them.
+dict "root" $ "v" <role values> "role" "prefill"|"decode"
+*/}}
+{{- define "sluice.deviceArgs" -}}
+{{- $n := int (include "sluice.workerGpus" .) -}}
+{{- $device := .root.Values.workers.device -}}
+{{- if and (ne $device "cpu") (eq $n 0) -}}
+{{- fail (printf "%s.gpus is 0 but workers.device is %s: request GPUs or set workers.device to cpu" .role $device) -}}
+{{- end -}}
+{{- if le $n 1 -}}
+{{- if eq $device "cuda" -}}{{- $device = "cuda:0" -}}{{- end -}}
+{{- list "--device" $device | toJson -}}
+{{- else -}}
+{{- range $flag := list "maxPages" "maxSequences" -}}
+{{- if ne (mod (int (index $.v $flag)) $n) 0 -}}
+{{- fail (printf "%s.%s (%d) must be a multiple of the %d GPUs a %s pod spans (each GPU holds an equal share)" $.role $flag (int (index $.v $flag)) $n $.role $.role) -}}
+{{- end -}}
+{{- end -}}
+{{- $devices := list -}}
+{{- range $i := until $n -}}{{- $devices = append $devices (printf "cuda:%d" $i) -}}{{- end -}}
+{{- list "--devices" (join "," $devices) | toJson -}}
+{{- end -}}
+{{- end -}}
