@@ -246,7 +246,11 @@ mod tests {
         ] {
             // Constrained and free steps interleaved: each takes one draw either way.
             let pick = |s: &mut Sampler, step: usize| {
-                if step % 4 == 0 { s.sample_allowed(&step_logits(step), mask) } else { s.sample(&step_logits(step)) }
+                if step.is_multiple_of(4) {
+                    s.sample_allowed(&step_logits(step), mask)
+                } else {
+                    s.sample(&step_logits(step))
+                }
             };
             let mut whole = Sampler::new(params.clone());
             let uninterrupted: Vec<Sampled> = (0..120).map(|step| pick(&mut whole, step)).collect();

@@ -395,7 +395,7 @@ async fn run(
 ) -> Result<(), Status> {
     let mut leg = Leg::first(&req);
     let mut placed = place(ctx, &req, &leg, &[], Some(arrived)).await?;
-    let mut relay = Relay::new(&req, placed.reply.clone(), arrived);
+    let mut relay = Relay::new(&req, placed.reply, arrived);
     let mut budget = Budget::new(&ctx.migration);
     // Decode workers this request lost; a migration goes elsewhere.
     let mut lost: Vec<String> = Vec::new();
