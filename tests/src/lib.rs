@@ -73,6 +73,18 @@ pub struct Spec {
     pub tls: Option<PathBuf>,
 }
 
+/// Where a worker added to a running cluster runs and listens (default: this network
+/// namespace, loopback, the cluster's etcd).
+#[derive(Clone, Debug, Default)]
+pub struct Placement {
+    /// Command the worker runs under, e.g. `["ip", "netns", "exec", "NS"]`.
+    pub prefix: Vec<String>,
+    /// Address it listens on and is reached at, instead of 127.0.0.1.
+    pub ip: Option<String>,
+    /// etcd endpoint it registers with, instead of the cluster's.
+    pub etcd: Option<String>,
+}
+
 /// The cluster's kvstore.
 #[derive(Clone, Default)]
 pub struct KvSpec {
@@ -194,27 +206,44 @@ impl TestCluster {
     /// Start another worker (`role` = "prefill" | "decode"), named `<role>-<index>`,
     /// serving metrics on a port of its own ([`TestCluster::metrics_url`]).
     pub async fn add_worker(&mut self, role: &str, index: usize, extra: Vec<String>) -> String {
+        self.add_worker_placed(role, index, extra, &Placement::default()).await
+    }
+
+    /// [`TestCluster::add_worker`] started and reached where `at` says (another
+    /// network namespace, say).
+    pub async fn add_worker_placed(&mut self, role: &str, index: usize, extra: Vec<String>, at: &Placement) -> String {
         let name = format!("{role}-{index}");
         for attempt in 1..=BIND_ATTEMPTS {
-            if started(&name, attempt, self.try_add_worker(role, &name, &extra).await) {
+            if started(&name, attempt, self.try_add_worker(role, &name, &extra, at).await) {
                 break;
             }
         }
         name
     }
 
-    async fn try_add_worker(&mut self, role: &str, name: &str, extra: &[String]) -> Result<(), LaunchError> {
+    async fn try_add_worker(
+        &mut self,
+        role: &str,
+        name: &str,
+        extra: &[String],
+        at: &Placement,
+    ) -> Result<(), LaunchError> {
         let bin = find_binary(&format!("{role}-worker")).expect("worker binary");
         let (port, metrics_port) = (free_port(), free_port());
+        let ip = at.ip.as_deref().unwrap_or("127.0.0.1");
         let mut args = vec![
             "--model".into(),
             self.model.display().to_string(),
             "--listen".into(),
-            format!("127.0.0.1:{port}"),
+            format!("{ip}:{port}"),
             "--metrics-listen".into(),
-            format!("127.0.0.1:{metrics_port}"),
+            format!("{ip}:{metrics_port}"),
         ];
-        if let Some(e) = &self.spec.etcd {
+        if at.ip.is_some() && self.spec.tls.is_none() {
+            // Not loopback: plaintext there is an explicit choice.
+            args.push("--insecure-plaintext".into());
+        }
+        if let Some(e) = at.etcd.as_ref().or(self.spec.etcd.as_ref()) {
             args.extend(["--etcd".into(), e.clone()]);
         }
         if self.spec.debug_hooks {
@@ -229,17 +258,27 @@ impl TestCluster {
             args.extend(["--kvstore".into(), url.clone()]);
         }
         args.extend(extra.iter().cloned());
+        // A prefix (e.g. `ip netns exec NS`) runs the worker through it; exec keeps its pid.
+        let (program, args) = match at.prefix.split_first() {
+            None => (bin, args),
+            Some((first, rest)) => {
+                let mut all: Vec<String> = rest.to_vec();
+                all.push(bin.display().to_string());
+                all.extend(args);
+                (PathBuf::from(first), all)
+            }
+        };
         let mut p = ServiceProcess::spawn(
             name,
-            &bin,
+            &program,
             &args,
             &self.env(),
-            self.dialer.url(&format!("127.0.0.1:{port}")),
+            self.dialer.url(&format!("{ip}:{port}")),
             &self.dir.path().join("logs"),
         )
         .expect("spawn worker")
         .with_dialer(self.dialer.clone())
-        .with_metrics_url(self.dialer.url(&format!("127.0.0.1:{metrics_port}/metrics")));
+        .with_metrics_url(self.dialer.url(&format!("{ip}:{metrics_port}/metrics")));
         p.wait_healthy(READY).await?;
         self.workers.push(p);
         Ok(())

@@ -7,14 +7,20 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use cluster::testing::EtcdServer;
-use sluice_e2e::TestCluster;
+use sluice_e2e::{Placement, TestCluster};
 
 use crate::load::{Case, Verdict, one};
+use crate::partition::Netns;
 
 /// How long a killed process stays down before its supervisor starts it again.
 const RESTART_DELAY: Duration = Duration::from_secs(1);
 /// How long a disk stays full, or the store stalled.
 const HOLD: Duration = Duration::from_secs(4);
+/// How long a partition lasts: past the workers' etcd lease (5 s), so the router drops the
+/// worker, and past the keep-alive that notices its streams are gone (5 + 3 s).
+const PARTITION: Duration = Duration::from_secs(10);
+/// A slow disk, approximated: the kvstore stopped for this long in every 200 ms.
+const SLOW_STOPPED: Duration = Duration::from_millis(150);
 /// Longest the cluster may take to be whole again after a fault is healed.
 const RECOVERY_LIMIT: Duration = Duration::from_secs(60);
 
@@ -27,6 +33,8 @@ pub enum Fault {
     EtcdRestartEmpty,
     KvstoreDiskFull,
     KvstoreStalled,
+    KvstoreSlow,
+    PartitionDecode,
 }
 
 impl Fault {
@@ -39,11 +47,14 @@ impl Fault {
             Fault::EtcdRestartEmpty => "restart etcd empty (data lost)",
             Fault::KvstoreDiskFull => "kvstore disk full for 4 s",
             Fault::KvstoreStalled => "kvstore stalled 4 s (SIGSTOP: a disk that stops answering)",
+            Fault::KvstoreSlow => "kvstore slowed 4 s (stopped 150 ms of every 200: a slow disk)",
+            Fault::PartitionDecode => "partition a decode worker from etcd and its peers for 10 s, heal",
         }
     }
 
-    /// The faults of one round; the disk-full fault needs a tmpfs mount (root).
-    pub fn round(with_disk: bool) -> Vec<Fault> {
+    /// The faults of one round; the disk-full fault needs a tmpfs mount and the
+    /// partition a network namespace (root either way).
+    pub fn round(with_disk: bool, with_partition: bool) -> Vec<Fault> {
         let mut v = vec![
             Fault::KillDecode,
             Fault::KillPrefill,
@@ -51,9 +62,13 @@ impl Fault {
             Fault::KillRouter,
             Fault::EtcdRestartEmpty,
             Fault::KvstoreStalled,
+            Fault::KvstoreSlow,
         ];
         if with_disk {
             v.push(Fault::KvstoreDiskFull);
+        }
+        if with_partition {
+            v.push(Fault::PartitionDecode);
         }
         v
     }
@@ -78,6 +93,8 @@ pub struct Chaos {
     pub kv_disk: Option<PathBuf>,
     /// Counters of processes that were killed, scraped just before (metrics restart at 0).
     pub carried: Counters,
+    /// The namespace the partition fault cuts off, and the decode worker inside it.
+    pub partition: Option<(Netns, String)>,
 }
 
 /// Counters summed over every incarnation of the router and the kvstore.
@@ -95,7 +112,28 @@ impl Chaos {
         };
         let (live_prefill, live_decode) = (names("prefill"), names("decode"));
         let next_index = live_prefill.len().max(live_decode.len());
-        Chaos { cluster, etcd, live_prefill, live_decode, next_index, kv_disk, carried: Counters::default() }
+        Chaos {
+            cluster,
+            etcd,
+            live_prefill,
+            live_decode,
+            next_index,
+            kv_disk,
+            carried: Counters::default(),
+            partition: None,
+        }
+    }
+
+    /// Start one more decode worker inside `ns` (registering with etcd through a
+    /// forwarder), the one the partition fault cuts off.
+    pub async fn add_partitionable_decode(&mut self, mut ns: Netns) {
+        let etcd = self.etcd.endpoint();
+        let url = ns.forward(etcd.trim_start_matches("http://")).await;
+        let at = Placement { prefix: ns.exec_prefix(), ip: Some(ns.inner_ip.clone()), etcd: Some(url) };
+        let name = self.cluster.add_worker_placed("decode", self.next_index, vec![], &at).await;
+        self.next_index += 1;
+        self.live_decode.push(name.clone());
+        self.partition = Some((ns, name));
     }
 
     /// Injects `fault`, heals it, and waits until the router sees every worker and a
@@ -113,7 +151,7 @@ impl Chaos {
                 self.cluster.start_kvstore().await;
             }
             Fault::KillRouter => {
-                self.carried.migrations += self.counter("router", "sluice_router_migrations_total").await;
+                self.carried.migrations += self.counter("router", MIGRATED).await;
                 self.cluster.restart_router(RESTART_DELAY).await;
             }
             Fault::EtcdRestartEmpty => {
@@ -133,6 +171,22 @@ impl Chaos {
                 tokio::time::sleep(HOLD).await;
                 signal(pid, "CONT");
             }
+            Fault::KvstoreSlow => {
+                let pid = self.cluster.kvstore.as_ref().and_then(|k| k.pid()).expect("a running kvstore");
+                let until = Instant::now() + HOLD;
+                while Instant::now() < until {
+                    signal(pid, "STOP");
+                    tokio::time::sleep(SLOW_STOPPED).await;
+                    signal(pid, "CONT");
+                    tokio::time::sleep(Duration::from_millis(200) - SLOW_STOPPED).await;
+                }
+            }
+            Fault::PartitionDecode => {
+                let (ns, _) = self.partition.as_ref().expect("the partition fault needs a network namespace");
+                ns.cut();
+                tokio::time::sleep(PARTITION).await;
+                ns.heal();
+            }
         }
         self.wait_whole(probe, max_tokens, start).await;
         let w = Window { fault, start, recovered: Instant::now() };
@@ -142,12 +196,15 @@ impl Chaos {
 
     /// `kill -9` the busiest live worker of `role`; its supervisor starts a new one.
     async fn kill_and_restart(&mut self, role: &str) {
-        let live = if role == "decode" { &self.live_decode } else { &self.live_prefill };
+        let inside = self.partition.as_ref().map(|(_, n)| n.clone());
+        let live: Vec<String> = if role == "decode" { self.live_decode.clone() } else { self.live_prefill.clone() };
+        // The worker inside the partition's namespace stays for that fault.
+        let live: Vec<String> = live.into_iter().filter(|n| Some(n) != inside.as_ref()).collect();
         let mut victim = live[0].clone();
         if role == "decode" {
             // The one with the most running streams, so the kill lands mid-stream.
             let mut most = 0;
-            for name in live {
+            for name in &live {
                 let running = self.cluster.decode_load(name).await.running;
                 if running > most {
                     (most, victim) = (running, name.clone());
@@ -172,13 +229,14 @@ impl Chaos {
     pub async fn counters(&self) -> Counters {
         let c = self.carried;
         Counters {
-            migrations: c.migrations + self.counter("router", "sluice_router_migrations_total").await,
+            migrations: c.migrations + self.counter("router", MIGRATED).await,
             kv_write_errors: c.kv_write_errors + self.counter("kvstore", "sluice_kvstore_write_errors_total").await,
             kv_corrupt: c.kv_corrupt + self.counter("kvstore", "sluice_kvstore_corrupt_records_total").await,
         }
     }
 
-    /// Sum of a counter's samples in a live service's exposition (0 when absent).
+    /// Sum of a counter's samples in a live service's exposition (0 when absent); `metric`
+    /// may name label values too (`name{label="value"`: the samples that carry them).
     async fn counter(&self, service: &str, metric: &str) -> f64 {
         let name = match service {
             "kvstore" => self.cluster.kvstore.as_ref().map(|k| k.name.clone()),
@@ -213,6 +271,10 @@ impl Chaos {
         }
     }
 }
+
+/// Streams that were moved to another decode worker and went on (attempts that failed
+/// are counted apart).
+const MIGRATED: &str = "sluice_router_migrations_total{outcome=\"resumed\"";
 
 fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill").arg(format!("-{sig}")).arg(pid.to_string()).status().map(|s| s.success());

@@ -2,7 +2,8 @@
 //! workers, the router) serves a steady load of streaming greedy requests while faults
 //! are injected one after another: every role killed with `kill -9` and restarted (the
 //! router on its ports), etcd restarted empty, the kvstore's disk filled (a tmpfs of its
-//! own; needs root) and the kvstore stalled. Every answer is compared with an undisturbed
+//! own; needs root), the kvstore stalled and slowed, and a decode worker partitioned
+//! from etcd and its peers (a network namespace whose link is cut; needs root). Every answer is compared with an undisturbed
 //! run's tokens. It prints the table of docs/reliability.md and fails on a wrong answer,
 //! a leaked page or a fault the cluster does not recover from.
 //!
@@ -12,6 +13,7 @@
 
 mod faults;
 mod load;
+mod partition;
 mod report;
 
 use std::sync::Arc;
@@ -51,6 +53,10 @@ async fn chaos_suite() {
     };
     let cluster = TestCluster::start(spec).await;
     let mut chaos = Chaos::new(cluster, etcd, disk.as_ref().map(|d| d.dir.path().to_path_buf()));
+    match partition::Netns::create(1) {
+        Ok(ns) => chaos.add_partitionable_decode(ns).await,
+        Err(e) => eprintln!("chaos: no network namespace ({e}): the partition fault is left out"),
+    }
 
     // Prompts sharing 256-token prefixes (two blocks), so restores from the kvstore are
     // part of the load; the undisturbed answers first.
@@ -72,7 +78,7 @@ async fn chaos_suite() {
     let mut windows = Vec::new();
     tokio::time::sleep(CALM).await;
     for round in 0..rounds {
-        for fault in Fault::round(chaos.kv_disk.is_some()) {
+        for fault in Fault::round(chaos.kv_disk.is_some(), chaos.partition.is_some()) {
             windows.push(chaos.inject(fault, probe, MAX_TOKENS).await);
             tokio::time::sleep(CALM).await;
         }
