@@ -9,10 +9,12 @@
 #   cargo test --release -p kernels --features cuda --no-run
 #   cargo test --release -p engine --features cuda --test cuda_conformance --no-run
 #   cargo test --release -p sluice-e2e --test device_serving --no-run
+#   cargo test --release -p ucx-sys --test gpu_direct --test memory_types --no-run
+#   tools/ucx/fetch_cuda_ucx.sh /tmp/ucx --pack .ucx/ucx-cu13.tgz   (for the ucx step; carry .ucx)
 #   tools/bench/pack_device.sh          # copies and strips them into .device/
 # Run (device machine, repository root):
-#   tools/bench/gpu_checks.sh [STEPS...]   STEPS: parity conformance serving bench profile
-#   (default: all but profile)
+#   tools/bench/gpu_checks.sh [STEPS...]   STEPS: parity conformance serving ucx bench profile
+#   (default: all but ucx and profile)
 #
 # Env: B (executables, default .device), MODEL (bench checkpoint; default: written to
 # /dev/shm with `sluice model init --preset flash-bench --dtype fp8`), BENCH_ARGS (extra
@@ -47,6 +49,24 @@ for s in $steps; do
     ;;
   conformance) run cuda_conformance "$B/cuda_conformance" --nocapture --test-threads 1 ;;
   serving) run device_serving timeout 300 "$B/device_serving" --nocapture --test-threads 1 ;;
+  ucx)
+    # A CUDA-enabled UCX (the libucx-cu13 wheel, packed into .ucx by fetch_cuda_ucx.sh):
+    # what it reaches, GPU-direct puts through ucx-sys, and ucx_perftest on the same GPU
+    # (put bandwidth between two processes' device buffers, 256 MiB messages) to compare.
+    mkdir -p /tmp/ucx && tar -C /tmp/ucx -xzf .ucx/ucx-cu13.tgz
+    U=/tmp/ucx/libucx
+    (
+      export LD_LIBRARY_PATH=$U/lib:$LD_LIBRARY_PATH UCX_MODULE_DIR=$U/lib/ucx
+      run ucx_info "$U/bin/ucx_info" -v
+      "$U/bin/ucx_info" -d | grep -E "Transport|Memory domain" | sort | uniq -c | tee -a "$LOG"
+      run memory_types "$B/memory_types" --nocapture
+      run gpu_direct "$B/gpu_direct" --nocapture --test-threads 1
+      "$U/bin/ucx_perftest" -t ucp_put_bw -m cuda,cuda -s 268435456 -n 20 -w 3 >/tmp/perftest_server.log 2>&1 &
+      sleep 2
+      run ucx_perftest timeout 120 "$U/bin/ucx_perftest" 127.0.0.1 -t ucp_put_bw -m cuda,cuda -s 268435456 -n 20 -w 3
+      wait
+    )
+    ;;
   bench)
     model=${MODEL:-/dev/shm/fb8}
     [ -f "$model/config.json" ] || run init "$B/sluice" model init --preset flash-bench --seed 0 --dtype fp8 --out "$model"
