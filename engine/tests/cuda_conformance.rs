@@ -37,6 +37,15 @@ const FP8_FIXTURE_TOL: f32 = 0.8;
 /// byte-identical); a compressed value whose f32 sums differ in the last bits can land
 /// one FP8 step apart on the two devices. Measured 1.3e-3 on an H200 (bf16 KV: 1.9e-3).
 const FP8_ENGINE_TOL: f32 = 2e-2;
+/// FP8/FP4 weights, CUDA vs CPU engine: the router's top-k of a token whose k-th and
+/// (k+1)-th expert scores lie closer than the two devices' summation differences picks
+/// another expert on each device, which moves that token's logits far more than any
+/// tolerance (seen: token 5664 of the first prompt, margin 3.1e-5 on the CPU, 0.16
+/// off; the small preset in FP8 has ~25 margins under 3e-4 in these ~1,000 rows).
+/// Such rows are allowed, one in `ROUTE_FLIP_ROWS` at most and never beyond
+/// `ROUTE_FLIP_TOL`; every other row holds the engine tolerance.
+const ROUTE_FLIP_ROWS: usize = 200;
+const ROUTE_FLIP_TOL: f32 = 0.5;
 
 fn gpu(test: &str) -> Option<CudaBackend> {
     match CudaBackend::new(0) {
@@ -354,14 +363,48 @@ fn engine_parity(test: &str, weights: WeightDtype, kv_dtype: EntryDtype, tol: f3
     let (gl, gt, gpu_export) = drive(&mut gpu_e, steps);
     let (cl, ct, _) = drive(&mut cpu_e, steps);
     assert_eq!(gt, ct, "greedy tokens differ between CUDA and CPU");
+    let what = format!("small preset ({weights:?} weights) cuda vs cpu ({} KV)", kv_dtype.name());
     let mut errs = Errors::default();
+    let vocab = gpu_e.config().vocab_size;
+    let (mut rows, mut flipped) = (0usize, Vec::new());
     for (i, (g, c)) in gl.iter().zip(&cl).enumerate() {
-        errs.check(format!("logits block {i}"), g, c, tol);
+        if weights == WeightDtype::Bf16 {
+            errs.check(format!("logits block {i}"), g, c, tol);
+            continue;
+        }
+        // Row by row, against the block's scale, so a routing flip is one row; the
+        // block's worst other row goes into the usual check.
+        let scale = c.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let mut worst = 0f32;
+        for (r, (gr, cr)) in g.chunks(vocab).zip(c.chunks(vocab)).enumerate() {
+            rows += 1;
+            let e = gr
+                .iter()
+                .zip(cr)
+                .map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() })
+                .fold(0f32, f32::max)
+                / scale;
+            if e > tol {
+                flipped.push(format!("block {i} row {r}: {e:.3e}"));
+                assert!(e <= ROUTE_FLIP_TOL, "{what}: block {i} row {r} is {e:.3e} off, beyond a routing flip");
+            } else {
+                worst = worst.max(e);
+            }
+        }
+        errs.0.push((format!("logits block {i} (all rows but routing flips)"), worst, tol));
     }
-    errs.finish(&format!("small preset ({weights:?} weights) cuda vs cpu ({} KV)", kv_dtype.name()));
+    if !flipped.is_empty() {
+        eprintln!("{what}: rows beyond {tol:.0e} (routing near-ties): {}", flipped.join("; "));
+    }
+    assert!(
+        flipped.len() <= rows.div_ceil(ROUTE_FLIP_ROWS),
+        "{what}: {} of {rows} rows beyond {tol:.0e}, more than routing near-ties explain: {}",
+        flipped.len(),
+        flipped.join("; ")
+    );
+    errs.finish(&what);
 
     // The GPU's export continues on the CPU exactly as it would on the GPU.
-    let vocab = gpu_e.config().vocab_size;
     let cont = prompt(3, vocab, 9);
     let mut on_cpu = cpu_e.import(&gpu_export).unwrap();
     let mut on_gpu = gpu_e.import(&gpu_export).unwrap();
