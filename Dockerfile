@@ -10,13 +10,19 @@ ARG RUST_VERSION=1
 ARG CUDA_PACKAGE_VERSION=12-8
 
 FROM rust:${RUST_VERSION}-bookworm AS builder
+ARG CUDA_PACKAGE_VERSION
 # protoc for the gRPC API; UCX headers and libraries (transfer/ucx-sys is written against
-# UCX 1.13, which is bookworm's).
+# UCX 1.13, which is bookworm's); pip to fetch the CUDA-enabled UCX below.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev libucx-dev \
+ && apt-get install -y --no-install-recommends protobuf-compiler libprotobuf-dev libucx-dev python3-pip \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
+# A CUDA-enabled UCX for GPU workers (bookworm's libucx has no CUDA transports): the
+# libucx-cu<major> wheel of PyPI, UCX 1.22 with cuda_copy/cuda_ipc/gdr_copy, for the
+# image's CUDA major version. The runtime puts it first on the library path; on a node
+# without a GPU its CUDA modules simply do not load. docs/cuda.md "UCX with CUDA memory".
+RUN UCX_CUDA_MAJOR="${CUDA_PACKAGE_VERSION%%-*}" bash tools/ucx/fetch_cuda_ucx.sh /opt/ucx-cuda
 # Cache mounts keep the registry and build between builds; the binaries are copied out
 # in the same step because the target directory is not part of the layer.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
@@ -56,9 +62,13 @@ RUN apt-get update \
  && apt-get purge -y curl \
  && apt-get autoremove -y \
  && rm -rf /var/lib/apt/lists/*
+COPY --from=builder /opt/ucx-cuda /opt/ucx-cuda
+# The CUDA-enabled UCX before bookworm's (the workers log which libucx they loaded and
+# whether it reaches CUDA memory); its transport modules from its own directory.
 ENV NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-    LD_LIBRARY_PATH=/usr/local/cuda/lib64
+    LD_LIBRARY_PATH=/opt/ucx-cuda/libucx/lib:/usr/local/cuda/lib64 \
+    UCX_MODULE_DIR=/opt/ucx-cuda/libucx/lib/ucx
 
 COPY --from=builder /out/ /usr/local/bin/
 # Numeric uid/gid so Kubernetes' runAsNonRoot can verify it (the chart runs 10001).

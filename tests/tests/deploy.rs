@@ -713,6 +713,12 @@ fn dockerfile_builds_and_runs_on_the_same_distribution() {
     for pkg in ["protobuf-compiler", "libprotobuf-dev", "libucx-dev", "libucx0"] {
         assert!(text.contains(pkg), "Dockerfile does not install {pkg}");
     }
+    // GPU workers get a CUDA-enabled UCX (the wheel of the image's CUDA major version),
+    // found before bookworm's libucx, with its transport modules.
+    assert!(text.contains("tools/ucx/fetch_cuda_ucx.sh /opt/ucx-cuda"), "the image fetches a CUDA-enabled UCX");
+    assert!(text.contains("COPY --from=builder /opt/ucx-cuda /opt/ucx-cuda"), "the runtime carries it");
+    assert!(text.contains("LD_LIBRARY_PATH=/opt/ucx-cuda/libucx/lib:"), "and loads it first");
+    assert!(text.contains("UCX_MODULE_DIR=/opt/ucx-cuda/libucx/lib/ucx"), "with its CUDA transport modules");
     let user = text.lines().rev().find(|l| l.starts_with("USER ")).expect("a USER");
     assert!(user.trim_start_matches("USER ").split(':').all(|id| id.parse::<u32>().is_ok_and(|n| n > 0)), "{user}");
     let ignore = read(".dockerignore");
