@@ -70,6 +70,7 @@ pub async fn run(
         // Loading weights is blocking work.
         tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?
     };
+    recorder.set_kv_path(engine::with_engine!(&engine, e => e.kv_memory_path()));
     let max_position = engine.config().max_position;
     let fingerprint = engine::with_engine!(&engine, e => e.fingerprint.hex());
     let lease = Duration::from_millis(cfg.lease_ms);

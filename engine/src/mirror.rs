@@ -68,6 +68,17 @@ impl<B: Backend> Engine<B> {
         self.mirror.is_some() && !self.mirror_pins.is_empty()
     }
 
+    /// How peers reach this engine's KV memory, as the workers' `sluice_kv_memory_path`
+    /// metric labels it: `registered` (no mirror: the engine's KV is the registered
+    /// host memory), `mirror` or `mirror_pageable` (staged through the host mirror).
+    pub fn kv_memory_path(&self) -> &'static str {
+        match (&self.mirror, self.mirror_pins.is_empty()) {
+            (None, _) => "registered",
+            (Some(_), false) => "mirror",
+            (Some(_), true) => "mirror_pageable",
+        }
+    }
+
     /// The host bytes transports see: (pages, rings, comp) of every page and slot.
     pub(crate) fn host_regions(&self) -> Option<(&[u8], &[u8], &[u8])> {
         if let Some(m) = &self.mirror {

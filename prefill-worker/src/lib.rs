@@ -72,6 +72,7 @@ pub async fn run(
     let recorder = cluster::telemetry::PrefillMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
     let (engine, regions) = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
+    recorder.set_kv_path(engine::with_engine!(&engine, e => e.kv_memory_path()));
     let (fp, layout) = engine::with_engine!(&engine, e => (e.fingerprint.clone(), e.model.layout.clone()));
     let cache = match &cfg.kvstore {
         Some(url) => Some(

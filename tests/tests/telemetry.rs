@@ -112,6 +112,9 @@ async fn every_process_serves_metrics_that_add_up() {
     assert_eq!(get(&m, "sluice_prefill_requests_waiting"), 0.0);
     assert_eq!(get(&m, "sluice_kv_pages_used"), 0.0);
     assert!(get(&m, "sluice_kv_pages_total") > 0.0);
+    // A CPU engine's KV is the registered memory itself: no mirror.
+    assert_eq!(get(&m, r#"sluice_kv_memory_path{path="registered"}"#), 1.0);
+    assert_eq!(get(&m, r#"sluice_kv_memory_path{path="mirror"}"#), 0.0);
     assert_eq!(get(&m, &format!(r#"sluice_build_info{{service="prefill-worker",version="{version}"}}"#)), 1.0);
 
     // Decode worker.
@@ -125,6 +128,8 @@ async fn every_process_serves_metrics_that_add_up() {
     assert!(get(&m, "sluice_kv_pages_total") > 0.0);
     assert_eq!(get(&m, "sluice_kv_state_slots_used"), 0.0);
     assert!(get(&m, "sluice_kv_state_slots_total") > 0.0);
+    assert_eq!(get(&m, r#"sluice_kv_memory_path{path="registered"}"#), 1.0);
+    assert_eq!(get(&m, r#"sluice_kv_memory_path{path="mirror_pageable"}"#), 0.0);
     assert_eq!(get(&m, &format!(r#"sluice_build_info{{service="decode-worker",version="{version}"}}"#)), 1.0);
 
     // A worker serves nothing but /metrics there.

@@ -122,6 +122,7 @@ pub struct PrefillMetrics {
     cache_errors: IntCounterVec,
     /// Record bytes written into the kvstore.
     pub put_bytes: IntCounter,
+    kv_path: IntGaugeVec,
 }
 
 impl PrefillMetrics {
@@ -190,7 +191,13 @@ impl PrefillMetrics {
                 names::PREFIX_CACHE_PUT_BYTES,
                 "Record bytes written into the prefix cache.",
             ),
+            kv_path: kv_path_gauge(registry),
         }
+    }
+
+    /// The path peers reach this worker's KV memory by (one of [`metrics::KV_MEMORY_PATHS`]).
+    pub fn set_kv_path(&self, path: &str) {
+        set_kv_path(&self.kv_path, path);
     }
 
     /// A prompt's prefix-cache lookup in one pool: `query` tokens asked for, `hit` found.
@@ -223,6 +230,7 @@ pub struct DecodeMetrics {
     pub slots_used: IntGauge,
     pub slots_total: IntGauge,
     commits_refused: IntCounterVec,
+    kv_path: IntGaugeVec,
 }
 
 impl DecodeMetrics {
@@ -238,6 +246,7 @@ impl DecodeMetrics {
         }
         DecodeMetrics {
             commits_refused,
+            kv_path: kv_path_gauge(registry),
             tokens: metrics::counter(registry, names::DECODE_TOKENS, "Tokens decoded."),
             step_seconds: metrics::histogram(registry, names::DECODE_STEP, "Time of one decode step of the batch."),
             running: metrics::gauge(registry, names::DECODE_RUNNING, "Requests in the running batch."),
@@ -261,6 +270,31 @@ impl DecodeMetrics {
     pub fn commit_refused(&self, reason: &str) {
         debug_assert!(metrics::COMMIT_REFUSALS.contains(&reason), "{reason}");
         self.commits_refused.with_label_values(&[reason]).inc();
+    }
+
+    /// The path peers reach this worker's KV memory by (one of [`metrics::KV_MEMORY_PATHS`]).
+    pub fn set_kv_path(&self, path: &str) {
+        set_kv_path(&self.kv_path, path);
+    }
+}
+
+fn kv_path_gauge(registry: &Registry) -> IntGaugeVec {
+    let g = metrics::gauge_vec(
+        registry,
+        names::KV_MEMORY_PATH,
+        "1 for how peers reach this worker's KV memory (registered host memory, or a host mirror of GPU memory).",
+        &["path"],
+    );
+    for p in metrics::KV_MEMORY_PATHS {
+        g.with_label_values(&[p]);
+    }
+    g
+}
+
+fn set_kv_path(g: &IntGaugeVec, path: &str) {
+    debug_assert!(metrics::KV_MEMORY_PATHS.contains(&path), "{path}");
+    for p in metrics::KV_MEMORY_PATHS {
+        g.with_label_values(&[p]).set(i64::from(p == path));
     }
 }
 
@@ -309,6 +343,7 @@ mod tests {
         let r = registry("prefill-worker");
         let m = PrefillMetrics::new(&r);
         m.prefix_lookup("hca", 7, 0);
+        m.set_kv_path("mirror");
         let text = encode(&r);
         for name in [
             names::PREFILL_TOKENS,
@@ -327,6 +362,9 @@ mod tests {
             assert!(text.contains(&format!(r#"sluice_prefix_cache_hit_tokens_total{{pool="{pool}"}} 0"#)), "{text}");
         }
         assert!(text.contains(r#"sluice_prefix_cache_query_tokens_total{pool="hca"} 7"#), "{text}");
+        assert!(text.contains(r#"sluice_kv_memory_path{path="mirror"} 1"#), "{text}");
+        assert!(text.contains(r#"sluice_kv_memory_path{path="registered"} 0"#), "{text}");
+        assert!(text.contains(r#"sluice_kv_memory_path{path="mirror_pageable"} 0"#), "{text}");
 
         let r = registry("decode-worker");
         DecodeMetrics::new(&r).commit_refused("lease");

@@ -76,6 +76,7 @@ pub mod names {
     pub const KV_PAGES_TOTAL: &str = "sluice_kv_pages_total";
     pub const KV_STATE_SLOTS_USED: &str = "sluice_kv_state_slots_used";
     pub const KV_STATE_SLOTS_TOTAL: &str = "sluice_kv_state_slots_total";
+    pub const KV_MEMORY_PATH: &str = "sluice_kv_memory_path";
 }
 
 /// The KV pools of a DeepSeek-V4 cache, as the `pool` label spells them.
@@ -89,6 +90,13 @@ pub const DROP_REASONS: [&str; 6] = ["queue_full", "staging_full", "no_room", "c
 /// (the bytes that landed differ from those sent), `lease` (no live reservation by that
 /// id: its lease ended, it was used or given back, or it never existed).
 pub const COMMIT_REFUSALS: [&str; 2] = ["checksum", "lease"];
+
+/// How peers reach a worker's KV memory, as the `path` label of `sluice_kv_memory_path`
+/// spells it (1 for the worker's path, 0 for the others): `registered` (the engine's KV
+/// is the UCX-registered host memory itself: CPU engines), `mirror` (GPU KV staged
+/// through a registered host mirror pinned for the device), `mirror_pageable` (the same,
+/// but the driver refused to pin it: copies at pageable speed).
+pub const KV_MEMORY_PATHS: [&str; 3] = ["registered", "mirror", "mirror_pageable"];
 
 /// How a request migration attempt ended, as the `outcome` label spells it: `resumed`
 /// (another pair re-prefilled and decoding went on) or `failed`.
