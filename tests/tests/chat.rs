@@ -186,6 +186,9 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
         max_tokens: 200,
         ..Default::default()
     };
+    // The router asks for the API key on gRPC too.
+    let mut req = tonic::Request::new(req);
+    req.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse().unwrap());
     let mut stream = c.client().await.chat(req).await.expect("grpc chat").into_inner();
     let mut events = Vec::new();
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(60), stream.message()).await.unwrap().unwrap() {
