@@ -39,6 +39,13 @@ fn check_person(content: &str) {
     assert!(tags.len() <= 3 && tags.iter().all(|t| t == "a" || t == "b"), "{v}");
 }
 
+/// A gRPC request carrying the test's API key (the router asks for it on gRPC too).
+fn keyed<T>(message: T) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(message);
+    r.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    r
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
     let keys = tempfile::tempdir().unwrap();
@@ -186,10 +193,7 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
         max_tokens: 200,
         ..Default::default()
     };
-    // The router asks for the API key on gRPC too.
-    let mut req = tonic::Request::new(req);
-    req.metadata_mut().insert("authorization", format!("Bearer {KEY}").parse().unwrap());
-    let mut stream = c.client().await.chat(req).await.expect("grpc chat").into_inner();
+    let mut stream = c.client().await.chat(keyed(req)).await.expect("grpc chat").into_inner();
     let mut events = Vec::new();
     while let Some(ev) = tokio::time::timeout(Duration::from_secs(60), stream.message()).await.unwrap().unwrap() {
         events.push(ev.event.expect("an event"));
@@ -209,11 +213,13 @@ async fn openai_sdk_chat_tools_json_schema_streaming_and_errors() {
         messages: vec![pb::ChatMessage { role: "wizard".into(), ..Default::default() }],
         ..Default::default()
     };
-    let err = c.client().await.chat(bad).await.expect_err("an unknown role");
+    let err = c.client().await.chat(keyed(bad.clone())).await.expect_err("an unknown role");
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("unknown message role `wizard`"), "{err:?}");
 
-    // Without a key the HTTP API refuses; health stays open.
+    // Without a key both APIs refuse; health stays open.
+    let err = c.client().await.chat(bad).await.expect_err("no API key");
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err:?}");
     let (status, body) =
         c.http_post("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"hi"}]}"#).await.unwrap();
     assert_eq!(status, 401, "{body}");

@@ -324,7 +324,7 @@ dict "root" $ "v" <role values> "role" "prefill"|"decode"
 {{- else -}}
 {{- range $flag := list "maxPages" "maxSequences" -}}
 {{- if ne (mod (int (index $.v $flag)) $n) 0 -}}
-{{- fail (printf "%s.%s (%d) must be a multiple of the %d GPUs a %s pod spans (each GPU holds an equal share)" $.role $flag (int (index $.v $flag)) $n $.role $.role) -}}
+{{- fail (printf "%s.%s (%d) must be a multiple of the %d GPUs a %s pod spans (each GPU holds an equal share)" $.role $flag (int (index $.v $flag)) $n $.role) -}}
 {{- end -}}
 {{- end -}}
 {{- $devices := list -}}
