@@ -347,9 +347,17 @@ fn values_violating_the_schema_are_rejected() {
         (vec!["--set", "etcd.external.endpoints={http://etcd:2379}"], "etcd.enabled=false"),
         (vec!["--set", "model.volume.type=existingClaim"], "model.volume.existingClaim"),
         (vec!["--set", "tls.source=existingSecret"], "tls.existingSecret"),
-        // Only the decode pool fails to divide (prefill's 513 does), so one message is certain.
+        // Only the decode pools fail to divide (prefill's are set to multiples of 3), so
+        // which message comes does not depend on the order helm renders templates in.
         (
-            vec!["--set", "workers.gpusPerWorker=3", "--set", "prefill.maxPages=513"],
+            vec![
+                "--set",
+                "workers.gpusPerWorker=3",
+                "--set",
+                "prefill.maxPages=513",
+                "--set",
+                "prefill.maxSequences=18",
+            ],
             "decode.maxPages (1024) must be a multiple of the 3 GPUs a decode pod spans (each GPU holds an equal share)",
         ),
         (vec!["--set", "prefill.gpus=0"], "prefill.gpus is 0 but workers.device is cuda"),
