@@ -8,7 +8,7 @@
 use cudarc::cublas::sys::cudaDataType;
 
 use super::CudaBackend;
-use super::matmul::{GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_kernel, gemv_simt, matmul};
+use super::matmul::{GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul};
 use super::memory::CudaWeight;
 use crate::backend::Backend;
 use crate::stored::{OwnedFormat, OwnedWeight};
@@ -184,8 +184,32 @@ impl CudaBackend {
                 cublas_us: Some(cublas),
             });
         }
+        // The FP8 tensor-core variant (activations in e4m3), quantisation included.
+        let t = self.time_kernel_us(reps, || gemm_fp4_f8(g, op, &ws[0], Some(&over)));
+        out.push(ProductTime {
+            what: format!("grouped gemm fp4 {experts} experts x {per} rows, {n}x{k} (e4m3 x, fp8 tensor cores)"),
+            us: t.gpu_us,
+            bytes: 0.0,
+            flops,
+            cublas_us: Some(cublas),
+        });
         self.take_traffic();
         out
+    }
+
+    /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the
+    /// engine uses (split activations) and the FP8 tensor-core variant (e4m3
+    /// activations), for the parity suite's comparison of their errors.
+    pub fn fp4_gemm_both(&self, x: &[f32], rows: usize, w: &CudaWeight) -> (Vec<f32>, Vec<f32>) {
+        let g = &self.gpu;
+        assert_eq!(x.len(), rows * w.cols, "x is not [rows, {}]", w.cols);
+        let xd = self.upload(x);
+        let (a, b) = (self.zeros(rows * w.rows), self.zeros(rows * w.rows));
+        let op =
+            Operand { x: g.ptr(&xd.mem), x_stride: w.cols, out: g.ptr(&a.mem), out_stride: w.rows, rows, groups: 1 };
+        gemm(g, "gemm_fp4", op, w, None);
+        gemm_fp4_f8(g, Operand { out: g.ptr(&b.mem), ..op }, w, None);
+        (self.download(&a), self.download(&b))
     }
 
     /// cuBLAS BF16 × BF16 → f32 GEMM, `batch` products of `rows × n × k`, microseconds.

@@ -42,6 +42,11 @@ const GEMM_LD: usize = 40;
 
 /// Dynamic shared memory of a GEMM kernel (`GemmSmem` in gemm.cu).
 pub(crate) fn gemm_smem(name: &str) -> usize {
+    if name == "gemm_fp4_f8" {
+        // Per stage x bytes and scales, FP4 bytes; then the e4m3 tile and its scales (gemm_f8.cu).
+        const F8_LD: usize = 48;
+        return GEMM_STAGES * (GEMM_BM * F8_LD + GEMM_BM * 4 + GEMM_BN * GEMM_BK / 2) + GEMM_BN * F8_LD + GEMM_BN * 4;
+    }
     let split = !name.ends_with("_hi");
     let x = GEMM_BM * GEMM_LD * 2;
     let (w, deq) = if name.starts_with("gemm_bf16") {
@@ -55,8 +60,8 @@ pub(crate) fn gemm_smem(name: &str) -> usize {
 }
 
 /// The GEMM kernels and the most dynamic shared memory each takes (opted in at load).
-pub(crate) const GEMM_KERNELS: [&str; 6] =
-    ["gemm_bf16", "gemm_fp8", "gemm_fp4", "gemm_bf16_hi", "gemm_fp8_hi", "gemm_fp4_hi"];
+pub(crate) const GEMM_KERNELS: [&str; 7] =
+    ["gemm_bf16", "gemm_fp8", "gemm_fp4", "gemm_bf16_hi", "gemm_fp8_hi", "gemm_fp4_hi", "gemm_fp4_f8"];
 
 /// Where a product reads and writes: `x` rows `x_stride` floats apart, `out` rows
 /// `out_stride` apart; `groups` blocks on the diagonal (1 for a plain product).
@@ -302,6 +307,51 @@ pub(crate) fn gemm_split(gpu: &Gpu, name: &str, op: Operand, xs: &SplitX, w: &Cu
 pub(crate) fn gemm(gpu: &Gpu, name: &str, op: Operand, w: &CudaWeight, tiles: Option<&Tiles>) {
     let xs = split_x(gpu, op.x, op.x_stride, op.rows, op.groups * w.cols);
     gemm_split(gpu, name, op, &xs, w, tiles);
+}
+
+/// The FP8 tensor-core variant of an FP4 product (gemm_f8.cu), measured against the
+/// BF16 one by the benchmark and the parity suite but not used by the engine (its e4m3
+/// activations cost accuracy; docs/perf.md): the rows quantised to e4m3 with a scale per
+/// 32 inputs, then `gemm_fp4_f8` over all of `op`'s rows or the listed tiles.
+pub(crate) fn gemm_fp4_f8(gpu: &Gpu, op: Operand, w: &CudaWeight, tiles: Option<&Tiles>) {
+    assert!(matches!(w.data, WeightData::Fp4 { .. }), "gemm_fp4_f8 takes FP4 weights");
+    assert!(op.groups == 1 && w.cols.is_multiple_of(GEMM_BK), "gemm_fp4_f8: plain products, K a multiple of 32");
+    let (n, k) = (w.rows, w.cols);
+    let row_tiles = tiles.map(|t| t.count).unwrap_or_else(|| op.rows.div_ceil(GEMM_BM));
+    if row_tiles == 0 {
+        return;
+    }
+    let xq = gpu.alloc::<u8>(op.rows * k);
+    let xs = gpu.alloc::<f32>(op.rows * k / 32);
+    let blocks = op.rows * k / 32;
+    launch!(
+        gpu,
+        "quant_e4m3_rows",
+        cfg_elems(blocks),
+        gpu.ptr(&xq),
+        gpu.ptr(&xs),
+        op.x,
+        op.rows as i32,
+        k as i32,
+        op.x_stride as i32
+    );
+    let (wp, sp) = weight_ptrs(gpu, w);
+    launch!(
+        gpu,
+        "gemm_fp4_f8",
+        cfg((n.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1), 256, gemm_smem("gemm_fp4_f8") as u32),
+        op.out,
+        op.out_stride as i32,
+        gpu.ptr(&xq),
+        gpu.ptr(&xs),
+        wp,
+        sp,
+        tiles.map(|t| t.wtab).unwrap_or(0),
+        tiles.map(|t| t.tiles).unwrap_or(0),
+        op.rows as i32,
+        n as i32,
+        k as i32,
+    );
 }
 
 /// cuBLAS: `out[rows, N]` (row-major, rows `ldc` apart) = `x · Wᵀ` per group, in column-major

@@ -95,6 +95,8 @@ const KERNELS: &[&str] = &[
     "gemm_bf16_hi",
     "gemm_fp8_hi",
     "gemm_fp4_hi",
+    "gemm_fp4_f8",
+    "quant_e4m3_rows",
     "hc_pre_finish",
     "hc_post",
     "hc_head_finish",

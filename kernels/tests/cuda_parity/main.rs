@@ -92,6 +92,11 @@ fn check(op: &str, dtype: &str, got: &[f32], want: &[f32]) {
     assert!(e <= tol(dtype), "{op} ({dtype}): max|Δ|/max|ref| {e:.3e} above {:.0e}", tol(dtype));
 }
 
+/// Allowed max|Δ|/max|CPU| of the FP8 tensor-core variant of the FP4 GEMM, whose
+/// activations are rounded to e4m3 (3 mantissa bits, up to 2^-4 relative per value):
+/// a bound that catches a wrong fragment or scale (errors of order 1), not a parity claim.
+const E4M3_ACTIVATIONS_TOL: f32 = 0.1;
+
 fn poisoned<B: Backend>(b: &B, len: usize) -> B::Buf {
     b.upload(&vec![f32::NAN; len])
 }
@@ -396,4 +401,29 @@ fn side<'a, B: Backend>(
     let params = raw.iter().map(|p| [b.upload(&p[0]), b.upload(&p[1]), b.upload(&p[2]), b.upload(&p[3])]).collect();
     let sinks = b.upload(sinks);
     Side { b, kv, params, sinks }
+}
+
+/// The two tensor-core paths for FP4 expert products against the CPU at an expert's
+/// shapes: the BF16 one the engine uses (weights dequantised to bf16 tiles, split
+/// activations) and the FP8 variant (e4m3 weights and activations), whose error shows
+/// what rounding the activations to e4m3 costs (docs/perf.md, beside their speeds).
+#[test]
+fn fp4_gemm_bf16_and_fp8_tensor_core_paths_against_cpu() {
+    let Some(g) = gpu("fp4_gemm_bf16_and_fp8_tensor_core_paths_against_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("fp4 gemm paths");
+    for (n, k) in [(2048, 4096), (4096, 2048), (200, 96)] {
+        let w = weight(&mut rng, n, k, 0.05, "fp4");
+        let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+        for rows in [130, 192] {
+            let x = rand_vec(&mut rng, rows * k, 1.0);
+            let mut want = vec![0f32; rows * n];
+            c.matmul(&x, rows, &cw, &mut want);
+            let (bf16, fp8) = g.fp4_gemm_both(&x, rows, &gw);
+            let (eb, e8) = (rel_err(&bf16, &want), rel_err(&fp8, &want));
+            eprintln!("PARITY fp4 gemm {n}x{k} rows={rows}: bf16 tensor cores {eb:.2e}, fp8 tensor cores {e8:.2e}");
+            assert!(eb <= tol("fp4"), "bf16 tensor-core FP4 GEMM {n}x{k}: {eb:.3e}");
+            assert!(e8 <= E4M3_ACTIVATIONS_TOL, "fp8 tensor-core FP4 GEMM {n}x{k}: {e8:.3e}");
+        }
+    }
 }
