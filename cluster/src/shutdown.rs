@@ -61,9 +61,50 @@ pub async fn drain<E>(
     }
 }
 
+/// Wait up to `limit` for a thread that owns device state (a worker's engine thread,
+/// which drops the engine once the service's last sender is gone) to finish, so CUDA
+/// contexts and NCCL communicators are torn down before the process exits instead of
+/// racing its exit handlers (a worker over two GPUs crashed in `ncclCommAbort` that
+/// way). Past `limit` it says so and returns; the process exits regardless.
+pub async fn join_thread(handle: std::thread::JoinHandle<()>, limit: Duration, what: &str) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !handle.is_finished() {
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(limit_s = limit.as_secs_f64(), "{what} thread still running; exiting without it");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if handle.join().is_err() {
+        tracing::error!("{what} thread panicked while stopping");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn join_thread_waits_for_the_thread_and_bounds_the_wait() {
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let d = done.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            d.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+        join_thread(t, Duration::from_secs(5), "test").await;
+        assert!(done.load(std::sync::atomic::Ordering::SeqCst), "returned before the thread finished");
+
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        let stuck = std::thread::spawn(move || {
+            let _ = stop_rx.recv();
+        });
+        let started = std::time::Instant::now();
+        join_thread(stuck, Duration::from_millis(100), "stuck").await;
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(100) && waited < Duration::from_secs(5), "{waited:?}");
+        drop(stop_tx);
+    }
 
     #[tokio::test]
     async fn drain_bounds_the_wait_and_always_runs_on_stop() {

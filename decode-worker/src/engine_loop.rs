@@ -118,13 +118,18 @@ struct State<B: Backend> {
 
 /// Start the engine thread; it runs until every sender of the returned channel is gone,
 /// then frees everything it holds.
-pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
+/// Start the engine thread; returns its command sender and its handle (joined at
+/// shutdown, after the last sender is gone, so the engine is dropped before exit).
+pub fn spawn<B: Backend>(
+    engine: Engine<B>,
+    cfg: LoopConfig,
+) -> std::io::Result<(std_mpsc::Sender<Command>, std::thread::JoinHandle<()>)> {
     let (tx, rx) = std_mpsc::channel();
-    std::thread::Builder::new().name("decode-engine".into()).spawn(move || {
+    let handle = std::thread::Builder::new().name("decode-engine".into()).spawn(move || {
         let mut s = State { table: Table::new(cfg.lease), engine, running: Vec::new(), waiting: VecDeque::new(), cfg };
         s.run(rx);
     })?;
-    Ok(tx)
+    Ok((tx, handle))
 }
 
 fn table_status(e: TableError) -> Status {

@@ -159,10 +159,15 @@ const KEPT_TOMBSTONES: usize = 4096;
 
 const KEPT_DUMPS: usize = 16;
 
-pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<std_mpsc::Sender<Command>> {
+/// Start the engine thread; returns its command sender and its handle (joined at
+/// shutdown, after the last sender is gone, so the engine is dropped before exit).
+pub fn spawn<B: Backend>(
+    engine: Engine<B>,
+    cfg: LoopConfig,
+) -> std::io::Result<(std_mpsc::Sender<Command>, std::thread::JoinHandle<()>)> {
     let (tx, rx) = std_mpsc::channel();
     let (ready_tx, ready_rx) = std_mpsc::channel();
-    std::thread::Builder::new().name("prefill-engine".into()).spawn(move || {
+    let handle = std::thread::Builder::new().name("prefill-engine".into()).spawn(move || {
         let sender = match Sender::new() {
             Ok(s) => {
                 let _ = ready_tx.send(Ok(()));
@@ -193,7 +198,7 @@ pub fn spawn<B: Backend>(engine: Engine<B>, cfg: LoopConfig) -> std::io::Result<
         .recv()
         .map_err(|_| std::io::Error::other("prefill engine thread exited"))?
         .map_err(|e| std::io::Error::other(format!("UCX sender: {e}")))?;
-    Ok(tx)
+    Ok((tx, handle))
 }
 
 impl<B: Backend> State<B> {

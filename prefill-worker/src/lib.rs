@@ -100,7 +100,7 @@ pub async fn run(
         metrics: recorder.clone(),
         cache: cache.clone().map(|c| (c, tokio::runtime::Handle::current())),
     };
-    let tx = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
+    let (tx, engine_thread) = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
     let _metrics = cluster::telemetry::serve::spawn(metrics, registry, tls.as_ref().map(|t| t.public_http()));
     let service = service::PrefillService {
@@ -157,9 +157,16 @@ pub async fn run(
         }
     };
     let result = cluster::shutdown::drain(server, &shutdown, Duration::from_secs(cfg.drain_timeout_s), on_stop).await;
+    // The server (and with it the engine's last sender) is gone: the engine thread drops
+    // the engine; wait for that before the KV regions' UCX context and the process go.
+    cluster::shutdown::join_thread(engine_thread, ENGINE_STOP_LIMIT, "prefill engine").await;
     drop(receiver);
     result.map_err(WorkerError::from)
 }
+
+/// Longest wait at shutdown for the engine thread to drop the engine (its device
+/// memory, CUDA contexts, NCCL communicators).
+const ENGINE_STOP_LIMIT: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod memory_tests;
