@@ -14,8 +14,11 @@
 //! - the indexer's top-k alone over `--topk-candidates` scores at batch 1, and the
 //!   compressor kernel alone over a `--compress-tokens` prefill at V4-Flash widths;
 //! - the stored-format products alone (unless `--skip-products`): gemv over FP4 experts
-//!   and FP8/BF16 projections against the copy bandwidth, the tensor-core GEMMs (FP8
-//!   projection, 256 FP4 experts grouped) against a cuBLAS BF16 GEMM of the same shape.
+//!   and FP8/BF16 projections (each decode kernel version, v1 and v2, at 1 and 8 rows) and
+//!   one decode token's 6 routed FP4 experts (SwiGLU pair + down, v1 and v2) against the
+//!   copy bandwidth, the tensor-core GEMMs (FP8 projection, 256 FP4 experts grouped)
+//!   against a cuBLAS BF16 GEMM of the same shape. The engine's own decode steps run the
+//!   version `SLUICE_CUDA_DECODE_KERNELS` selects (`v1` unless set), printed in the header.
 //! - how loading went: bytes, seconds, GB/s and the peak host memory beyond the page
 //!   cache.
 //!
@@ -273,6 +276,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
         "model": c.dir.display().to_string(),
         "kv_dtype": c.kv_dtype.name(),
         "copy_gb_s": copy_gbs,
+        "decode_kernels": engine.model.backend.first().decode_kernels(),
         "load_s": load_s,
         "memory": json!({
             "plan_weights": plan_weights.map(|p| p.0), "plan_workspace": plan_weights.map(|p| p.1),
@@ -317,6 +321,10 @@ fn print_profile<B: MeasuredGpus>(b: &B, what: &str) {
 fn print_table(r: &Value) {
     println!("sluice engine on {} (KV {})", r["device"].as_str().unwrap_or("?"), r["kv_dtype"].as_str().unwrap_or("?"));
     println!("  copy bandwidth        {:>10.0} GB/s", r["copy_gb_s"].as_f64().unwrap_or(0.0));
+    println!(
+        "  decode kernels        {:>10} (SLUICE_CUDA_DECODE_KERNELS; the product table times both)",
+        r["decode_kernels"].as_str().unwrap_or("?")
+    );
     let m = &r["memory"];
     println!(
         "  memory                plan: weights {:.2} GB, workspace {:.2} GB; device in use after load {:.2} GB, at the end {:.2} GB",

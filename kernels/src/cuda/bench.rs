@@ -1,16 +1,24 @@
 //! The stored-format products alone, for `sluice bench engine`'s kernel table: decode
-//! gemv over FP4 experts and FP8/BF16 projections against the device's copy bandwidth,
-//! and the tensor-core GEMMs (FP8 projections, FP4 experts grouped) against a cuBLAS
-//! BF16 GEMM of the same shape in the same run. Weights are random values in the
-//! stored formats; gemv rotates over enough distinct weights to exceed the L2 cache, so
-//! it measures device memory, not the cache.
+//! gemv over FP4 experts and FP8/BF16 projections against the device's copy bandwidth
+//! (each decode kernel version, `v1` and `v2`, in the same run), the routed experts of one
+//! decode token (SwiGLU pair and down projection of 6 FP4 experts, both versions), and
+//! the tensor-core GEMMs (FP8 projections, FP4 experts grouped) against a cuBLAS BF16
+//! GEMM of the same shape in the same run. Weights are random values in the stored
+//! formats; gemv and the experts rotate over enough distinct weights to exceed the L2
+//! cache, so they measure device memory, not the cache.
+//!
+//! Also the parity suite's entry points to either decode version (`decode_*`).
 
 use cudarc::cublas::sys::cudaDataType;
 
-use super::CudaBackend;
-use super::matmul::{GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul};
+use super::matmul::{
+    D2_KERNELS, Decode, GEMM_BM, Operand, Tiles, cublas_gemm, d2_plan, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt,
+    matmul, matmul_as, swiglu_pair,
+};
 use super::memory::CudaWeight;
-use crate::backend::Backend;
+use super::moe::{experts_routed_on_device, experts_v2_plan, moe_as};
+use super::{CudaBackend, CudaBuf};
+use crate::backend::{Backend, ExpertWeights, MoeWeights, Routing};
 use crate::stored::{OwnedFormat, OwnedWeight};
 
 /// One row of the table.
@@ -96,15 +104,20 @@ impl CudaBackend {
                 let y = self.zeros(rows * n);
                 let g = &self.gpu;
                 let op = Operand { x: g.ptr(&x.mem), x_stride: k, out: g.ptr(&y.mem), out_stride: n, rows, groups: 1 };
-                // The engine's choice (tensor cores for these formats), then the SIMT kernels.
-                for (label, simt) in [("", false), (" simt", true)] {
+                // The first version's choice (tensor cores for these formats), the second
+                // version's kernels where they take the product, then the SIMT kernels.
+                let mut runs = vec![(" v1", Some(Decode::V1))];
+                if d2_plan(g, &op, &ws[0], None).is_some() {
+                    runs.push((" v2", Some(Decode::V2)));
+                }
+                runs.push((" simt", None));
+                for (label, variant) in runs {
                     let mut i = 0;
                     let t = self.time_kernel_us(reps * copies, || {
                         let w = &ws[i % copies];
-                        if simt {
-                            gemv_simt(g, op, w, None, 0.0)
-                        } else {
-                            matmul(g, op, w)
+                        match variant {
+                            Some(v) => matmul_as(g, op, w, v),
+                            None => gemv_simt(g, op, w, None, 0.0),
                         }
                         i += 1;
                     });
@@ -118,6 +131,8 @@ impl CudaBackend {
                 }
             }
         }
+        self.take_traffic();
+        out.extend(self.bench_experts(reps));
         self.take_traffic();
 
         // Prefill GEMMs: 8192 rows through wo_a (FP8, 8192 × 4096), and one MoE layer's
@@ -197,6 +212,134 @@ impl CudaBackend {
         out
     }
 
+    /// The routed experts of one decode token at V4-Flash widths, each decode version: 6 of
+    /// 24 FP4 experts (gate/up 2048 × 4096, down 4096 × 2048, 12.6 MB an expert) through
+    /// the device-routed path the engine takes at batch 1 (routing lists, SwiGLU pair, down
+    /// projection, combine), four disjoint sets of 6 in turn so that each call streams
+    /// 75 MB the L2 cannot hold from the call before.
+    fn bench_experts(&self, reps: usize) -> Vec<ProductTime> {
+        let (n_exp, top_k, d, inter, sets) = (24usize, 6usize, 4096usize, 2048usize, 4usize);
+        let fp4 = |rows, cols, salt| stored(self, rows, cols, OwnedFormat::Fp4, salt);
+        let experts: Vec<ExpertWeights<CudaBackend>> = (0..n_exp as u64)
+            .map(|e| ExpertWeights {
+                w1: fp4(inter, d, 500 + 3 * e),
+                w2: fp4(d, inter, 501 + 3 * e),
+                w3: fp4(inter, d, 502 + 3 * e),
+            })
+            .collect();
+        let expert_bytes = experts[0].w1.device_bytes() + experts[0].w2.device_bytes() + experts[0].w3.device_bytes();
+        let w = MoeWeights {
+            gate: stored(self, n_exp, d, OwnedFormat::Bf16, 499),
+            routing: Routing::TopK { bias: vec![0.0; n_exp] },
+            experts,
+            expert_base: 0,
+            shared: None,
+            top_k,
+            route_scale: 1.0,
+            swiglu_limit: 10.0,
+        };
+        let g = &self.gpu;
+        let x = self.upload(&noise(d, 31));
+        let chosen: Vec<_> =
+            (0..sets).map(|s| g.upload(&(0..top_k).map(|j| (s * top_k + j) as i32).collect::<Vec<_>>())).collect();
+        let weights = self.upload(&[0.3, 0.25, 0.2, 0.1, 0.1, 0.05]);
+        let mut y = self.zeros(d);
+        let mut out = Vec::new();
+        for (label, variant) in [("v1", Decode::V1), ("v2", Decode::V2)] {
+            if variant == Decode::V2 && experts_v2_plan(1, &w).is_none() {
+                continue;
+            }
+            let mut i = 0;
+            let t = self.time_kernel_us(reps * sets, || {
+                experts_routed_on_device(self, &x, 1, &[0], &w, &chosen[i % sets], &weights, &mut y, variant);
+                i += 1;
+            });
+            out.push(ProductTime {
+                what: format!("experts fp4 {label}: {top_k} of {n_exp}, 1 token, swiglu+down"),
+                us: t.gpu_us,
+                bytes: (top_k * expert_bytes) as f64,
+                flops: 2.0 * (top_k * 3 * d * inter) as f64,
+                cublas_us: None,
+            });
+        }
+        out
+    }
+
+    /// The decode kernels this process runs (`SLUICE_CUDA_DECODE_KERNELS`): "v1" or "v2".
+    pub fn decode_kernels(&self) -> &'static str {
+        match Decode::from_env() {
+            Decode::V1 => "v1",
+            Decode::V2 => "v2",
+        }
+    }
+
+    /// `out = x · Wᵀ` for a decode batch (at most 8 rows) with decode kernels `variant`
+    /// (`v1` or `v2`; v2 leaves what it does not take to v1), for the parity suite.
+    pub fn decode_matmul(&self, variant: &str, x: &CudaBuf, rows: usize, w: &CudaWeight, out: &mut CudaBuf) {
+        assert!(rows <= 8, "decode_matmul takes at most 8 rows");
+        assert_eq!((x.len, out.len), (rows * w.cols, rows * w.rows), "decode_matmul shapes");
+        let g = &self.gpu;
+        let op =
+            Operand { x: g.ptr(&x.mem), x_stride: w.cols, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups: 1 };
+        matmul_as(g, op, w, decode_variant(variant));
+    }
+
+    /// `out = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)` for a decode batch with decode
+    /// kernels `variant`, for the parity suite.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_swiglu(
+        &self,
+        variant: &str,
+        x: &CudaBuf,
+        rows: usize,
+        w1: &CudaWeight,
+        w3: &CudaWeight,
+        limit: f32,
+        out: &mut CudaBuf,
+    ) {
+        assert!(rows <= 8, "decode_swiglu takes at most 8 rows");
+        assert_eq!((x.len, out.len), (rows * w1.cols, rows * w1.rows), "decode_swiglu shapes");
+        let g = &self.gpu;
+        let op =
+            Operand { x: g.ptr(&x.mem), x_stride: w1.cols, out: g.ptr(&out.mem), out_stride: w1.rows, rows, groups: 1 };
+        swiglu_pair(g, op, w1, w3, limit, decode_variant(variant));
+    }
+
+    /// The MoE block ([`Backend::moe`]) with decode kernels `variant`, for the parity suite.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_moe(
+        &self,
+        variant: &str,
+        x: &CudaBuf,
+        rows: usize,
+        tokens: &[u32],
+        w: &MoeWeights<Self>,
+        shared_rows: std::ops::Range<usize>,
+        out: &mut CudaBuf,
+    ) {
+        moe_as(self, x, rows, tokens, w, shared_rows, out, decode_variant(variant));
+    }
+
+    /// The v2 kernel a decode product (a SwiGLU pair with `w3`) of `rows` rows over `x`
+    /// runs on, or `None` where v2 leaves it to v1.
+    pub fn decode_v2_kernel(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        w: &CudaWeight,
+        w3: Option<&CudaWeight>,
+    ) -> Option<&'static str> {
+        let g = &self.gpu;
+        let op = Operand { x: g.ptr(&x.mem), x_stride: w.cols, out: 0, out_stride: w.rows, rows, groups: 1 };
+        let plan = d2_plan(g, &op, w, w3)?;
+        D2_KERNELS.iter().copied().find(|&k| k == plan.name)
+    }
+
+    /// Whether v2 runs the routed experts of a decode batch of `rows` rows (else v1 does).
+    pub fn decode_v2_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
+        experts_v2_plan(rows, w).is_some()
+    }
+
     /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the
     /// engine uses (split activations) and the FP8 tensor-core variant (e4m3
     /// activations), for the parity suite's comparison of their errors.
@@ -242,4 +385,8 @@ impl CudaBackend {
         })
         .gpu_us
     }
+}
+
+fn decode_variant(v: &str) -> Decode {
+    Decode::parse(v).unwrap_or_else(|| panic!("decode kernels {v:?}: v1 or v2"))
 }

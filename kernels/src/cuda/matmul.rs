@@ -15,10 +15,15 @@
 //!   cuBLAS f32 GEMM. Shapes the tensor-core kernel does not tile (K not a multiple of
 //!   32, block-diagonal groups narrower than its 128-output tile: tiny test models) run
 //!   through the gemv kernels, 8 rows a launch.
+//! - `SLUICE_CUDA_DECODE_KERNELS=v2` (read once; `v1` is the default): FP8 and FP4
+//!   decode products (and SwiGLU pairs) up to 8 rows take the second-version kernels of
+//!   cu/decode2.cu instead (blocks that keep their activations and stream many weight
+//!   rows, [`d2_plan`]); what they cannot take stays on the paths above.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
+use cudarc::driver::DeviceRepr;
 
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, cfg_elems, fail, launch};
@@ -176,11 +181,17 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
     }
 }
 
-/// gemv in launches of up to [`GEMV_ROWS`] rows: tensor cores where the weight allows,
-/// except BF16 at one or two rows, where the SIMT kernel streams faster (measured on the
-/// H200: 8192 × 4096 at one row 20.8 µs SIMT vs 29.6 µs tensor cores; FP8 and FP4 are
-/// even or faster on tensor cores, and every format is 3-6x faster there at 8 rows).
-fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
+/// gemv in launches of up to [`GEMV_ROWS`] rows: the v2 kernels when `variant` asks for
+/// them and they take the product ([`d2_plan`]); else tensor cores where the weight
+/// allows, except BF16 at one or two rows, where the SIMT kernel streams faster (measured
+/// on the H200: 8192 × 4096 at one row 20.8 µs SIMT vs 29.6 µs tensor cores; FP8 and FP4
+/// are even or faster on tensor cores, and every format is 3-6x faster there at 8 rows).
+fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32, variant: Decode) {
+    if variant == Decode::V2
+        && let Some(plan) = d2_plan(gpu, &op, w, w3)
+    {
+        return d2_gemv(gpu, &plan, op, w, w3, limit);
+    }
     let simt_wins = op.rows <= 2 && matches!(w.data, WeightData::Bf16(_));
     if let Some(fam) = tc_family(&op, w)
         && !simt_wins
@@ -407,15 +418,21 @@ pub(crate) fn cublas_gemm(
     r.unwrap_or_else(|e| fail("cuBLAS GEMM", e));
 }
 
-/// `out = x · Wᵀ` (grouped when `op.groups > 1`).
+/// `out = x · Wᵀ` (grouped when `op.groups > 1`), with the decode kernels
+/// `SLUICE_CUDA_DECODE_KERNELS` selects.
 pub(crate) fn matmul(gpu: &Gpu, op: Operand, w: &CudaWeight) {
+    matmul_as(gpu, op, w, Decode::from_env())
+}
+
+/// [`matmul`] with the decode kernels given (the benchmark and the parity suite run both).
+pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode) {
     if op.rows == 0 || w.rows == 0 {
         return;
     }
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
     gpu.traffic.add_weights(w.device_bytes());
     if op.rows <= GEMV_MAX_ROWS {
-        return gemv(gpu, op, w, None, 0.0);
+        return gemv(gpu, op, w, None, 0.0, variant);
     }
     if let Some(name) = gemm_kernel(&op, w) {
         return gemm(gpu, name, op, w, None);
@@ -436,29 +453,235 @@ pub(crate) fn matmul(gpu: &Gpu, op: Operand, w: &CudaWeight) {
             op.groups,
             0.0,
         ),
-        _ => gemv(gpu, op, w, None, 0.0),
+        _ => gemv(gpu, op, w, None, 0.0, variant),
     }
 }
 
-/// `out[rows, inter] = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)`.
-pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeight, limit: f32) {
+/// `out[rows, inter] = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)`, with the decode
+/// kernels given.
+pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeight, limit: f32, variant: Decode) {
     if op.rows == 0 {
         return;
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
     if op.rows <= SWIGLU_GEMV_MAX_ROWS && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
         gpu.traffic.add_weights(w1.device_bytes() + w3.device_bytes());
-        gemv(gpu, op, w1, Some(w3), limit);
+        // The v2 kernels take up to 8 rows in one launch; more go through the first version.
+        let v = if op.rows <= GEMV_MAX_ROWS { variant } else { Decode::V1 };
+        gemv(gpu, op, w1, Some(w3), limit, v);
         return;
     }
     let n = op.rows * w1.rows;
     let up = gpu.alloc::<f32>(n);
-    matmul(gpu, op, w1);
-    matmul(gpu, Operand { out: gpu.ptr(&up), ..op }, w3);
+    matmul_as(gpu, op, w1, variant);
+    matmul_as(gpu, Operand { out: gpu.ptr(&up), ..op }, w3, variant);
     swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
 }
 
 /// `g = silu(min(g, limit)) * clamp(u, ±limit)` over `n` values, in place in `g`.
 pub(crate) fn swiglu_act(gpu: &Gpu, g: u64, u: u64, n: usize, limit: f32) {
     launch!(gpu, "swiglu_act", cfg_elems(n), g, u, n as i64, limit);
+}
+
+/// Which decode kernels products and MoE experts use: `SLUICE_CUDA_DECODE_KERNELS=v1`
+/// (the default until the v2 kernels have been measured on the H200) or `v2`
+/// (cu/decode2.cu; kernels/src/cuda/NOTES-decode.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Decode {
+    V1,
+    V2,
+}
+
+impl Decode {
+    /// `v1` or `v2`.
+    pub(crate) fn parse(s: &str) -> Option<Decode> {
+        match s.trim() {
+            "v1" => Some(Decode::V1),
+            "v2" => Some(Decode::V2),
+            _ => None,
+        }
+    }
+
+    /// The process's choice, read from the environment once (the first backend reads it
+    /// at its first product); anything but `v2` means `v1`, an unknown value with a warning.
+    pub(crate) fn from_env() -> Decode {
+        static ONCE: std::sync::OnceLock<Decode> = std::sync::OnceLock::new();
+        *ONCE.get_or_init(|| match std::env::var("SLUICE_CUDA_DECODE_KERNELS") {
+            Err(_) => Decode::V1,
+            Ok(v) => Decode::parse(&v).unwrap_or_else(|| {
+                tracing::warn!(value = %v, "SLUICE_CUDA_DECODE_KERNELS is neither v1 nor v2: using v1");
+                Decode::V1
+            }),
+        })
+    }
+}
+
+/// Warps of a v2 block (`D2_WARPS` in decode2.cu); they split a block's inputs.
+const D2_WARPS: usize = 8;
+/// Most dynamic shared memory a v2 kernel is launched with (opted in at load). With the
+/// down kernel's 8 KiB of static shared memory it stays under the 163 KiB an A100 allows
+/// a block, so the opt-in succeeds on every part that runs compute_80 and later.
+pub(crate) const D2_MAX_SMEM: usize = 148 * 1024;
+/// Dynamic shared memory up to which two v2 blocks fit an SM of a Hopper (228 KiB).
+pub(crate) const D2_TWO_BLOCKS_SMEM: usize = 100 * 1024;
+/// The v2 kernels (all take up to [`D2_MAX_SMEM`] of dynamic shared memory).
+pub(crate) const D2_KERNELS: [&str; 12] = [
+    "d2gemv_fp8_n1",
+    "d2gemv_fp8_n2",
+    "d2gemv_fp4_n1",
+    "d2gemv_fp4_n2",
+    "d2swiglu_fp8_n1",
+    "d2swiglu_fp8_n2",
+    "d2swiglu_fp4_n1",
+    "d2swiglu_fp4_n2",
+    "d2moe_swiglu_fp4_n1",
+    "d2moe_swiglu_fp4_n2",
+    "d2moe_down_fp4_n1",
+    "d2moe_down_fp4_n2",
+];
+
+/// `D2Args` in decode2.cu (pointers first, so both sides lay it out without padding).
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+pub(crate) struct D2Args {
+    pub out: u64,
+    pub x: u64,
+    pub w: u64,
+    pub s: u64,
+    pub w3: u64,
+    pub s3: u64,
+    pub wtab: u64,
+    pub active: u64,
+    pub n_active: u64,
+    pub hb: u64,
+    pub partials: u64,
+    pub tickets: u64,
+    pub rows: i32,
+    pub n: i32,
+    pub k: i32,
+    pub x_stride: i32,
+    pub out_stride: i32,
+    pub tiles: i32,
+    pub parts: i32,
+    pub rw_max: i32,
+    pub limit: f32,
+    pub h_scale: f32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, `struct D2Args` in decode2.cu.
+unsafe impl DeviceRepr for D2Args {}
+
+/// How a v2 product runs: its kernel, grid, shared memory and the args it depends on.
+pub(crate) struct D2Plan {
+    pub name: String,
+    pub tiles: usize,
+    pub parts: usize,
+    pub rw_max: usize,
+    pub smem: usize,
+    pub grid_x: usize,
+}
+
+/// Inputs a v2 round covers per row (FP4 128, FP8 64): K must be a multiple.
+pub(crate) fn d2_round(fp4: bool) -> usize {
+    if fp4 { 128 } else { 64 }
+}
+
+/// Dynamic shared memory of a v2 block: the warps' activations (`nb` column blocks of
+/// `rw_max` rounds) and the double-buffered unit sums (`d2_red` in decode2.cu).
+pub(crate) fn d2_smem(fp4: bool, nb: usize, rw_max: usize, mt: usize, dual: bool) -> usize {
+    let q = if fp4 { 4 } else { 2 };
+    nb * D2_WARPS * rw_max * q * 32 * 16 + 2 * (1 + usize::from(dual)) * D2_WARPS * 16 * mt * 8 * 4
+}
+
+/// FP8, or FP4 with scales the f16 decode multiplies exactly: the formats v2 takes.
+fn d2_format(w: &CudaWeight) -> Option<bool> {
+    match &w.data {
+        WeightData::Fp8 { .. } => Some(false),
+        WeightData::Fp4 { tc: true, .. } => Some(true),
+        _ => None,
+    }
+}
+
+/// The v2 plan for a product of up to 8 rows, when v2 takes it: FP8 or FP4 weights (a
+/// SwiGLU pair of one format), a plain product (no groups), K a multiple of the round,
+/// 16-byte aligned activation rows, a matrix of under 4 GiB and activations that fit
+/// shared memory. Small products split K over blockIdx.y parts so that the grid fills
+/// the GPU (about two units per SM; every warp keeps at least one round).
+pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaWeight>) -> Option<D2Plan> {
+    let fp4 = d2_format(w)?;
+    if let Some(w3) = w3
+        && (d2_format(w3) != Some(fp4) || (w3.rows, w3.cols) != (w.rows, w.cols))
+    {
+        return None;
+    }
+    let (n, k) = (w.rows, w.cols);
+    let round = d2_round(fp4);
+    let aligned = op.x.is_multiple_of(16) && op.x_stride.is_multiple_of(4);
+    let row_bytes = if fp4 { k / 2 } else { k };
+    if op.groups != 1 || op.rows == 0 || op.rows > GEMV_MAX_ROWS || !k.is_multiple_of(round) || !aligned {
+        return None;
+    }
+    if n.checked_mul(row_bytes).is_none_or(|b| b >= 1 << 32) {
+        return None;
+    }
+    let dual = w3.is_some();
+    let mt = if dual { 1 } else { 2 };
+    let nb = if op.rows <= 4 { 1 } else { 2 };
+    let fam = if fp4 { "fp4" } else { "fp8" };
+    let name = format!("d2{}_{fam}_n{nb}", if dual { "swiglu" } else { "gemv" });
+    let tiles = n.div_ceil(16 * mt);
+    let rounds = k / round;
+    let most_parts = (rounds / D2_WARPS).max(1);
+    // Fewer row tiles than SMs: split K so that there are about two units per SM.
+    let mut parts = if tiles >= gpu.sms { 1 } else { (2 * gpu.sms).div_ceil(tiles).clamp(1, most_parts) };
+    let rw_of = |parts: usize| rounds.div_ceil(parts).div_ceil(D2_WARPS);
+    // More parts also shrink each block's activations: take more until two blocks fit an
+    // SM (one block of 8 warps keeps too few loads in flight), or at least one does.
+    while d2_smem(fp4, nb, rw_of(parts), mt, dual) > D2_TWO_BLOCKS_SMEM && parts < most_parts {
+        parts += 1;
+    }
+    if d2_smem(fp4, nb, rw_of(parts), mt, dual) > D2_MAX_SMEM {
+        return None;
+    }
+    let rw_max = rw_of(parts);
+    let smem = d2_smem(fp4, nb, rw_max, mt, dual);
+    let cap = gpu.resident_blocks(D2_KERNELS.iter().find(|&&x| x == name)?, 256, smem as u32) * gpu.sms;
+    let grid_x = tiles.min(cap.div_ceil(parts)).max(1);
+    Some(D2Plan { name, tiles, parts, rw_max, smem, grid_x })
+}
+
+/// Launch a v2 product (one launch: at most 8 rows).
+fn d2_gemv(gpu: &Gpu, plan: &D2Plan, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
+    let (wp, sp) = weight_ptrs(gpu, w);
+    let (wp3, sp3) = w3.map(|w3| weight_ptrs(gpu, w3)).unwrap_or((0, 0));
+    let dual = w3.is_some();
+    let (partials, tickets) = if plan.parts > 1 {
+        (
+            gpu.scratch("d2_partials", plan.parts * 8 * w.rows * (1 + usize::from(dual))),
+            gpu.scratch("d2_tickets", plan.tiles),
+        )
+    } else {
+        (0, 0)
+    };
+    let args = D2Args {
+        out: op.out,
+        x: op.x,
+        w: wp,
+        s: sp,
+        w3: wp3,
+        s3: sp3,
+        partials,
+        tickets,
+        rows: op.rows as i32,
+        n: w.rows as i32,
+        k: w.cols as i32,
+        x_stride: op.x_stride as i32,
+        out_stride: op.out_stride as i32,
+        tiles: plan.tiles as i32,
+        parts: plan.parts as i32,
+        rw_max: plan.rw_max as i32,
+        limit,
+        ..D2Args::default()
+    };
+    launch!(gpu, plan.name.as_str(), cfg((plan.grid_x as u32, plan.parts as u32, 1), 256, plan.smem as u32), args);
 }

@@ -8,13 +8,19 @@
 //! dequantised tile by tile, FP4 experts included). Either way the results are
 //! accumulated in expert order, as the CPU does, so the sum does not depend on
 //! scheduling (and both paths give the same bits).
+//!
+//! With `SLUICE_CUDA_DECODE_KERNELS=v2`, a decode batch of FP4 experts takes two launches
+//! instead ([`experts_v2`]): every active expert's gate/up pair over all rows of the batch
+//! into h, then each output tile's down products over the active experts with the
+//! combine folded in (expert order, as above).
 
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::matmul::{
-    GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, family, gemm, gemm_kernel, gemm_split, matmul, outputs_per_block, split_x,
-    swiglu_act, swiglu_pair, tc_family, tc_scratch, weight_ptrs,
+    D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, Decode, GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, d2_round,
+    d2_smem, family, gemm, gemm_kernel, gemm_split, matmul_as, outputs_per_block, split_x, swiglu_act, swiglu_pair,
+    tc_family, tc_scratch, weight_ptrs,
 };
 use super::memory::CudaBuf;
 use super::runtime::{cfg, cfg_elems, launch};
@@ -33,18 +39,26 @@ struct F512 {
 unsafe impl DeviceRepr for F512 {}
 
 /// SwiGLU expert on `x[rows, d]` (contiguous) into a new `[rows, d_out]`.
-fn expert(b: &CudaBackend, x: u64, rows: usize, e: &ExpertWeights<CudaBackend>, limit: f32) -> CudaBuf {
+fn expert(
+    b: &CudaBackend,
+    x: u64,
+    rows: usize,
+    e: &ExpertWeights<CudaBackend>,
+    limit: f32,
+    variant: Decode,
+) -> CudaBuf {
     let g = &b.gpu;
     let inter = e.w1.rows;
     let h = b.alloc_buf(rows * inter);
     let op = Operand { x, x_stride: e.w1.cols, out: g.ptr(&h.mem), out_stride: inter, rows, groups: 1 };
-    swiglu_pair(g, op, &e.w1, &e.w3, limit);
+    swiglu_pair(g, op, &e.w1, &e.w3, limit, variant);
     let y = b.alloc_buf(rows * e.w2.rows);
     let op = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: e.w2.rows, rows, groups: 1 };
-    matmul(g, op, &e.w2);
+    matmul_as(g, op, &e.w2, variant);
     y
 }
 
+/// The MoE block with the decode kernels `SLUICE_CUDA_DECODE_KERNELS` selects.
 pub(crate) fn moe(
     b: &CudaBackend,
     x: &CudaBuf,
@@ -53,6 +67,21 @@ pub(crate) fn moe(
     w: &MoeWeights<CudaBackend>,
     shared_rows: std::ops::Range<usize>,
     out: &mut CudaBuf,
+) {
+    moe_as(b, x, rows, tokens, w, shared_rows, out, Decode::from_env())
+}
+
+/// [`moe`] with the decode kernels given (the benchmark and the parity suite run both).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn moe_as(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    tokens: &[u32],
+    w: &MoeWeights<CudaBackend>,
+    shared_rows: std::ops::Range<usize>,
+    out: &mut CudaBuf,
+    variant: Decode,
 ) {
     let g = &b.gpu;
     let (n_exp, d, k) = (w.gate.rows, w.gate.cols, w.top_k);
@@ -66,7 +95,7 @@ pub(crate) fn moe(
     let (chosen, weights) = b.prof("moe: router", || {
         let logits = b.alloc_buf(rows * n_exp);
         let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
-        matmul(g, op, &w.gate);
+        matmul_as(g, op, &w.gate, variant);
 
         let mut bias = F512 { v: [0.0; MAX_EXPERTS] };
         let hash_rows = match &w.routing {
@@ -104,11 +133,11 @@ pub(crate) fn moe(
         (experts, weights)
     });
     if device_routable(rows, w) {
-        b.prof("moe: experts", || experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out));
+        b.prof("moe: experts", || experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out, variant));
     } else {
         let mut host = vec![0i32; rows * k];
         g.read(&chosen, 0, &mut host);
-        b.prof("moe: experts", || experts_routed_on_host(b, x, rows, w, &host, &weights, out));
+        b.prof("moe: experts", || experts_routed_on_host(b, x, rows, w, &host, &weights, out, variant));
     }
     if let Some(shared) = &w.shared
         && !shared_rows.is_empty()
@@ -116,7 +145,7 @@ pub(crate) fn moe(
         assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
         b.prof("moe: shared", || {
             let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
-            let y = expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit);
+            let y = expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant);
             launch!(g, "add_into", cfg_elems(n * d), g.ptr(&out.mem) + at, g.ptr(&y.mem), (n * d) as i64);
         });
     }
@@ -171,7 +200,7 @@ fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> u64
 /// the device, rows gathered in expert order, one grouped SwiGLU and one grouped down
 /// projection over all experts, then each row's weighted sum in list order.
 #[allow(clippy::too_many_arguments)]
-fn experts_routed_on_device(
+pub(crate) fn experts_routed_on_device(
     b: &CudaBackend,
     x: &CudaBuf,
     rows: usize,
@@ -180,6 +209,7 @@ fn experts_routed_on_device(
     chosen: &cudarc::driver::CudaSlice<i32>,
     weights: &CudaBuf,
     out: &mut CudaBuf,
+    variant: Decode,
 ) {
     let g = &b.gpu;
     let (n_exp, d, k) = (w.experts.len(), w.gate.cols, w.top_k);
@@ -211,6 +241,12 @@ fn experts_routed_on_device(
         expert_bytes as u64,
         g.traffic_counter(),
     );
+    if variant == Decode::V2
+        && let Some(plan) = experts_v2_plan(rows, w)
+    {
+        let chosen_weights = (g.ptr(chosen), g.ptr(&weights.mem));
+        return experts_v2(b, &plan, x, rows, w, active_list, n_active, chosen_weights, out);
+    }
     let xg = b.alloc_buf(n * d);
     launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
     // Rows per expert are at most `rows` unless a hash table repeats an expert for one
@@ -327,6 +363,7 @@ fn experts_routed_on_device(
 /// that the tensor-core kernel tiles run grouped: every routed row gathered once in
 /// expert order, one launch per projection over tiles of one expert's rows, then each
 /// row's weighted sum in list order. Otherwise one product per expert over its rows.
+#[allow(clippy::too_many_arguments)]
 fn experts_routed_on_host(
     b: &CudaBackend,
     x: &CudaBuf,
@@ -335,6 +372,7 @@ fn experts_routed_on_host(
     chosen: &[i32],
     weights: &CudaBuf,
     out: &mut CudaBuf,
+    variant: Decode,
 ) {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
@@ -381,7 +419,7 @@ fn experts_routed_on_host(
             n as i32,
             d as i32
         );
-        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit);
+        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit, variant);
         // A row listed twice for one expert (a hash table may repeat an expert) must be
         // summed in order: then one thread walks each column; otherwise every element
         // has its own thread.
@@ -518,4 +556,156 @@ fn experts_grouped(
         rows as i32,
         d as i32
     );
+}
+
+/// `D2DownArgs` in decode2.cu.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct D2DownArgs {
+    out: u64,
+    hb: u64,
+    wtab: u64,
+    active: u64,
+    n_active: u64,
+    chosen: u64,
+    weights: u64,
+    rows: i32,
+    n: i32,
+    k: i32,
+    top_k: i32,
+    tiles: i32,
+    h_unscale: f32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, `struct D2DownArgs` in decode2.cu.
+unsafe impl DeviceRepr for D2DownArgs {}
+
+/// How the v2 expert kernels run a decode batch.
+pub(crate) struct ExpertsV2 {
+    swiglu: &'static str,
+    down: &'static str,
+    /// Swiglu kernel: K parts, rounds a warp takes, dynamic shared memory.
+    parts: usize,
+    rw_max: usize,
+    smem: usize,
+    /// h is split into f16 halves after multiplying by `h_scale` (a power of two that
+    /// keeps |h| ≤ limit·max(limit, 0.28) under 2^14).
+    h_scale: f32,
+}
+
+/// The v2 plan for a decode batch's routed experts, when v2 takes it: at most 8 rows,
+/// every expert FP4 with tensor-core scales, widths multiples of the 128-input round, a
+/// finite positive SwiGLU clamp (it bounds h, whose f16 split needs a fixed scale), and
+/// the activations fitting shared memory.
+pub(crate) fn experts_v2_plan(rows: usize, w: &MoeWeights<CudaBackend>) -> Option<ExpertsV2> {
+    let first = w.experts.first()?;
+    let (d, inter) = (w.gate.cols, first.w1.rows);
+    let round = d2_round(true);
+    if rows == 0 || rows > GEMV_MAX_ROWS || !d.is_multiple_of(round) || !inter.is_multiple_of(round) {
+        return None;
+    }
+    if tc_experts(w, true, d)? != "fp4" || tc_experts(w, false, inter)? != "fp4" || first.w2.rows != d {
+        return None;
+    }
+    let limit = w.swiglu_limit;
+    if !(limit.is_finite() && limit > 0.0) {
+        return None;
+    }
+    let bound = limit * limit.max(0.2785);
+    let e = bound.log2().ceil() as i32 - 14;
+    if !(-120..=120).contains(&e) {
+        return None;
+    }
+    let nb = if rows <= 4 { 1 } else { 2 };
+    // Split K (partials and a ticket per unit, as the plain products) until two blocks
+    // fit an SM: at 5-8 rows the activations alone take 128 KiB of a 4096-wide layer.
+    let rounds = d / round;
+    let rw_of = |parts: usize| rounds.div_ceil(parts).div_ceil(8);
+    let mut parts = 1;
+    while d2_smem(true, nb, rw_of(parts), 1, true) > D2_TWO_BLOCKS_SMEM && parts < (rounds / 8).max(1) {
+        parts += 1;
+    }
+    let rw_max = rw_of(parts);
+    let smem = d2_smem(true, nb, rw_max, 1, true);
+    if smem > D2_MAX_SMEM {
+        return None;
+    }
+    let pick = |name: String| D2_KERNELS.iter().copied().find(|&k| k == name);
+    Some(ExpertsV2 {
+        swiglu: pick(format!("d2moe_swiglu_fp4_n{nb}"))?,
+        down: pick(format!("d2moe_down_fp4_n{nb}"))?,
+        parts,
+        rw_max,
+        smem,
+        h_scale: 2f32.powi(-e),
+    })
+}
+
+/// The routed experts of a decode batch in two launches (the lists, `active` and
+/// `n_active`, come from `moe_lists`): gate/up of every active expert over all rows into
+/// h (f16 halves, [slot][row][2][inter]), then the down products of each output tile over
+/// the active experts with each row's weighted sum, in expert order, into `out`.
+#[allow(clippy::too_many_arguments)]
+fn experts_v2(
+    b: &CudaBackend,
+    plan: &ExpertsV2,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    active: u64,
+    n_active: u64,
+    (chosen, weights): (u64, u64),
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let (n_exp, d, k) = (w.experts.len(), w.gate.cols, w.top_k);
+    let inter = w.experts[0].w1.rows;
+    let slots = n_exp.min(rows * k);
+    let hb = g.alloc::<u16>(slots * rows * 2 * inter);
+    let tiles_up = inter.div_ceil(16);
+    let cap = g.resident_blocks(plan.swiglu, 256, plan.smem as u32) * g.sms;
+    let (partials, tickets) = if plan.parts > 1 {
+        (g.scratch("d2_partials", slots * plan.parts * 8 * inter * 2), g.scratch("d2_tickets", slots * tiles_up))
+    } else {
+        (0, 0)
+    };
+    let args = D2Args {
+        x: g.ptr(&x.mem),
+        wtab: expert_table(b, w, false),
+        active,
+        n_active,
+        hb: g.ptr(&hb),
+        partials,
+        tickets,
+        rows: rows as i32,
+        n: inter as i32,
+        k: d as i32,
+        x_stride: d as i32,
+        tiles: tiles_up as i32,
+        parts: plan.parts as i32,
+        rw_max: plan.rw_max as i32,
+        limit: w.swiglu_limit,
+        h_scale: plan.h_scale,
+        ..D2Args::default()
+    };
+    let grid = (slots * tiles_up).min(cap.div_ceil(plan.parts)).max(1);
+    launch!(g, plan.swiglu, cfg((grid as u32, plan.parts as u32, 1), 256, plan.smem as u32), args);
+    let tiles_down = d.div_ceil(16);
+    let cap = g.resident_blocks(plan.down, 256, 0) * g.sms;
+    let args = D2DownArgs {
+        out: g.ptr(&out.mem),
+        hb: g.ptr(&hb),
+        wtab: expert_table(b, w, true),
+        active,
+        n_active,
+        chosen,
+        weights,
+        rows: rows as i32,
+        n: d as i32,
+        k: inter as i32,
+        top_k: k as i32,
+        tiles: tiles_down as i32,
+        h_unscale: 1.0 / plan.h_scale,
+    };
+    launch!(g, plan.down, cfg((tiles_down.min(cap).max(1) as u32, 1, 1), 256, 0), args);
 }

@@ -25,6 +25,8 @@ use rand_chacha::ChaCha8Rng;
 
 #[path = "../common/cuda_gpu.rs"]
 mod cuda_gpu;
+/// The second-version decode kernels (`SLUICE_CUDA_DECODE_KERNELS=v2`).
+mod decode;
 /// Attention, compressors, indexer and rings over scheduled batches.
 mod sequence;
 /// The indexer's top-k over long rows.

@@ -1,0 +1,156 @@
+//! The second-version decode kernels (cu/decode2.cu, `SLUICE_CUDA_DECODE_KERNELS=v2`)
+//! against the CPU backend: FP8 and FP4 products and SwiGLU pairs at V4-Flash shapes and
+//! at odd ones (partial row tiles, K splits whose warps get unequal or no rounds), rows
+//! 1-8 (one and two mma column blocks), and the routed experts of decode batches (top-k
+//! and hash routing with an expert named twice for one token), each on poisoned outputs.
+//! Every case first checks that v2 really takes it (the kernel it runs is printed).
+
+use super::*;
+
+/// The same MoE layer on backend `b` with SwiGLU clamp `limit` (route scale 1.5).
+fn experts_layer<B: Backend>(
+    b: &B,
+    gate: &TestWeight,
+    routing: Routing,
+    experts: &[[TestWeight; 3]],
+    shared: &[TestWeight; 3],
+    k: usize,
+    limit: f32,
+) -> MoeWeights<B> {
+    let expert = |e: &[TestWeight; 3]| ExpertWeights {
+        w1: b.weight(e[0].view()),
+        w2: b.weight(e[1].view()),
+        w3: b.weight(e[2].view()),
+    };
+    MoeWeights {
+        gate: b.weight(gate.view()),
+        routing,
+        experts: experts.iter().map(expert).collect(),
+        expert_base: 0,
+        shared: Some(expert(shared)),
+        top_k: k,
+        route_scale: 1.5,
+        swiglu_limit: limit,
+    }
+}
+
+#[test]
+fn cuda_decode_v2_products_match_cpu() {
+    let Some(g) = gpu("cuda_decode_v2_products_match_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("decode v2 products");
+    // (outputs, inputs): wq_a, wq_b-like (K 1024), wo_b (K 8192), an expert's or the shared
+    // expert's gate/up and down, then odd shapes: partial row tiles, 3 or 6 rounds of K
+    // over 8 warps (some warps without a round), few outputs (K split over many parts).
+    let shapes = [(1024, 4096), (8192, 1024), (4096, 8192), (2048, 4096), (4096, 2048), (200, 384), (24, 1024)];
+    for (n, k) in shapes {
+        for dtype in ["fp8", "fp4"] {
+            let w = weight(&mut rng, n, k, 0.05, dtype);
+            let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+            for rows in [1, 2, 3, 4, 5, 8] {
+                let x = rand_vec(&mut rng, rows * k, 1.0);
+                let gx = g.upload(&x);
+                let kernel = g.decode_v2_kernel(&gx, rows, &gw, None);
+                let kernel = kernel.unwrap_or_else(|| panic!("v2 does not take {dtype} {n}x{k} at {rows} rows"));
+                let mut out = poisoned(g, rows * n);
+                g.decode_matmul("v2", &gx, rows, &gw, &mut out);
+                let mut want = vec![0f32; rows * n];
+                c.matmul(&x, rows, &cw, &mut want);
+                check(&format!("v2 matmul {n}x{k} rows={rows} ({kernel})"), dtype, &g.download(&out), &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn cuda_decode_v2_swiglu_pairs_match_cpu() {
+    let Some(g) = gpu("cuda_decode_v2_swiglu_pairs_match_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("decode v2 swiglu");
+    for (n, k, limit) in [(2048, 4096, 10.0f32), (200, 384, 2.0), (24, 1024, 10.0)] {
+        for dtype in ["fp8", "fp4"] {
+            let (w1, w3) = (weight(&mut rng, n, k, 0.05, dtype), weight(&mut rng, n, k, 0.05, dtype));
+            let (g1, g3) = (g.weight(w1.view()), g.weight(w3.view()));
+            let (c1, c3) = (c.weight(w1.view()), c.weight(w3.view()));
+            for rows in [1, 3, 4, 8] {
+                let x = rand_vec(&mut rng, rows * k, 1.0);
+                let gx = g.upload(&x);
+                let kernel = g.decode_v2_kernel(&gx, rows, &g1, Some(&g3));
+                let kernel = kernel.unwrap_or_else(|| panic!("v2 does not take the {dtype} pair {n}x{k}"));
+                let mut out = poisoned(g, rows * n);
+                g.decode_swiglu("v2", &gx, rows, &g1, &g3, limit, &mut out);
+                let (mut gate, mut up) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+                c.matmul(&x, rows, &c1, &mut gate);
+                c.matmul(&x, rows, &c3, &mut up);
+                let want: Vec<f32> = gate
+                    .iter()
+                    .zip(&up)
+                    .map(|(&a, &u)| {
+                        let a = a.min(limit);
+                        a / (1.0 + (-a).exp()) * u.clamp(-limit, limit)
+                    })
+                    .collect();
+                check(&format!("v2 swiglu {n}x{k} rows={rows} ({kernel})"), dtype, &g.download(&out), &want);
+            }
+        }
+    }
+}
+
+/// The routed experts of decode batches at V4-Flash widths (hidden 4096, experts of 2048
+/// in FP4, an FP8 shared expert, top-6 of 12), both decode versions against the CPU.
+#[test]
+fn cuda_decode_v2_experts_match_cpu() {
+    let Some(g) = gpu("cuda_decode_v2_experts_match_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("decode v2 experts");
+    let (d, inter, n_exp, k) = (4096, 2048, 12, 6);
+    let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+    let experts: Vec<[TestWeight; 3]> = (0..n_exp)
+        .map(|_| {
+            [
+                weight(&mut rng, inter, d, 0.03, "fp4"),
+                weight(&mut rng, d, inter, 0.05, "fp4"),
+                weight(&mut rng, inter, d, 0.03, "fp4"),
+            ]
+        })
+        .collect();
+    let shared = [
+        weight(&mut rng, inter, d, 0.03, "fp8"),
+        weight(&mut rng, d, inter, 0.05, "fp8"),
+        weight(&mut rng, inter, d, 0.03, "fp8"),
+    ];
+    let bias = rand_vec(&mut rng, n_exp, 0.2);
+    // Hash rows: even tokens name their first expert twice (an expert list with repeats;
+    // row 0 of every batch is token 0).
+    let vocab: usize = 32;
+    let tid2eid: Vec<u32> = (0..vocab * k)
+        .map(|i| {
+            let (t, j) = (i / k, i % k);
+            let j = if t.is_multiple_of(2) && j == k - 1 { 0 } else { j };
+            ((t * 5 + j * 7) % n_exp) as u32
+        })
+        .collect();
+    for limit in [10.0f32, 2.0] {
+        for hash in [false, true] {
+            let routing =
+                || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
+            let gm = experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
+            let cm = experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
+            for rows in [1, 3, 8] {
+                assert!(g.decode_v2_experts(rows, &gm), "v2 does not take the experts at {rows} rows");
+                let x = rand_vec(&mut rng, rows * d, 1.0);
+                let tokens: Vec<u32> =
+                    (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
+                let gx = g.upload(&x);
+                let mut want = vec![0f32; rows * d];
+                c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
+                for variant in ["v1", "v2"] {
+                    let mut out = poisoned(g, rows * d);
+                    g.decode_moe(variant, &gx, rows, &tokens, &gm, 0..rows, &mut out);
+                    let what = format!("{variant} moe limit={limit} hash={hash} rows={rows}");
+                    check(&what, "fp4", &g.download(&out), &want);
+                }
+            }
+        }
+    }
+}
