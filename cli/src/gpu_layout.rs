@@ -49,6 +49,25 @@ pub fn assign(choice: &DeviceChoice, gpus: usize, workers: usize) -> Result<Vec<
     }
 }
 
+/// The devices of each worker in start order (the `decode` decode workers, then the
+/// `prefill` prefill workers). With `--prefill-devices` / `--decode-devices` every worker
+/// of a role gets that role's list — how a disaggregated pair is put on disjoint GPUs of
+/// one host (prefill on cuda:0,cuda:1, decode on cuda:2,cuda:3); otherwise as [`assign`].
+pub fn assign_roles(
+    choice: &DeviceChoice,
+    by_role: Option<(&[Device], &[Device])>,
+    gpus: usize,
+    decode: usize,
+    prefill: usize,
+) -> Result<Vec<Vec<Device>>, String> {
+    let Some((decode_devices, prefill_devices)) = by_role else {
+        return assign(choice, gpus, decode + prefill);
+    };
+    Ok(std::iter::repeat_n(decode_devices.to_vec(), decode)
+        .chain(std::iter::repeat_n(prefill_devices.to_vec(), prefill))
+        .collect())
+}
+
 /// The worker flags for `devices`.
 pub fn flags(devices: &[Device]) -> Vec<String> {
     match devices {
@@ -72,6 +91,20 @@ mod tests {
         assert_eq!(flags(&[Device::Cuda(1)]), vec!["--device", "cuda:1"]);
         assert!(assign(&spans, 1, 2).unwrap_err().contains("--gpus-per-worker 2"));
         assert!(assign(&two, 0, 2).unwrap_err().contains("no usable CUDA GPU"));
+    }
+
+    #[test]
+    fn roles_get_their_own_devices() {
+        let (p, d) = (
+            engine::device::parse_devices("cuda:0,cuda:1").unwrap(),
+            engine::device::parse_devices("cuda:2,cuda:3").unwrap(),
+        );
+        let got = assign_roles(&DeviceChoice::Cpu, Some((&d, &p)), 4, 1, 2).unwrap();
+        assert_eq!(got, vec![d.clone(), p.clone(), p.clone()], "decode workers first, as they start");
+        assert_eq!(flags(&got[0]), vec!["--devices", "cuda:2,cuda:3"]);
+        assert_eq!(flags(&got[1]), vec!["--devices", "cuda:0,cuda:1"]);
+        let spread = DeviceChoice::from_flags("cuda", None, 1).unwrap();
+        assert_eq!(assign_roles(&spread, None, 2, 1, 1).unwrap(), assign(&spread, 2, 2).unwrap());
     }
 
     #[test]
