@@ -11,6 +11,12 @@
 //!
 //! Both keep the trait's order of sums: each GPU adds the contributions in rank order
 //! with the `add_into` kernel, so results do not depend on the transport.
+//!
+//! [`Nccl::all_to_all`] is the other way to run expert parallelism's exchange: each rank
+//! sends each peer only the rows routed to the experts that peer holds (dispatch), and
+//! the same counts transposed bring the experts' outputs back (combine). The sharded MoE
+//! does not use it; `sluice bench collectives` times it against the all-gather and
+//! reduce-scatter (docs/engine.md, "Dispatch"), with [`time_ms`] as its clock.
 
 use cudarc::driver::sys;
 
@@ -258,5 +264,95 @@ impl Collective<CudaBackend> for Nccl {
             }
         });
         blocks.into_iter().enumerate().map(|(d, b)| sum_block(ranks, d, b)).collect()
+    }
+}
+
+/// Where each block of an all-to-all lies: `(send_at, recv_at)`, `send_at[r][s]` the
+/// offset in rank `r`'s send buffer of its block for `s` (blocks by destination),
+/// `recv_at[s][r]` the offset in rank `s`'s receive buffer of the block from `r` (blocks
+/// by source). `counts[r][s]` is what `r` sends `s`.
+pub fn all_to_all_offsets(counts: &[Vec<usize>]) -> (Vec<Vec<usize>>, Vec<Vec<usize>>) {
+    let n = counts.len();
+    assert!(counts.iter().all(|c| c.len() == n), "all_to_all: counts must be ranks × ranks");
+    let send_at = counts.iter().map(|c| offsets(c)).collect();
+    let recv_at = (0..n).map(|s| offsets(&counts.iter().map(|c| c[s]).collect::<Vec<_>>())).collect();
+    (send_at, recv_at)
+}
+
+impl Nccl {
+    /// All-to-all of variable counts: rank `r` sends `counts[r][s]` values of `sends[r]`
+    /// (its blocks laid out by destination, see [`all_to_all_offsets`]) to every rank `s`,
+    /// which gets them in a buffer of its own laid out by source. One NCCL group of
+    /// point-to-point calls; a rank's block for itself is a device copy (a dispatch that
+    /// keeps its local rows in place gives it 0). The buffers read stay valid because
+    /// every transfer is ordered on both ranks' streams before the work issued next.
+    pub fn all_to_all(&self, ranks: &[CudaBackend], sends: &[&CudaBuf], counts: &[Vec<usize>]) -> Vec<CudaBuf> {
+        let mut recvs: Vec<CudaBuf> =
+            (0..ranks.len()).map(|s| ranks[s].output(counts.iter().map(|c| c[s]).sum())).collect();
+        self.all_to_all_into(ranks, sends, counts, &mut recvs);
+        recvs
+    }
+
+    /// [`Nccl::all_to_all`] into buffers the caller keeps (reused across layers, or with
+    /// room past the blocks, which is left as it was).
+    pub fn all_to_all_into(
+        &self,
+        ranks: &[CudaBackend],
+        sends: &[&CudaBuf],
+        counts: &[Vec<usize>],
+        recvs: &mut [CudaBuf],
+    ) {
+        let n = ranks.len();
+        assert!(sends.len() == n && recvs.len() == n && counts.len() == n, "all_to_all: one buffer per rank");
+        let (send_at, recv_at) = all_to_all_offsets(counts);
+        for r in 0..n {
+            let out: usize = counts[r].iter().sum();
+            let into: usize = counts.iter().map(|c| c[r]).sum();
+            assert!(sends[r].len >= out, "all_to_all: rank {r} sends {out} values from a buffer of {}", sends[r].len);
+            assert!(recvs[r].len >= into, "all_to_all: rank {r} gets {into} values into a buffer of {}", recvs[r].len);
+        }
+        self.group(|| {
+            for (s, recv) in recvs.iter_mut().enumerate() {
+                for r in 0..n {
+                    self.send_recv(ranks, r, sends[r], send_at[r][s], s, recv, recv_at[s][r], counts[r][s]);
+                }
+            }
+        });
+    }
+}
+
+/// Device time of what `f` issues on the ranks' streams, in milliseconds: events on
+/// every stream around it (after waiting for earlier work), the longest span of any
+/// rank, since an exchange is done when its last transfer is. Host issue time inside
+/// `f` counts, as it does for the engine.
+pub fn time_ms(ranks: &[CudaBackend], f: impl FnOnce()) -> f32 {
+    let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let record = |b: &CudaBackend| b.gpu().stream.record_event(timing).unwrap_or_else(|e| fail("event record", e));
+    ranks.iter().for_each(|b| b.gpu().sync());
+    let starts: Vec<_> = ranks.iter().map(record).collect();
+    f();
+    let ends: Vec<_> = ranks.iter().map(record).collect();
+    starts
+        .iter()
+        .zip(&ends)
+        .map(|(s, e)| {
+            e.synchronize().unwrap_or_else(|err| fail("event synchronize", err));
+            s.elapsed_ms(e).unwrap_or_else(|err| fail("event timing", err))
+        })
+        .fold(0f32, f32::max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_to_all_blocks_go_by_destination_out_and_by_source_in() {
+        // Rank 0 sends 1 to itself, 2 to rank 1, 0 to rank 2; rank 1: 3, 4, 5; rank 2: 6, 0, 7.
+        let counts = vec![vec![1, 2, 0], vec![3, 4, 5], vec![6, 0, 7]];
+        let (send_at, recv_at) = all_to_all_offsets(&counts);
+        assert_eq!(send_at, vec![vec![0, 1, 3], vec![0, 3, 7], vec![0, 6, 6]]);
+        // Rank 1 receives 2 from rank 0, then 4 from itself, then 0 from rank 2.
+        assert_eq!(recv_at, vec![vec![0, 1, 4], vec![0, 2, 6], vec![0, 0, 5]]);
     }
 }
