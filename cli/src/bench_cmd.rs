@@ -25,6 +25,10 @@ pub enum BenchCmd {
     Kvstore(crate::bench_kvstore::KvstoreArgs),
     /// Per SWA policy: bytes stored per shared prefix, tokens recomputed and TTFT on a hit vs cold.
     Prefix(crate::bench_prefix::PrefixArgs),
+    /// NCCL all-gather + reduce-scatter vs all-to-all dispatch + combine of MoE rows between GPUs.
+    Collectives(crate::bench_collectives::CollectivesArgs),
+    /// Load through a running router: request-rate sweeps of a generated workload (TTFT, ITL, tokens/s, prefix hits).
+    Serve(crate::bench_serve::ServeArgs),
 }
 
 #[derive(Args)]
@@ -83,6 +87,8 @@ pub fn run(cmd: BenchCmd) -> Result<()> {
         BenchCmd::Transfer(a) => bench_transfer::run(a),
         BenchCmd::Kvstore(a) => crate::bench_kvstore::run(a),
         BenchCmd::Prefix(a) => crate::bench_prefix::run(a),
+        BenchCmd::Collectives(a) => crate::bench_collectives::run(a),
+        BenchCmd::Serve(a) => crate::bench_serve::run(a),
     }
 }
 

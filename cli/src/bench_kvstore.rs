@@ -22,8 +22,8 @@ use serde_json::{Value, json};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::kv_store_client::KvStoreClient;
 use tonic::transport::Channel;
+use transfer::checksum::kv_checksum;
 use transfer::{Landing, Receiver, RegionSpec, RemoteWrite, Sender};
-use xxhash_rust::xxh3::xxh3_64;
 
 /// One V4-Flash page in bf16: 21 CSA layers × 32 entries × (512 + 128 indexer dims)
 /// plus 20 HCA layers × 1 entry × 512 dims, 2 bytes each.
@@ -191,7 +191,7 @@ async fn through_store(a: &KvstoreArgs, dir: &Path, records: usize) -> Result<(f
         }
         let rx = Receiver::start()?;
         let landing = Landing::allocate(&rx, batch_bytes as usize)?;
-        let sums: Vec<u64> = data.iter().map(|d| xxh3_64(d)).collect();
+        let sums: Vec<u64> = data.iter().map(|d| kv_checksum(d)).collect();
         let mut read = Duration::ZERO;
         for first in (0..records).step_by(a.batch) {
             let n = a.batch.min(records - first);
@@ -200,7 +200,7 @@ async fn through_store(a: &KvstoreArgs, dir: &Path, records: usize) -> Result<(f
             read += t.elapsed();
             for (i, &sum) in sums.iter().enumerate().take(n) {
                 ensure!(reply.checksums[i] == sum, "record {} came back with another checksum", first + i);
-                ensure!(xxh3_64(landing.bytes(i * len, len)) == sum, "record {} landed damaged", first + i);
+                ensure!(kv_checksum(landing.bytes(i * len, len)) == sum, "record {} landed damaged", first + i);
             }
         }
         Ok::<_, anyhow::Error>((write, read.as_secs_f64()))
@@ -243,10 +243,10 @@ async fn put_batch(
     let writes: Vec<RemoteWrite<'_>> = data
         .iter()
         .zip(&reply.offsets)
-        .map(|(d, &offset)| RemoteWrite { region: &staging, offset, bytes: d })
+        .map(|(d, &offset)| RemoteWrite { region: &staging, offset, source: transfer::Source::Host(d) })
         .collect();
     sender.write(&reply.ucx_address, &writes, Duration::from_secs(60))?;
-    let checksums = data.iter().map(|d| xxh3_64(d)).collect();
+    let checksums = data.iter().map(|d| kv_checksum(d)).collect();
     // The commit runs while the next batch is offered and written (two in flight, as two
     // prefill workers putting at once would have).
     let mut client = client.clone();

@@ -168,6 +168,7 @@ async fn measure(a: &PrefixArgs, model: &std::path::Path, vocab: usize, policy: 
         extra_prefill_args: Vec::new(),
         worker_devices: Vec::new(),
         tls: None,
+        gpu_direct: transfer::GpuDirect::Auto,
     };
     let mut cluster = LocalCluster::start(&opts).await?;
     let result = async {

@@ -45,12 +45,24 @@ const PERFTEST_RETRY: Duration = Duration::from_millis(100);
 #[derive(Args)]
 pub struct TransferArgs {
     /// `UCX_TLS` of one row; repeat for more rows (a value may itself be a list, e.g.
-    /// `posix,cma`).
-    #[arg(long = "tls", default_values = ["shm", "tcp"])]
+    /// `posix,cma`). Default: `shm` and `tcp`; with --devices, `shm,cuda_ipc,cuda_copy`.
+    #[arg(long = "tls")]
     tls: Vec<String>,
-    /// Pages moved per iteration (default: enough for 256 MiB).
+    /// Whose KV geometry the pages have: the `small` preset, or V4-Flash at real widths.
+    #[arg(long, default_value = "small")]
+    preset: GeometryPreset,
+    /// Move pages GPU to GPU: the sender's and the receiver's device, e.g.
+    /// `cuda:0,cuda:1` (the same GPU twice is allowed). Pages then live in device memory
+    /// on both sides, as between GPU-direct workers (needs a CUDA-enabled libucx), and a
+    /// peer copy of the same bytes joins the comparison.
     #[arg(long)]
+    devices: Option<String>,
+    /// Pages moved per iteration (default: enough for 256 MiB).
+    #[arg(long, conflicts_with = "tokens")]
     pages: Option<usize>,
+    /// Prompt tokens per iteration instead of --pages (one page per 128 tokens).
+    #[arg(long)]
+    tokens: Option<usize>,
     /// Timed iterations; each moves every page once.
     #[arg(long, default_value_t = 5)]
     iters: usize,
@@ -81,26 +93,70 @@ enum Role {
     Sender,
 }
 
-/// The `small` preset's KV geometry, derived from its config as the workers derive it
-/// from the model. No checkpoint is written, so there is no real fingerprint; the
-/// compatibility check only needs both sides to use the same one.
-fn geometry(dtype: EntryDtype) -> Result<WireGeometry> {
-    let cfg = ModelConfig::from_json_str(&Preset::Small.config_json().to_string())?;
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum GeometryPreset {
+    Small,
+    Flash,
+}
+
+impl GeometryPreset {
+    fn preset(self) -> Preset {
+        match self {
+            GeometryPreset::Small => Preset::Small,
+            GeometryPreset::Flash => Preset::Flash,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            GeometryPreset::Small => "small",
+            GeometryPreset::Flash => "flash",
+        }
+    }
+}
+
+/// A preset's KV geometry, derived from its config as the workers derive it from the
+/// model. No checkpoint is written, so there is no real fingerprint; the compatibility
+/// check only needs both sides to use the same one.
+fn geometry(preset: GeometryPreset, dtype: EntryDtype) -> Result<WireGeometry> {
+    let cfg = ModelConfig::from_json_str(&preset.preset().config_json().to_string())?;
     Ok(WireGeometry::new(&cfg.kv_layout(dtype), &Fingerprint([0x5b; 32]), cfg.vocab_size))
 }
 
+/// `cuda:S,cuda:R` as (sender, receiver) ordinals.
+fn parse_devices(s: &str) -> Result<(usize, usize)> {
+    let d = engine::device::parse_devices(s).map_err(|e| anyhow!("--devices {e}"))?;
+    match d.as_slice() {
+        [engine::Device::Cuda(a), engine::Device::Cuda(b)] => Ok((*a, *b)),
+        [engine::Device::Cuda(a)] => Ok((*a, *a)),
+        _ => bail!("--devices takes the sender's and the receiver's GPU, e.g. cuda:0,cuda:1"),
+    }
+}
+
 pub fn run(a: TransferArgs) -> Result<()> {
-    let g = geometry(a.kv_dtype)?;
-    let pages = a.pages.unwrap_or(DEFAULT_BYTES.div_ceil(g.page_bytes));
+    let g = geometry(a.preset, a.kv_dtype)?;
+    // The same GPU for both sides is written `cuda:0` (a list may not repeat a GPU).
+    let devices = a.devices.as_deref().map(parse_devices).transpose()?;
+    let pages = match (a.pages, a.tokens) {
+        (Some(p), _) => p,
+        (None, Some(t)) => t.div_ceil(g.block),
+        (None, None) => DEFAULT_BYTES.div_ceil(g.page_bytes),
+    };
     ensure!(pages > 0, "--pages must be at least 1");
     ensure!(a.iters > 0, "--iters must be at least 1");
     let step = Duration::from_secs(a.timeout_s.max(1));
     // Bounds the whole of one sender run: set-up plus every iteration.
     let run_bound = step * (a.iters + a.warmup + 2) as u32;
-    match a.role {
-        Some(Role::Receiver) => receiver(&g, pages, run_bound),
-        Some(Role::Sender) => sender(&g, a.iters, a.warmup, step),
-        None => compare(&a, &g, pages, step, run_bound),
+    match (a.role, devices) {
+        (Some(Role::Receiver), None) => receiver(&g, pages, run_bound),
+        (Some(Role::Sender), None) => sender(&g, a.iters, a.warmup, step),
+        #[cfg(feature = "cuda")]
+        (Some(Role::Receiver), Some((_, to))) => crate::bench_transfer_gpu::receiver(&g, pages, to, run_bound),
+        #[cfg(feature = "cuda")]
+        (Some(Role::Sender), Some((from, _))) => crate::bench_transfer_gpu::sender(&g, from, a.iters, a.warmup, step),
+        #[cfg(not(feature = "cuda"))]
+        (Some(_), Some(_)) => bail!("--devices needs a build with the `cuda` feature"),
+        (None, _) => compare(&a, &g, pages, devices, step, run_bound),
     }
 }
 
@@ -110,6 +166,15 @@ struct Row {
     tls: String,
     sluice: SluiceRun,
     perftest: Result<Option<f64>>,
+}
+
+/// The tls rows to run: as given, else the defaults for host or device memory.
+fn tls_rows(a: &TransferArgs, on_gpus: bool) -> Vec<String> {
+    match (a.tls.is_empty(), on_gpus) {
+        (false, _) => a.tls.clone(),
+        (true, false) => vec!["shm".into(), "tcp".into()],
+        (true, true) => vec!["shm,cuda_ipc,cuda_copy".into()],
+    }
 }
 
 struct SluiceRun {
@@ -123,20 +188,69 @@ impl SluiceRun {
     }
 }
 
-fn compare(a: &TransferArgs, g: &WireGeometry, pages: usize, step: Duration, run_bound: Duration) -> Result<()> {
+fn compare(
+    a: &TransferArgs,
+    g: &WireGeometry,
+    pages: usize,
+    devices: Option<(usize, usize)>,
+    step: Duration,
+    run_bound: Duration,
+) -> Result<()> {
     let exe = std::env::current_exe().context("locating the sluice executable")?;
     let mut rows = Vec::new();
-    for tls in &a.tls {
+    for tls in tls_rows(a, devices.is_some()) {
         eprintln!("UCX_TLS={tls}: sluice sender -> receiver, {pages} pages x {} iterations ...", a.iters + a.warmup);
-        let sluice = sluice_run(&exe, a, tls, pages, step, run_bound)
+        let sluice = sluice_run(&exe, a, &tls, pages, step, run_bound)
             .with_context(|| format!("sluice transfer over UCX_TLS={tls}"))?;
         eprintln!("UCX_TLS={tls}: ucx_perftest ...");
-        let perftest = ucx_perftest(&a.perftest, tls, g.page_bytes, pages * a.iters, pages * a.warmup, run_bound);
-        rows.push(Row { tls: tls.clone(), sluice, perftest });
+        let perf = Perftest { bin: &a.perftest, tls: &tls, devices };
+        let perftest = ucx_perftest(&perf, g.page_bytes, pages * a.iters, pages * a.warmup, run_bound);
+        rows.push(Row { tls, sluice, perftest });
     }
-    let memcpy = memcpy_gbps(g.page_bytes, pages, a.iters, a.warmup);
-    report(a, g, pages, &rows, memcpy);
+    let baseline = match devices {
+        None => Baseline::Memcpy(memcpy_gbps(g.page_bytes, pages, a.iters, a.warmup)),
+        Some((from, to)) => Baseline::PeerCopy(peer_copy_gbps(from, to, pages * g.page_bytes, g.page_bytes, a.iters)?),
+    };
+    report(a, g, pages, devices, &rows, baseline);
     Ok(())
+}
+
+/// What a row is compared with besides ucx_perftest: a copy of the same pages within
+/// one process (host memory) or between the two GPUs (device memory).
+#[derive(Clone, Copy)]
+enum Baseline {
+    Memcpy(f64),
+    PeerCopy(f64),
+}
+
+impl Baseline {
+    fn gbps(self) -> f64 {
+        match self {
+            Baseline::Memcpy(v) | Baseline::PeerCopy(v) => v,
+        }
+    }
+}
+
+/// GB/s of a device-to-device copy of the same bytes page by page from the sender's GPU
+/// to the receiver's (`cuMemcpyPeerAsync`), median of `reps` rounds.
+#[cfg(feature = "cuda")]
+fn peer_copy_gbps(from: usize, to: usize, bytes: usize, page: usize, reps: usize) -> Result<f64> {
+    let a = engine::CudaBackend::new(from).with_context(|| format!("opening cuda:{from}"))?;
+    let b = engine::CudaBackend::new(to).with_context(|| format!("opening cuda:{to}"))?;
+    Ok(kernels::cuda::peer::peer_copy_gbs(&a, &b, bytes, page, reps))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn peer_copy_gbps(_: usize, _: usize, _: usize, _: usize, _: usize) -> Result<f64> {
+    bail!("--devices needs a build with the `cuda` feature")
+}
+
+/// How to run ucx_perftest for a row.
+struct Perftest<'a> {
+    bin: &'a Path,
+    tls: &'a str,
+    /// GPU mode: `-m cuda,cuda`, each process on its device (`CUDA_VISIBLE_DEVICES`).
+    devices: Option<(usize, usize)>,
 }
 
 /// GB/s of copying the same pages page by page within one process. Over shared memory
@@ -174,9 +288,13 @@ fn sluice_run(
     let child = |role: &str| {
         let mut cmd = Command::new(exe);
         cmd.args(["bench", "transfer", "--role", role, "--kv-dtype", a.kv_dtype.name()])
+            .args(["--preset", a.preset.name()])
             .args(["--pages", &pages.to_string(), "--iters", &a.iters.to_string()])
             .args(["--warmup", &a.warmup.to_string(), "--timeout-s", &a.timeout_s.to_string()])
             .env("UCX_TLS", tls);
+        if let Some(d) = &a.devices {
+            cmd.args(["--devices", d]);
+        }
         cmd
     };
     let mut rx = Proc::spawn("receiver", &mut child("receiver"), false).context("starting the receiver")?;
@@ -207,17 +325,17 @@ fn sluice_run(
 /// Runs ucx_perftest's put bandwidth test as a server and client pair on loopback:
 /// `messages` puts of `size` bytes after `warmup` untimed ones. `Ok(None)` when the
 /// binary is not installed. Returns GB/s.
-fn ucx_perftest(
-    bin: &Path,
-    tls: &str,
-    size: usize,
-    messages: usize,
-    warmup: usize,
-    bound: Duration,
-) -> Result<Option<f64>> {
+fn ucx_perftest(p: &Perftest<'_>, size: usize, messages: usize, warmup: usize, bound: Duration) -> Result<Option<f64>> {
+    let (bin, tls) = (p.bin, p.tls);
     let port = free_port().to_string();
     let mut server_cmd = Command::new(bin);
     server_cmd.args(["-p", &port]).env("UCX_TLS", tls);
+    // GPU mode: each side sees only its GPU, so ucx_perftest's own device choice (its
+    // rank modulo the GPUs it sees) lands where sluice's receiver and sender are.
+    if let Some((from, to)) = p.devices {
+        server_cmd.env("CUDA_VISIBLE_DEVICES", to.to_string());
+        let _ = from;
+    }
     let mut server = match Proc::spawn("ucx_perftest server", &mut server_cmd, true) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         other => other.with_context(|| format!("starting {}", bin.display()))?,
@@ -230,6 +348,9 @@ fn ucx_perftest(
             // Final numbers only, as CSV.
             .args(["-f", "-v"])
             .env("UCX_TLS", tls);
+        if let Some((from, _)) = p.devices {
+            cmd.args(["-m", "cuda,cuda"]).env("CUDA_VISIBLE_DEVICES", from.to_string());
+        }
         let mut client = Proc::spawn("ucx_perftest client", &mut cmd, true)?;
         let (status, out) = client.finish(deadline.saturating_duration_since(Instant::now()))?;
         if status.success() {
@@ -271,7 +392,19 @@ fn parse_perftest_csv(lines: &[String]) -> Result<f64> {
     Ok(values[col] * 1024.0 * 1024.0 / 1e9)
 }
 
-fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy: f64) {
+fn report(
+    a: &TransferArgs,
+    g: &WireGeometry,
+    pages: usize,
+    devices: Option<(usize, usize)>,
+    rows: &[Row],
+    base: Baseline,
+) {
+    let memcpy = base.gbps();
+    let (base_name, base_key) = match base {
+        Baseline::Memcpy(_) => ("memcpy", "memcpy_gbps"),
+        Baseline::PeerCopy(_) => ("peer copy", "peer_copy_gbps"),
+    };
     let page_total = (pages * g.page_bytes) as u64;
     let state = (g.ring_bytes + g.comp_bytes + g.logits_bytes) as u64;
     let messages = pages * a.iters;
@@ -290,13 +423,15 @@ fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy
                     "ucx_perftest_gbps": peer,
                     "ucx_perftest_messages": messages,
                     "ratio": peer.map(|p| r.sluice.gbps() / p),
+                    "ratio_to_copy": r.sluice.gbps() / memcpy,
                     "ucx_perftest_error": r.perftest.as_ref().err().map(|e| format!("{e:#}")),
                 })
             })
             .collect();
         let report = json!({
             "bench": "transfer",
-            "preset": "small",
+            "preset": a.preset.name(),
+            "devices": devices.map(|(f, t)| format!("cuda:{f} -> cuda:{t}")),
             "kv_dtype": a.kv_dtype.name(),
             "page_bytes": g.page_bytes,
             "pages": pages,
@@ -305,15 +440,20 @@ fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy
             "iters": a.iters,
             "warmup": a.warmup,
             "ucx_perftest": a.perftest.display().to_string(),
-            "memcpy_gbps": memcpy,
+            base_key: memcpy,
             "rows": rows,
         });
         println!("{report}");
         return;
     }
+    let memory = match devices {
+        Some((f, t)) => format!("GPU memory, cuda:{f} -> cuda:{t}"),
+        None => "host memory".into(),
+    };
     println!(
-        "KV transfer, small preset ({} entries): {pages} pages of {} B = {:.1} MB per iteration (+ {} B of state \
-         slot and logits), {} timed iterations after {} warm-up; GB/s = 10^9 B/s",
+        "KV transfer, {} geometry ({} entries, {memory}): {pages} pages of {} B = {:.1} MB per iteration (+ {} B of \
+         state slot and logits), {} timed iterations after {} warm-up; GB/s = 10^9 B/s",
+        a.preset.name(),
         a.kv_dtype.name(),
         g.page_bytes,
         page_total as f64 / 1e6,
@@ -322,8 +462,8 @@ fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy
         a.warmup
     );
     println!(
-        "{:<12} {:>13} {:>7} {:>12} {:>18} {:>7}",
-        "transport", "message (B)", "pages", "sluice GB/s", "ucx_perftest GB/s", "ratio"
+        "{:<24} {:>13} {:>7} {:>12} {:>18} {:>7} {:>10}",
+        "transport", "message (B)", "pages", "sluice GB/s", "ucx_perftest GB/s", "ratio", "÷ copy"
     );
     for r in rows {
         let (peer, ratio) = match &r.perftest {
@@ -331,7 +471,14 @@ fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy
             Ok(None) => ("not installed".into(), "-".into()),
             Err(_) => ("failed".into(), "-".into()),
         };
-        println!("{:<12} {:>13} {:>7} {:>12.2} {peer:>18} {ratio:>7}", r.tls, g.page_bytes, pages, r.sluice.gbps());
+        let to_copy = r.sluice.gbps() / memcpy;
+        println!(
+            "{:<24} {:>13} {:>7} {:>12.2} {peer:>18} {ratio:>7} {to_copy:>10.2}",
+            r.tls,
+            g.page_bytes,
+            pages,
+            r.sluice.gbps()
+        );
     }
     for r in rows {
         match &r.perftest {
@@ -350,7 +497,15 @@ fn report(a: &TransferArgs, g: &WireGeometry, pages: usize, rows: &[Row], memcpy
         g.page_bytes,
         pages * a.warmup
     );
-    println!("memcpy of the same {pages} pages within one process: {memcpy:.2} GB/s (the ceiling for shared memory)");
+    match base {
+        Baseline::Memcpy(_) => println!(
+            "{base_name} of the same {pages} pages within one process: {memcpy:.2} GB/s (the ceiling for shared memory)"
+        ),
+        Baseline::PeerCopy(_) => println!(
+            "{base_name} (cuMemcpyPeerAsync) of the same {pages} pages GPU to GPU: {memcpy:.2} GB/s (the ceiling for \
+             cuda_ipc)"
+        ),
+    }
 }
 
 // ---- the receiver child ----
@@ -431,7 +586,7 @@ fn sender(g: &WireGeometry, iters: usize, warmup: usize, step: Duration) -> Resu
 
 /// `len` bytes of a splitmix64 stream: every page differs, so a page written to the
 /// wrong slot changes the checksums.
-fn fill(len: usize, seed: u64) -> Vec<u8> {
+pub(crate) fn fill(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut out = Vec::with_capacity(len.next_multiple_of(8));
     while out.len() < len {
@@ -445,7 +600,7 @@ fn fill(len: usize, seed: u64) -> Vec<u8> {
     out
 }
 
-fn checksums_json(c: &Checksums) -> Value {
+pub(crate) fn checksums_json(c: &Checksums) -> Value {
     json!({"pages": c.pages, "rings": c.rings, "comp": c.comp, "logits": c.logits})
 }
 
@@ -460,11 +615,11 @@ fn checksums_from_json(v: &Value) -> Result<Checksums> {
     })
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Result<Vec<u8>> {
+pub(crate) fn unhex(s: &str) -> Result<Vec<u8>> {
     let s = s.trim();
     ensure!(s.len().is_multiple_of(2), "odd-length hex");
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).context("bad hex")).collect()
@@ -473,7 +628,7 @@ fn unhex(s: &str) -> Result<Vec<u8>> {
 // ---- child processes and bounded line reading ----
 
 /// Lines of `r`, read on their own thread so that every wait for one can be bounded.
-fn read_lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+pub(crate) fn read_lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel();
     forward_lines(r, tx);
     rx
@@ -491,7 +646,7 @@ fn forward_lines(r: impl Read + Send + 'static, tx: mpsc::Sender<String>) {
 
 /// Waits up to `timeout` for a line that is `tag` or starts with `tag `; returns the
 /// rest. Other lines are skipped.
-fn expect_line(lines: &mpsc::Receiver<String>, from: &str, tag: &str, timeout: Duration) -> Result<String> {
+pub(crate) fn expect_line(lines: &mpsc::Receiver<String>, from: &str, tag: &str, timeout: Duration) -> Result<String> {
     let deadline = Instant::now() + timeout;
     loop {
         match lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
@@ -605,7 +760,7 @@ mod tests {
 
     #[test]
     fn small_preset_page_and_hex_round_trip() {
-        let g = geometry(EntryDtype::Bf16).unwrap();
+        let g = geometry(GeometryPreset::Small, EntryDtype::Bf16).unwrap();
         // 4 CSA layers (32 entries x (128 + 64 indexer)) + 3 HCA layers (1 x 128), bf16.
         assert_eq!(g.page_bytes, (4 * 32 * (128 + 64) + 3 * 128) * 2);
         let bytes = fill(1001, 7);

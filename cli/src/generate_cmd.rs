@@ -196,8 +196,9 @@ async fn through_router(router: &str, a: GenerateArgs) -> Result<()> {
             "text": tokens.iter().map(|t| t.text_delta.as_str()).collect::<String>(),
             "finish_reason": finish,
             "usage": {"prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens, "completion_tokens": u.completion_tokens},
-            "timings": {"queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms, "kv_transfer_ms": t.kv_transfer_ms,
-                        "time_to_first_token_ms": t.time_to_first_token_ms, "total_ms": t.total_ms},
+            "timings": {"queue_ms": t.queue_ms, "prefix_restore_ms": t.prefix_restore_ms, "prefill_ms": t.prefill_ms,
+                        "kv_transfer_ms": t.kv_transfer_ms, "time_to_first_token_ms": t.time_to_first_token_ms,
+                        "total_ms": t.total_ms},
         });
         println!("{v}");
     } else {

@@ -51,6 +51,8 @@ pub struct Options {
     pub worker_devices: Vec<Vec<String>>,
     /// TLS: a directory with `tls.crt`, `tls.key` and `ca.crt` every service uses.
     pub tls: Option<PathBuf>,
+    /// `--gpu-direct` of every worker.
+    pub gpu_direct: transfer::GpuDirect,
 }
 
 pub struct LocalCluster {
@@ -71,6 +73,7 @@ impl LocalCluster {
         let model_arg = model_arg.display().to_string();
         let bins = (find_binary("router")?, find_binary("prefill-worker")?, find_binary("decode-worker")?);
         let mut common = vec!["--model".to_string(), model_arg.clone(), "--kv-dtype".into(), o.kv_dtype.name().into()];
+        common.extend(["--gpu-direct".into(), o.gpu_direct.to_string()]);
         if let Some(t) = o.threads_per_worker {
             common.extend(["--threads".into(), t.to_string()]);
         }
@@ -81,8 +84,11 @@ impl LocalCluster {
         let mut env = vec![("RUST_LOG".to_string(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))];
         // Everything runs on this host: KV moves through shared memory unless the caller
         // chose transports (left alone, UCX may carry large puts over loopback TCP).
+        // GPU workers add the CUDA transports, so a CUDA-enabled libucx moves their KV
+        // GPU to GPU (with Debian's libucx they are absent and KV is staged as always).
         if std::env::var_os("UCX_TLS").is_none() {
-            env.push(("UCX_TLS".into(), "shm".into()));
+            let on_gpus = o.worker_devices.iter().flatten().any(|a| a.contains("cuda"));
+            env.push(("UCX_TLS".into(), if on_gpus { "shm,cuda_ipc,cuda_copy" } else { "shm" }.into()));
         }
         let dialer = match &o.tls {
             None => Dialer::plaintext(),

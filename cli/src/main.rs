@@ -15,16 +15,22 @@
 //! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest).
 //! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
 //! - `bench_prefix`: `sluice bench prefix` (the SWA policy table: bytes, recompute, TTFT).
+//! - `bench_collectives`: `sluice bench collectives` (MoE row exchanges between GPUs:
+//!   all-gather + reduce-scatter vs all-to-all, bytes and NCCL times).
+//! - `bench_serve`: `sluice bench serve` (load through a router: rate sweeps, TTFT, ITL, hit rate).
 //! - `args`: shared argument parsing helpers.
 //! - `progress`: a progress bar over a byte counter (long `model init` writes).
 
 mod args;
 mod bench_cmd;
+mod bench_collectives;
 mod bench_engine;
 mod bench_gpus;
 mod bench_kvstore;
 mod bench_prefix;
+mod bench_serve;
 mod bench_transfer;
+mod bench_transfer_gpu;
 mod client;
 mod generate_cmd;
 mod gpu_layout;

@@ -78,10 +78,21 @@ pub struct UpArgs {
     /// With `--device cuda`: GPUs each worker spans (expert parallelism over them).
     #[arg(long, default_value_t = 1)]
     gpus_per_worker: usize,
+    /// Every prefill worker spans these devices (e.g. `cuda:0,cuda:1`), with
+    /// --decode-devices for the decode workers: the two roles on disjoint GPUs.
+    #[arg(long, requires = "decode_devices", conflicts_with_all = ["device", "devices"])]
+    prefill_devices: Option<engine::device::DeviceList>,
+    /// Every decode worker spans these devices (e.g. `cuda:2,cuda:3`); with --prefill-devices.
+    #[arg(long, requires = "prefill_devices", conflicts_with_all = ["device", "devices"])]
+    decode_devices: Option<engine::device::DeviceList>,
     /// Serve TLS everywhere, mutual TLS between the services: a throwaway CA and one
     /// certificate for the services are written to `tls/` in the log directory.
     #[arg(long)]
     tls: bool,
+    /// GPU workers move KV in device memory (`auto`: when the loaded libucx has CUDA
+    /// transports; `on`: or refuse to start; `off`: staged through host memory).
+    #[arg(long, default_value = "auto")]
+    gpu_direct: transfer::GpuDirect,
 }
 
 pub fn run(a: UpArgs) -> Result<()> {
@@ -106,7 +117,8 @@ async fn up(a: UpArgs) -> Result<()> {
     });
     let choice = gpu_layout::DeviceChoice::from_flags(&a.device, a.devices.as_deref(), a.gpus_per_worker)
         .map_err(anyhow::Error::msg)?;
-    let placed = gpu_layout::assign(&choice, engine::device::cuda_device_count(), a.decode + a.prefill)
+    let by_role = a.decode_devices.as_ref().map(|d| &d.0[..]).zip(a.prefill_devices.as_ref().map(|p| &p.0[..]));
+    let placed = gpu_layout::assign_roles(&choice, by_role, engine::device::cuda_device_count(), a.decode, a.prefill)
         .map_err(anyhow::Error::msg)?;
     let opts = local::Options {
         model: model.clone(),
@@ -123,6 +135,7 @@ async fn up(a: UpArgs) -> Result<()> {
         extra_prefill_args: Vec::new(),
         worker_devices: placed.iter().map(|d| gpu_layout::flags(d)).collect(),
         tls: tls.clone(),
+        gpu_direct: a.gpu_direct,
     };
     let mut cluster = local::LocalCluster::start(&opts).await?;
     let procs = &mut cluster.procs;

@@ -46,6 +46,11 @@ pub struct DecodeConfig {
     /// device. The worker refuses to start when its model, workspace and KV pool do not fit.
     #[arg(long, env = "SLUICE_GPU_MEMORY", value_parser = engine::memory_plan::parse_size)]
     pub gpu_memory: Option<u64>,
+    /// On GPUs, whether prefill workers write KV straight into device memory (`auto`:
+    /// when the loaded libucx has CUDA transports; `on`: refuse to start otherwise;
+    /// `off`: always through a registered host mirror).
+    #[arg(long, env = "SLUICE_GPU_DIRECT", default_value = "auto")]
+    pub gpu_direct: transfer::GpuDirect,
     /// KV pages (128-token blocks) in the pool.
     #[arg(long, env = "SLUICE_MAX_PAGES", default_value_t = 1024)]
     pub max_pages: usize,

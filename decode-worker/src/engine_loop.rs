@@ -26,7 +26,7 @@ use sluice_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot};
 use tonic::Status;
 use tracing::Span;
-use transfer::{Checksums, SendParts};
+use transfer::Checksums;
 
 use crate::constraint::{Constraint, Grammars, Mask};
 use crate::reservations::{Table, TableError};
@@ -240,10 +240,12 @@ impl<B: Backend> State<B> {
         Ok(Reserved { id, page_ids, slot, device })
     }
 
+    /// Checksums of what landed: in the host mirror or registered host memory, or, when
+    /// peers write device memory in place, summed on the device holding the sequence.
     fn landed(&self, seq: &Sequence, tokens: usize) -> Option<Checksums> {
-        let bytes = self.engine.sequence_bytes(seq, tokens)?;
-        let logits = self.engine.slot_logits_bytes(seq)?;
-        Some(Checksums::of(&SendParts { pages: bytes.pages, rings: bytes.rings, comp: bytes.comp, logits }))
+        let logits = transfer::checksum::kv_checksum(self.engine.slot_logits_bytes(seq)?);
+        let s = self.engine.transport_checksums(seq, tokens);
+        Some(Checksums { pages: s.pages, rings: s.rings, comp: s.comp, logits })
     }
 
     fn commit(&mut self, req: pb::CommitRequest) -> Result<(), Status> {
@@ -438,13 +440,19 @@ impl<B: Backend> State<B> {
             crate::reservations::State::Committed { tokens } => tokens,
             other => return Err(Status::failed_precondition(format!("reservation {id} is {other:?}"))),
         };
-        let b =
-            self.engine.sequence_bytes(&e.seq, tokens).ok_or_else(|| Status::internal("KV memory is not readable"))?;
-        Ok(pb::KvDump {
-            pages: b.pages.iter().map(|p| p.to_vec()).collect(),
-            rings: b.rings.to_vec(),
-            comp: b.comp.to_vec(),
-            logits: self.engine.slot_logits_bytes(&e.seq).unwrap_or_default().to_vec(),
+        let logits = self.engine.slot_logits_bytes(&e.seq).unwrap_or_default().to_vec();
+        Ok(match self.engine.sequence_bytes(&e.seq, tokens) {
+            Some(b) => pb::KvDump {
+                pages: b.pages.iter().map(|p| p.to_vec()).collect(),
+                rings: b.rings.to_vec(),
+                comp: b.comp.to_vec(),
+                logits,
+            },
+            // Device memory reached in place: read it back.
+            None => {
+                let b = self.engine.read_sequence(&e.seq, tokens);
+                pb::KvDump { pages: b.pages, rings: b.rings, comp: b.comp, logits }
+            }
         })
     }
 }

@@ -65,7 +65,7 @@ pub async fn run(
     let registry = cluster::telemetry::metrics::registry("decode-worker");
     let recorder = cluster::telemetry::DecodeMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
-    let (engine, template) = {
+    let memory::DecodeMemory { engine, template, registrations } = {
         let cfg = cfg.clone();
         // Loading weights is blocking work.
         tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?
@@ -138,6 +138,8 @@ pub async fn run(
     // The server (and with it the engine's last sender) is gone: the engine thread drops
     // the engine; wait for that before the KV regions' UCX context and the process go.
     cluster::shutdown::join_thread(engine_thread, ENGINE_STOP_LIMIT, "decode engine").await;
+    // Device memory stays registered until no peer can be writing it any more.
+    drop(registrations);
     drop(receiver);
     result.map_err(WorkerError::from)
 }

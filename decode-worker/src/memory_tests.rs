@@ -52,3 +52,14 @@ async fn gpu_memory_needs_a_gpu_device() {
     let err = start(&model, &["--gpu-memory", "2GB"]).await.expect_err("cpu").to_string();
     assert!(err.contains("--gpu-memory plans GPU memory; it needs --device cuda:N"), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_direct_on_needs_a_gpu_and_says_so() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("tiny");
+    write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 1, WeightDtype::Bf16)).unwrap();
+    let err = start(&model, &["--gpu-direct", "on"]).await.expect_err("a CPU engine").to_string();
+    assert!(err.contains("--gpu-direct on needs a GPU engine"), "{err}");
+    // `auto` on the CPU is the registered host memory it always was.
+    start(&model, &["--gpu-direct", "auto"]).await.expect("a CPU worker with --gpu-direct auto");
+}

@@ -68,15 +68,18 @@ impl DecodeService {
             })
             .await??;
         let t = &self.template;
+        // The regions of the device holding the reservation; ids relative to them (the
+        // same as the global ids when one region holds every page).
+        let part = t.part(reserved.device as usize);
         let target = Target {
             geometry: t.geometry.clone(),
             ucx_address: t.ucx_address.clone(),
-            pages: t.pages.clone(),
-            rings: t.rings.clone(),
-            comp: t.comp.clone(),
+            pages: part.pages.clone(),
+            rings: part.rings.clone(),
+            comp: part.comp.clone(),
             logits: t.logits.clone(),
-            page_ids: reserved.page_ids,
-            slot: reserved.slot,
+            page_ids: reserved.page_ids.iter().map(|&p| p - part.first_page).collect(),
+            slot: reserved.slot - part.first_slot,
         };
         Ok(Response::new(pb::Reservation {
             reservation_id: reserved.id,

@@ -246,25 +246,31 @@ impl AnyEngine {
     /// regions): on one CPU the engine's KV is that memory itself; on GPUs (or several
     /// CPU devices) the engine keeps its own and `host` becomes its mirror, staged
     /// around transfers (logged, with whether the mirror is pinned for device copies).
+    /// Without `host`, a GPU engine's KV is reached in place: the caller registers
+    /// [`Engine::device_kv`] and declares it with [`Engine::set_direct`] (GPU-direct).
     pub fn load_for_transport(
         dir: &Path,
         devices: &[Device],
         options: EngineOptions,
-        host: crate::mirror::HostMirror,
+        host: Option<crate::mirror::HostMirror>,
     ) -> Result<Self, DeviceError> {
         if devices == [Device::Cpu] {
+            let host = host.ok_or_else(|| DeviceError::Unavailable {
+                device: Device::Cpu,
+                reason: "a CPU engine serves from registered host memory, and none was given".into(),
+            })?;
             let provided = crate::engine::ProvidedKv { state: host.state, slot_logits: host.slot_logits };
             return Ok(AnyEngine::Cpu(Engine::load_with_state(dir, CpuBackend::new(), options, Some(provided))?));
         }
         let mut engine = Self::load_on(dir, devices, options)?;
+        let Some(host) = host else { return Ok(engine) };
         crate::with_engine!(&mut engine, e => e.set_mirror(host))?;
         let pinned = crate::with_engine!(&engine, e => e.mirror_pinned());
         tracing::info!(
             devices = %devices_label(devices),
             pinned,
-            "KV lives in device memory; transfers go through a registered host mirror staged around them \
-             (workers do not register device memory with UCX yet; see the UCX line above for whether the loaded \
-             libucx could), pinned for the device copies unless pinned=false"
+            "KV lives in device memory; transfers through this host mirror are staged around them (pinned for the \
+             device copies unless pinned=false)"
         );
         Ok(engine)
     }

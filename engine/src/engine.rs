@@ -66,6 +66,9 @@ pub struct Engine<B: Backend> {
     /// Host memory transports use for this engine's KV when its own is out of their
     /// reach (see [`crate::mirror`]); `None` when the KV is host memory already.
     pub mirror: Option<crate::mirror::HostMirror>,
+    /// Set when transports reach the KV in device memory in place
+    /// ([`crate::device_kv`]).
+    pub(crate) direct: Option<crate::device_kv::DirectKv>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -108,7 +111,7 @@ impl<B: Backend> Engine<B> {
             device = %model.backend.describe(),
             "model loaded"
         );
-        Ok(Engine { model, cache, fingerprint, options, load, mirror_pins: Vec::new(), mirror: None })
+        Ok(Engine { model, cache, fingerprint, options, load, mirror_pins: Vec::new(), mirror: None, direct: None })
     }
 
     pub fn config(&self) -> &ModelConfig {

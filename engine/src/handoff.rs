@@ -63,7 +63,9 @@ impl<B: Backend> Engine<B> {
 
     /// Bytes of the logits slot of `seq` (`None` without a logits region).
     pub fn slot_logits_bytes(&self, seq: &Sequence) -> Option<&[u8]> {
+        let direct = self.direct.as_ref().and_then(|d| d.logits.as_ref());
         let bytes = match (&self.mirror, &self.cache.slot_logits) {
+            _ if direct.is_some() => direct?.bytes(),
             (Some(m), _) => m.logits_bytes()?,
             (None, Some(own)) => self.model.backend.kv_host_bytes(own)?,
             (None, None) => return None,

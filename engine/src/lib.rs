@@ -10,6 +10,7 @@
 //! - [`staging`]: a sequence's KV bytes copied between engine (e.g. GPU) memory and host buffers.
 //! - [`device`]: `--device cpu|cuda:N`, and [`AnyEngine`] for a device chosen at run time.
 //! - [`mirror`]: host memory transports use for engines whose KV is on a device.
+//! - [`device_kv`]: KV in device memory that transports reach in place (GPU-direct).
 //! - [`prefix`]: sequences resumed from a prefix cache (pages + snapshot, or a window rebuild).
 //! - [`sampling`]: greedy / temperature / top-k / top-p sampling with logprobs.
 //! - [`generate`]: in-process generation loop.
@@ -21,6 +22,7 @@
 
 pub mod checkpoint;
 pub mod device;
+pub mod device_kv;
 pub mod engine;
 pub mod error;
 pub mod fingerprint;

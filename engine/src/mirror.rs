@@ -69,9 +69,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// How peers reach this engine's KV memory, as the workers' `sluice_kv_memory_path`
-    /// metric labels it: `registered` (no mirror: the engine's KV is the registered
-    /// host memory), `mirror` or `mirror_pageable` (staged through the host mirror).
+    /// metric labels it: `device` (registered device memory, reached in place),
+    /// `registered` (no mirror: the engine's KV is the registered host memory), `mirror`
+    /// or `mirror_pageable` (staged through the host mirror).
     pub fn kv_memory_path(&self) -> &'static str {
+        if self.direct.is_some() {
+            return "device";
+        }
         match (&self.mirror, self.mirror_pins.is_empty()) {
             (None, _) => "registered",
             (Some(_), false) => "mirror",

@@ -8,13 +8,15 @@
 //! round-trip. The first input byte picks raw bytes or bytes resealed with a valid
 //! header checksum (so the fields behind the checksum are reached).
 
-use kvstore::record::{HEADER_LEN, Header, MAX_PAYLOAD_LEN, RecordError, checksum, parse_tombstone, tombstone_payload};
+use kvstore::record::{
+    HEADER_LEN, Header, MAX_PAYLOAD_LEN, RecordError, checksum, header_checksum, parse_tombstone, tombstone_payload,
+};
 
 pub fn run(data: &[u8]) {
     let Some((&mode, rest)) = data.split_first() else { return };
     let mut bytes = rest.to_vec();
     if mode & 1 == 1 && bytes.len() >= HEADER_LEN {
-        let sum = checksum(&bytes[..128]);
+        let sum = header_checksum(&bytes[..128]);
         bytes[128..HEADER_LEN].copy_from_slice(&sum.to_le_bytes());
     }
     header(&bytes);
@@ -34,9 +36,11 @@ fn header(bytes: &[u8]) {
         }
         Err(e) => {
             let checksum_ok = bytes.len() >= HEADER_LEN
-                && u64::from_le_bytes(bytes[128..HEADER_LEN].try_into().expect("8 bytes")) == checksum(&bytes[..128]);
+                && u64::from_le_bytes(bytes[128..HEADER_LEN].try_into().expect("8 bytes"))
+                    == header_checksum(&bytes[..128]);
             match e {
-                RecordError::Magic => assert!(bytes.len() < HEADER_LEN || bytes[..8] != *b"SLKVREC1"),
+                RecordError::Magic => assert!(bytes.len() < HEADER_LEN || bytes[..8] != *b"SLKVREC2"),
+                RecordError::OldFormat => assert_eq!(bytes[..8], *b"SLKVREC1"),
                 RecordError::HeaderChecksum => assert!(!checksum_ok),
                 RecordError::Kind(k) => assert!(checksum_ok && !(1..=3).contains(&k)),
                 RecordError::Length(n) => assert!(checksum_ok && n > MAX_PAYLOAD_LEN),

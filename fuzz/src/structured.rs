@@ -120,7 +120,7 @@ fn header(r: &RecordSpec, depth: u32, payload: &[u8]) -> [u8; HEADER_LEN] {
 }
 
 fn reseal(h: &mut [u8]) {
-    let sum = checksum(&h[..128]);
+    let sum = kvstore::record::header_checksum(&h[..128]);
     h[128..HEADER_LEN].copy_from_slice(&sum.to_le_bytes());
 }
 

@@ -152,6 +152,46 @@ pub unsafe trait ExternalMemory: Send + Sync {
     }
 }
 
+/// Device memory that stays allocated for as long as this handle lives: a transport
+/// that reaches GPU memory (UCX with CUDA transports) registers it, and peers then put
+/// bytes into it or this process puts from it, without a host copy.
+///
+/// # Safety
+/// Implementors guarantee that `device_ptr()..device_ptr() + len()` is device memory of
+/// device `ordinal()` of this process, allocated for at least as long as the handle
+/// lives (a handle keeps its allocation alive, even past the storage it came from).
+pub unsafe trait DeviceMemory: Send + Sync {
+    fn device_ptr(&self) -> u64;
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The device ordinal (`cuda:N`).
+    fn ordinal(&self) -> usize;
+    /// Make the memory's device context current on the calling thread, for a transport
+    /// about to register or read it (a thread of a worker over several GPUs may have
+    /// another one current).
+    fn make_current(&self) {}
+}
+
+/// A range of a KV storage to checksum: `elems` elements from element `offset`, whose
+/// first byte is byte `8 · first_word` of what is being checksummed (a range may be one
+/// piece of a larger whole, such as a window snapshot made of rings and compressor
+/// slots).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SumRange {
+    pub offset: usize,
+    pub elems: usize,
+    pub first_word: u64,
+}
+
+impl SumRange {
+    /// A whole range (its first byte is the first of what is checksummed).
+    pub fn whole(offset: usize, elems: usize) -> Self {
+        SumRange { offset, elems, first_word: 0 }
+    }
+}
+
 /// Selected compressed entries of a CSA layer: `[rows, top_k]` entry indices, -1 where
 /// fewer entries are visible than `top_k`.
 pub struct Selection<B: Backend + ?Sized> {
@@ -262,6 +302,26 @@ pub trait Backend: Send + Sync + 'static {
     fn kv_write(&self, kv: &mut Self::Kv, offset: usize, bytes: &[u8]);
     /// Wait until every `kv_write` issued so far has read its source bytes.
     fn kv_fence(&self) {}
+    /// The storage's device memory, one handle per device (a backend over several
+    /// devices holds one part on each, in rank order), so a transport can register it or
+    /// send from it; empty when the storage is host memory.
+    fn kv_device_memory(&self, kv: &Self::Kv) -> Vec<Box<dyn DeviceMemory>> {
+        let _ = kv;
+        Vec::new()
+    }
+    /// Partial sums of the [KV checksum](crate::kv_checksum) of `ranges` of a storage
+    /// ([`crate::kv_checksum::finish`] turns a whole range's sum into its checksum),
+    /// computed where the bytes are: a GPU sums its own memory after the ops issued
+    /// before, and nothing is copied to the host.
+    fn kv_sums(&self, kv: &Self::Kv, ranges: &[SumRange]) -> Vec<u64> {
+        ranges
+            .iter()
+            .map(|r| crate::kv_checksum::partial_sum(&self.kv_read(kv, r.offset, r.elems), r.first_word))
+            .collect()
+    }
+    /// Wait until everything issued so far is done (device backends: before a transport
+    /// reads device memory the ops wrote).
+    fn synchronize(&self) {}
     /// Pin a host region for fast device copies (page-locked and mapped for the
     /// device's DMA) for as long as the returned guard lives; `None` where there is
     /// nothing to pin (host backends) or pinning failed (then copies still work, at

@@ -16,12 +16,15 @@
 //! - [`stored`]: typed views of weights as checkpoints store them (what backends load).
 //! - [`kv_entry`]: one KV entry as stored bytes in each entry dtype (the fp8 record
 //!   codec every backend and test shares).
+//! - [`kv_checksum`]: the checksum KV writers and readers compare (computable where the
+//!   bytes are, GPU memory included).
 //! - [`mapped`]: read-only memory maps of weight files.
 
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod kv_checksum;
 pub mod kv_entry;
 pub mod mapped;
 pub mod plan;

@@ -523,6 +523,56 @@ fn check_sequence_ops<B: Backend>(b: &B, dtype: EntryDtype, tol: f32) {
     }
 }
 
+/// KV checksums summed where the bytes are (`Backend::kv_sums`) equal the reference
+/// function over the same bytes: whole ranges of every dtype, ranges at odd offsets and
+/// lengths (which a GPU sums on the host), pieces of a whole joined by their word index,
+/// and a range of zeros (which still has a non-zero checksum).
+fn check_kv_sums<B: Backend>(b: &B) {
+    use kernels::backend::SumRange;
+    use kernels::kv_checksum::{finish, kv_checksum, partial_sum};
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    for dtype in [EntryDtype::F32, EntryDtype::Bf16, EntryDtype::Fp8] {
+        let sz = dtype.size();
+        let elems = 1 << 16;
+        let bytes: Vec<u8> = (0..elems * sz).map(|_| rng.random::<u8>()).collect();
+        let mut kv = b.kv_alloc(elems + 1024, dtype);
+        b.kv_write(&mut kv, 0, &bytes);
+        b.kv_fence();
+        // Page-like ranges, an odd one, one crossing the written bytes into zeros.
+        let ranges = [(0, elems), (4096, 8192), (1, 3 * 1024 + 5), (7, 1), (elems - 100, 1124)];
+        let sums = b.kv_sums(&kv, &ranges.map(|(o, n)| SumRange::whole(o, n)));
+        let mut all = bytes.clone();
+        all.extend(vec![0u8; 1024 * sz]);
+        for ((o, n), got) in ranges.into_iter().zip(sums) {
+            let want = kv_checksum(&all[o * sz..(o + n) * sz]);
+            assert_eq!(finish(got, n * sz), want, "{} range {o}+{n}", dtype.name());
+        }
+        // A whole made of two pieces, the second starting at word `first_word`.
+        let (a, c) = (0..2048 / sz, 2048 / sz..(2048 + 5000) / sz);
+        let pieces = [
+            SumRange::whole(a.start, a.len()),
+            SumRange { offset: c.start, elems: c.len(), first_word: (a.len() * sz / 8) as u64 },
+        ];
+        let p = b.kv_sums(&kv, &pieces);
+        let joined = &all[..(a.len() + c.len()) * sz];
+        assert_eq!(finish(p[0].wrapping_add(p[1]), joined.len()), kv_checksum(joined), "{} pieces", dtype.name());
+        assert_eq!(partial_sum(&all[..a.len() * sz], 0), p[0]);
+        let zeros = b.kv_sums(&kv, &[SumRange::whole(elems, 1024)])[0];
+        assert_ne!(finish(zeros, 1024 * sz), finish(0, 1024 * sz), "zeros contribute");
+    }
+}
+
+#[test]
+fn cpu_kv_checksums_match_reference() {
+    check_kv_sums(&CpuBackend::new());
+    // Two CPU "devices": ranges inside one part are summed there, others joined.
+    let sharded = kernels::sharded::Sharded::new(
+        vec![CpuBackend::new(), CpuBackend::new()],
+        Box::new(kernels::sharded::HostCollective),
+    );
+    check_kv_sums(&sharded);
+}
+
 #[test]
 fn cpu_row_ops_match_reference() {
     check_row_ops(&CpuBackend::new(), &F32_TOL);
@@ -565,6 +615,12 @@ mod cuda_gpu;
 mod cuda {
     use super::cuda_gpu::gpu;
     use super::*;
+
+    #[test]
+    fn cuda_kv_checksums_match_reference() {
+        let Some(b) = gpu("cuda_kv_checksums_match_reference") else { return };
+        check_kv_sums(b);
+    }
 
     #[test]
     fn cuda_row_ops_match_reference() {

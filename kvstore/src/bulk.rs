@@ -88,7 +88,7 @@ fn write_job(sender: &mut Sender, job: Job) -> Result<SendStats, TransferError> 
             .map(|p| RemoteWrite {
                 region: &job.regions[p.region],
                 offset: p.offset,
-                bytes: &record[p.from..p.from + p.len],
+                source: transfer::Source::Host(&record[p.from..p.from + p.len]),
             })
             .collect();
         let left = deadline.saturating_duration_since(Instant::now());

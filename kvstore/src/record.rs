@@ -4,10 +4,16 @@
 //!
 //! Header (little endian, 136 bytes):
 //! ```text
-//! magic "SLKVREC1" | kind u8 | pad [3] | depth u32 | key [32] | parent [32]
+//! magic "SLKVREC2" | kind u8 | pad [3] | depth u32 | key [32] | parent [32]
 //! pools: csa_main u64, csa_indexer u64, hca u64, swa u64
-//! payload_len u64 | payload_xxh3 u64 | header_xxh3 u64 (of the 128 bytes before it)
+//! payload_len u64 | payload_sum u64 | header_xxh3 u64 (of the 128 bytes before it)
 //! ```
+//! `payload_sum` is the [KV checksum](transfer::checksum::kv_checksum), the one writers
+//! and readers of KV bytes compare on the wire too (GPU workers compute it in device
+//! memory), so a record's checksum travels unchanged from the writer's commit to a
+//! reader's restore. Format 1 (`SLKVREC1`, xxh3 payload checksums) is not read: a store
+//! directory of that format starts empty (its segments are cut at their first record,
+//! with a warning) and refills, since it only ever holds a cache.
 //! A tombstone (kind 3) deletes one earlier record: its key and, in `depth`, the
 //! killed record's kind; its 16-byte payload is the killed record's segment id and
 //! offset.
@@ -16,7 +22,9 @@ use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const HEADER_LEN: usize = 136;
-const MAGIC: &[u8; 8] = b"SLKVREC1";
+const MAGIC: &[u8; 8] = b"SLKVREC2";
+/// The magic of format 1, recognised only to say why its records are not read.
+const MAGIC_V1: &[u8; 8] = b"SLKVREC1";
 
 /// A block key: chained prefix hash salted with the model fingerprint.
 pub type Key = [u8; 32];
@@ -90,6 +98,8 @@ pub struct Header {
 pub enum RecordError {
     #[error("not a record header")]
     Magic,
+    #[error("a record of format 1 (an older sluice's store): not read; the cache refills")]
+    OldFormat,
     #[error("record header checksum mismatch")]
     HeaderChecksum,
     #[error("unknown record kind {0}")]
@@ -104,7 +114,13 @@ pub enum RecordError {
 /// offset (`i64`), so offsets computed from it cannot overflow.
 pub const MAX_PAYLOAD_LEN: u64 = i64::MAX as u64 - HEADER_LEN as u64;
 
+/// A payload's checksum: the KV checksum, as writers send it.
 pub fn checksum(bytes: &[u8]) -> u64 {
+    transfer::checksum::kv_checksum(bytes)
+}
+
+/// The header's own checksum (never leaves the store).
+pub fn header_checksum(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)
 }
 
@@ -126,17 +142,20 @@ impl Header {
         }
         h[112..120].copy_from_slice(&self.payload_len.to_le_bytes());
         h[120..128].copy_from_slice(&self.payload_checksum.to_le_bytes());
-        let sum = checksum(&h[..128]);
+        let sum = header_checksum(&h[..128]);
         h[128..136].copy_from_slice(&sum.to_le_bytes());
         h
     }
 
     pub fn decode(h: &[u8]) -> Result<Header, RecordError> {
+        if h.len() >= 8 && &h[..8] == MAGIC_V1 {
+            return Err(RecordError::OldFormat);
+        }
         if h.len() < HEADER_LEN || &h[..8] != MAGIC {
             return Err(RecordError::Magic);
         }
         let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().expect("8 bytes"));
-        if u64_at(128) != checksum(&h[..128]) {
+        if u64_at(128) != header_checksum(&h[..128]) {
             return Err(RecordError::HeaderChecksum);
         }
         let kind = Kind::from_code(h[8]).ok_or(RecordError::Kind(h[8]))?;
@@ -212,6 +231,9 @@ mod tests {
             assert!(Header::decode(&bad).is_err(), "a flip at byte {at} must be caught");
         }
         assert_eq!(Header::decode(&[0u8; 10]), Err(RecordError::Magic));
+        let mut v1 = bytes;
+        v1[..8].copy_from_slice(MAGIC_V1);
+        assert_eq!(Header::decode(&v1), Err(RecordError::OldFormat));
         let root = Header { parent: None, ..h };
         assert_eq!(Header::decode(&root.encode()).unwrap().parent, None);
         // A length no file holds (fuzz/regressions/kvstore_record/payload-len-overflow).

@@ -88,7 +88,14 @@ impl Segment {
         let mut header = [0u8; HEADER_LEN];
         while at + HEADER_LEN as u64 <= self.size {
             self.file.read_exact_at(&mut header, at)?;
-            let Ok(h) = Header::decode(&header) else { break };
+            let h = match Header::decode(&header) {
+                Ok(h) => h,
+                Err(e @ crate::record::RecordError::OldFormat) => {
+                    tracing::warn!(offset = at, "{e}");
+                    break;
+                }
+                Err(_) => break,
+            };
             let end = at + h.total_len();
             if end > self.size {
                 break;

@@ -11,8 +11,8 @@ use sluice_proto::v1 as pb;
 use sluice_proto::v1::kv_store_client::KvStoreClient;
 use tonic::Code;
 use tonic::transport::Channel;
+use transfer::checksum::kv_checksum;
 use transfer::{Landing, Receiver, RegionSpec, RemoteWrite, Sender};
-use xxhash_rust::xxh3::xxh3_64;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -110,10 +110,10 @@ async fn put(
     let writes: Vec<RemoteWrite<'_>> = taken
         .iter()
         .zip(&reply.offsets)
-        .map(|(b, &offset)| RemoteWrite { region: &staging, offset, bytes: b.as_slice() })
+        .map(|(b, &offset)| RemoteWrite { region: &staging, offset, source: transfer::Source::Host(b.as_slice()) })
         .collect();
     tokio::task::block_in_place(|| sender.write(&reply.ucx_address, &writes, WAIT)).unwrap();
-    let mut checksums: Vec<u64> = taken.iter().map(|b| xxh3_64(b)).collect();
+    let mut checksums: Vec<u64> = taken.iter().map(|b| kv_checksum(b)).collect();
     if corrupt {
         checksums[0] ^= 1;
     }
@@ -176,7 +176,7 @@ async fn records_move_through_ucx_both_ways_and_are_checked() {
     assert_eq!(a.bytes(20_000, 5000), records[2].1.as_slice());
     assert_eq!(b.bytes(0, 7000), &records[3].1[..7000]);
     assert_eq!(a.bytes(40_000, 5000), &records[3].1[7000..]);
-    let sums: Vec<u64> = records.iter().map(|(_, b)| xxh3_64(b)).collect();
+    let sums: Vec<u64> = records.iter().map(|(_, b)| kv_checksum(b)).collect();
     assert_eq!(reply.checksums, sums);
 
     // Refusals name the problem and write nothing.

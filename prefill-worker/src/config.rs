@@ -46,6 +46,18 @@ pub struct PrefillConfig {
     /// device. The worker refuses to start when its model, workspace and KV pool do not fit.
     #[arg(long, env = "SLUICE_GPU_MEMORY", value_parser = engine::memory_plan::parse_size)]
     pub gpu_memory: Option<u64>,
+    /// On GPUs, whether a prompt's KV is sent to the decode worker straight from device
+    /// memory (`auto`: when the loaded libucx has CUDA transports; `on`: refuse to start
+    /// otherwise; `off`: staged through a registered host mirror).
+    #[arg(long, env = "SLUICE_GPU_DIRECT", default_value = "auto")]
+    pub gpu_direct: transfer::GpuDirect,
+    /// Let the kvstore write restored prefixes straight into GPU memory (and read
+    /// offered blocks from it), for transports that reach GPU memory from the store's
+    /// host memory (GPUDirect RDMA: UCX_TLS with rc/dc on GPUDirect-capable NICs).
+    /// Off: kvstore traffic goes through a registered host mirror, copied to and from
+    /// the GPU; sends to decode workers are direct either way (`--gpu-direct`).
+    #[arg(long, env = "SLUICE_KVSTORE_GPU_DIRECT")]
+    pub kvstore_gpu_direct: bool,
     /// KV pages for prompts in flight.
     #[arg(long, env = "SLUICE_MAX_PAGES", default_value_t = 512)]
     pub max_pages: usize,
@@ -77,6 +89,10 @@ pub struct PrefillConfig {
     /// Longest a kvstore lookup or fetch may take before the prompt goes on cold (ms).
     #[arg(long, env = "SLUICE_KVSTORE_TIMEOUT_MS", default_value_t = 2_000)]
     pub kvstore_timeout_ms: u64,
+    /// Most bytes of finished prompts' blocks waiting to be offered to the kvstore (by
+    /// a thread of their own); offers past it are dropped and counted.
+    #[arg(long, env = "SLUICE_KVSTORE_PUT_QUEUE_BYTES", default_value = "1GiB", value_parser = engine::memory_plan::parse_size)]
+    pub kvstore_put_queue_bytes: u64,
     /// Serve test hooks (DumpKv).
     #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
     pub debug_hooks: bool,
@@ -113,6 +129,9 @@ impl PrefillConfig {
         }
         if self.kvstore_timeout_ms == 0 {
             return Err("--kvstore-timeout-ms must be at least 1".into());
+        }
+        if self.kvstore_gpu_direct && (self.kvstore.is_none() || self.gpu_direct == transfer::GpuDirect::Off) {
+            return Err("--kvstore-gpu-direct needs --kvstore and GPU-direct sends (--gpu-direct auto or on)".into());
         }
         for (flag, v) in [
             ("--max-pages", self.max_pages),

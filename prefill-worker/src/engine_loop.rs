@@ -11,6 +11,7 @@
 //! end of every pass of the loop, after every change of state.
 
 mod put;
+mod put_queue;
 mod restore;
 
 use std::collections::VecDeque;
@@ -28,7 +29,7 @@ use sluice_proto::v1 as pb;
 use tokio::sync::oneshot;
 use tonic::Status;
 use tracing::Span;
-use transfer::{Checksums, SendParts, Sender, Target, WireGeometry};
+use transfer::{Checksums, SendParts, Sender, Source, SourceParts, Target, WireGeometry};
 
 pub use restore::RestoreTarget;
 
@@ -67,7 +68,11 @@ pub struct Done {
     pub tokens: usize,
     pub cached_tokens: usize,
     pub recompute_tokens: usize,
+    /// Waiting here before the prompt was admitted.
     pub queue: Duration,
+    /// Restoring a cached prefix: the store's writes, their check, the copy in.
+    pub restore: Duration,
+    /// Computing (a window rebuild after a restore included).
     pub compute: Duration,
     pub transfer: Duration,
     pub bytes: u64,
@@ -112,12 +117,18 @@ pub struct LoopConfig {
     pub metrics: PrefillMetrics,
     /// The shared-prefix store, and the runtime its (blocking) puts run on.
     pub cache: Option<(Arc<PrefixCache>, tokio::runtime::Handle)>,
+    /// Whether sends and kvstore traffic read and write device memory in place.
+    pub paths: crate::memory::KvPaths,
+    /// Most bytes of blocks waiting for the put thread (`--kvstore-put-queue-bytes`).
+    pub put_queue_bytes: usize,
 }
 
 struct Active {
     job: Job,
     seq: Sequence,
-    started: Instant,
+    /// In the queue before admission, and restoring a cached prefix after it.
+    queued: Duration,
+    restore: Duration,
     compute: Duration,
     /// `prefill.compute`, open until the last chunk is computed.
     span: Span,
@@ -149,6 +160,8 @@ struct State<B: Backend> {
     /// Sequences a store might still write into (a fetch given up on): released once
     /// the fetch's deadline has passed.
     quarantine: Vec<(Instant, Sequence)>,
+    /// Offers of finished prompts' blocks to the kvstore, sent by their own thread.
+    puts: Option<put_queue::PutQueue>,
 }
 
 const KEPT_FINISHED: usize = 4096;
@@ -179,6 +192,18 @@ pub fn spawn<B: Backend>(
             }
         };
         let geometry = WireGeometry::new(&engine.model.layout, &engine.fingerprint, engine.config().vocab_size);
+        let puts = match (&cfg.cache, cfg.paths.kvstore_direct) {
+            (Some((cache, rt)), false) => {
+                match put_queue::PutQueue::start(cache.clone(), rt.clone(), cfg.metrics.clone(), cfg.put_queue_bytes) {
+                    Ok(q) => Some(q),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no kvstore put thread; prompts' blocks are not offered");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let mut s = State {
             engine,
             sender,
@@ -191,6 +216,7 @@ pub fn spawn<B: Backend>(
             tombstones: VecDeque::new(),
             restoring: Vec::new(),
             quarantine: Vec::new(),
+            puts,
         };
         s.run(rx);
     })?;
@@ -344,6 +370,23 @@ impl<B: Backend> State<B> {
 
     /// Put a prompt into the running set, `cached` of its tokens already in `seq`.
     fn start(&mut self, job: Job, seq: Sequence, cached: usize, recomputed: usize) {
+        let queued = job.enqueued.elapsed();
+        self.start_timed(job, seq, cached, recomputed, queued, Duration::ZERO, Duration::ZERO);
+    }
+
+    /// [`Self::start`] for a prompt admitted `queued` after it arrived, whose prefix
+    /// took `restore` to restore and `rebuild` to recompute window state.
+    #[allow(clippy::too_many_arguments)]
+    fn start_timed(
+        &mut self,
+        job: Job,
+        seq: Sequence,
+        cached: usize,
+        recomputed: usize,
+        queued: Duration,
+        restore: Duration,
+        rebuild: Duration,
+    ) {
         let span = tracing::info_span!(
             "prefill.compute",
             request_id = %job.request_id,
@@ -354,8 +397,9 @@ impl<B: Backend> State<B> {
         self.active.push(Active {
             job,
             seq,
-            started: Instant::now(),
-            compute: Duration::ZERO,
+            queued,
+            restore,
+            compute: rebuild,
             span,
             cached,
             recomputed,
@@ -465,13 +509,19 @@ impl<B: Backend> State<B> {
         }
         let _ = a.job.reply.send(reply);
         // Off the request's path: its KV is with the decode worker (or failed to get
-        // there); the blocks the store lacks go to it before the pages are reused.
-        let span = tracing::info_span!("prefix_cache.put", request_id = %a.job.request_id);
-        set_parent_context(&span, a.job.trace.clone());
-        span.in_scope(|| {
-            self.put_blocks(&a.job.request_id, &a.job.tokens, a.job.prefix.as_ref(), &a.seq, &a.snapshots)
-        });
+        // there); the blocks the store lacks are copied out for it (or, when the store
+        // reaches GPU memory, written from it) before the pages are reused.
+        let offer = put::Offer { request_id: &a.job.request_id, tokens: &a.job.tokens, trace: &a.job.trace };
+        self.put_blocks(offer, a.job.prefix.as_ref(), &a.seq, &a.snapshots);
         self.engine.release(a.seq);
+    }
+
+    /// Keep what a prefill sent, for the DumpKv test hook (bounded).
+    fn keep_dump(&mut self, reservation_id: &str, pages: Vec<Vec<u8>>, rings: Vec<u8>, comp: Vec<u8>, logits: Vec<u8>) {
+        self.dumps.push_back((reservation_id.to_string(), pb::KvDump { pages, rings, comp, logits }));
+        if self.dumps.len() > KEPT_DUMPS {
+            self.dumps.pop_front();
+        }
     }
 
     fn send(&mut self, a: &Active, logits: &[f32]) -> Result<Done, Status> {
@@ -482,37 +532,65 @@ impl<B: Backend> State<B> {
             return Err(Status::deadline_exceeded("the reservation's lease ended before its prefill finished"));
         }
         let n = a.job.tokens.len();
-        // A device engine's KV goes out through its host mirror.
-        self.engine.stage_out(&a.seq, n);
-        let bytes =
-            self.engine.sequence_bytes(&a.seq, n).ok_or_else(|| Status::internal("KV memory is not readable"))?;
         let logit_bytes: Vec<u8> = logits.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let parts = SendParts { pages: bytes.pages, rings: bytes.rings, comp: bytes.comp, logits: &logit_bytes };
-        let checksums = Checksums::of(&parts);
         let timeout = self.cfg.transfer_timeout.min(a.job.deadline - now);
-        let stats = self
-            .sender
-            .send(&a.job.target, &self.geometry, &parts, timeout)
-            .map_err(|e| Status::unavailable(format!("KV transfer to the decode worker failed: {e}")))?;
-        if self.cfg.keep_dumps {
-            let dump = pb::KvDump {
-                pages: parts.pages.iter().map(|p| p.to_vec()).collect(),
-                rings: parts.rings.to_vec(),
-                comp: parts.comp.to_vec(),
-                logits: logit_bytes.clone(),
-            };
-            self.dumps.push_back((a.job.reservation_id.clone(), dump));
-            if self.dumps.len() > KEPT_DUMPS {
-                self.dumps.pop_front();
+        let failed =
+            |e: transfer::TransferError| Status::unavailable(format!("KV transfer to the decode worker failed: {e}"));
+        let (checksums, stats) = if self.cfg.paths.direct_send {
+            // Straight from device memory: the ops that wrote it must be done, and the
+            // checksums are summed on the device holding the sequence.
+            self.engine.model.backend.synchronize();
+            let ranges = self
+                .engine
+                .sequence_device_ranges(&a.seq, n)
+                .ok_or_else(|| Status::internal("GPU-direct send from an engine without device KV memory"))?;
+            let mem = self.engine.device_kv().ok_or_else(|| Status::internal("no device KV memory"))?;
+            let part = &mem[ranges.rank];
+            fn dev(mem: &dyn kernels::backend::DeviceMemory, (offset, len): (usize, usize)) -> Source<'_> {
+                Source::Device { mem, offset, len }
             }
-        }
+            let parts = SourceParts {
+                pages: ranges.pages.iter().map(|&r| dev(&*part.pages, r)).collect(),
+                rings: dev(&*part.rings, ranges.rings),
+                comp: dev(&*part.comp, ranges.comp),
+                logits: Source::Host(&logit_bytes),
+            };
+            let sums = self.engine.own_checksums(&a.seq, n);
+            let checksums = Checksums {
+                pages: sums.pages,
+                rings: sums.rings,
+                comp: sums.comp,
+                logits: transfer::checksum::kv_checksum(&logit_bytes),
+            };
+            let stats = self.sender.send_from(&a.job.target, &self.geometry, &parts, timeout).map_err(failed)?;
+            if self.cfg.keep_dumps {
+                let b = self.engine.read_sequence(&a.seq, n);
+                self.keep_dump(&a.job.reservation_id, b.pages, b.rings, b.comp, logit_bytes);
+            }
+            (checksums, stats)
+        } else {
+            // Staged: a device engine's KV goes out through its host mirror.
+            self.engine.stage_out(&a.seq, n);
+            let bytes =
+                self.engine.sequence_bytes(&a.seq, n).ok_or_else(|| Status::internal("KV memory is not readable"))?;
+            let parts = SendParts { pages: bytes.pages, rings: bytes.rings, comp: bytes.comp, logits: &logit_bytes };
+            let checksums = Checksums::of(&parts);
+            let stats = self.sender.send(&a.job.target, &self.geometry, &parts, timeout).map_err(failed)?;
+            if self.cfg.keep_dumps {
+                let pages = parts.pages.iter().map(|p| p.to_vec()).collect();
+                let (rings, comp) = (parts.rings.to_vec(), parts.comp.to_vec());
+                self.keep_dump(&a.job.reservation_id, pages, rings, comp, logit_bytes.clone());
+            }
+            (checksums, stats)
+        };
         tracing::debug!(request_id = %a.job.request_id, tokens = n, bytes = stats.bytes, ms = stats.elapsed.as_secs_f64() * 1e3, "KV sent");
         Ok(Done {
             checksums,
             tokens: n,
             cached_tokens,
             recompute_tokens,
-            queue: a.started - a.job.enqueued,
+            queue: a.queued,
+            restore: a.restore,
             compute: a.compute,
             transfer: stats.elapsed,
             bytes: stats.bytes,

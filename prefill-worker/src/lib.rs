@@ -71,8 +71,9 @@ pub async fn run(
     let registry = cluster::telemetry::metrics::registry("prefill-worker");
     let recorder = cluster::telemetry::PrefillMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
-    let (engine, regions) = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
-    recorder.set_kv_path(engine::with_engine!(&engine, e => e.kv_memory_path()));
+    let built = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
+    recorder.set_kv_path(built.kv_path_label());
+    let memory::PrefillMemory { engine, regions, paths, registrations } = built;
     let (fp, layout) = engine::with_engine!(&engine, e => (e.fingerprint.clone(), e.model.layout.clone()));
     let cache = match &cfg.kvstore {
         Some(url) => Some(
@@ -99,6 +100,8 @@ pub async fn run(
         transfer_delay: Duration::from_millis(cfg.debug_transfer_delay_ms),
         metrics: recorder.clone(),
         cache: cache.clone().map(|c| (c, tokio::runtime::Handle::current())),
+        paths,
+        put_queue_bytes: usize::try_from(cfg.kvstore_put_queue_bytes).unwrap_or(usize::MAX),
     };
     let (tx, engine_thread) = engine::with_engine!(engine, e => engine_loop::spawn(e, loop_cfg))?;
     // Scrapes keep working while the worker drains; the endpoint stops when `run` returns.
@@ -160,6 +163,8 @@ pub async fn run(
     // The server (and with it the engine's last sender) is gone: the engine thread drops
     // the engine; wait for that before the KV regions' UCX context and the process go.
     cluster::shutdown::join_thread(engine_thread, ENGINE_STOP_LIMIT, "prefill engine").await;
+    // Device memory stays registered until no kvstore can be writing it any more.
+    drop(registrations);
     drop(receiver);
     result.map_err(WorkerError::from)
 }

@@ -16,8 +16,7 @@ use model_spec::{Fingerprint, KvLayout, RestorePlan, SwaPolicy};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::kv_store_client::KvStoreClient;
 use tonic::transport::Channel;
-use transfer::{RegionSpec, RemoteWrite, Sender};
-use xxhash_rust::xxh3::xxh3_64;
+use transfer::{RegionSpec, RemoteWrite, Sender, Source};
 
 use crate::memory::KvRegions;
 
@@ -39,10 +38,12 @@ pub struct FetchError {
     pub may_have_written: bool,
 }
 
-/// One record of a put: its description and where its bytes are.
+/// One record of a put: its description, where its bytes are (host memory, or a GPU's
+/// KV memory when the store reaches it) and their KV checksum.
 pub struct PutRecord<'a> {
     pub record: pb::PutRecord,
-    pub bytes: &'a [u8],
+    pub source: Source<'a>,
+    pub checksum: u64,
 }
 
 pub struct PrefixCache {
@@ -122,20 +123,23 @@ impl PrefixCache {
     }
 
     /// Have the store write the first `blocks` pages (into `page_ids`) and, when
-    /// `snapshot` is set, the snapshot at that boundary (into `slot`). Returns the
-    /// store's checksums: pages in order, then the snapshot's.
+    /// `snapshot` is set, the snapshot at that boundary (into `slot`), through the regions
+    /// of part `part` of this worker's KV memory (ids relative to it). Returns the
+    /// store's KV checksums: pages in order, then the snapshot's.
     pub async fn fetch(
         &self,
         keys: &[BlockHash],
         page_ids: &[u32],
         slot: usize,
         snapshot: bool,
+        part: usize,
     ) -> Result<Vec<u64>, FetchError> {
         let l = &self.layout;
+        let p = self.regions.part(part);
         let mut req = pb::GetRequest {
             deadline_ms: self.timeout.as_millis() as u64,
             ucx_address: self.regions.ucx_address.clone(),
-            regions: [&self.regions.pages, &self.regions.rings, &self.regions.comp].map(region).to_vec(),
+            regions: [&p.pages, &p.rings, &p.comp].map(region).to_vec(),
             ..Default::default()
         };
         for (i, (key, &page)) in keys.iter().zip(page_ids).enumerate() {
@@ -207,7 +211,7 @@ impl PrefixCache {
         let writes: Vec<RemoteWrite<'_>> = taken
             .iter()
             .zip(&reply.offsets)
-            .map(|(r, &offset)| RemoteWrite { region: &staging, offset, bytes: r.bytes })
+            .map(|(r, &offset)| RemoteWrite { region: &staging, offset, source: r.source })
             .collect();
         let written = sender.write(&reply.ucx_address, &writes, timeout);
         let abort = |client: KvStoreClient<Traced<Channel>>, id: String| {
@@ -222,7 +226,7 @@ impl PrefixCache {
         };
         let mut commit = tonic::Request::new(pb::CommitPutRequest {
             put_id: reply.put_id,
-            checksums: taken.iter().map(|r| xxh3_64(r.bytes)).collect(),
+            checksums: taken.iter().map(|r| r.checksum).collect(),
         });
         commit.set_timeout(timeout);
         let done = rt

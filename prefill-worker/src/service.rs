@@ -102,7 +102,7 @@ impl PrefillService {
                 target = rx => if let Ok(t) = target {
                     let span = tracing::info_span!("prefix_cache.fetch", blocks = t.keys.len(), snapshot = t.snapshot);
                     propagation::set_parent_context(&span, trace);
-                    let result = cache.fetch(&t.keys, &t.page_ids, t.slot, t.snapshot).instrument(span).await;
+                    let result = cache.fetch(&t.keys, &t.page_ids, t.slot, t.snapshot, t.part).instrument(span).await;
                     let _ = self.engine.send(Command::Restored { reservation_id: reservation_id.to_string(), result });
                 },
             }
@@ -203,6 +203,7 @@ impl Prefill for PrefillService {
             compute_ms: done.compute.as_secs_f64() * 1e3,
             transfer_ms: done.transfer.as_secs_f64() * 1e3,
             transfer_bytes: done.bytes,
+            restore_ms: done.restore.as_secs_f64() * 1e3,
         }))
     }
 

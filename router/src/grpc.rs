@@ -48,6 +48,7 @@ pub fn to_proto(e: Event) -> pb::GenerateEvent {
                     kv_transfer_ms: timings.kv_transfer_ms,
                     time_to_first_token_ms: timings.ttft_ms,
                     total_ms: timings.total_ms,
+                    prefix_restore_ms: timings.restore_ms,
                 }),
             })
         }

@@ -116,6 +116,7 @@ pub struct TokenOut {
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Timings {
     pub queue_ms: f64,
+    pub restore_ms: f64,
     pub prefill_ms: f64,
     pub kv_transfer_ms: f64,
     pub ttft_ms: f64,

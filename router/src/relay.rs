@@ -117,6 +117,7 @@ impl Relay {
     pub fn final_event(&self, finish: pb::FinishReason) -> Event {
         let timings = Timings {
             queue_ms: self.prefill.queue_ms,
+            restore_ms: self.prefill.restore_ms,
             prefill_ms: self.prefill.compute_ms,
             kv_transfer_ms: self.prefill.transfer_ms,
             ttft_ms: self.ttft.unwrap_or_default().as_secs_f64() * 1e3,

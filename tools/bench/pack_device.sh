@@ -9,12 +9,15 @@ for b in sluice router prefill-worker decode-worker kvstore; do
   cp target/release/$b .device/
 done
 # The newest test executable of each name (cargo names them <test>-<hash>).
-for t in parity cuda_parity cuda_conformance device_serving gpu_direct memory_types; do
+for t in parity cuda_parity cuda_collective cuda_conformance cuda_multi_gpu device_serving gpu_direct gpu_direct_serving memory_types; do
   f=$(ls -t target/release/deps/$t-* 2>/dev/null | grep -v '\.d$' | head -1)
   [ -n "$f" ] || { echo "no test executable $t: build it first" >&2; exit 1; }
   cp "$f" .device/$t
 done
 strip .device/* 2>/dev/null || true
+# The kernels' PTX, compiled here with the pinned NVRTC (tools/cuda/check_kernels.py) into
+# the cache the backend reads (SLUICE_PTX_CACHE), so no device call spends time compiling.
+python3 tools/cuda/check_kernels.py --cache .device/ptx >/dev/null
 # A device call carries at most 64 MiB with the working tree: ship them compressed.
 tar -C .device -czf .device.tgz . && rm -rf .device && mkdir .device && mv .device.tgz .device/bins.tgz
 du -sh .device

@@ -8,6 +8,7 @@ spills before any device time is spent.
     python3 tools/cuda/check_kernels.py            # errors and a per-kernel table
     python3 tools/cuda/check_kernels.py --ptx out.ptx --only gemv_fp4
     python3 tools/cuda/check_kernels.py --sass gemv_fp4_r1    # disassembly of one kernel
+    python3 tools/cuda/check_kernels.py --cache .device/ptx    # the backend's PTX cache file
 
 The pinned NVRTC and ptxas come from PyPI (nvidia-cuda-nvrtc, nvidia-cuda-nvcc 13.0.88,
 the CUDA release of the lent H200 machines) in a venv under target/cuda-tools, made on
@@ -80,9 +81,18 @@ def main() -> None:
     ap.add_argument("--only", help="report only kernels whose name contains this")
     ap.add_argument("--arch", default="90")
     ap.add_argument("--sass", help="print the SASS of this kernel")
+    ap.add_argument("--cache", help="also write the PTX into this directory under the name the backend's PTX "
+                    "cache looks for (SLUICE_PTX_CACHE; kernels/src/cuda/nvrtc.rs), so a GPU machine skips NVRTC")
     args = ap.parse_args()
     cu13 = tools()
-    ptx = nvrtc_ptx(cu13 / "lib/libnvrtc.so.13", sources(), f"compute_{args.arch}")
+    src, arch = sources(), f"compute_{args.arch}"
+    ptx = nvrtc_ptx(cu13 / "lib/libnvrtc.so.13", src, arch)
+    if args.cache:
+        # The key nvrtc.rs computes: SHA-256 of the program, the arch and the options, 12 bytes in hex.
+        import hashlib
+        key = hashlib.sha256(src.encode() + arch.encode() + b"--std=c++17").hexdigest()[:24]
+        Path(args.cache).mkdir(parents=True, exist_ok=True)
+        (Path(args.cache) / f"sluice-{key}-{arch}.ptx").write_text(ptx)
     out = Path(args.ptx) if args.ptx else VENV / "sluice.ptx"
     out.write_text(ptx)
     cubin = VENV / "sluice.cubin"

@@ -1,7 +1,9 @@
 //! Checksums of the bytes a sender wrote, so the receiver can prove what landed is what
-//! was computed before it decodes from it.
+//! was computed before it decodes from it. The function is the
+//! [KV checksum](kernels::kv_checksum) (wire version 4; xxh3 before), which GPU workers
+//! compute in device memory where the bytes are.
 
-use xxhash_rust::xxh3::xxh3_64;
+pub use kernels::kv_checksum::kv_checksum;
 
 use crate::sender::SendParts;
 
@@ -16,10 +18,10 @@ pub struct Checksums {
 impl Checksums {
     pub fn of(parts: &SendParts<'_>) -> Self {
         Checksums {
-            pages: parts.pages.iter().map(|p| xxh3_64(p)).collect(),
-            rings: xxh3_64(parts.rings),
-            comp: xxh3_64(parts.comp),
-            logits: xxh3_64(parts.logits),
+            pages: parts.pages.iter().map(|p| kv_checksum(p)).collect(),
+            rings: kv_checksum(parts.rings),
+            comp: kv_checksum(parts.comp),
+            logits: kv_checksum(parts.logits),
         }
     }
 

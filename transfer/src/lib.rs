@@ -16,11 +16,13 @@
 //! - [`receiver`]: UCX context, registered regions and the progress thread.
 //! - [`sender`]: endpoints, their remote keys and batched puts (lives on one thread).
 //! - [`registered`]: engine KV pools in UCX regions, and landing areas read back after puts.
-//! - [`checksum`]: xxh3 checksums of what was sent and what landed.
+//! - [`checksum`]: KV checksums of what was sent and what landed.
+//! - [`gpu_direct`]: `--gpu-direct`, whether GPU workers move KV in device memory.
 
 #![forbid(unsafe_code)]
 
 pub mod checksum;
+pub mod gpu_direct;
 pub mod receiver;
 pub mod registered;
 pub mod sender;
@@ -28,10 +30,12 @@ pub mod target;
 pub mod wire;
 
 pub use checksum::Checksums;
-pub use receiver::{Receiver, RegisteredRegion};
+pub use gpu_direct::GpuDirect;
+pub use receiver::{Receiver, RegisteredDevice, RegisteredRegion};
 pub use registered::{Landing, RegisteredKv};
-pub use sender::{RemoteWrite, SendParts, SendStats, Sender};
+pub use sender::{RemoteWrite, SendParts, SendStats, Sender, SourceParts};
 pub use target::{RegionSpec, Target};
+pub use ucx_sys::Source;
 pub use wire::{WIRE_VERSION, WireError, WireGeometry, WireLayer};
 
 use thiserror::Error;

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use ucx_sys::{Context, Features, MemRegion, Worker};
+use kernels::backend::DeviceMemory;
+use ucx_sys::{Context, DeviceRegion, Features, MemRegion, Worker};
 
 use crate::TransferError;
 use crate::target::RegionSpec;
@@ -29,6 +30,12 @@ pub struct Receiver {
 /// A region peers can write, and how they find it.
 pub struct RegisteredRegion {
     pub region: MemRegion,
+    pub spec: RegionSpec,
+}
+
+/// Device memory peers can write, and how they find it.
+pub struct RegisteredDevice {
+    pub region: DeviceRegion,
     pub spec: RegionSpec,
 }
 
@@ -78,6 +85,15 @@ impl Receiver {
     /// The worker address peers connect to.
     pub fn address(&self) -> &[u8] {
         &self.address
+    }
+
+    /// Register device memory (a GPU engine's KV pool on one device) so peers write into
+    /// it directly; needs a libucx with CUDA transports ([`Receiver::supports_cuda`]).
+    /// The region keeps the memory allocated while it lives.
+    pub fn register_device(&self, mem: Box<dyn DeviceMemory>) -> Result<RegisteredDevice, TransferError> {
+        let region = DeviceRegion::register_memory(&self.ctx, mem)?;
+        let spec = RegionSpec { base: region.address(), len: region.len() as u64, rkey: region.pack_rkey()? };
+        Ok(RegisteredDevice { region, spec })
     }
 
     /// Allocate a zeroed region of `bytes` that peers can write into.

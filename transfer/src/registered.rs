@@ -69,6 +69,21 @@ impl RegisteredKv {
     }
 }
 
+/// A region of `logits_per_slot` f32 values per state slot for `max_sequences` slots,
+/// as adopted host storage: where prefill workers put a prompt's last logits when the
+/// KV itself is reached in device memory (logits are sampled on the host).
+pub fn allocate_logits(
+    receiver: &Receiver,
+    max_sequences: usize,
+    logits_per_slot: usize,
+) -> Result<(CpuKv, RegionSpec), TransferError> {
+    let elems = max_sequences * logits_per_slot;
+    let r = receiver.allocate(elems * 4)?;
+    let spec = r.spec.clone();
+    let kv = CpuBackend::new().kv_adopt(Box::new(r.region), elems, EntryDtype::F32).map_err(TransferError::Memory)?;
+    Ok((kv, spec))
+}
+
 /// A region peers put bytes into, read back by its owner once they say the bytes are
 /// there.
 pub struct Landing {

@@ -15,7 +15,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use ucx_sys::{Context, Endpoint, ErrorMode, Features, RemoteKey, UcxError, Worker};
+use ucx_sys::{Context, Endpoint, ErrorMode, Features, RemoteKey, Source, UcxError, Worker};
 
 use crate::TransferError;
 use crate::target::{RegionSpec, Target};
@@ -37,13 +37,45 @@ impl SendParts<'_> {
     }
 }
 
-/// One write of local bytes into a peer's registered region, at `offset` bytes from
-/// the region's base.
+/// One sequence's bytes wherever they are: host memory, or device memory a GPU engine
+/// holds (sent straight from the GPU when the loaded libucx reaches CUDA memory,
+/// [`Sender::reaches_device_memory`]). Pages in block order, as in [`SendParts`].
+pub struct SourceParts<'a> {
+    pub pages: Vec<Source<'a>>,
+    pub rings: Source<'a>,
+    pub comp: Source<'a>,
+    pub logits: Source<'a>,
+}
+
+impl<'a> SourceParts<'a> {
+    /// Host bytes as sources.
+    pub fn host(parts: &SendParts<'a>) -> Self {
+        SourceParts {
+            pages: parts.pages.iter().map(|p| Source::Host(p)).collect(),
+            rings: Source::Host(parts.rings),
+            comp: Source::Host(parts.comp),
+            logits: Source::Host(parts.logits),
+        }
+    }
+
+    pub fn bytes(&self) -> u64 {
+        (self.pages.iter().map(Source::len).sum::<usize>() + self.rings.len() + self.comp.len() + self.logits.len())
+            as u64
+    }
+
+    /// Whether any part is read from device memory.
+    pub fn from_device(&self) -> bool {
+        self.pages.iter().chain([&self.rings, &self.comp, &self.logits]).any(|s| matches!(s, Source::Device { .. }))
+    }
+}
+
+/// One write of local bytes (host or device memory) into a peer's registered region,
+/// at `offset` bytes from the region's base.
 #[derive(Clone, Copy, Debug)]
 pub struct RemoteWrite<'a> {
     pub region: &'a RegionSpec,
     pub offset: u64,
-    pub bytes: &'a [u8],
+    pub source: Source<'a>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,6 +92,8 @@ pub struct Sender {
     worker: Worker,
     /// By receiver worker address.
     peers: HashMap<Vec<u8>, Peer>,
+    /// Asked which memory types the loaded transports reach.
+    ctx: Context,
 }
 
 /// A connected receiver and the keys of its regions unpacked on that endpoint (a key
@@ -84,7 +118,7 @@ impl Peer {
 impl Sender {
     pub fn new() -> Result<Self, TransferError> {
         let ctx = Context::new(Features::RMA | Features::WAKEUP)?;
-        Ok(Sender { worker: Worker::new(&ctx)?, peers: HashMap::new() })
+        Ok(Sender { worker: Worker::new(&ctx)?, ctx, peers: HashMap::new() })
     }
 
     /// Connect with peer-failure detection where the configured transports allow it
@@ -126,8 +160,13 @@ impl Sender {
         }
     }
 
-    /// Write `parts` to `target`; `ours` is the sender's own geometry, which must match
-    /// the receiver's.
+    /// Whether this sender's libucx can put from GPU memory (CUDA transports loaded).
+    pub fn reaches_device_memory(&self) -> bool {
+        self.ctx.supports(ucx_sys::MemoryType::Cuda)
+    }
+
+    /// Write `parts` (host memory) to `target`; `ours` is the sender's own geometry,
+    /// which must match the receiver's.
     pub fn send(
         &mut self,
         target: &Target,
@@ -135,8 +174,24 @@ impl Sender {
         parts: &SendParts<'_>,
         timeout: Duration,
     ) -> Result<SendStats, TransferError> {
+        self.send_from(target, ours, &SourceParts::host(parts), timeout)
+    }
+
+    /// Write `parts` (host or device memory) to `target`, as [`Sender::send`].
+    pub fn send_from(
+        &mut self,
+        target: &Target,
+        ours: &WireGeometry,
+        parts: &SourceParts<'_>,
+        timeout: Duration,
+    ) -> Result<SendStats, TransferError> {
         ours.check_compatible(&target.geometry)?;
         check_sizes(target, parts)?;
+        if parts.from_device() && !self.reaches_device_memory() {
+            return Err(TransferError::Memory(
+                "asked to send from GPU memory, but the loaded libucx has no CUDA transports".into(),
+            ));
+        }
         let started = Instant::now();
         let result = self.put_everything(target, parts, started + timeout);
         if result.is_err() {
@@ -156,11 +211,11 @@ impl Sender {
         timeout: Duration,
     ) -> Result<SendStats, TransferError> {
         for w in writes {
-            let end = w.offset.checked_add(w.bytes.len() as u64);
+            let end = w.offset.checked_add(w.source.len() as u64);
             if end.is_none_or(|end| end > w.region.len) {
                 return Err(WireError::Malformed(format!(
                     "a write of {} bytes at offset {} of a {}-byte region",
-                    w.bytes.len(),
+                    w.source.len(),
                     w.offset,
                     w.region.len
                 ))
@@ -186,24 +241,24 @@ impl Sender {
                 }
             }
             for key in keys {
-                let puts: Vec<(&[u8], u64)> = writes
+                let puts: Vec<(Source<'_>, u64)> = writes
                     .iter()
                     .filter(|w| &w.region.rkey == key)
-                    .map(|w| (w.bytes, w.region.base + w.offset))
+                    .map(|w| (w.source, w.region.base + w.offset))
                     .collect();
                 let left = deadline.saturating_duration_since(Instant::now());
-                self.worker.put_all(&peer.ep, &puts, &peer.keys[key], left)?;
+                self.worker.put_sources(&peer.ep, &puts, &peer.keys[key], left)?;
             }
             Ok::<(), TransferError>(())
         })();
         if result.is_err() {
             self.peers.remove(address);
         }
-        let bytes = writes.iter().map(|w| w.bytes.len() as u64).sum();
+        let bytes = writes.iter().map(|w| w.source.len() as u64).sum();
         result.map(|()| SendStats { bytes, elapsed: started.elapsed() })
     }
 
-    fn put_everything(&mut self, t: &Target, parts: &SendParts<'_>, deadline: Instant) -> Result<(), TransferError> {
+    fn put_everything(&mut self, t: &Target, parts: &SourceParts<'_>, deadline: Instant) -> Result<(), TransferError> {
         let g = &t.geometry;
         let now = Instant::now();
         self.release_idle_keys(now);
@@ -214,26 +269,26 @@ impl Sender {
         }
         let peer = &self.peers[t.ucx_address.as_slice()];
         let left = || deadline.saturating_duration_since(Instant::now());
-        let pages: Vec<(&[u8], u64)> = parts
+        let pages: Vec<(Source<'_>, u64)> = parts
             .pages
             .iter()
             .zip(&t.page_ids)
             .map(|(p, &id)| (*p, t.pages.base + id as u64 * g.page_bytes as u64))
             .collect();
-        self.worker.put_all(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
-        for (region, bytes, per_slot) in [
+        self.worker.put_sources(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
+        for (region, source, per_slot) in [
             (&t.rings, parts.rings, g.ring_bytes),
             (&t.comp, parts.comp, g.comp_bytes),
             (&t.logits, parts.logits, g.logits_bytes),
         ] {
             let at = region.base + t.slot as u64 * per_slot as u64;
-            self.worker.put_all(&peer.ep, &[(bytes, at)], &peer.keys[&region.rkey], left())?;
+            self.worker.put_sources(&peer.ep, &[(source, at)], &peer.keys[&region.rkey], left())?;
         }
         Ok(())
     }
 }
 
-fn check_sizes(t: &Target, parts: &SendParts<'_>) -> Result<(), WireError> {
+fn check_sizes(t: &Target, parts: &SourceParts<'_>) -> Result<(), WireError> {
     let g = &t.geometry;
     let bad = |what: String| Err(WireError::Malformed(what));
     if parts.pages.len() > t.page_ids.len() {

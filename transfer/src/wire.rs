@@ -12,7 +12,10 @@ use thiserror::Error;
 
 /// 3: fp8 entries (byte records) and per-layer RoPE dims and entry strides. A version-2
 /// peer knows neither, so the two refuse each other instead of misreading bytes.
-pub const WIRE_VERSION: u32 = 3;
+/// 4: commits carry KV checksums ([`kernels::kv_checksum`], computable in GPU memory)
+/// instead of xxh3, and a target may name regions of device memory (one per GPU of the
+/// receiver, page ids and slot relative to them).
+pub const WIRE_VERSION: u32 = 4;
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum WireError {

@@ -282,7 +282,8 @@ fn kv_path_gauge(registry: &Registry) -> IntGaugeVec {
     let g = metrics::gauge_vec(
         registry,
         names::KV_MEMORY_PATH,
-        "1 for how peers reach this worker's KV memory (registered host memory, or a host mirror of GPU memory).",
+        "1 for how peers reach this worker's KV memory (GPU memory in place, registered host memory, or a host \
+         mirror of GPU memory).",
         &["path"],
     );
     for p in metrics::KV_MEMORY_PATHS {

@@ -92,11 +92,14 @@ pub const DROP_REASONS: [&str; 6] = ["queue_full", "staging_full", "no_room", "c
 pub const COMMIT_REFUSALS: [&str; 2] = ["checksum", "lease"];
 
 /// How peers reach a worker's KV memory, as the `path` label of `sluice_kv_memory_path`
-/// spells it (1 for the worker's path, 0 for the others): `registered` (the engine's KV
-/// is the UCX-registered host memory itself: CPU engines), `mirror` (GPU KV staged
-/// through a registered host mirror pinned for the device), `mirror_pageable` (the same,
-/// but the driver refused to pin it: copies at pageable speed).
-pub const KV_MEMORY_PATHS: [&str; 3] = ["registered", "mirror", "mirror_pageable"];
+/// spells it (1 for the worker's path, 0 for the others): `device` (GPU KV registered
+/// with a CUDA-enabled UCX and reached in place: GPU-direct), `device_send` (a prefill
+/// worker that sends to decode workers from GPU memory but stages kvstore traffic
+/// through a host mirror), `registered` (the engine's KV is the UCX-registered host
+/// memory itself: CPU engines), `mirror` (GPU KV staged through a registered host mirror
+/// pinned for the device), `mirror_pageable` (the same, but the driver refused to pin
+/// it: copies at pageable speed).
+pub const KV_MEMORY_PATHS: [&str; 5] = ["device", "device_send", "registered", "mirror", "mirror_pageable"];
 
 /// How a request migration attempt ended, as the `outcome` label spells it: `resumed`
 /// (another pair re-prefilled and decoding went on) or `failed`.

@@ -103,6 +103,15 @@ impl Backend for CpuBackend {
         kv.bytes()[offset * sz..(offset + elems) * sz].to_vec()
     }
 
+    fn kv_sums(&self, kv: &CpuKv, ranges: &[crate::backend::SumRange]) -> Vec<u64> {
+        let sz = kv.dtype().size();
+        let bytes = kv.bytes();
+        ranges
+            .iter()
+            .map(|r| crate::kv_checksum::partial_sum(&bytes[r.offset * sz..(r.offset + r.elems) * sz], r.first_word))
+            .collect()
+    }
+
     fn kv_write(&self, kv: &mut CpuKv, offset: usize, bytes: &[u8]) {
         let sz = kv.dtype().size();
         assert_eq!(bytes.len() % sz, 0, "kv_write of a partial element");

@@ -164,9 +164,42 @@ pub(crate) fn upload_weight(gpu: &Gpu, staging: &Staging, w: &WeightView<'_>) ->
 
 /// Entry storage: pages, window rings, or (always f32) compressor slots.
 pub struct CudaKv {
-    pub(crate) mem: CudaSlice<u8>,
+    /// Shared so that a transport's registration of this memory can keep it allocated
+    /// ([`CudaKvMemory`]); writes go by address (`Gpu::write_raw`), never through
+    /// `&mut` to the slice.
+    pub(crate) mem: std::sync::Arc<CudaSlice<u8>>,
     pub(crate) dtype: EntryDtype,
     pub(crate) len: usize,
+}
+
+/// A KV storage's device memory as a transport holds it: the allocation stays alive for
+/// as long as the handle does.
+pub struct CudaKvMemory {
+    pub(crate) _mem: std::sync::Arc<CudaSlice<u8>>,
+    pub(crate) ptr: u64,
+    pub(crate) len: usize,
+    pub(crate) ordinal: usize,
+}
+
+// SAFETY: ptr..ptr + len is the allocation `_mem` holds (taken from it at creation), on
+// device `ordinal`; the Arc keeps it allocated until the handle is dropped.
+unsafe impl crate::backend::DeviceMemory for CudaKvMemory {
+    fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    fn make_current(&self) {
+        // A failure here surfaces as the transport's own error on the next call.
+        let _ = self._mem.context().bind_to_thread();
+    }
 }
 
 impl std::fmt::Debug for CudaKv {

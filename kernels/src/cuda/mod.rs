@@ -15,13 +15,16 @@
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
+//! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
+//! - [`peer`]: GPU-to-GPU copy bandwidth, the ceiling of KV transfers between GPUs.
 //! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
 mod attention;
 mod bench;
+mod checksum;
 pub mod collective;
 mod compress;
 mod devplan;
@@ -30,6 +33,7 @@ mod matmul;
 mod memory;
 mod moe;
 mod nvrtc;
+pub mod peer;
 mod profile;
 mod rows;
 pub(crate) mod runtime;
@@ -201,9 +205,8 @@ impl CudaBackend {
         if elems == 0 {
             return;
         }
-        let s = src.mem.slice(src_elem * sz..(src_elem + elems) * sz);
-        let mut d = dst.mem.slice_mut(dst_elem * sz..(dst_elem + elems) * sz);
-        self.gpu.stream.memcpy_dtod(&s, &mut d).unwrap_or_else(|e| runtime::fail("device-to-device copy", e));
+        let (s, d) = (self.gpu.ptr(&src.mem), self.gpu.ptr(&dst.mem));
+        self.gpu.copy_raw(d + (dst_elem * sz) as u64, s + (src_elem * sz) as u64, elems * sz);
     }
 
     /// Device address and length in bytes of a KV storage, for registering it with a
@@ -366,7 +369,7 @@ impl Backend for CudaBackend {
     }
 
     fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> CudaKv {
-        CudaKv { mem: self.gpu.zeros::<u8>(elems * dtype.size()), dtype, len: elems }
+        CudaKv { mem: std::sync::Arc::new(self.gpu.zeros::<u8>(elems * dtype.size())), dtype, len: elems }
     }
 
     fn kv_read(&self, kv: &CudaKv, offset: usize, elems: usize) -> Vec<u8> {
@@ -388,6 +391,26 @@ impl Backend for CudaBackend {
         self.gpu.sync();
     }
 
+    fn kv_device_memory(&self, kv: &CudaKv) -> Vec<Box<dyn crate::backend::DeviceMemory>> {
+        let (ptr, len) = self.kv_device_range(kv);
+        vec![Box::new(memory::CudaKvMemory { _mem: kv.mem.clone(), ptr, len, ordinal: self.gpu.ordinal })]
+    }
+
+    fn kv_sums(&self, kv: &CudaKv, ranges: &[crate::backend::SumRange]) -> Vec<u64> {
+        let sz = kv.dtype.size();
+        assert!(ranges.iter().all(|r| r.offset + r.elems <= kv.len), "kv_sums past the end of the storage");
+        let bytes: Vec<checksum::ByteRange> = ranges
+            .iter()
+            .map(|r| checksum::ByteRange { offset: r.offset * sz, len: r.elems * sz, first_word: r.first_word })
+            .collect();
+        // The sums read what earlier ops wrote: the kernel runs after them on the stream.
+        checksum::partial_sums(&self.gpu, self.gpu.ptr(&kv.mem), &bytes)
+    }
+
+    fn synchronize(&self) {
+        self.gpu.sync();
+    }
+
     fn pin_host(&self, region: &[u8]) -> Option<Box<dyn crate::backend::HostPin>> {
         memory::HostRegistration::new(&self.gpu.ctx, region).map(|p| Box::new(p) as Box<dyn crate::backend::HostPin>)
     }
@@ -396,7 +419,7 @@ impl Backend for CudaBackend {
         let sz = kv.dtype.size();
         assert_eq!(bytes.len() % sz, 0, "kv_write of a partial element");
         assert!(offset * sz + bytes.len() <= kv.len * sz, "kv_write past the end of the storage");
-        self.gpu.write(&mut kv.mem, offset * sz, bytes);
+        self.gpu.write_raw(self.gpu.ptr(&kv.mem) + (offset * sz) as u64, bytes);
     }
 
     fn buf_read(&self, buf: &CudaBuf, offset: usize, len: usize) -> Vec<f32> {

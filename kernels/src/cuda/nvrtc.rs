@@ -29,6 +29,8 @@ const SOURCES: &[(&str, &str)] = &[
     ("indexer.cu", include_str!("cu/indexer.cu")),
     ("attention.cu", include_str!("cu/attention.cu")),
     ("attention_mma.cu", include_str!("cu/attention_mma.cu")),
+    ("checksum.cu", include_str!("cu/checksum.cu")),
+    ("decode2.cu", include_str!("cu/decode2.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

@@ -155,6 +155,19 @@ const KERNELS: &[&str] = &[
     "attention_mma",
     "store_window",
     "gpu_sleep",
+    "kv_checksum",
+    "d2gemv_fp8_n1",
+    "d2gemv_fp8_n2",
+    "d2gemv_fp4_n1",
+    "d2gemv_fp4_n2",
+    "d2swiglu_fp8_n1",
+    "d2swiglu_fp8_n2",
+    "d2swiglu_fp4_n1",
+    "d2swiglu_fp4_n2",
+    "d2moe_swiglu_fp4_n1",
+    "d2moe_swiglu_fp4_n2",
+    "d2moe_down_fp4_n1",
+    "d2moe_down_fp4_n2",
 ];
 
 /// Kernels that take more than the default 48 KiB of dynamic shared memory, and the most
@@ -163,6 +176,7 @@ const KERNELS: &[&str] = &[
 fn big_shared() -> Vec<(&'static str, usize)> {
     let mut v = vec![("compress_stream", super::compress::STREAM_MAX_SMEM)];
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
+    v.extend(super::matmul::D2_KERNELS.iter().map(|&n| (n, super::matmul::D2_MAX_SMEM)));
     v
 }
 
@@ -382,6 +396,49 @@ impl Gpu {
         }
         let mut view = dst.slice_mut(offset..offset + data.len());
         self.stream.memcpy_htod(data, &mut view).unwrap_or_else(|e| fail("host-to-device copy", e));
+    }
+
+    /// Copy `out.len()` bytes at device address `src` to the host and wait. The address
+    /// must lie in live device memory of this GPU (a buffer shared with a transport,
+    /// reached by address because other owners hold it too).
+    pub fn read_raw(&self, src: u64, out: &mut [u8]) {
+        if out.is_empty() {
+            return;
+        }
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        // SAFETY: the caller passes an address range inside a live allocation of this
+        // context; `out` is a live host buffer of exactly the copied length, and the sync
+        // below ends the copy before `out` is used again.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(out, src, self.stream.cu_stream()) }
+            .unwrap_or_else(|e| fail("device-to-host copy", e));
+        self.sync();
+    }
+
+    /// Copy `data` to device address `dst` (asynchronous from pinned memory, as
+    /// [`Gpu::write`]). The range must lie in live device memory of this GPU.
+    pub fn write_raw(&self, dst: u64, data: &[u8]) {
+        if data.is_empty() {
+            return;
+        }
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        // SAFETY: the caller passes a range inside a live allocation of this context;
+        // the source is a live host slice (pinned sources are fenced by the caller, as
+        // for `write`).
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, data, self.stream.cu_stream()) }
+            .unwrap_or_else(|e| fail("host-to-device copy", e));
+    }
+
+    /// Device-to-device copy of `bytes` between two ranges of live device memory of this
+    /// GPU, in stream order.
+    pub fn copy_raw(&self, dst: u64, src: u64, bytes: usize) {
+        if bytes == 0 {
+            return;
+        }
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        // SAFETY: both ranges lie in live allocations of this context (the caller's
+        // bounds checks), ordered on our one stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .unwrap_or_else(|e| fail("device-to-device copy", e));
     }
 
     pub fn memset_zero<T: DeviceRepr + ValidAsZeroBits>(&self, dst: &mut CudaSlice<T>) {

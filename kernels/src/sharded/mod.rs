@@ -216,6 +216,46 @@ impl<B: Backend> Backend for Sharded<B> {
         self.ranks.iter().for_each(|b| b.kv_fence());
     }
 
+    fn kv_device_memory(&self, kv: &ShardKv<B>) -> Vec<Box<dyn crate::backend::DeviceMemory>> {
+        self.ranks.iter().zip(&kv.parts).flat_map(|(b, part)| b.kv_device_memory(part)).collect()
+    }
+
+    fn kv_sums(&self, kv: &ShardKv<B>, ranges: &[crate::backend::SumRange]) -> Vec<u64> {
+        // A sequence's pages and slot live on one device, so a range is one piece there:
+        // that device sums it. A range across devices (none the engine asks for) is read.
+        let mut out = vec![0u64; ranges.len()];
+        let mut per_rank: Vec<(Vec<usize>, Vec<crate::backend::SumRange>)> =
+            vec![(Vec::new(), Vec::new()); self.ranks.len()];
+        for (i, r) in ranges.iter().enumerate() {
+            match kv.pieces(r.offset, r.elems).as_slice() {
+                [(rank, at, n)] => {
+                    per_rank[*rank].0.push(i);
+                    per_rank[*rank].1.push(crate::backend::SumRange {
+                        offset: *at,
+                        elems: *n,
+                        first_word: r.first_word,
+                    });
+                }
+                _ => {
+                    out[i] = crate::kv_checksum::partial_sum(&self.kv_read(kv, r.offset, r.elems), r.first_word);
+                }
+            }
+        }
+        for (rank, (which, local)) in per_rank.into_iter().enumerate() {
+            if which.is_empty() {
+                continue;
+            }
+            for (i, sum) in which.into_iter().zip(self.ranks[rank].kv_sums(&kv.parts[rank], &local)) {
+                out[i] = sum;
+            }
+        }
+        out
+    }
+
+    fn synchronize(&self) {
+        self.ranks.iter().for_each(|b| b.synchronize());
+    }
+
     fn pin_host(&self, region: &[u8]) -> Option<Box<dyn HostPin>> {
         // Device backends pin host memory for every device of the process at once.
         self.ranks[0].pin_host(region)

@@ -17,7 +17,7 @@ use engine::prefix::PrefixState;
 use model_spec::Restore;
 use model_spec::block_hash::BlockHash;
 use tonic::Status;
-use xxhash_rust::xxh3::xxh3_64;
+use transfer::checksum::kv_checksum;
 
 use super::{Job, State};
 use crate::prefix_cache::FetchError;
@@ -27,11 +27,14 @@ use crate::prefix_cache::FetchError;
 pub struct RestoreTarget {
     /// Keys of the prefix blocks, in order.
     pub keys: Vec<BlockHash>,
-    /// Where their pages go.
+    /// Where their pages go (ids relative to the part of the KV memory they are in).
     pub page_ids: Vec<u32>,
     pub slot: usize,
     /// Also the window snapshot at the end of the prefix.
     pub snapshot: bool,
+    /// The part of this worker's registered KV memory written (a GPU's, when the store
+    /// writes device memory in place; else the one host region).
+    pub part: usize,
 }
 
 pub struct Restoring {
@@ -67,7 +70,14 @@ impl<B: kernels::Backend> State<B> {
             }
         };
         let keys = job.prefix.as_ref().expect("checked").keys[..blocks].to_vec();
-        let target = RestoreTarget { keys, page_ids, slot: seq.slot(), snapshot };
+        // The store writes device memory per GPU: ids relative to the sequence's GPU.
+        let target = match self.cfg.paths.kvstore_direct {
+            true => match self.engine.sequence_device_ranges(&seq, blocks * self.engine.cache.layout.block) {
+                Some(r) => RestoreTarget { keys, page_ids: r.local_pages, slot: r.local_slot, snapshot, part: r.rank },
+                None => RestoreTarget { keys, page_ids, slot: seq.slot(), snapshot, part: 0 },
+            },
+            false => RestoreTarget { keys, page_ids, slot: seq.slot(), snapshot, part: 0 },
+        };
         if tx.send(target).is_err() {
             // The caller is gone: nothing was asked of the store, nothing to wait for.
             self.engine.release(seq);
@@ -97,13 +107,22 @@ impl<B: kernels::Backend> State<B> {
         let Restoring { job, mut seq, blocks, snapshot, started, fetch_deadline } = r;
         let block = self.engine.cache.layout.block;
         let prefix_tokens = blocks * block;
+        let queued = started.saturating_duration_since(job.enqueued);
+        // Restore: the store's writes and their check, then the copy in; rebuild: the
+        // window recompute (compute, reported as such).
+        let (mut restore, mut rebuild) = (Duration::ZERO, Duration::ZERO);
         let finished = outcome.and_then(|()| {
             // A device engine's prefix landed in its host mirror: bring it in.
             self.engine.stage_in(&seq, blocks, snapshot);
+            restore = started.elapsed();
+            let t = Instant::now();
             let state = if snapshot { PrefixState::Snapshot } else { PrefixState::Rebuild };
-            self.engine
+            let r = self
+                .engine
                 .finish_restore(&mut seq, &job.tokens[..prefix_tokens], state)
-                .map_err(|e| FetchError { message: e.to_string(), may_have_written: false })
+                .map_err(|e| FetchError { message: e.to_string(), may_have_written: false });
+            rebuild = t.elapsed();
+            r
         });
         let m = &self.cfg.metrics;
         match finished {
@@ -117,7 +136,7 @@ impl<B: kernels::Backend> State<B> {
                 m.recomputed(policy.label(), plan.recompute_tokens as u64);
                 m.restore_seconds.observe(started.elapsed().as_secs_f64());
                 tracing::debug!(request_id = %job.request_id, tokens = prefix_tokens, snapshot, "cached prefix restored");
-                self.start(job, seq, prefix_tokens, plan.recompute_tokens);
+                self.start_timed(job, seq, prefix_tokens, plan.recompute_tokens, queued, restore, rebuild);
             }
             Err(e) => {
                 m.cache_error("get");
@@ -154,14 +173,20 @@ impl<B: kernels::Backend> State<B> {
             return Err(format!("the store sent {} checksums for {want} records", sums.len()));
         }
         let block = self.engine.cache.layout.block;
-        let bytes = self.engine.sequence_bytes(&r.seq, r.blocks * block).ok_or("KV memory is not readable")?;
-        for (i, page) in bytes.pages.iter().enumerate() {
-            if xxh3_64(page) != sums[i] {
-                return Err(format!("cached page {i} arrived damaged"));
-            }
+        // Where the store wrote: the host mirror (or the CPU engine's own memory), or,
+        // when it writes GPU memory in place, the device (summed there).
+        let (pages, snapshot) = if self.cfg.paths.kvstore_direct {
+            let pages = self.engine.own_checksums(&r.seq, r.blocks * block).pages;
+            (pages, r.snapshot.then(|| self.engine.own_snapshot_checksum(&r.seq)))
+        } else {
+            let bytes = self.engine.sequence_bytes(&r.seq, r.blocks * block).ok_or("KV memory is not readable")?;
+            let pages = bytes.pages.iter().map(|p| kv_checksum(p)).collect();
+            (pages, r.snapshot.then(|| kv_checksum(&self.engine.host_snapshot(&r.seq).unwrap_or_default())))
+        };
+        if let Some(i) = pages.iter().zip(sums).position(|(a, b)| a != b) {
+            return Err(format!("cached page {i} arrived damaged"));
         }
-        let landed_snapshot = || self.engine.host_snapshot(&r.seq).unwrap_or_default();
-        if r.snapshot && xxh3_64(&landed_snapshot()) != sums[r.blocks] {
+        if snapshot.is_some_and(|s| s != sums[r.blocks]) {
             return Err("the cached window snapshot arrived damaged".into());
         }
         Ok(())

@@ -13,7 +13,8 @@
 //!   - `transports`: which [`ErrorMode`] the configured transports can honour.
 //!   - `memory`: [`MemRegion`] (`Send + Sync`), host memory peers can access;
 //!     [`DeviceRegion`], GPU memory registered with a CUDA-enabled libucx
-//!     ([`Context::supports`]); [`LocalRange`], local memory of either kind by address.
+//!     ([`Context::supports`]); [`LocalRange`], local memory of either kind by address;
+//!     [`Source`], local bytes to put (host, or device memory held by a handle).
 //!   - `rkey`: [`RemoteKey`], a peer's region as seen through one endpoint.
 //!   - `rma`: puts and gets.
 //!   - `request`: [`Pending`], an operation in flight.
@@ -58,7 +59,7 @@ mod worker;
 
 pub use context::{Context, Features, library_path, version};
 pub use endpoint::{Endpoint, ErrorMode};
-pub use memory::{DeviceRegion, LocalRange, MemRegion, MemoryType};
+pub use memory::{DeviceRegion, LocalRange, MemRegion, MemoryType, Source};
 pub use request::Pending;
 pub use rkey::RemoteKey;
 pub use status::{UcxError, check};

@@ -79,11 +79,66 @@ impl LocalRange {
     }
 }
 
+/// Local bytes to put, borrowed for the put's duration: host memory, or a range of
+/// device memory held by a [`DeviceMemory`](kernels::backend::DeviceMemory) handle (so
+/// puts from GPU memory need no `unsafe` at the call site).
+#[derive(Clone, Copy)]
+pub enum Source<'a> {
+    Host(&'a [u8]),
+    Device { mem: &'a dyn kernels::backend::DeviceMemory, offset: usize, len: usize },
+}
+
+impl std::fmt::Debug for Source<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Host(b) => write!(f, "Host({} bytes)", b.len()),
+            Source::Device { mem, offset, len } => {
+                write!(f, "Device(cuda:{} +{offset}, {len} bytes)", mem.ordinal())
+            }
+        }
+    }
+}
+
+impl Source<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Source::Host(b) => b.len(),
+            Source::Device { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The range by address, checked against its device memory.
+    pub(crate) fn range(&self) -> Result<LocalRange, UcxError> {
+        match *self {
+            Source::Host(b) => Ok(LocalRange::host(b)),
+            Source::Device { mem, offset, len } => {
+                mem.make_current();
+                if offset.checked_add(len).is_none_or(|end| end > mem.len()) {
+                    return Err(UcxError::new(
+                        raw::UCS_ERR_INVALID_PARAM,
+                        format!("a put of {len} bytes at offset {offset} of {} bytes of device memory", mem.len()),
+                    ));
+                }
+                Ok(LocalRange { addr: mem.device_ptr() + offset as u64, len, memory: MemoryType::Cuda })
+            }
+        }
+    }
+}
+
 /// GPU memory registered for remote access (peers put into it and get from it; UCX
 /// picks cuda_ipc between GPUs of one host). Unmapped on drop; the memory itself stays
 /// the allocator's. `Send + Sync` like [`MemRegion`].
 pub struct DeviceRegion {
+    /// Declared first so the registration is unmapped before the memory it covers can
+    /// be freed.
     inner: MemRegion,
+    /// The allocation, kept alive by the region when it was registered from a handle
+    /// ([`DeviceRegion::register_memory`]).
+    _keep: Option<Box<dyn kernels::backend::DeviceMemory>>,
 }
 
 impl std::fmt::Debug for DeviceRegion {
@@ -110,7 +165,21 @@ impl DeviceRegion {
                 .with_hint("the memory must be non-null and 8-byte aligned"));
         }
         let inner = map(ctx, addr as *mut c_void, len, 0, MemoryType::Cuda)?;
-        Ok(DeviceRegion { inner })
+        Ok(DeviceRegion { inner, _keep: None })
+    }
+
+    /// Registers the whole of `mem`, which the region keeps (so the memory stays
+    /// allocated for as long as peers may write it).
+    pub fn register_memory(
+        ctx: &Context,
+        mem: Box<dyn kernels::backend::DeviceMemory>,
+    ) -> Result<DeviceRegion, UcxError> {
+        mem.make_current();
+        // SAFETY: a DeviceMemory handle is live device memory of this process for as long
+        // as it lives (its trait's contract), and the region holds it until after unmapping.
+        let mut region = unsafe { DeviceRegion::register(ctx, mem.device_ptr(), mem.len()) }?;
+        region._keep = Some(mem);
+        Ok(region)
     }
 
     pub fn address(&self) -> u64 {

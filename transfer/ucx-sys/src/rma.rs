@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::Endpoint;
-use crate::memory::{LocalRange, MemoryType};
+use crate::memory::{LocalRange, MemoryType, Source};
 use crate::raw;
 use crate::request::Pending;
 use crate::rkey::RemoteKey;
@@ -121,6 +121,22 @@ impl Worker {
         let ranges: Vec<(LocalRange, u64)> = puts.iter().map(|(b, at)| (LocalRange::host(b), *at)).collect();
         // SAFETY: `puts` borrows every host buffer for the whole call, and put_ranges
         // returns only once UCX is done with them.
+        unsafe { self.put_ranges(ep, &ranges, rkey, timeout) }
+    }
+
+    /// [`Worker::put_all`] for local bytes in host memory or held device memory (GPU
+    /// memory needs a CUDA-enabled libucx: [`Context::supports`](crate::Context::supports)).
+    pub fn put_sources(
+        &self,
+        ep: &Endpoint,
+        puts: &[(Source<'_>, u64)],
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
+        let ranges = puts.iter().map(|(s, at)| s.range().map(|r| (r, *at))).collect::<Result<Vec<_>, _>>()?;
+        // SAFETY: host sources are borrowed for the whole call; device sources are held by
+        // their handles (live device memory while borrowed), checked to lie inside them
+        // above; put_ranges returns only once UCX is done with every range.
         unsafe { self.put_ranges(ep, &ranges, rkey, timeout) }
     }
 
