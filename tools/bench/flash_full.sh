@@ -13,9 +13,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=${B:-.device}
-if [ -f "$B/bins.tgz" ]; then
-  mkdir -p /tmp/b && tar -C /tmp/b -xzf "$B/bins.tgz" && B=/tmp/b
-fi
+# Packed by tools/bench/pack_device.sh: unpacked into /tmp/b (and the kernels' PTX into the cache).
+B=$(tools/bench/unpack_device.sh "$B" /tmp/b)
 OUT=${OUT:-/tmp}
 LAYERS=${LAYERS:-20}
 DIR=/dev/shm/flash$LAYERS

@@ -18,6 +18,8 @@ strip .device/* 2>/dev/null || true
 # The kernels' PTX, compiled here with the pinned NVRTC (tools/cuda/check_kernels.py) into
 # the cache the backend reads (SLUICE_PTX_CACHE), so no device call spends time compiling.
 python3 tools/cuda/check_kernels.py --cache .device/ptx >/dev/null
-# A device call carries at most 64 MiB with the working tree: ship them compressed.
-tar -C .device -czf .device.tgz . && rm -rf .device && mkdir .device && mv .device.tgz .device/bins.tgz
+# A device call carries at most 64 MiB with the working tree: ship them compressed, with
+# xz, whose long window finds the code the executables share (~13 MB against gzip's ~40);
+# the device unpacks them with Python's tarfile (tools/bench/unpack_device.sh).
+tar -C .device -cf - . | xz -T0 -9 >.device.txz && rm -rf .device && mkdir .device && mv .device.txz .device/bins.txz
 du -sh .device
