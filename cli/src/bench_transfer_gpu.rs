@@ -107,6 +107,10 @@ pub fn sender(g: &WireGeometry, ordinal: usize, iters: usize, warmup: usize, ste
     };
     let mut tx = Sender::new()?;
     ensure!(tx.reaches_device_memory(), "the loaded libucx has no CUDA transports");
+    // As a GPU-direct prefill worker does: its KV memory registered with the sender.
+    for kv in [&pool, &rings, &comp] {
+        tx.register_local(mem(kv))?;
+    }
     for _ in 0..warmup {
         tx.send_from(&target, g, &parts, step)?;
     }

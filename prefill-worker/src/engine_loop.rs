@@ -181,7 +181,17 @@ pub fn spawn<B: Backend>(
     let (tx, rx) = std_mpsc::channel();
     let (ready_tx, ready_rx) = std_mpsc::channel();
     let handle = std::thread::Builder::new().name("prefill-engine".into()).spawn(move || {
-        let sender = match Sender::new() {
+        let sender = match Sender::new().and_then(|mut s| {
+            // Sends from device memory carry its registration (UCX's zero-copy GPU path).
+            if cfg.paths.direct_send {
+                for part in engine.device_kv().unwrap_or_default() {
+                    for mem in [part.pages, part.rings, part.comp] {
+                        s.register_local(mem)?;
+                    }
+                }
+            }
+            Ok(s)
+        }) {
             Ok(s) => {
                 let _ = ready_tx.send(Ok(()));
                 s

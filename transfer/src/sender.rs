@@ -15,7 +15,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use ucx_sys::{Context, Endpoint, ErrorMode, Features, RemoteKey, Source, UcxError, Worker};
+use kernels::backend::DeviceMemory;
+use ucx_sys::{Context, DeviceRegion, Endpoint, ErrorMode, Features, RemoteKey, Source, UcxError, Worker};
 
 use crate::TransferError;
 use crate::target::{RegionSpec, Target};
@@ -92,6 +93,9 @@ pub struct Sender {
     worker: Worker,
     /// By receiver worker address.
     peers: HashMap<Vec<u8>, Peer>,
+    /// Device memory registered with this sender's context ([`Sender::register_local`]):
+    /// puts from inside it carry its memory handle.
+    local: Vec<DeviceRegion>,
     /// Asked which memory types the loaded transports reach.
     ctx: Context,
 }
@@ -118,7 +122,7 @@ impl Peer {
 impl Sender {
     pub fn new() -> Result<Self, TransferError> {
         let ctx = Context::new(Features::RMA | Features::WAKEUP)?;
-        Ok(Sender { worker: Worker::new(&ctx)?, ctx, peers: HashMap::new() })
+        Ok(Sender { worker: Worker::new(&ctx)?, ctx, peers: HashMap::new(), local: Vec::new() })
     }
 
     /// Connect with peer-failure detection where the configured transports allow it
@@ -163,6 +167,26 @@ impl Sender {
     /// Whether this sender's libucx can put from GPU memory (CUDA transports loaded).
     pub fn reaches_device_memory(&self) -> bool {
         self.ctx.supports(ucx_sys::MemoryType::Cuda)
+    }
+
+    /// Register device memory this sender puts from (a GPU engine's KV pools), once:
+    /// puts from inside it then carry its memory handle, which UCX's zero-copy GPU
+    /// protocols need (without it a put from GPU memory goes through bounce buffers at
+    /// a fraction of the speed). The sender keeps the memory allocated until it drops.
+    pub fn register_local(&mut self, mem: Box<dyn DeviceMemory>) -> Result<(), TransferError> {
+        self.local.push(DeviceRegion::register_memory(&self.ctx, mem)?);
+        Ok(())
+    }
+
+    /// `s` as a put from registered memory when a local registration holds it.
+    fn with_memh<'a>(&'a self, s: Source<'a>) -> Source<'a> {
+        if let Source::Device { mem, offset, len } = s {
+            let addr = mem.device_ptr() + offset as u64;
+            if let Some(region) = self.local.iter().find(|r| r.contains(addr, len)) {
+                return Source::Registered { region, offset: (addr - region.address()) as usize, len };
+            }
+        }
+        s
     }
 
     /// Write `parts` (host memory) to `target`; `ours` is the sender's own geometry,
@@ -244,7 +268,7 @@ impl Sender {
                 let puts: Vec<(Source<'_>, u64)> = writes
                     .iter()
                     .filter(|w| &w.region.rkey == key)
-                    .map(|w| (w.source, w.region.base + w.offset))
+                    .map(|w| (self.with_memh(w.source), w.region.base + w.offset))
                     .collect();
                 let left = deadline.saturating_duration_since(Instant::now());
                 self.worker.put_sources(&peer.ep, &puts, &peer.keys[key], left)?;
@@ -273,7 +297,7 @@ impl Sender {
             .pages
             .iter()
             .zip(&t.page_ids)
-            .map(|(p, &id)| (*p, t.pages.base + id as u64 * g.page_bytes as u64))
+            .map(|(p, &id)| (self.with_memh(*p), t.pages.base + id as u64 * g.page_bytes as u64))
             .collect();
         self.worker.put_sources(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
         for (region, source, per_slot) in [
@@ -282,7 +306,7 @@ impl Sender {
             (&t.logits, parts.logits, g.logits_bytes),
         ] {
             let at = region.base + t.slot as u64 * per_slot as u64;
-            self.worker.put_sources(&peer.ep, &[(source, at)], &peer.keys[&region.rkey], left())?;
+            self.worker.put_sources(&peer.ep, &[(self.with_memh(source), at)], &peer.keys[&region.rkey], left())?;
         }
         Ok(())
     }

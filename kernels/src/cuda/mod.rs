@@ -99,8 +99,12 @@ impl CudaBackend {
         if ordinal as i32 >= count {
             return Err(CudaError::NoDevice { ordinal, count });
         }
-        let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
-        ctx.total_mem().map_err(|e| CudaError::Driver(format!("{e:?}")))
+        // No context: making one and dropping it here would leave a destroyed context
+        // current on this thread, and the next CUDA user on it (a CUDA-enabled UCX
+        // registering host memory, say) would fail with "context is destroyed".
+        let dev = cudarc::driver::result::device::get(ordinal as i32).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        // SAFETY: `dev` is a valid device handle just obtained from the initialised driver.
+        unsafe { cudarc::driver::result::device::total_mem(dev) }.map_err(|e| CudaError::Driver(format!("{e:?}")))
     }
 
     /// Number of CUDA devices, 0 when there is no driver.

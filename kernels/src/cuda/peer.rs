@@ -12,6 +12,15 @@ use crate::backend::Backend;
 /// `piece` bytes (a KV page each, as a transfer moves them), median of `reps` timed
 /// rounds after one warm-up; timed with events on the source GPU's stream.
 pub fn peer_copy_gbs(from: &CudaBackend, to: &CudaBackend, bytes: usize, piece: usize, reps: usize) -> f64 {
+    // Peer access both ways (without it the driver stages peer copies through host
+    // memory); an error for an already enabled pair is expected and ignored.
+    for (a, b) in [(from, to), (to, from)] {
+        if a.ordinal() != b.ordinal() {
+            a.gpu().ctx.bind_to_thread().unwrap_or_else(|e| fail("bind context", e));
+            // SAFETY: both contexts are live for the call; the flag must be 0.
+            let _ = unsafe { sys::cuCtxEnablePeerAccess(b.gpu().ctx.cu_ctx(), 0) };
+        }
+    }
     let src = from.kv_alloc(bytes, EntryDtype::Fp8);
     let dst = to.kv_alloc(bytes, EntryDtype::Fp8);
     from.synchronize();

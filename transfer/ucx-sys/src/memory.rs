@@ -86,6 +86,9 @@ impl LocalRange {
 pub enum Source<'a> {
     Host(&'a [u8]),
     Device { mem: &'a dyn kernels::backend::DeviceMemory, offset: usize, len: usize },
+    /// Device memory registered with the putting worker's context: its memory handle
+    /// goes with the put (UCX's zero-copy GPU protocols need the source registered).
+    Registered { region: &'a DeviceRegion, offset: usize, len: usize },
 }
 
 impl std::fmt::Debug for Source<'_> {
@@ -95,6 +98,9 @@ impl std::fmt::Debug for Source<'_> {
             Source::Device { mem, offset, len } => {
                 write!(f, "Device(cuda:{} +{offset}, {len} bytes)", mem.ordinal())
             }
+            Source::Registered { region, offset, len } => {
+                write!(f, "Registered({:#x} +{offset}, {len} bytes)", region.address())
+            }
         }
     }
 }
@@ -103,7 +109,7 @@ impl Source<'_> {
     pub fn len(&self) -> usize {
         match self {
             Source::Host(b) => b.len(),
-            Source::Device { len, .. } => *len,
+            Source::Device { len, .. } | Source::Registered { len, .. } => *len,
         }
     }
 
@@ -111,10 +117,24 @@ impl Source<'_> {
         self.len() == 0
     }
 
-    /// The range by address, checked against its device memory.
-    pub(crate) fn range(&self) -> Result<LocalRange, UcxError> {
+    /// The range by address (checked against its device memory) and the memory handle
+    /// to pass with it, if any.
+    pub(crate) fn range(&self) -> Result<(LocalRange, Option<raw::ucp_mem_h>), UcxError> {
         match *self {
-            Source::Host(b) => Ok(LocalRange::host(b)),
+            Source::Host(b) => Ok((LocalRange::host(b), None)),
+            Source::Registered { region, offset, len } => {
+                let addr = region.address() + offset as u64;
+                if !region.contains(addr, len) {
+                    return Err(UcxError::new(
+                        raw::UCS_ERR_INVALID_PARAM,
+                        format!("a put of {len} bytes at offset {offset} of a {}-byte registered region", region.len()),
+                    ));
+                }
+                if let Some(m) = &region._keep {
+                    m.make_current();
+                }
+                Ok((LocalRange { addr, len, memory: MemoryType::Cuda }, Some(region.memh())))
+            }
             Source::Device { mem, offset, len } => {
                 mem.make_current();
                 if offset.checked_add(len).is_none_or(|end| end > mem.len()) {
@@ -123,7 +143,7 @@ impl Source<'_> {
                         format!("a put of {len} bytes at offset {offset} of {} bytes of device memory", mem.len()),
                     ));
                 }
-                Ok(LocalRange { addr: mem.device_ptr() + offset as u64, len, memory: MemoryType::Cuda })
+                Ok((LocalRange { addr: mem.device_ptr() + offset as u64, len, memory: MemoryType::Cuda }, None))
             }
         }
     }
@@ -197,6 +217,18 @@ impl DeviceRegion {
     /// The sealed remote key, as [`MemRegion::pack_rkey`].
     pub fn pack_rkey(&self) -> Result<Vec<u8>, UcxError> {
         self.inner.pack_rkey()
+    }
+
+    /// The UCP memory handle, passed with puts from this memory so UCX's zero-copy
+    /// protocols (cuda_ipc) take it as registered instead of falling back to copies
+    /// through bounce buffers.
+    pub(crate) fn memh(&self) -> raw::ucp_mem_h {
+        self.inner.memh
+    }
+
+    /// Whether `addr..addr + len` lies inside the region.
+    pub fn contains(&self, addr: u64, len: usize) -> bool {
+        addr >= self.address() && addr.checked_add(len as u64).is_some_and(|end| end <= self.address() + self.len() as u64)
     }
 }
 

@@ -255,6 +255,7 @@ pub struct ucp_mem_attr_t {
 
 pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
 pub const UCP_OP_ATTR_FIELD_MEMORY_TYPE: u32 = 1 << 6;
+pub const UCP_OP_ATTR_FIELD_MEMH: u32 = 1 << 8;
 
 /// The `cb` union of `ucp_request_param_t`: every member is a function pointer, so it is
 /// represented by the one member this crate would ever set.

@@ -18,11 +18,15 @@ use crate::worker::Worker;
 
 /// Request parameters that name the local buffer's memory type (host buffers leave it
 /// unset, as before: UCX detects it).
-fn param_for(memory: MemoryType) -> raw::ucp_request_param_t {
+fn param_for(memory: MemoryType, memh: Option<raw::ucp_mem_h>) -> raw::ucp_request_param_t {
     let mut p = raw::ucp_request_param_t::empty();
     if memory != MemoryType::Host {
         p.op_attr_mask |= raw::UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         p.memory_type = memory.raw();
+    }
+    if let Some(memh) = memh {
+        p.op_attr_mask |= raw::UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = memh;
     }
     p
 }
@@ -35,9 +39,25 @@ impl Endpoint {
     /// `local` must be live memory of its type, unmodified until the returned
     /// [`Pending`] has been waited for or dropped.
     pub unsafe fn put_range(&self, local: LocalRange, remote_addr: u64, rkey: &RemoteKey) -> Result<Pending, UcxError> {
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { self.put_range_with(local, None, remote_addr, rkey) }
+    }
+
+    /// [`Endpoint::put_range`] with the local memory's handle, when it is registered with
+    /// this endpoint's context.
+    ///
+    /// # Safety
+    /// As [`Endpoint::put_range`]; `memh` must be live and cover `local`.
+    pub(crate) unsafe fn put_range_with(
+        &self,
+        local: LocalRange,
+        memh: Option<raw::ucp_mem_h>,
+        remote_addr: u64,
+        rkey: &RemoteKey,
+    ) -> Result<Pending, UcxError> {
         let ep = self.inner.live()?;
         let handle = rkey.handle_for(self, remote_addr, local.len)?;
-        let param = param_for(local.memory);
+        let param = param_for(local.memory, memh);
         // SAFETY: ep and the rkey are live and belong together (checked above); the remote
         // range lies inside the region; the caller keeps `local` valid until the request
         // finishes.
@@ -54,7 +74,7 @@ impl Endpoint {
     pub unsafe fn get_range(&self, local: LocalRange, remote_addr: u64, rkey: &RemoteKey) -> Result<Pending, UcxError> {
         let ep = self.inner.live()?;
         let handle = rkey.handle_for(self, remote_addr, local.len)?;
-        let param = param_for(local.memory);
+        let param = param_for(local.memory, None);
         // SAFETY: as for put_range.
         let ptr = unsafe { raw::ucp_get_nbx(ep, local.addr as *mut c_void, local.len, remote_addr, handle, &param) };
         Pending::issued_rma(ptr, &rkey.inner, "ucp_get_nbx")
@@ -133,11 +153,14 @@ impl Worker {
         rkey: &RemoteKey,
         timeout: Duration,
     ) -> Result<(), UcxError> {
-        let ranges = puts.iter().map(|(s, at)| s.range().map(|r| (r, *at))).collect::<Result<Vec<_>, _>>()?;
+        let ranges = puts
+            .iter()
+            .map(|(s, at)| s.range().map(|(r, memh)| (r, memh, *at)))
+            .collect::<Result<Vec<_>, _>>()?;
         // SAFETY: host sources are borrowed for the whole call; device sources are held by
-        // their handles (live device memory while borrowed), checked to lie inside them
-        // above; put_ranges returns only once UCX is done with every range.
-        unsafe { self.put_ranges(ep, &ranges, rkey, timeout) }
+        // their handles or registrations (live device memory while borrowed), checked to lie
+        // inside them above; put_all_ranges returns only once UCX is done with every range.
+        unsafe { self.put_all_ranges(ep, &ranges, rkey, timeout) }
     }
 
     /// [`Worker::put_all`] for local ranges of any memory type (GPU memory with a
@@ -152,18 +175,34 @@ impl Worker {
         rkey: &RemoteKey,
         timeout: Duration,
     ) -> Result<(), UcxError> {
+        let puts: Vec<(LocalRange, Option<raw::ucp_mem_h>, u64)> = puts.iter().map(|(l, at)| (*l, None, *at)).collect();
+        // SAFETY: the caller's guarantees, passed on.
+        unsafe { self.put_all_ranges(ep, &puts, rkey, timeout) }
+    }
+
+    /// [`Worker::put_ranges`], each range with its memory handle where it has one.
+    ///
+    /// # Safety
+    /// As [`Worker::put_ranges`]; every handle must be live and cover its range.
+    unsafe fn put_all_ranges(
+        &self,
+        ep: &Endpoint,
+        puts: &[(LocalRange, Option<raw::ucp_mem_h>, u64)],
+        rkey: &RemoteKey,
+        timeout: Duration,
+    ) -> Result<(), UcxError> {
         self.owns(&ep.inner.worker)?;
-        for (local, remote_addr) in puts {
+        for (local, _, remote_addr) in puts {
             rkey.handle_for(ep, *remote_addr, local.len)?;
         }
         let deadline = Instant::now() + timeout;
         let mut issued = Vec::with_capacity(puts.len());
         let mut result = Ok(());
-        for (local, remote_addr) in puts.iter().filter(|(local, _)| local.len > 0) {
+        for (local, memh, remote_addr) in puts.iter().filter(|(local, _, _)| local.len > 0) {
             // SAFETY: the caller keeps every range valid for the whole call, and every
             // Pending is finished (waited for, or given up after closing the endpoint)
             // before we return: below, or by its Drop if we return early.
-            match unsafe { ep.put_range(*local, *remote_addr, rkey) } {
+            match unsafe { ep.put_range_with(*local, *memh, *remote_addr, rkey) } {
                 Ok(pending) => issued.push(pending),
                 Err(e) => {
                     result = Err(e);
