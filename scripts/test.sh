@@ -11,6 +11,13 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 # End-to-end tests start the service binaries, so build them first (same profile).
 cargo build --workspace --bins --locked
-cargo test --workspace --locked
+# cargo-nextest runs each test in its own process under a time bound (.config/nextest.toml)
+# and reports a stuck test by name; without it, cargo's own runner.
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --workspace --locked
+  cargo test --workspace --locked --doc
+else
+  cargo test --workspace --locked
+fi
 # The build's footprint, so a CI disk running short shows in the log before it fails.
 du -sh target 2>/dev/null || true

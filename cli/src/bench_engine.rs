@@ -18,7 +18,7 @@
 //!   one decode token's 6 routed FP4 experts (SwiGLU pair + down, v1 and v2) against the
 //!   copy bandwidth, the tensor-core GEMMs (FP8 projection, 256 FP4 experts grouped)
 //!   against a cuBLAS BF16 GEMM of the same shape. The engine's own decode steps run the
-//!   version `SLUICE_CUDA_DECODE_KERNELS` selects (`v1` unless set), printed in the header.
+//!   version `SLUICE_CUDA_DECODE_KERNELS` selects (`v2` unless set), printed in the header.
 //! - how loading went: bytes, seconds, GB/s and the peak host memory beyond the page
 //!   cache.
 //!

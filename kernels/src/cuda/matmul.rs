@@ -15,7 +15,7 @@
 //!   cuBLAS f32 GEMM. Shapes the tensor-core kernel does not tile (K not a multiple of
 //!   32, block-diagonal groups narrower than its 128-output tile: tiny test models) run
 //!   through the gemv kernels, 8 rows a launch.
-//! - `SLUICE_CUDA_DECODE_KERNELS=v2` (read once; `v1` is the default): FP8 and FP4
+//! - `SLUICE_CUDA_DECODE_KERNELS=v2` (read once; the default, `v1` the fallback): FP8 and FP4
 //!   decode products (and SwiGLU pairs) up to 8 rows take the second-version kernels of
 //!   cu/decode2.cu instead (blocks that keep their activations and stream many weight
 //!   rows, [`d2_plan`]); what they cannot take stays on the paths above.
@@ -483,9 +483,10 @@ pub(crate) fn swiglu_act(gpu: &Gpu, g: u64, u: u64, n: usize, limit: f32) {
     launch!(gpu, "swiglu_act", cfg_elems(n), g, u, n as i64, limit);
 }
 
-/// Which decode kernels products and MoE experts use: `SLUICE_CUDA_DECODE_KERNELS=v1`
-/// (the default until the v2 kernels have been measured on the H200) or `v2`
-/// (cu/decode2.cu; kernels/src/cuda/NOTES-decode.md).
+/// Which decode kernels products and MoE experts use: `SLUICE_CUDA_DECODE_KERNELS=v2`
+/// (the default: cu/decode2.cu, kernels/src/cuda/NOTES-decode.md; 9% faster at batch 1
+/// on the H200 and through the parity, conformance, multi-GPU and serving tests there,
+/// docs/perf.md) or `v1` (the first kernels, kept as the fallback and the comparison).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Decode {
     V1,
@@ -503,14 +504,14 @@ impl Decode {
     }
 
     /// The process's choice, read from the environment once (the first backend reads it
-    /// at its first product); anything but `v2` means `v1`, an unknown value with a warning.
+    /// at its first product); anything but `v1` means `v2`, an unknown value with a warning.
     pub(crate) fn from_env() -> Decode {
         static ONCE: std::sync::OnceLock<Decode> = std::sync::OnceLock::new();
         *ONCE.get_or_init(|| match std::env::var("SLUICE_CUDA_DECODE_KERNELS") {
-            Err(_) => Decode::V1,
+            Err(_) => Decode::V2,
             Ok(v) => Decode::parse(&v).unwrap_or_else(|| {
-                tracing::warn!(value = %v, "SLUICE_CUDA_DECODE_KERNELS is neither v1 nor v2: using v1");
-                Decode::V1
+                tracing::warn!(value = %v, "SLUICE_CUDA_DECODE_KERNELS is neither v1 nor v2: using v2");
+                Decode::V2
             }),
         })
     }

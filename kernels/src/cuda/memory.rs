@@ -167,7 +167,7 @@ pub struct CudaKv {
     /// Shared so that a transport's registration of this memory can keep it allocated
     /// ([`CudaKvMemory`]); writes go by address (`Gpu::write_raw`), never through
     /// `&mut` to the slice.
-    pub(crate) mem: std::sync::Arc<CudaSlice<u8>>,
+    pub(crate) mem: std::sync::Arc<super::kv_buffer::KvBuffer>,
     pub(crate) dtype: EntryDtype,
     pub(crate) len: usize,
 }
@@ -175,7 +175,7 @@ pub struct CudaKv {
 /// A KV storage's device memory as a transport holds it: the allocation stays alive for
 /// as long as the handle does.
 pub struct CudaKvMemory {
-    pub(crate) _mem: std::sync::Arc<CudaSlice<u8>>,
+    pub(crate) _mem: std::sync::Arc<super::kv_buffer::KvBuffer>,
     pub(crate) ptr: u64,
     pub(crate) len: usize,
     pub(crate) ordinal: usize,

@@ -10,6 +10,7 @@
 //! - `nvrtc`: compilation of `cu/*.cu` and the on-disk PTX cache.
 //! - `memory`: the buffer types ([`CudaBuf`], [`CudaWeight`], [`CudaKv`], [`CudaIdx`]);
 //!   weights keep the checkpoint's format (BF16, FP8 + block scales, FP4 + ue8m0 scales).
+//! - `kv_buffer`: KV storage from `cuMemAlloc` (exportable to peers: UCX cuda_ipc, peer copies).
 //! - `upload`: host → device streaming of weights through bounded pinned buffers.
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
@@ -29,6 +30,7 @@ pub mod collective;
 mod compress;
 mod devplan;
 mod hc;
+mod kv_buffer;
 mod matmul;
 mod memory;
 mod moe;
@@ -102,7 +104,8 @@ impl CudaBackend {
         // No context: making one and dropping it here would leave a destroyed context
         // current on this thread, and the next CUDA user on it (a CUDA-enabled UCX
         // registering host memory, say) would fail with "context is destroyed".
-        let dev = cudarc::driver::result::device::get(ordinal as i32).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
+        let dev =
+            cudarc::driver::result::device::get(ordinal as i32).map_err(|e| CudaError::Driver(format!("{e:?}")))?;
         // SAFETY: `dev` is a valid device handle just obtained from the initialised driver.
         unsafe { cudarc::driver::result::device::total_mem(dev) }.map_err(|e| CudaError::Driver(format!("{e:?}")))
     }
@@ -373,7 +376,10 @@ impl Backend for CudaBackend {
     }
 
     fn kv_alloc(&self, elems: usize, dtype: EntryDtype) -> CudaKv {
-        CudaKv { mem: std::sync::Arc::new(self.gpu.zeros::<u8>(elems * dtype.size())), dtype, len: elems }
+        let bytes = elems * dtype.size();
+        let mem = kv_buffer::KvBuffer::zeroed(&self.gpu.stream, bytes)
+            .unwrap_or_else(|e| panic!("allocating {bytes} bytes of KV storage on cuda:{}: {e}", self.gpu.ordinal));
+        CudaKv { mem: std::sync::Arc::new(mem), dtype, len: elems }
     }
 
     fn kv_read(&self, kv: &CudaKv, offset: usize, elems: usize) -> Vec<u8> {

@@ -85,10 +85,18 @@ impl LocalRange {
 #[derive(Clone, Copy)]
 pub enum Source<'a> {
     Host(&'a [u8]),
-    Device { mem: &'a dyn kernels::backend::DeviceMemory, offset: usize, len: usize },
+    Device {
+        mem: &'a dyn kernels::backend::DeviceMemory,
+        offset: usize,
+        len: usize,
+    },
     /// Device memory registered with the putting worker's context: its memory handle
     /// goes with the put (UCX's zero-copy GPU protocols need the source registered).
-    Registered { region: &'a DeviceRegion, offset: usize, len: usize },
+    Registered {
+        region: &'a DeviceRegion,
+        offset: usize,
+        len: usize,
+    },
 }
 
 impl std::fmt::Debug for Source<'_> {
@@ -228,7 +236,8 @@ impl DeviceRegion {
 
     /// Whether `addr..addr + len` lies inside the region.
     pub fn contains(&self, addr: u64, len: usize) -> bool {
-        addr >= self.address() && addr.checked_add(len as u64).is_some_and(|end| end <= self.address() + self.len() as u64)
+        addr >= self.address()
+            && addr.checked_add(len as u64).is_some_and(|end| end <= self.address() + self.len() as u64)
     }
 }
 

@@ -153,10 +153,8 @@ impl Worker {
         rkey: &RemoteKey,
         timeout: Duration,
     ) -> Result<(), UcxError> {
-        let ranges = puts
-            .iter()
-            .map(|(s, at)| s.range().map(|(r, memh)| (r, memh, *at)))
-            .collect::<Result<Vec<_>, _>>()?;
+        let ranges =
+            puts.iter().map(|(s, at)| s.range().map(|(r, memh)| (r, memh, *at))).collect::<Result<Vec<_>, _>>()?;
         // SAFETY: host sources are borrowed for the whole call; device sources are held by
         // their handles or registrations (live device memory while borrowed), checked to lie
         // inside them above; put_all_ranges returns only once UCX is done with every range.
