@@ -1,7 +1,8 @@
 //! Worker deaths (`kill -9`) during a request: a request whose decode worker dies
 //! mid-stream continues on another one (migration; with it turned off, the client hears
 //! about the dead worker quickly instead of hanging), and a prefill worker that dies
-//! before writing is replaced by another one without the client noticing.
+//! before writing is replaced by another one without the client noticing; a prompt
+//! whose lease runs out in a busy prefill worker's queue is retried there.
 
 use std::time::{Duration, Instant};
 
@@ -211,4 +212,36 @@ async fn sigterm_lets_a_decode_worker_finish_its_requests_then_exit() {
     }
     let log = c.worker("decode-0").log_tail(20);
     assert!(log.contains("SIGTERM"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_runs_out_in_a_busy_queue_is_retried_on_the_same_worker() {
+    // One prefill worker that takes 1.5 s a prompt (a debug pause on its engine thread,
+    // one 40-token prompt a step) and decode leases of 4 s: of three prompts sent at
+    // once, the third waits 3 s in the
+    // queue and cannot finish within its lease. That is load, not a fault: the router
+    // retries it with a fresh reservation on the same (only) worker, and it succeeds.
+    let spec = Spec {
+        debug_hooks: true,
+        prefill_args: vec![["--debug-transfer-delay-ms", "1500", "--token-budget", "40"].map(String::from).to_vec()],
+        decode_args: vec!["--lease-ms".into(), "4000".into()],
+        ..Spec::new(1, 1)
+    };
+    let c = TestCluster::start(spec).await;
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(40, 10 + i, VOCAB)).collect();
+    let (a, b, third) = tokio::join!(
+        c.generate(ids_request(prompts[0].clone(), 4)),
+        c.generate(ids_request(prompts[1].clone(), 4)),
+        c.generate(ids_request(prompts[2].clone(), 4)),
+    );
+    for (i, r) in [a, b, third].into_iter().enumerate() {
+        let r = r.unwrap_or_else(|s| panic!("prompt {i} failed: {s}"));
+        assert_eq!(r.ids().len(), 4, "prompt {i}");
+    }
+    let router_log = c.router.as_ref().expect("router").log_tail(300);
+    assert!(
+        router_log.contains("retrying elsewhere") && router_log.contains("DeadlineExceeded"),
+        "a prompt's lease ran out in the queue and was retried:\n{router_log}"
+    );
+    c.assert_pages_return(Duration::from_secs(10)).await;
 }
