@@ -45,6 +45,15 @@ impl TargetTemplate {
     pub fn part(&self, rank: usize) -> &DeviceTargets {
         if self.parts.len() == 1 { &self.parts[0] } else { &self.parts[rank] }
     }
+
+    /// The logits window of a reservation on `part`. One host region holds every slot's
+    /// logits, but a target's slot is relative to its device's part (so that it also
+    /// addresses that device's state slots): the window starts at the part's first slot.
+    /// (Without this, sequences on a decode worker's second GPU had their logits written
+    /// into the first GPU's slots and their commits refused, found on four H200s.)
+    pub fn logits_for(&self, part: &DeviceTargets) -> RegionSpec {
+        logits_window(&self.logits, self.geometry.logits_bytes, part.first_slot)
+    }
 }
 
 /// The engine, its target template, and the device registrations that must live as
@@ -145,4 +154,28 @@ fn plan_memory(cfg: &DecodeConfig, model_cfg: &ModelConfig) -> Result<(), Worker
     )
     .map(drop)
     .map_err(WorkerError::Config)
+}
+
+/// `logits` from slot `first_slot` on (`per_slot` bytes a slot).
+fn logits_window(logits: &RegionSpec, per_slot: usize, first_slot: u32) -> RegionSpec {
+    let skip = (first_slot as u64 * per_slot as u64).min(logits.len);
+    RegionSpec { base: logits.base + skip, len: logits.len - skip, rkey: logits.rkey.clone() }
+}
+
+#[cfg(test)]
+mod logits_window_tests {
+    use super::*;
+
+    #[test]
+    fn a_parts_relative_slot_addresses_its_global_slots_logits() {
+        // 8 slots of 40 bytes; the second GPU's part starts at global slot 4.
+        let all = RegionSpec { base: 0x1000, len: 8 * 40, rkey: vec![7] };
+        let second = logits_window(&all, 40, 4);
+        assert_eq!((second.base, second.len, second.rkey.clone()), (0x1000 + 160, 160, vec![7]));
+        // Relative slot 1 on the second part is global slot 5, where the engine reads it.
+        assert_eq!(second.base + 40, all.base + 5 * 40);
+        // The first (or only) part is the whole region.
+        let first = logits_window(&all, 40, 0);
+        assert_eq!((first.base, first.len), (all.base, all.len));
+    }
 }

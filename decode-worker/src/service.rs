@@ -77,7 +77,7 @@ impl DecodeService {
             pages: part.pages.clone(),
             rings: part.rings.clone(),
             comp: part.comp.clone(),
-            logits: t.logits.clone(),
+            logits: t.logits_for(part),
             page_ids: reserved.page_ids.iter().map(|&p| p - part.first_page).collect(),
             slot: reserved.slot - part.first_slot,
         };

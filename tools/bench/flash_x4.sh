@@ -58,6 +58,14 @@ mkdir -p "$OUT"
 mkdir -p /tmp/nccl && ln -sf /usr/lib/x86_64-linux-gnu/libnccl.so.2 /tmp/nccl/libnccl.so
 export LD_LIBRARY_PATH=/tmp/nccl:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export NCCL_NVLS_ENABLE=0 SLUICE_PTX_CACHE=${SLUICE_PTX_CACHE:-/tmp/ptx} SLUICE_BIN_DIR=$B
+# KV GPU to GPU: a CUDA-enabled libucx (the libucx-cu13 wheel packed into .ucx/ucx-cu13.tgz
+# by tools/ucx/fetch_cuda_ucx.sh), first on the library path, so the workers' default
+# --gpu-direct auto puts straight from the prefill GPUs into the decode GPUs (cuda_ipc).
+# Without it they stage KV through host memory, and the logs say so.
+if [ -f .ucx/ucx-cu13.tgz ]; then
+  mkdir -p /tmp/ucx && tar -C /tmp/ucx -xzf .ucx/ucx-cu13.tgz
+  export LD_LIBRARY_PATH=/tmp/ucx/libucx/lib:$LD_LIBRARY_PATH UCX_MODULE_DIR=/tmp/ucx/libucx/lib/ucx
+fi
 if [ "$REHEARSE" = 1 ]; then
   LAYERS=${LAYERS:-8} PREFILL_DEVICES=${PREFILL_DEVICES:-cuda:0} DECODE_DEVICES=${DECODE_DEVICES:-cuda:1} GPUS=2
   RATES=${RATES:-2,inf} NUM_PROMPTS=${NUM_PROMPTS:-24} OUT_LEN=${OUT_LEN:-64}
@@ -144,8 +152,8 @@ for s in $steps; do
       sleep 2
     done
     note "serve: cluster up in $((SECONDS - t0)) s"
-    grep -h -iE "memory plan|loaded|weights" "$OUT"/cluster/*-*.log 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' | head -20 |
-      tee -a "$SUMMARY"
+    grep -h -iE "memory plan|loaded|weights|KV paths|registered with UCX|host mirror" "$OUT"/cluster/*-*.log 2>/dev/null |
+      sed 's/\x1b\[[0-9;]*m//g' | cut -c1-400 | head -24 | tee -a "$SUMMARY"
     nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv >"$OUT/nvidia-smi.txt" 2>&1
     common=(--router "http://$GRPC" --model "$DIR" --gpus "$GPUS" --max-concurrency "$MAX_CONC"
       --timeout-s "${TIMEOUT_S:-300}")
