@@ -362,7 +362,6 @@ async fn place(
             }
             Err(s) if retryable(&s) && attempts < ctx.prefill_retries => {
                 attempts += 1;
-                tracing::warn!(request_id = %req.request_id, worker = %p.id, code = ?s.code(), message = s.message(), "prefill failed; retrying elsewhere");
                 if s.code() == Code::Unavailable {
                     p.mark_failed();
                 }
@@ -370,7 +369,10 @@ async fn place(
                 // worker stays a candidate (measured on 4 H200s: 64 prompts at once queued
                 // past the 30 s lease of their decode pages, and excluding the only
                 // prefill worker failed every one of them).
-                if s.code() != Code::DeadlineExceeded {
+                if s.code() == Code::DeadlineExceeded {
+                    tracing::warn!(request_id = %req.request_id, worker = %p.id, code = ?s.code(), message = s.message(), "prefill failed; retrying with a fresh reservation, this worker included");
+                } else {
+                    tracing::warn!(request_id = %req.request_id, worker = %p.id, code = ?s.code(), message = s.message(), "prefill failed; retrying elsewhere");
                     failed.push(p.id.clone());
                 }
                 last_error = Some(s.message().to_string());

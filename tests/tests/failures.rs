@@ -218,9 +218,9 @@ async fn sigterm_lets_a_decode_worker_finish_its_requests_then_exit() {
 async fn a_lease_that_runs_out_in_a_busy_queue_is_retried_on_the_same_worker() {
     // One prefill worker that takes 1.5 s a prompt (a debug pause on its engine thread,
     // one 40-token prompt a step) and decode leases of 4 s: of three prompts sent at
-    // once, the third waits 3 s in the
-    // queue and cannot finish within its lease. That is load, not a fault: the router
-    // retries it with a fresh reservation on the same (only) worker, and it succeeds.
+    // once, the third waits 3 s in the queue and cannot finish within its lease. That is
+    // load, not a fault: the router retries it with a fresh reservation on the same
+    // (only) worker, and it succeeds.
     let spec = Spec {
         debug_hooks: true,
         prefill_args: vec![["--debug-transfer-delay-ms", "1500", "--token-budget", "40"].map(String::from).to_vec()],
@@ -240,7 +240,8 @@ async fn a_lease_that_runs_out_in_a_busy_queue_is_retried_on_the_same_worker() {
     }
     let router_log = c.router.as_ref().expect("router").log_tail(300);
     assert!(
-        router_log.contains("retrying elsewhere") && router_log.contains("DeadlineExceeded"),
+        router_log.contains("retrying with a fresh reservation, this worker included")
+            && router_log.contains("DeadlineExceeded"),
         "a prompt's lease ran out in the queue and was retried:\n{router_log}"
     );
     c.assert_pages_return(Duration::from_secs(10)).await;
