@@ -79,6 +79,12 @@ pub struct TransferArgs {
     /// run (seconds).
     #[arg(long, default_value_t = 120)]
     timeout_s: u64,
+    /// Reserve the receiver's pages in reverse order, so that no page continues the one
+    /// before it on both ends and every page is a put of its own (a fragmented decode
+    /// pool); by default pages are one ascending run on both ends, and GPU pages go out
+    /// as one put.
+    #[arg(long)]
+    scatter: bool,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -148,10 +154,12 @@ pub fn run(a: TransferArgs) -> Result<()> {
     // Bounds the whole of one sender run: set-up plus every iteration.
     let run_bound = step * (a.iters + a.warmup + 2) as u32;
     match (a.role, devices) {
-        (Some(Role::Receiver), None) => receiver(&g, pages, run_bound),
+        (Some(Role::Receiver), None) => receiver(&g, pages, a.scatter, run_bound),
         (Some(Role::Sender), None) => sender(&g, a.iters, a.warmup, step),
         #[cfg(feature = "cuda")]
-        (Some(Role::Receiver), Some((_, to))) => crate::bench_transfer_gpu::receiver(&g, pages, to, run_bound),
+        (Some(Role::Receiver), Some((_, to))) => {
+            crate::bench_transfer_gpu::receiver(&g, pages, a.scatter, to, run_bound)
+        }
         #[cfg(feature = "cuda")]
         (Some(Role::Sender), Some((from, _))) => crate::bench_transfer_gpu::sender(&g, from, a.iters, a.warmup, step),
         #[cfg(not(feature = "cuda"))]
@@ -165,7 +173,11 @@ pub fn run(a: TransferArgs) -> Result<()> {
 struct Row {
     tls: String,
     sluice: SluiceRun,
+    /// ucx_perftest with page-sized messages.
     perftest: Result<Option<f64>>,
+    /// ucx_perftest with messages the size of the sender's mean put, when pages were
+    /// merged into larger puts.
+    perftest_at_put: Option<Result<Option<f64>>>,
 }
 
 /// The tls rows to run: as given, else the defaults for host or device memory.
@@ -180,6 +192,8 @@ fn tls_rows(a: &TransferArgs, on_gpus: bool) -> Vec<String> {
 struct SluiceRun {
     bytes_per_iter: u64,
     seconds: Vec<f64>,
+    /// Puts of page bytes per iteration (GPU pages that continue one another go as one).
+    page_puts: usize,
 }
 
 impl SluiceRun {
@@ -205,7 +219,14 @@ fn compare(
         eprintln!("UCX_TLS={tls}: ucx_perftest ...");
         let perf = Perftest { bin: &a.perftest, tls: &tls, devices };
         let perftest = ucx_perftest(&perf, g.page_bytes, pages * a.iters, pages * a.warmup, run_bound);
-        rows.push(Row { tls, sluice, perftest });
+        let perftest_at_put = (sluice.page_puts < pages).then(|| {
+            let size = (pages * g.page_bytes).div_ceil(sluice.page_puts.max(1));
+            eprintln!("UCX_TLS={tls}: ucx_perftest with {size}-byte messages (the sender's mean put) ...");
+            // The same bytes as the page-sized run, at least a few messages.
+            let messages = (pages * a.iters * g.page_bytes).div_ceil(size).max(4);
+            ucx_perftest(&perf, size, messages, messages.div_ceil(a.iters).max(1), run_bound)
+        });
+        rows.push(Row { tls, sluice, perftest, perftest_at_put });
     }
     let baseline = match devices {
         None => Baseline::Memcpy(memcpy_gbps(g.page_bytes, pages, a.iters, a.warmup)),
@@ -295,6 +316,9 @@ fn sluice_run(
         if let Some(d) = &a.devices {
             cmd.args(["--devices", d]);
         }
+        if a.scatter {
+            cmd.arg("--scatter");
+        }
         cmd
     };
     let mut rx = Proc::spawn("receiver", &mut child("receiver"), false).context("starting the receiver")?;
@@ -319,7 +343,8 @@ fn sluice_run(
         .filter_map(Value::as_f64)
         .collect();
     ensure!(seconds.len() == a.iters, "RESULT has {} timings for {} iterations", seconds.len(), a.iters);
-    Ok(SluiceRun { bytes_per_iter, seconds })
+    let page_puts = result["page_puts"].as_u64().ok_or_else(|| anyhow!("RESULT lacks page_puts"))? as usize;
+    Ok(SluiceRun { bytes_per_iter, seconds, page_puts })
 }
 
 /// Runs ucx_perftest's put bandwidth test as a server and client pair on loopback:
@@ -413,6 +438,7 @@ fn report(
             .iter()
             .map(|r| {
                 let peer = r.perftest.as_ref().ok().copied().flatten();
+                let at_put = r.perftest_at_put.as_ref().and_then(|p| p.as_ref().ok().copied().flatten());
                 json!({
                     "tls": r.tls,
                     "message_bytes": g.page_bytes,
@@ -425,6 +451,10 @@ fn report(
                     "ratio": peer.map(|p| r.sluice.gbps() / p),
                     "ratio_to_copy": r.sluice.gbps() / memcpy,
                     "ucx_perftest_error": r.perftest.as_ref().err().map(|e| format!("{e:#}")),
+                    "page_puts_per_iter": r.sluice.page_puts,
+                    "ucx_perftest_at_put_gbps": at_put,
+                    "ucx_perftest_at_put_message_bytes": (pages * g.page_bytes).div_ceil(r.sluice.page_puts.max(1)),
+                    "ratio_at_put": at_put.map(|p| r.sluice.gbps() / p),
                 })
             })
             .collect();
@@ -439,6 +469,7 @@ fn report(
             "state_bytes_per_iter": state,
             "iters": a.iters,
             "warmup": a.warmup,
+            "scatter": a.scatter,
             "ucx_perftest": a.perftest.display().to_string(),
             base_key: memcpy,
             "rows": rows,
@@ -462,21 +493,34 @@ fn report(
         a.warmup
     );
     println!(
-        "{:<24} {:>13} {:>7} {:>12} {:>18} {:>7} {:>10}",
-        "transport", "message (B)", "pages", "sluice GB/s", "ucx_perftest GB/s", "ratio", "÷ copy"
+        "{:<24} {:>13} {:>7} {:>6} {:>12} {:>18} {:>7} {:>18} {:>7} {:>10}",
+        "transport",
+        "message (B)",
+        "pages",
+        "puts",
+        "sluice GB/s",
+        "ucx_perftest GB/s",
+        "ratio",
+        "perftest @put GB/s",
+        "ratio",
+        "÷ copy"
     );
+    let cells = |p: &Result<Option<f64>>, sluice: f64| match p {
+        Ok(Some(p)) => (format!("{p:.2}"), format!("{:.2}", sluice / p)),
+        Ok(None) => ("not installed".into(), "-".into()),
+        Err(_) => ("failed".into(), "-".into()),
+    };
     for r in rows {
-        let (peer, ratio) = match &r.perftest {
-            Ok(Some(p)) => (format!("{p:.2}"), format!("{:.2}", r.sluice.gbps() / p)),
-            Ok(None) => ("not installed".into(), "-".into()),
-            Err(_) => ("failed".into(), "-".into()),
-        };
+        let (peer, ratio) = cells(&r.perftest, r.sluice.gbps());
+        let (at_put, ratio_at_put) =
+            r.perftest_at_put.as_ref().map_or(("-".into(), "-".into()), |p| cells(p, r.sluice.gbps()));
         let to_copy = r.sluice.gbps() / memcpy;
         println!(
-            "{:<24} {:>13} {:>7} {:>12.2} {peer:>18} {ratio:>7} {to_copy:>10.2}",
+            "{:<24} {:>13} {:>7} {:>6} {:>12.2} {peer:>18} {ratio:>7} {at_put:>18} {ratio_at_put:>7} {to_copy:>10.2}",
             r.tls,
             g.page_bytes,
             pages,
+            r.sluice.page_puts,
             r.sluice.gbps()
         );
     }
@@ -490,7 +534,15 @@ fn report(
             Err(e) => println!("{}: ucx_perftest failed: {e:#}", r.tls),
             Ok(Some(_)) => {}
         }
+        if let Some(Err(e)) = &r.perftest_at_put {
+            println!("{}: ucx_perftest at the sender's put size failed: {e:#}", r.tls);
+        }
     }
+    println!(
+        "puts: page puts per iteration; GPU pages that continue one another on both ends go out as one put (host \
+         pages keep a put each; --scatter reverses the receiver's pages so that none continue), and `perftest @put` \
+         runs ucx_perftest with messages of the sender's mean put size"
+    );
     println!(
         "ucx_perftest: {messages} puts of {} B after {} untimed, `-t ucp_put_bw`; it puts one buffer to one remote \
          address, so its data stays in cache, while sluice writes {pages} distinct pages",
@@ -510,9 +562,17 @@ fn report(
 
 // ---- the receiver child ----
 
+/// The receiver's page for each page sent: one ascending run, or reversed with
+/// `--scatter` (no page then continues the one before it).
+pub(crate) fn page_ids(pages: usize, scatter: bool) -> Result<Vec<u32>> {
+    let ids: Vec<u32> = (0..pages).map(u32::try_from).collect::<Result<_, _>>().context("too many pages")?;
+    Ok(if scatter { ids.into_iter().rev().collect() } else { ids })
+}
+
 /// Holds a pool of `pages` pages plus one state slot, prints the target, waits for
-/// `done` and prints checksums of what landed.
-fn receiver(g: &WireGeometry, pages: usize, bound: Duration) -> Result<()> {
+/// `done` and prints checksums of what landed, page by page in the order they were
+/// sent.
+fn receiver(g: &WireGeometry, pages: usize, scatter: bool, bound: Duration) -> Result<()> {
     let rx = Receiver::start()?;
     let pool = rx.allocate(pages * g.page_bytes)?;
     let rings = rx.allocate(g.ring_bytes)?;
@@ -525,7 +585,7 @@ fn receiver(g: &WireGeometry, pages: usize, bound: Duration) -> Result<()> {
         rings: rings.spec.clone(),
         comp: comp.spec.clone(),
         logits: logits.spec.clone(),
-        page_ids: (0..pages).map(u32::try_from).collect::<Result<_, _>>().context("too many pages")?,
+        page_ids: page_ids(pages, scatter)?,
         slot: 0,
     };
     println!("TARGET {}", hex(&target.to_proto().encode_to_vec()));
@@ -544,8 +604,9 @@ fn receiver(g: &WireGeometry, pages: usize, bound: Duration) -> Result<()> {
     let comp = adopt(comp, g.comp_bytes, EntryDtype::F32)?;
     let logits = adopt(logits, g.logits_bytes, EntryDtype::F32)?;
     let host = |kv| cpu.kv_host_bytes(kv).ok_or_else(|| anyhow!("KV memory is not host memory"));
+    let pool_bytes = host(&pool)?;
     let landed = SendParts {
-        pages: host(&pool)?.chunks_exact(g.page_bytes).collect(),
+        pages: target.page_ids.iter().map(|&id| &pool_bytes[id as usize * g.page_bytes..][..g.page_bytes]).collect(),
         rings: host(&rings)?,
         comp: host(&comp)?,
         logits: host(&logits)?,
@@ -573,12 +634,17 @@ fn sender(g: &WireGeometry, iters: usize, warmup: usize, step: Duration) -> Resu
         tx.send(&target, g, &parts, step)?;
     }
     let mut seconds = Vec::with_capacity(iters);
+    let mut puts = 0;
     for _ in 0..iters {
         let started = Instant::now();
-        tx.send(&target, g, &parts, step)?;
+        puts = tx.send(&target, g, &parts, step)?.puts;
         seconds.push(started.elapsed().as_secs_f64());
     }
-    let result = json!({"bytes_per_iter": parts.bytes(), "seconds": seconds, "checksums": checksums_json(&Checksums::of(&parts))});
+    // Rings, compressor slots and logits are a put each.
+    let page_puts = puts.saturating_sub(3);
+    let checksums = checksums_json(&Checksums::of(&parts));
+    let result =
+        json!({"bytes_per_iter": parts.bytes(), "seconds": seconds, "page_puts": page_puts, "checksums": checksums});
     println!("RESULT {result}");
     std::io::stdout().flush()?;
     Ok(())

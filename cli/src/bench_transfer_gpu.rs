@@ -21,7 +21,7 @@ use serde_json::json;
 use sluice_proto::v1 as pb;
 use transfer::{Checksums, Receiver, Sender, Source, SourceParts, Target, WireGeometry};
 
-use crate::bench_transfer::{checksums_json, expect_line, fill, hex, read_lines, unhex};
+use crate::bench_transfer::{checksums_json, expect_line, fill, hex, page_ids, read_lines, unhex};
 
 /// A byte buffer in device memory (FP8 storage: one element per byte).
 fn device_bytes(b: &CudaBackend, bytes: &[u8]) -> kernels::cuda::CudaKv {
@@ -39,7 +39,7 @@ fn device_sums(b: &CudaBackend, kv: &kernels::cuda::CudaKv, pieces: usize, piece
 
 /// Holds `pages` pages and one state slot in device memory of `ordinal`, registered for
 /// peers; prints the target, waits for `done`, prints the checksums of what landed.
-pub fn receiver(g: &WireGeometry, pages: usize, ordinal: usize, bound: Duration) -> Result<()> {
+pub fn receiver(g: &WireGeometry, pages: usize, scatter: bool, ordinal: usize, bound: Duration) -> Result<()> {
     let rx = Receiver::start()?;
     ensure!(rx.supports_cuda(), "{}", rx.describe_library());
     let gpu = CudaBackend::new(ordinal).with_context(|| format!("opening cuda:{ordinal}"))?;
@@ -59,7 +59,7 @@ pub fn receiver(g: &WireGeometry, pages: usize, ordinal: usize, bound: Duration)
         rings: rings_r.spec.clone(),
         comp: comp_r.spec.clone(),
         logits: logits.spec.clone(),
-        page_ids: (0..pages).map(u32::try_from).collect::<Result<_, _>>().context("too many pages")?,
+        page_ids: page_ids(pages, scatter)?,
         slot: 0,
     };
     println!("TARGET {}", hex(&target.to_proto().encode_to_vec()));
@@ -70,8 +70,9 @@ pub fn receiver(g: &WireGeometry, pages: usize, ordinal: usize, bound: Duration)
     let cpu = engine::CpuBackend::new();
     let logits = cpu.kv_adopt(Box::new(logits.region), g.logits_bytes / 4, EntryDtype::F32).map_err(|e| anyhow!(e))?;
     let host_logits = cpu.kv_host_bytes(&logits).ok_or_else(|| anyhow!("logits are not host memory"))?;
+    let in_pool = device_sums(&gpu, &pool, pages, g.page_bytes);
     let landed = Checksums {
-        pages: device_sums(&gpu, &pool, pages, g.page_bytes),
+        pages: target.page_ids.iter().map(|&id| in_pool[id as usize]).collect(),
         rings: device_sums(&gpu, &rings, 1, g.ring_bytes)[0],
         comp: device_sums(&gpu, &comp, 1, g.comp_bytes)[0],
         logits: kv_checksum(host_logits),
@@ -115,9 +116,10 @@ pub fn sender(g: &WireGeometry, ordinal: usize, iters: usize, warmup: usize, ste
         tx.send_from(&target, g, &parts, step)?;
     }
     let mut seconds = Vec::with_capacity(iters);
+    let mut puts = 0;
     for _ in 0..iters {
         let started = Instant::now();
-        tx.send_from(&target, g, &parts, step)?;
+        puts = tx.send_from(&target, g, &parts, step)?.puts;
         seconds.push(started.elapsed().as_secs_f64());
     }
     let on_gpu = Checksums {
@@ -135,7 +137,9 @@ pub fn sender(g: &WireGeometry, ordinal: usize, iters: usize, warmup: usize, ste
     if let Some(part) = on_host.first_mismatch(&on_gpu) {
         return Err(anyhow!("the GPU's checksum of {part} differs from the host's of the same bytes"));
     }
-    let result = json!({"bytes_per_iter": parts.bytes(), "seconds": seconds, "checksums": checksums_json(&on_gpu)});
+    // Rings, compressor slots and logits are a put each.
+    let page_puts = puts.saturating_sub(3);
+    let result = json!({"bytes_per_iter": parts.bytes(), "seconds": seconds, "page_puts": page_puts, "checksums": checksums_json(&on_gpu)});
     println!("RESULT {result}");
     std::io::stdout().flush()?;
     Ok(())

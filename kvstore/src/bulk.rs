@@ -78,7 +78,7 @@ impl Bulk {
 fn write_job(sender: &mut Sender, job: Job) -> Result<SendStats, TransferError> {
     let started = Instant::now();
     let deadline = started + job.timeout;
-    let mut bytes = 0;
+    let (mut bytes, mut puts) = (0, 0);
     for (i, record) in job.records.iter() {
         let record: &[u8] = (*record).as_ref();
         let writes: Vec<RemoteWrite<'_>> = job
@@ -92,7 +92,9 @@ fn write_job(sender: &mut Sender, job: Job) -> Result<SendStats, TransferError> 
             })
             .collect();
         let left = deadline.saturating_duration_since(Instant::now());
-        bytes += sender.write(&job.address, &writes, left)?.bytes;
+        let sent = sender.write(&job.address, &writes, left)?;
+        bytes += sent.bytes;
+        puts += sent.puts;
     }
-    Ok(SendStats { bytes, elapsed: started.elapsed() })
+    Ok(SendStats { bytes, elapsed: started.elapsed(), puts })
 }

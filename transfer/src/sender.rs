@@ -83,6 +83,8 @@ pub struct RemoteWrite<'a> {
 pub struct SendStats {
     pub bytes: u64,
     pub elapsed: Duration,
+    /// Puts issued: GPU pages that continue one another on both ends go out as one.
+    pub puts: usize,
 }
 
 /// How long a receiver's remote keys (and so its mapped regions) are kept after the
@@ -222,7 +224,7 @@ impl Sender {
             // A failed endpoint is reconnected (and its keys unpacked again) on the next send.
             self.peers.remove(target.ucx_address.as_slice());
         }
-        result.map(|()| SendStats { bytes: parts.bytes(), elapsed: started.elapsed() })
+        result.map(|puts| SendStats { bytes: parts.bytes(), elapsed: started.elapsed(), puts })
     }
 
     /// Write arbitrary ranges into the regions of the peer at `address` (a kvstore
@@ -257,6 +259,7 @@ impl Sender {
                 peer.unpack(&w.region.rkey)?;
             }
             let peer = &self.peers[address];
+            let mut issued = 0;
             // One batch per region (a batch shares one remote key), in first-use order.
             let mut keys: Vec<&Vec<u8>> = Vec::new();
             for w in writes {
@@ -271,18 +274,24 @@ impl Sender {
                     .map(|w| (self.with_memh(w.source), w.region.base + w.offset))
                     .collect();
                 let left = deadline.saturating_duration_since(Instant::now());
-                self.worker.put_sources(&peer.ep, &puts, &peer.keys[key], left)?;
+                issued += self.worker.put_sources(&peer.ep, &puts, &peer.keys[key], left)?;
             }
-            Ok::<(), TransferError>(())
+            Ok::<usize, TransferError>(issued)
         })();
         if result.is_err() {
             self.peers.remove(address);
         }
         let bytes = writes.iter().map(|w| w.source.len() as u64).sum();
-        result.map(|()| SendStats { bytes, elapsed: started.elapsed() })
+        result.map(|puts| SendStats { bytes, elapsed: started.elapsed(), puts })
     }
 
-    fn put_everything(&mut self, t: &Target, parts: &SourceParts<'_>, deadline: Instant) -> Result<(), TransferError> {
+    /// Puts every part and waits for them; returns how many puts were issued.
+    fn put_everything(
+        &mut self,
+        t: &Target,
+        parts: &SourceParts<'_>,
+        deadline: Instant,
+    ) -> Result<usize, TransferError> {
         let g = &t.geometry;
         let now = Instant::now();
         self.release_idle_keys(now);
@@ -299,16 +308,17 @@ impl Sender {
             .zip(&t.page_ids)
             .map(|(p, &id)| (self.with_memh(*p), t.pages.base + id as u64 * g.page_bytes as u64))
             .collect();
-        self.worker.put_sources(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
+        let mut issued = self.worker.put_sources(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
         for (region, source, per_slot) in [
             (&t.rings, parts.rings, g.ring_bytes),
             (&t.comp, parts.comp, g.comp_bytes),
             (&t.logits, parts.logits, g.logits_bytes),
         ] {
             let at = region.base + t.slot as u64 * per_slot as u64;
-            self.worker.put_sources(&peer.ep, &[(self.with_memh(source), at)], &peer.keys[&region.rkey], left())?;
+            issued +=
+                self.worker.put_sources(&peer.ep, &[(self.with_memh(source), at)], &peer.keys[&region.rkey], left())?;
         }
-        Ok(())
+        Ok(issued)
     }
 }
 

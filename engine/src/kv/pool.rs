@@ -93,8 +93,10 @@ impl PagePool {
     }
 
     /// Drop one reference to each page; pages nobody holds return to the free list.
+    /// They go back last first, so a run released together is handed out again as the
+    /// same ascending run (a transfer puts contiguous pages as one).
     pub fn release(&mut self, ids: &[u32]) {
-        for &id in ids {
+        for &id in ids.iter().rev() {
             let r = &mut self.refs[id as usize];
             assert!(*r > 0, "double release of page {id}");
             *r -= 1;
@@ -190,6 +192,15 @@ mod tests {
         assert_eq!(p.refs(1), 1);
         p.release(&[1]);
         assert_eq!(p.free(), 4);
+    }
+
+    #[test]
+    fn a_run_released_together_comes_back_ascending() {
+        let mut p = PagePool::new(8);
+        let a = p.alloc(4).unwrap();
+        p.release(&a);
+        assert_eq!(p.alloc(4).unwrap(), a, "same pages, same order");
+        assert_eq!(p.alloc(2).unwrap(), vec![4, 5]);
     }
 
     #[test]

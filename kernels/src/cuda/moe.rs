@@ -158,7 +158,9 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
     let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
         (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
     };
-    let uniform = w.experts.len() == w.gate.rows
+    // All experts, or this device's contiguous slice of them (expert parallelism: the
+    // routing is localised on the device, so the step never waits for the host).
+    let uniform = w.expert_base + w.experts.len() <= w.gate.rows
         && same(&first.w1, &first.w3)
         && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2));
     // Up to 8 rows every format works (SIMT grouped gemv as the fallback); larger decode
@@ -216,6 +218,25 @@ pub(crate) fn experts_routed_on_device(
     let n = rows * k;
     let first = &w.experts[0];
     let inter = first.w1.rows;
+    // A slice of the experts (expert parallelism): ids renumbered to the slice, -1 for
+    // experts held elsewhere, which the lists then leave out.
+    let localized;
+    let chosen = if n_exp < w.gate.rows {
+        localized = g.alloc::<i32>(n);
+        launch!(
+            g,
+            "moe_localize",
+            cfg_elems(n),
+            g.ptr(&localized),
+            g.ptr(chosen),
+            n as i32,
+            w.expert_base as i32,
+            n_exp as i32
+        );
+        &localized
+    } else {
+        chosen
+    };
     let expert_bytes = first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes();
     let counts = g.alloc::<i32>(n_exp);
     let offsets = g.alloc::<i32>(n_exp);

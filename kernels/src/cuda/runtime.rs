@@ -104,6 +104,7 @@ const KERNELS: &[&str] = &[
     "mix_rows_bf16",
     "moe_route",
     "moe_lists",
+    "moe_localize",
     "moe_combine",
     "moe_combine_rows",
     "moe_positions",

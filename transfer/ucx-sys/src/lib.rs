@@ -17,6 +17,7 @@
 //!     [`Source`], local bytes to put (host, or device memory held by a handle).
 //!   - `rkey`: [`RemoteKey`], a peer's region as seen through one endpoint.
 //!   - `rma`: puts and gets.
+//!   - `coalesce`: puts that continue one another merged into one.
 //!   - `request`: [`Pending`], an operation in flight.
 //!   - `envelope`: framing for the address and rkey bytes peers exchange.
 //!
@@ -46,6 +47,7 @@ pub mod status;
 
 pub mod layout;
 
+mod coalesce;
 mod context;
 mod endpoint;
 mod envelope;

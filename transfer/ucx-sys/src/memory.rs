@@ -125,6 +125,17 @@ impl Source<'_> {
         self.len() == 0
     }
 
+    /// Which allocation the bytes lie in, for merging puts ([`crate::coalesce`]): the
+    /// device memory's or registration's base address; 0 for host memory (which is
+    /// not merged).
+    pub(crate) fn allocation(&self) -> u64 {
+        match self {
+            Source::Host(_) => 0,
+            Source::Device { mem, .. } => mem.device_ptr(),
+            Source::Registered { region, .. } => region.address(),
+        }
+    }
+
     /// The range by address (checked against its device memory) and the memory handle
     /// to pass with it, if any.
     pub(crate) fn range(&self) -> Result<(LocalRange, Option<raw::ucp_mem_h>), UcxError> {

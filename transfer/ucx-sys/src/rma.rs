@@ -8,6 +8,7 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
+use crate::coalesce::{Put, coalesce};
 use crate::endpoint::Endpoint;
 use crate::memory::{LocalRange, MemoryType, Source};
 use crate::raw;
@@ -146,19 +147,27 @@ impl Worker {
 
     /// [`Worker::put_all`] for local bytes in host memory or held device memory (GPU
     /// memory needs a CUDA-enabled libucx: [`Context::supports`](crate::Context::supports)).
+    /// GPU-memory puts that continue one another on both ends (and lie in one
+    /// allocation) go out as one (module `coalesce`); returns how many puts were issued.
     pub fn put_sources(
         &self,
         ep: &Endpoint,
         puts: &[(Source<'_>, u64)],
         rkey: &RemoteKey,
         timeout: Duration,
-    ) -> Result<(), UcxError> {
-        let ranges =
-            puts.iter().map(|(s, at)| s.range().map(|(r, memh)| (r, memh, *at))).collect::<Result<Vec<_>, _>>()?;
+    ) -> Result<usize, UcxError> {
+        let each = puts
+            .iter()
+            .map(|(s, at)| s.range().map(|(local, memh)| Put { local, memh, remote: *at, allocation: s.allocation() }))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ranges: Vec<_> = coalesce(&each).into_iter().map(|p| (p.local, p.memh, p.remote)).collect();
         // SAFETY: host sources are borrowed for the whole call; device sources are held by
         // their handles or registrations (live device memory while borrowed), checked to lie
-        // inside them above; put_all_ranges returns only once UCX is done with every range.
-        unsafe { self.put_all_ranges(ep, &ranges, rkey, timeout) }
+        // inside them above; a merged range spans device sources that continue one another
+        // in one allocation, so it is live memory too; put_all_ranges
+        // returns only once UCX is done with every range.
+        unsafe { self.put_all_ranges(ep, &ranges, rkey, timeout) }?;
+        Ok(ranges.len())
     }
 
     /// [`Worker::put_all`] for local ranges of any memory type (GPU memory with a

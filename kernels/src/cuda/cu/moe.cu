@@ -121,7 +121,7 @@ extern "C" __global__ void moe_lists(const int* experts, int rows, int k, int n_
                                      int* list_rows, int* list_widx, int* active, int* n_active,
                                      unsigned long long expert_bytes, unsigned long long* traffic) {
     __shared__ int cnt[512];
-    __shared__ int used;
+    __shared__ int used, total;
     const int n = rows * k;
     if (threadIdx.x == 0) used = 0;
     for (int e = threadIdx.x; e < n_exp; e += blockDim.x) {
@@ -139,6 +139,7 @@ extern "C" __global__ void moe_lists(const int* experts, int rows, int k, int n_
             at += c;
             if (c > 0) active[used++] = e;
         }
+        total = at;
         *n_active = used;
         if (traffic) atomicAdd(traffic, (unsigned long long)used * expert_bytes);
     }
@@ -154,6 +155,23 @@ extern "C" __global__ void moe_lists(const int* experts, int rows, int k, int n_
             }
         }
     }
+    // Under expert parallelism pairs routed to experts held elsewhere (id -1 after
+    // moe_localize) are not listed: the list's tail is marked empty (-1), which
+    // gather_rows turns into zero rows and the combines never match.
+    for (int i = total + threadIdx.x; i < n; i += blockDim.x) {
+        list_rows[i] = -1;
+        list_widx[i] = -1;
+    }
+}
+
+// Expert ids as this device's experts number them: `base..base + held` become
+// `0..held`, experts held on other devices -1 (expert parallelism: their rows get
+// nothing from here).
+extern "C" __global__ void moe_localize(int* local, const int* chosen, int n, int base, int held) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int e = chosen[i] - base;
+    local[i] = (e >= 0 && e < held) ? e : -1;
 }
 
 // out[r, c] = Σ over the list in order of weights[widx[i]] · y[i, c] for the pairs of
@@ -194,4 +212,6 @@ extern "C" __global__ void moe_positions(int* pos, const int* list_rows, int n, 
     int j = 0;
     for (int i = 0; i < n && j < k; i++)
         if (list_rows[i] == r) pos[r * k + j++] = i;
+    // Fewer than k when some of the row's experts live on another device.
+    for (; j < k; j++) pos[r * k + j] = -1;
 }

@@ -19,7 +19,9 @@ extern "C" __global__ void gather_rows(float* out, const float* src, const u32* 
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     int r = (int)(i / width), c = (int)(i % width);
-    out[i] = src[(long long)idx[r] * width + c];
+    // An empty list entry (0xffffffff: moe_lists under expert parallelism) is a zero row.
+    const u32 from = idx[r];
+    out[i] = from == 0xffffffffu ? 0.0f : src[(long long)from * width + c];
 }
 
 // One block per row: x * rsqrt(mean(x²) + eps), times weight when given.
