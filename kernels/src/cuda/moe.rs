@@ -160,6 +160,10 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
     };
     // All experts, or this device's contiguous slice of them (expert parallelism: the
     // routing is localised on the device, so the step never waits for the host).
+    let sliced = w.experts.len() < w.gate.rows;
+    if sliced && ep_routing_on_host() {
+        return false;
+    }
     let uniform = w.expert_base + w.experts.len() <= w.gate.rows
         && same(&first.w1, &first.w3)
         && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2));
@@ -167,6 +171,14 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
     // batches when the tensor-core gemv takes both projections of every expert.
     let tc = || tc_experts(w, true, first.w1.cols).is_some() && tc_experts(w, false, first.w2.cols).is_some();
     uniform && (rows <= GEMV_MAX_ROWS || (rows <= DEVICE_ROUTED_MAX_ROWS && tc()))
+}
+
+/// `SLUICE_CUDA_EP_ROUTING=host`: a device holding a slice of the experts reads each
+/// layer's routing back and runs its experts host-routed, as before the slices were
+/// routed on the device (kept to measure the two against each other, docs/perf.md).
+fn ep_routing_on_host() -> bool {
+    static ONCE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| std::env::var("SLUICE_CUDA_EP_ROUTING").is_ok_and(|v| v == "host"))
 }
 
 /// Most rows a batch may have for its experts to run routed on the device (beyond it
