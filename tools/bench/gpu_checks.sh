@@ -15,7 +15,9 @@
 #   tools/bench/pack_device.sh          # copies and strips them into .device/
 # Run (device machine, repository root):
 #   tools/bench/gpu_checks.sh [STEPS...]   STEPS: parity conformance serving ucx bench profile multigpu
-#     direct (GPU-direct KV: tests, transfer bench, TTFT breakdown) flashfull (all of V4-Flash on two GPUs)
+#     direct (GPU-direct KV: tests, transfer bench, TTFT breakdown; SKIP_TTFT=1 leaves the last out)
+#     eprouting (expert slices routed on the device vs the host, 8 Flash layers on two GPUs and one)
+#     flashfull (all of V4-Flash on two GPUs)
 #   (default: all but ucx, profile and multigpu; multigpu wants an nvidia-h200-x2 and is
 #   collectives + mgparity + mgserving, which also run alone: a device call is at most 10 minutes)
 #
@@ -122,12 +124,34 @@ for s in $steps; do
       export LD_LIBRARY_PATH=$U/lib:$LD_LIBRARY_PATH UCX_MODULE_DIR=$U/lib/ucx
       run gpu_direct "$B/gpu_direct" --nocapture --test-threads 1
       run gpu_direct_serving timeout 400 "$B/gpu_direct_serving" --nocapture --test-threads 1
-      for d in cuda:0,cuda:1 cuda:0; do
-        run "transfer_$d" timeout 300 "$B/sluice" bench transfer --preset flash --kv-dtype fp8 --devices "$d" \
+      # Contiguous pages on both ends (one put), then --scatter (a put per page).
+      for d in cuda:0,cuda:1 cuda:0 "cuda:0,cuda:1 --scatter"; do
+        # shellcheck disable=SC2086
+        run "transfer_${d// /_}" timeout 300 "$B/sluice" bench transfer --preset flash --kv-dtype fp8 --devices $d \
           --tokens 32768 --iters 5 --perftest "$U/bin/ucx_perftest"
       done
-      run ttft env B="$B" OUT="$OUT" timeout 560 tools/bench/ttft_breakdown.sh ${TTFT_PATHS:-staged direct}
+      [ "${SKIP_TTFT:-0}" = 1 ] ||
+        run ttft env B="$B" OUT="$OUT" timeout 560 tools/bench/ttft_breakdown.sh ${TTFT_PATHS:-staged direct}
     )
+    ;;
+  eprouting)
+    # Expert-parallel decode on two GPUs with each GPU's expert slice routed on the
+    # device against the routing read back to the host every layer
+    # (SLUICE_CUDA_EP_ROUTING=host), and one GPU, on 8 full-width Flash layers.
+    model=${MODEL:-/dev/shm/f8}
+    [ -f "$model/config.json" ] || run init "$B/sluice" model init --preset flash --layers 8 --seed 0 --out "$model"
+    A="--model $model --kv-dtype fp8 --prefill-tokens 8192 --contexts 8192 --batches ${EP_BATCHES:-1,8,32,64} \
+       --decode-steps 4 --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0 --json"
+    # shellcheck disable=SC2086
+    {
+      run ep_device timeout 200 "$B/sluice" bench engine --devices cuda:0,cuda:1 $A
+      run ep_host env SLUICE_CUDA_EP_ROUTING=host timeout 200 "$B/sluice" bench engine --devices cuda:0,cuda:1 $A
+      run one_gpu timeout 200 "$B/sluice" bench engine --device cuda:0 $A
+      # Per op on each GPU (CUDA events), the NCCL exchanges included: their time per step.
+      run ep_profile env SLUICE_CUDA_PROFILE=events timeout 200 "$B/sluice" bench engine --devices cuda:0,cuda:1 \
+        --model "$model" --kv-dtype fp8 --prefill-tokens 2048 --contexts 8192 --batches 1,32 --decode-steps 4 \
+        --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0
+    }
     ;;
   flashfull)
     # Issue 16: all 43 V4-Flash layers (FP8 + FP4 experts, ~160 GB) in /dev/shm, loaded

@@ -242,12 +242,14 @@ impl Collective<CudaBackend> for Nccl {
         let at = offsets(counts);
         let total: usize = counts.iter().sum();
         let mut outs: Vec<CudaBuf> = ranks.iter().map(|b| b.output(total)).collect();
-        self.group(|| {
-            for (d, out) in outs.iter_mut().enumerate() {
-                for (s, part) in parts.iter().enumerate() {
-                    self.send_recv(ranks, s, part, 0, d, out, at[s], counts[s]);
+        CudaBackend::prof_all(ranks, "nccl: all-gather", || {
+            self.group(|| {
+                for (d, out) in outs.iter_mut().enumerate() {
+                    for (s, part) in parts.iter().enumerate() {
+                        self.send_recv(ranks, s, part, 0, d, out, at[s], counts[s]);
+                    }
                 }
-            }
+            })
         });
         outs
     }
@@ -256,12 +258,14 @@ impl Collective<CudaBackend> for Nccl {
         let at = offsets(counts);
         let mut blocks: Vec<Vec<CudaBuf>> =
             (0..ranks.len()).map(|d| ranks.iter().map(|_| ranks[d].output(counts[d])).collect()).collect();
-        self.group(|| {
-            for (d, mine) in blocks.iter_mut().enumerate() {
-                for (s, (p, block)) in partials.iter().zip(mine.iter_mut()).enumerate() {
-                    self.send_recv(ranks, s, p, at[d], d, block, 0, counts[d]);
+        CudaBackend::prof_all(ranks, "nccl: reduce-scatter", || {
+            self.group(|| {
+                for (d, mine) in blocks.iter_mut().enumerate() {
+                    for (s, (p, block)) in partials.iter().zip(mine.iter_mut()).enumerate() {
+                        self.send_recv(ranks, s, p, at[d], d, block, 0, counts[d]);
+                    }
                 }
-            }
+            })
         });
         blocks.into_iter().enumerate().map(|(d, b)| sum_block(ranks, d, b)).collect()
     }

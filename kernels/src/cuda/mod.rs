@@ -298,6 +298,13 @@ impl CudaBackend {
         }
     }
 
+    /// [`CudaBackend::prof`] over several GPUs' work issued together (an NCCL group):
+    /// every rank that profiles gets `f`'s time on its own stream.
+    pub(crate) fn prof_all<R>(ranks: &[CudaBackend], name: &'static str, f: impl FnOnce() -> R) -> R {
+        let gpus: Vec<_> = ranks.iter().filter_map(|b| Some((b.profile.as_ref()?, &b.gpu))).collect();
+        profile::OpProfile::measure_all(&gpus, name, f)
+    }
+
     pub(crate) fn gpu(&self) -> &runtime::Gpu {
         &self.gpu
     }

@@ -60,6 +60,36 @@ impl OpProfile {
         }
     }
 
+    /// [`OpProfile::measure`] for work issued to several GPUs at once (an NCCL group):
+    /// each GPU that profiles gets the time of `f` on its own stream.
+    pub fn measure_all<R>(gpus: &[(&OpProfile, &Gpu)], name: &'static str, f: impl FnOnce() -> R) -> R {
+        let Some((first, _)) = gpus.first() else { return f() };
+        let record = |gpu: &Gpu| {
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            gpu.stream.record_event(flags).unwrap_or_else(|e| fail("event record", e))
+        };
+        match first.mode {
+            Mode::Sync => {
+                gpus.iter().for_each(|(_, g)| g.sync());
+                let t = std::time::Instant::now();
+                let r = f();
+                gpus.iter().for_each(|(_, g)| g.sync());
+                let seconds = t.elapsed().as_secs_f64();
+                gpus.iter().for_each(|(p, _)| p.add(name, seconds));
+                r
+            }
+            Mode::Events => {
+                let starts: Vec<CudaEvent> = gpus.iter().map(|(_, g)| record(g)).collect();
+                let r = f();
+                for ((p, g), start) in gpus.iter().zip(starts) {
+                    let end = record(g);
+                    p.pending.lock().expect("profile poisoned").push((name, start, end));
+                }
+                r
+            }
+        }
+    }
+
     fn add(&self, name: &'static str, seconds: f64) {
         let mut t = self.totals.lock().expect("profile poisoned");
         let e = t.entry(name).or_default();
