@@ -84,11 +84,13 @@ impl LocalCluster {
         let mut env = vec![("RUST_LOG".to_string(), std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))];
         // Everything runs on this host: KV moves through shared memory unless the caller
         // chose transports (left alone, UCX may carry large puts over loopback TCP).
-        // GPU workers add the CUDA transports, so a CUDA-enabled libucx moves their KV
-        // GPU to GPU (with Debian's libucx they are absent and KV is staged as always).
+        // GPU workers add the CUDA transports when the loaded libucx has them, so their KV
+        // moves GPU to GPU (Debian's libucx has none: naming them would only make UCX
+        // warn, and KV is staged through host memory as always).
         if std::env::var_os("UCX_TLS").is_none() {
             let on_gpus = o.worker_devices.iter().flatten().any(|a| a.contains("cuda"));
-            env.push(("UCX_TLS".into(), if on_gpus { "shm,cuda_ipc,cuda_copy" } else { "shm" }.into()));
+            let cuda_ucx = on_gpus && transfer::Receiver::start().is_ok_and(|rx| rx.supports_cuda());
+            env.push(("UCX_TLS".into(), if cuda_ucx { "shm,cuda_ipc,cuda_copy" } else { "shm" }.into()));
         }
         let dialer = match &o.tls {
             None => Dialer::plaintext(),
