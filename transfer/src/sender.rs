@@ -1,6 +1,6 @@
 //! The sending side: one UCX worker with an endpoint per receiver, writing a
-//! sequence's pages, then its state slot, then its logits, each batch followed by a
-//! flush, so that when [`Sender::send`] returns every byte is in the receiver's memory.
+//! sequence's pages, its state slot and its logits, then one flush, so that when
+//! [`Sender::send`] returns every byte is in the receiver's memory.
 //!
 //! Thread affinity: a [`Sender`] is `!Send`; it lives on the thread that owns the KV
 //! memory it sends from (a prefill worker's engine thread), so pages go out of that
@@ -259,24 +259,27 @@ impl Sender {
                 peer.unpack(&w.region.rkey)?;
             }
             let peer = &self.peers[address];
-            let mut issued = 0;
-            // One batch per region (a batch shares one remote key), in first-use order.
+            // One batch per region (a batch shares one remote key), in first-use order,
+            // all flushed together.
             let mut keys: Vec<&Vec<u8>> = Vec::new();
             for w in writes {
                 if !keys.contains(&&w.region.rkey) {
                     keys.push(&w.region.rkey);
                 }
             }
-            for key in keys {
-                let puts: Vec<(Source<'_>, u64)> = writes
-                    .iter()
-                    .filter(|w| &w.region.rkey == key)
-                    .map(|w| (self.with_memh(w.source), w.region.base + w.offset))
-                    .collect();
-                let left = deadline.saturating_duration_since(Instant::now());
-                issued += self.worker.put_sources(&peer.ep, &puts, &peer.keys[key], left)?;
-            }
-            Ok::<usize, TransferError>(issued)
+            let puts: Vec<Vec<(Source<'_>, u64)>> = keys
+                .iter()
+                .map(|&key| {
+                    writes
+                        .iter()
+                        .filter(|w| &w.region.rkey == key)
+                        .map(|w| (self.with_memh(w.source), w.region.base + w.offset))
+                        .collect()
+                })
+                .collect();
+            let batches: Vec<_> = keys.iter().zip(&puts).map(|(&key, p)| (&peer.keys[key], p.as_slice())).collect();
+            let left = deadline.saturating_duration_since(Instant::now());
+            Ok::<usize, TransferError>(self.worker.put_batches(&peer.ep, &batches, left)?)
         })();
         if result.is_err() {
             self.peers.remove(address);
@@ -301,24 +304,28 @@ impl Sender {
             peer.unpack(&region.rkey)?;
         }
         let peer = &self.peers[t.ucx_address.as_slice()];
-        let left = || deadline.saturating_duration_since(Instant::now());
         let pages: Vec<(Source<'_>, u64)> = parts
             .pages
             .iter()
             .zip(&t.page_ids)
             .map(|(p, &id)| (self.with_memh(*p), t.pages.base + id as u64 * g.page_bytes as u64))
             .collect();
-        let mut issued = self.worker.put_sources(&peer.ep, &pages, &peer.keys[&t.pages.rkey], left())?;
-        for (region, source, per_slot) in [
+        let state: Vec<[(Source<'_>, u64); 1]> = [
             (&t.rings, parts.rings, g.ring_bytes),
             (&t.comp, parts.comp, g.comp_bytes),
             (&t.logits, parts.logits, g.logits_bytes),
-        ] {
-            let at = region.base + t.slot as u64 * per_slot as u64;
-            issued +=
-                self.worker.put_sources(&peer.ep, &[(self.with_memh(source), at)], &peer.keys[&region.rkey], left())?;
+        ]
+        .into_iter()
+        .map(|(region, source, per_slot)| [(self.with_memh(source), region.base + t.slot as u64 * per_slot as u64)])
+        .collect();
+        // Pages, rings, compressor slots and logits, each region its own batch, then one
+        // flush for all of them.
+        let mut batches = vec![(&peer.keys[&t.pages.rkey], pages.as_slice())];
+        for (region, put) in [&t.rings, &t.comp, &t.logits].into_iter().zip(&state) {
+            batches.push((&peer.keys[&region.rkey], put.as_slice()));
         }
-        Ok(issued)
+        let left = deadline.saturating_duration_since(Instant::now());
+        Ok(self.worker.put_batches(&peer.ep, &batches, left)?)
     }
 }
 

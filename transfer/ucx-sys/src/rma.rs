@@ -156,17 +156,34 @@ impl Worker {
         rkey: &RemoteKey,
         timeout: Duration,
     ) -> Result<usize, UcxError> {
-        let each = puts
-            .iter()
-            .map(|(s, at)| s.range().map(|(local, memh)| Put { local, memh, remote: *at, allocation: s.allocation() }))
-            .collect::<Result<Vec<_>, _>>()?;
-        let ranges: Vec<_> = coalesce(&each).into_iter().map(|p| (p.local, p.memh, p.remote)).collect();
+        self.put_batches(ep, &[(rkey, puts)], timeout)
+    }
+
+    /// [`Worker::put_sources`] into several regions of one peer (a batch per remote
+    /// key), all issued before one flush: one round trip for a sequence's pages, rings,
+    /// compressor slots and logits instead of one per region.
+    pub fn put_batches(
+        &self,
+        ep: &Endpoint,
+        batches: &[(&RemoteKey, &[(Source<'_>, u64)])],
+        timeout: Duration,
+    ) -> Result<usize, UcxError> {
+        let mut ranges = Vec::new();
+        for (rkey, puts) in batches {
+            let each = puts
+                .iter()
+                .map(|(s, at)| {
+                    s.range().map(|(local, memh)| Put { local, memh, remote: *at, allocation: s.allocation() })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            ranges.extend(coalesce(&each).into_iter().map(|p| (p.local, p.memh, p.remote, *rkey)));
+        }
         // SAFETY: host sources are borrowed for the whole call; device sources are held by
         // their handles or registrations (live device memory while borrowed), checked to lie
         // inside them above; a merged range spans device sources that continue one another
-        // in one allocation, so it is live memory too; put_all_ranges
-        // returns only once UCX is done with every range.
-        unsafe { self.put_all_ranges(ep, &ranges, rkey, timeout) }?;
+        // in one allocation, so it is live memory too; put_all_ranges returns only once UCX
+        // is done with every range.
+        unsafe { self.put_all_ranges(ep, &ranges, timeout) }?;
         Ok(ranges.len())
     }
 
@@ -182,30 +199,31 @@ impl Worker {
         rkey: &RemoteKey,
         timeout: Duration,
     ) -> Result<(), UcxError> {
-        let puts: Vec<(LocalRange, Option<raw::ucp_mem_h>, u64)> = puts.iter().map(|(l, at)| (*l, None, *at)).collect();
+        let puts: Vec<_> = puts.iter().map(|(l, at)| (*l, None, *at, rkey)).collect();
         // SAFETY: the caller's guarantees, passed on.
-        unsafe { self.put_all_ranges(ep, &puts, rkey, timeout) }
+        unsafe { self.put_all_ranges(ep, &puts, timeout) }
     }
 
-    /// [`Worker::put_ranges`], each range with its memory handle where it has one.
+    /// Issues every put (each range with its memory handle where it has one, into the
+    /// region of its remote key), then flushes `ep` once.
     ///
     /// # Safety
     /// As [`Worker::put_ranges`]; every handle must be live and cover its range.
+    #[allow(clippy::type_complexity)]
     unsafe fn put_all_ranges(
         &self,
         ep: &Endpoint,
-        puts: &[(LocalRange, Option<raw::ucp_mem_h>, u64)],
-        rkey: &RemoteKey,
+        puts: &[(LocalRange, Option<raw::ucp_mem_h>, u64, &RemoteKey)],
         timeout: Duration,
     ) -> Result<(), UcxError> {
         self.owns(&ep.inner.worker)?;
-        for (local, _, remote_addr) in puts {
+        for (local, _, remote_addr, rkey) in puts {
             rkey.handle_for(ep, *remote_addr, local.len)?;
         }
         let deadline = Instant::now() + timeout;
         let mut issued = Vec::with_capacity(puts.len());
         let mut result = Ok(());
-        for (local, memh, remote_addr) in puts.iter().filter(|(local, _, _)| local.len > 0) {
+        for (local, memh, remote_addr, rkey) in puts.iter().filter(|(local, ..)| local.len > 0) {
             // SAFETY: the caller keeps every range valid for the whole call, and every
             // Pending is finished (waited for, or given up after closing the endpoint)
             // before we return: below, or by its Drop if we return early.
