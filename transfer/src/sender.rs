@@ -387,7 +387,8 @@ mod tests {
         let keys = |tx: &Sender| tx.peers[target.ucx_address.as_slice()].keys.len();
 
         let mut tx = Sender::new().unwrap();
-        tx.send(&target, &g, &parts(&a), timeout).unwrap();
+        let sent = tx.send(&target, &g, &parts(&a), timeout).unwrap();
+        assert_eq!(sent.puts, 4, "a put per region: the page, rings, compressor slots, logits");
         assert_eq!(keys(&tx), 4, "one key per region");
         tx.release_idle_keys(Instant::now() + KEY_IDLE + Duration::from_secs(1));
         assert_eq!(keys(&tx), 0, "an idle receiver's regions are unmapped");
@@ -399,5 +400,38 @@ mod tests {
         let kv = cpu.kv_adopt(Box::new(pool.region), 2 * g.page_bytes / 2, EntryDtype::Bf16).unwrap();
         let landed = &cpu.kv_host_bytes(&kv).unwrap()[g.page_bytes..];
         assert!(landed == c.as_slice(), "the last send landed through the reused key");
+    }
+
+    /// Pages from host memory keep a put each even where they continue one another on
+    /// both ends (only GPU pages are merged), and every page lands in its own place.
+    #[test]
+    fn host_pages_go_out_page_by_page_and_land_in_place() {
+        let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 };
+        let g = WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Bf16, &[spec]), &Fingerprint([1; 32]), 64);
+        let rx = Receiver::start().unwrap();
+        let [pool, rings, comp, logits] =
+            [4 * g.page_bytes, g.ring_bytes, g.comp_bytes, g.logits_bytes].map(|b| rx.allocate(b).unwrap());
+        let target = Target {
+            geometry: g.clone(),
+            ucx_address: rx.address().to_vec(),
+            pages: pool.spec.clone(),
+            rings: rings.spec.clone(),
+            comp: comp.spec.clone(),
+            logits: logits.spec.clone(),
+            page_ids: vec![1, 2, 3],
+            slot: 0,
+        };
+        let (r, cm, l) = (bytes(g.ring_bytes, 1), bytes(g.comp_bytes, 2), bytes(g.logits_bytes, 3));
+        // Three pages side by side in one host buffer, to consecutive remote pages.
+        let local = bytes(3 * g.page_bytes, 40);
+        let parts = SendParts { pages: local.chunks_exact(g.page_bytes).collect(), rings: &r, comp: &cm, logits: &l };
+        let sent = Sender::new().unwrap().send(&target, &g, &parts, Duration::from_secs(20)).unwrap();
+        assert_eq!(sent.puts, 3 + 3, "three page puts and three state puts");
+        assert_eq!(sent.bytes, parts.bytes());
+        let cpu = CpuBackend::new();
+        let kv = cpu.kv_adopt(Box::new(pool.region), 4 * g.page_bytes / 2, EntryDtype::Bf16).unwrap();
+        let landed = cpu.kv_host_bytes(&kv).unwrap();
+        assert!(landed[g.page_bytes..] == local[..], "pages 1..4 hold the three pages in order");
+        assert!(landed[..g.page_bytes].iter().all(|&b| b == 0), "page 0 untouched");
     }
 }
