@@ -68,6 +68,13 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
     out
 }
 
+/// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
+/// rows are fewer than the SMs (a decode batch: each block reads its 64 KiB row alone,
+/// bound by how many loads it has in flight), 256 otherwise.
+fn row_block_threads(g: &super::runtime::Gpu, rows: usize) -> u32 {
+    if rows < g.sms { 1024 } else { 256 }
+}
+
 pub(crate) fn hc_pre(
     b: &CudaBackend,
     streams: &CudaBuf,
@@ -84,12 +91,12 @@ pub(crate) fn hc_pre(
     if rows == 0 {
         return;
     }
-    let m = mix(b, streams, rows, &w.mix);
+    let m = b.prof("hc_pre: mix", || mix(b, streams, rows, &w.mix));
     let g = &b.gpu;
     launch!(
         g,
         "hc_pre_finish",
-        cfg((rows as u32, 1, 1), 256, 0),
+        cfg((rows as u32, 1, 1), row_block_threads(g, rows), 0),
         g.ptr(&streams.mem),
         g.ptr(&m.mem),
         f80(&w.base),
@@ -156,7 +163,7 @@ pub(crate) fn hc_head(
     launch!(
         g,
         "hc_head_finish",
-        cfg((rows as u32, 1, 1), 256, 0),
+        cfg((rows as u32, 1, 1), row_block_threads(g, rows), 0),
         g.ptr(&streams.mem),
         g.ptr(&m.mem),
         f80(&w.base),

@@ -94,7 +94,15 @@ pub(crate) fn rms_norm(b: &CudaBackend, x: &mut CudaBuf, dim: usize, weight: Opt
         return;
     }
     let g = &b.gpu;
-    let threads = if dim >= 1024 { 256 } else { 128 };
+    // A decode batch's few long rows: a thread per 16-byte load of the row (up to 1,024),
+    // so each block waits on one round of loads; otherwise as many rows as blocks.
+    let threads = if rows < g.sms && dim.is_multiple_of(4) && dim >= 1024 {
+        (dim / 4).next_multiple_of(32).min(1024) as u32
+    } else if dim >= 1024 {
+        256
+    } else {
+        128
+    };
     let w = weight.map(|w| g.ptr(&w.mem)).unwrap_or(0);
     launch!(g, "rms_norm", cfg((rows as u32, 1, 1), threads, 0), g.ptr(&x.mem), w, dim as i32, eps);
 }

@@ -188,6 +188,24 @@ __device__ void entry_store_warp(const float* x, u8* e, float* back, int dtype, 
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 // f32 for values, u32 for counts (exact at any size). It may be called again right away.
+// This thread's share of Σ p[i]² over n values, the threads of a block striding through
+// them: 16-byte loads when n is a multiple of 4 (p must then be 16-byte aligned, as the
+// rows of every buffer the callers pass are), so a block covering a long row alone (a
+// decode batch's few rows) waits on a quarter of the loads.
+__device__ __forceinline__ float thread_sumsq(const float* p, int n) {
+    float ss = 0.0f;
+    if ((n & 3) == 0) {
+        const float4* p4 = reinterpret_cast<const float4*>(p);
+        for (int i = threadIdx.x; i < (n >> 2); i += blockDim.x) {
+            const float4 v = p4[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += p[i] * p[i];
+    }
+    return ss;
+}
+
 template <typename T>
 __device__ T block_sum(T v) {
     __shared__ T part[32];

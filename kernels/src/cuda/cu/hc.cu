@@ -10,32 +10,46 @@ struct F80 {
     float v[80];
 };
 
-// One block per row. mix[rows, (2+hc)*hc] = W · streams (un-normalised).
-extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
-                                         float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
-                                         float hc_eps, float* collapsed, float* post, float* comb) {
-    const int r = blockIdx.x;
-    const int width = hc * d;
-    const float* s = streams + (long long)r * width;
-    __shared__ float pre_s[HC_MAX];
-    __shared__ float c[HC_MAX * HC_MAX];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += s[i] * s[i];
-    ss = block_sum(ss);
-    const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
-    const int mixn = (2 + hc) * hc;
-    const float* m = mix + (long long)r * mixn;
-    // The hc × hc mixing matrix, one element per thread of the first hc² threads, which
-    // run the Sinkhorn rounds in step (each row or column sum taken in index order by
-    // every thread of it, the same operations as one thread doing it all).
+// out[i] = Σ_j pre[j] · s[j·d + i] over the block's threads, in j order; four outputs a
+// thread with 16-byte loads when d is a multiple of 4.
+__device__ __forceinline__ void hc_collapse(const float* s, const float* pre, int hc, int d, float* out) {
+    if ((d & 3) == 0) {
+        for (int i = threadIdx.x; i < (d >> 2); i += blockDim.x) {
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (int j = 0; j < hc; j++) {
+                const float4 v = reinterpret_cast<const float4*>(s + (long long)j * d)[i];
+                acc.x += pre[j] * v.x;
+                acc.y += pre[j] * v.y;
+                acc.z += pre[j] * v.z;
+                acc.w += pre[j] * v.w;
+            }
+            reinterpret_cast<float4*>(out)[i] = acc;
+        }
+        return;
+    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < hc; j++) acc += pre[j] * s[j * d + i];
+        out[i] = acc;
+    }
+}
+
+// Sinkhorn projection of the hc × hc logits in shared `c` (row softmax + eps, then
+// `iters` rounds of column and row normalisation), by the first hc² threads, the rest of
+// the participating threads keeping step; the result goes to `comb`. ONE_WARP: only the
+// first warp takes part (hc² ≤ 32) and syncs with __syncwarp; otherwise the whole block.
+template <bool ONE_WARP>
+__device__ __forceinline__ void hc_sync() {
+    if (ONE_WARP)
+        __syncwarp();
+    else
+        __syncthreads();
+}
+
+template <bool ONE_WARP>
+__device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float hc_eps, float* comb) {
     const int j = threadIdx.x / hc, k = threadIdx.x % hc;
     const bool mine = threadIdx.x < hc * hc;
-    if (threadIdx.x < hc) {
-        pre_s[threadIdx.x] = sigmoidf_(m[threadIdx.x] * inv * s_pre + base.v[threadIdx.x]) + hc_eps;
-        post[r * hc + threadIdx.x] = 2.0f * sigmoidf_(m[hc + threadIdx.x] * inv * s_post + base.v[hc + threadIdx.x]);
-    }
-    if (mine) c[threadIdx.x] = m[2 * hc + threadIdx.x] * inv * s_comb + base.v[2 * hc + threadIdx.x];
-    __syncthreads();
     // Row softmax + eps.
     float v = 0.0f;
     if (mine) {
@@ -45,9 +59,9 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
         for (int q = 0; q < hc; q++) sum += expf(c[j * hc + q] - mx);
         v = expf(c[j * hc + k] - mx) / sum + hc_eps;
     }
-    __syncthreads();
+    hc_sync<ONE_WARP>();
     if (mine) c[threadIdx.x] = v;
-    __syncthreads();
+    hc_sync<ONE_WARP>();
     for (int it = 0; it < iters; it++) {
         if (it > 0) {
             if (mine) {
@@ -55,26 +69,55 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
                 for (int q = 0; q < hc; q++) sum += c[j * hc + q];
                 v = c[threadIdx.x] / (sum + hc_eps);
             }
-            __syncthreads();
+            hc_sync<ONE_WARP>();
             if (mine) c[threadIdx.x] = v;
-            __syncthreads();
+            hc_sync<ONE_WARP>();
         }
         if (mine) {
             float sum = 0.0f;
             for (int q = 0; q < hc; q++) sum += c[q * hc + k];
             v = c[threadIdx.x] / (sum + hc_eps);
         }
-        __syncthreads();
+        hc_sync<ONE_WARP>();
         if (mine) c[threadIdx.x] = v;
-        __syncthreads();
+        hc_sync<ONE_WARP>();
     }
-    if (mine) comb[(long long)r * hc * hc + threadIdx.x] = c[threadIdx.x];
+    if (mine) comb[threadIdx.x] = c[threadIdx.x];
+}
+
+// One block per row. mix[rows, (2+hc)*hc] = W · streams (un-normalised).
+extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
+                                         float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
+                                         float hc_eps, float* collapsed, float* post, float* comb) {
+    const int r = blockIdx.x;
+    const int width = hc * d;
+    const float* s = streams + (long long)r * width;
+    __shared__ float pre_s[HC_MAX];
+    __shared__ float c[HC_MAX * HC_MAX];
+    const float ss = block_sum(thread_sumsq(s, width));
+    const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
+    const int mixn = (2 + hc) * hc;
+    const float* m = mix + (long long)r * mixn;
+    // The hc × hc mixing matrix, one element per thread of the first hc² threads, which
+    // run the Sinkhorn rounds in step (each row or column sum taken in index order by
+    // every thread of it, the same operations as one thread doing it all).
+    const bool mine = threadIdx.x < hc * hc;
+    if (threadIdx.x < hc) {
+        pre_s[threadIdx.x] = sigmoidf_(m[threadIdx.x] * inv * s_pre + base.v[threadIdx.x]) + hc_eps;
+        post[r * hc + threadIdx.x] = 2.0f * sigmoidf_(m[hc + threadIdx.x] * inv * s_post + base.v[hc + threadIdx.x]);
+    }
+    if (mine) c[threadIdx.x] = m[2 * hc + threadIdx.x] * inv * s_comb + base.v[2 * hc + threadIdx.x];
     __syncthreads();
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < hc; j++) acc += pre_s[j] * s[j * d + i];
-        collapsed[(long long)r * d + i] = acc;
+    float* comb_r = comb + (long long)r * hc * hc;
+    if (hc * hc <= WARP) {
+        // The rounds fit the first warp, which syncs alone (a block-wide barrier a round
+        // cost more than the rest of the kernel at decode sizes) while the other warps
+        // go on to the collapse, which needs only pre_s.
+        if (threadIdx.x < WARP) hc_sinkhorn<true>(c, hc, iters, hc_eps, comb_r);
+    } else {
+        hc_sinkhorn<false>(c, hc, iters, hc_eps, comb_r);
     }
+    hc_collapse(s, pre_s, hc, d, collapsed + (long long)r * d);
 }
 
 // streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].
@@ -102,17 +145,11 @@ extern "C" __global__ void hc_head_finish(const float* streams, const float* mix
     const int width = hc * d;
     const float* s = streams + (long long)r * width;
     __shared__ float pre_s[HC_MAX];
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += s[i] * s[i];
-    ss = block_sum(ss);
+    const float ss = block_sum(thread_sumsq(s, width));
     const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
     if (threadIdx.x < hc) pre_s[threadIdx.x] = sigmoidf_(mix[r * hc + threadIdx.x] * inv * scale + base.v[threadIdx.x]) + hc_eps;
     __syncthreads();
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = 0; j < hc; j++) acc += pre_s[j] * s[j * d + i];
-        out[(long long)r * d + i] = acc;
-    }
+    hc_collapse(s, pre_s, hc, d, out + (long long)r * d);
 }
 
 // The mixing product for many rows: out[r, n] = Σ_k W[n, k] · x[r, k] with few outputs
