@@ -32,6 +32,26 @@ use super::runtime::{Gpu, cfg, cfg_elems, fail, launch};
 const GEMV_ROWS: usize = 8;
 /// Rows at or below which products use the gemv kernels.
 pub(crate) const GEMV_MAX_ROWS: usize = GEMV_ROWS;
+
+/// Rows at or below which plain products ([`matmul`]) stream the weight once per
+/// [`GEMV_ROWS`] rows through the gemv kernels instead of a tiled GEMM, whose 128-row
+/// tiles are mostly empty at decode batch sizes. `SLUICE_CUDA_GEMV_MAX_ROWS` (read once,
+/// 8 to 64) sets it, to measure where the two cross; the default is [`GEMV_MAX_ROWS`].
+pub(crate) fn gemv_loop_max_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| {
+        let v = std::env::var("SLUICE_CUDA_GEMV_MAX_ROWS").ok();
+        match v.as_deref().map(str::parse::<usize>) {
+            None => GEMV_MAX_ROWS,
+            Some(Ok(n)) if (GEMV_MAX_ROWS..=64).contains(&n) => n,
+            Some(_) => {
+                tracing::warn!(value = ?v, "SLUICE_CUDA_GEMV_MAX_ROWS is not a number of rows from 8 to 64: using 8");
+                GEMV_MAX_ROWS
+            }
+        }
+    })
+}
+
 /// The experts' SwiGLU pair takes the gemv path up to this many rows, in launches of
 /// [`GEMV_ROWS`]: an expert's weights are small, and re-streaming them per 8 rows costs
 /// less than a tiled product's separate gate and up passes and temporaries (measured on
@@ -430,9 +450,23 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
         return;
     }
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
+    // A step's bytes count each weight once, however often a product streams it.
     gpu.traffic.add_weights(w.device_bytes());
     if op.rows <= GEMV_MAX_ROWS {
         return gemv(gpu, op, w, None, 0.0, variant);
+    }
+    if op.rows <= gemv_loop_max_rows() {
+        // Each launch of up to 8 rows streams the weight again.
+        for r0 in (0..op.rows).step_by(GEMV_ROWS) {
+            let part = Operand {
+                x: op.x + (4 * r0 * op.x_stride) as u64,
+                out: op.out + (4 * r0 * op.out_stride) as u64,
+                rows: (op.rows - r0).min(GEMV_ROWS),
+                ..op
+            };
+            gemv(gpu, part, w, None, 0.0, variant);
+        }
+        return;
     }
     if let Some(name) = gemm_kernel(&op, w) {
         return gemm(gpu, name, op, w, None);

@@ -473,7 +473,7 @@ impl Backend for CudaBackend {
             rows,
             groups: 1,
         };
-        self.prof(if rows <= matmul::GEMV_MAX_ROWS { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || {
+        self.prof(if rows <= matmul::gemv_loop_max_rows() { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || {
             matmul::matmul(g, op, w)
         });
     }
