@@ -7,6 +7,9 @@
 //!   else the SIMT gemv kernels (f32 weights, shapes it does not tile), which stream each
 //!   weight once with f32 activations and accumulation. Experts' SwiGLU pairs take this
 //!   path up to 32 rows, 8 per launch.
+//! - Plain products of 9 to [`gemv_loop_max_rows`] rows (32; larger decode batches): the
+//!   same gemv kernels, 8 rows a launch, each launch streaming the weight again, which
+//!   beats a GEMM whose 128-row tiles would be mostly empty.
 //! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles fed by a
 //!   cp.async pipeline, whose weight tiles are dequantised to bf16 in shared memory and
 //!   whose f32 activations are first split into two bf16 parts (~16 mantissa bits
@@ -35,18 +38,21 @@ pub(crate) const GEMV_MAX_ROWS: usize = GEMV_ROWS;
 
 /// Rows at or below which plain products ([`matmul`]) stream the weight once per
 /// [`GEMV_ROWS`] rows through the gemv kernels instead of a tiled GEMM, whose 128-row
-/// tiles are mostly empty at decode batch sizes. `SLUICE_CUDA_GEMV_MAX_ROWS` (read once,
-/// 8 to 64) sets it, to measure where the two cross; the default is [`GEMV_MAX_ROWS`].
+/// tiles are mostly empty at decode batch sizes: 32 by default (8 Flash layers on an
+/// H200, decode at 16 / 32 / 64 rows: 28.3 → 20.0, 38.7 → 33.1, 54.5 → 54.7 ms a step
+/// against the GEMM above 8 rows; docs/perf.md). `SLUICE_CUDA_GEMV_MAX_ROWS` (read once,
+/// 8 to 64) moves it, to measure the crossover again.
 pub(crate) fn gemv_loop_max_rows() -> usize {
+    const DEFAULT: usize = 32;
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ONCE.get_or_init(|| {
         let v = std::env::var("SLUICE_CUDA_GEMV_MAX_ROWS").ok();
         match v.as_deref().map(str::parse::<usize>) {
-            None => GEMV_MAX_ROWS,
+            None => DEFAULT,
             Some(Ok(n)) if (GEMV_MAX_ROWS..=64).contains(&n) => n,
             Some(_) => {
-                tracing::warn!(value = ?v, "SLUICE_CUDA_GEMV_MAX_ROWS is not a number of rows from 8 to 64: using 8");
-                GEMV_MAX_ROWS
+                tracing::warn!(value = ?v, "SLUICE_CUDA_GEMV_MAX_ROWS is not a number of rows from 8 to 64: using 32");
+                DEFAULT
             }
         }
     })
