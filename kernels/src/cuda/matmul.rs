@@ -106,6 +106,18 @@ pub(crate) struct Operand {
     pub groups: usize,
 }
 
+impl Operand {
+    /// The product's rows in parts of at most [`GEMV_ROWS`] (one gemv launch each).
+    fn gemv_parts(self) -> impl Iterator<Item = Operand> {
+        (0..self.rows).step_by(GEMV_ROWS).map(move |r0| Operand {
+            x: self.x + (4 * r0 * self.x_stride) as u64,
+            out: self.out + (4 * r0 * self.out_stride) as u64,
+            rows: (self.rows - r0).min(GEMV_ROWS),
+            ..self
+        })
+    }
+}
+
 /// Kernel-name suffix of a weight format and the weights its gemv vector loads take at once.
 pub(crate) fn family(w: &CudaWeight) -> (&'static str, usize) {
     match &w.data {
@@ -230,13 +242,7 @@ fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: 
 
 /// The SIMT gemv kernels, in launches of up to [`GEMV_ROWS`] rows.
 pub(crate) fn gemv_simt(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
-    for r0 in (0..op.rows).step_by(GEMV_ROWS) {
-        let part = Operand {
-            x: op.x + (4 * r0 * op.x_stride) as u64,
-            out: op.out + (4 * r0 * op.out_stride) as u64,
-            rows: (op.rows - r0).min(GEMV_ROWS),
-            ..op
-        };
+    for part in op.gemv_parts() {
         gemv_launch(gpu, part, w, w3, limit);
     }
 }
@@ -458,18 +464,9 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
     // A step's bytes count each weight once, however often a product streams it.
     gpu.traffic.add_weights(w.device_bytes());
-    if op.rows <= GEMV_MAX_ROWS {
-        return gemv(gpu, op, w, None, 0.0, variant);
-    }
     if op.rows <= gemv_loop_max_rows() {
-        // Each launch of up to 8 rows streams the weight again.
-        for r0 in (0..op.rows).step_by(GEMV_ROWS) {
-            let part = Operand {
-                x: op.x + (4 * r0 * op.x_stride) as u64,
-                out: op.out + (4 * r0 * op.out_stride) as u64,
-                rows: (op.rows - r0).min(GEMV_ROWS),
-                ..op
-            };
+        // One launch up to 8 rows; past that each launch of up to 8 streams the weight again.
+        for part in op.gemv_parts() {
             gemv(gpu, part, w, None, 0.0, variant);
         }
         return;
