@@ -363,13 +363,24 @@ mod tests {
         (0..len).map(|i| (i as u8).wrapping_mul(13).wrapping_add(salt)).collect()
     }
 
-    #[test]
-    fn remote_keys_are_reused_between_sends_and_released_when_idle() {
+    /// A receiver holding a pool of `pool_pages` pages and one state slot, and the
+    /// target that writes the sent pages into `page_ids` of it. The state regions stay
+    /// registered for as long as the fixture lives.
+    struct Fixture {
+        g: WireGeometry,
+        pool: crate::RegisteredRegion,
+        _state: [crate::RegisteredRegion; 3],
+        target: Target,
+        /// Dropped last, after its regions.
+        _rx: Receiver,
+    }
+
+    fn fixture(pool_pages: usize, page_ids: Vec<u32>) -> Fixture {
         let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 };
         let g = WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Bf16, &[spec]), &Fingerprint([1; 32]), 64);
         let rx = Receiver::start().unwrap();
         let [pool, rings, comp, logits] =
-            [2 * g.page_bytes, g.ring_bytes, g.comp_bytes, g.logits_bytes].map(|b| rx.allocate(b).unwrap());
+            [pool_pages * g.page_bytes, g.ring_bytes, g.comp_bytes, g.logits_bytes].map(|b| rx.allocate(b).unwrap());
         let target = Target {
             geometry: g.clone(),
             ucx_address: rx.address().to_vec(),
@@ -377,9 +388,23 @@ mod tests {
             rings: rings.spec.clone(),
             comp: comp.spec.clone(),
             logits: logits.spec.clone(),
-            page_ids: vec![1],
+            page_ids,
             slot: 0,
         };
+        Fixture { g, pool, _state: [rings, comp, logits], target, _rx: rx }
+    }
+
+    /// The bytes of the fixture's pool, read as a decode worker reads its pages.
+    fn landed(f: Fixture, pool_pages: usize) -> Vec<u8> {
+        let cpu = CpuBackend::new();
+        let kv = cpu.kv_adopt(Box::new(f.pool.region), pool_pages * f.g.page_bytes / 2, EntryDtype::Bf16).unwrap();
+        cpu.kv_host_bytes(&kv).unwrap().to_vec()
+    }
+
+    #[test]
+    fn remote_keys_are_reused_between_sends_and_released_when_idle() {
+        let f = fixture(2, vec![1]);
+        let (g, target) = (&f.g, &f.target);
         let (r, cm, l) = (bytes(g.ring_bytes, 1), bytes(g.comp_bytes, 2), bytes(g.logits_bytes, 3));
         let (a, b, c) = (bytes(g.page_bytes, 10), bytes(g.page_bytes, 20), bytes(g.page_bytes, 30));
         let parts = |page| SendParts { pages: vec![page], rings: &r, comp: &cm, logits: &l };
@@ -387,51 +412,36 @@ mod tests {
         let keys = |tx: &Sender| tx.peers[target.ucx_address.as_slice()].keys.len();
 
         let mut tx = Sender::new().unwrap();
-        let sent = tx.send(&target, &g, &parts(&a), timeout).unwrap();
+        let sent = tx.send(target, g, &parts(&a), timeout).unwrap();
         assert_eq!(sent.puts, 4, "a put per region: the page, rings, compressor slots, logits");
         assert_eq!(keys(&tx), 4, "one key per region");
         tx.release_idle_keys(Instant::now() + KEY_IDLE + Duration::from_secs(1));
         assert_eq!(keys(&tx), 0, "an idle receiver's regions are unmapped");
-        tx.send(&target, &g, &parts(&b), timeout).unwrap();
-        tx.send(&target, &g, &parts(&c), timeout).unwrap();
+        tx.send(target, g, &parts(&b), timeout).unwrap();
+        tx.send(target, g, &parts(&c), timeout).unwrap();
         assert_eq!(keys(&tx), 4, "unpacked again once, then reused");
 
-        let cpu = CpuBackend::new();
-        let kv = cpu.kv_adopt(Box::new(pool.region), 2 * g.page_bytes / 2, EntryDtype::Bf16).unwrap();
-        let landed = &cpu.kv_host_bytes(&kv).unwrap()[g.page_bytes..];
-        assert!(landed == c.as_slice(), "the last send landed through the reused key");
+        let page_bytes = g.page_bytes;
+        let landed = landed(f, 2);
+        assert!(landed[page_bytes..] == c[..], "the last send landed through the reused key");
     }
 
     /// Pages from host memory keep a put each even where they continue one another on
     /// both ends (only GPU pages are merged), and every page lands in its own place.
     #[test]
     fn host_pages_go_out_page_by_page_and_land_in_place() {
-        let spec = LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: 32, index_dim: 16, rope_dim: 16 };
-        let g = WireGeometry::new(&KvLayout::new(128, 128, EntryDtype::Bf16, &[spec]), &Fingerprint([1; 32]), 64);
-        let rx = Receiver::start().unwrap();
-        let [pool, rings, comp, logits] =
-            [4 * g.page_bytes, g.ring_bytes, g.comp_bytes, g.logits_bytes].map(|b| rx.allocate(b).unwrap());
-        let target = Target {
-            geometry: g.clone(),
-            ucx_address: rx.address().to_vec(),
-            pages: pool.spec.clone(),
-            rings: rings.spec.clone(),
-            comp: comp.spec.clone(),
-            logits: logits.spec.clone(),
-            page_ids: vec![1, 2, 3],
-            slot: 0,
-        };
+        let f = fixture(4, vec![1, 2, 3]);
+        let g = &f.g;
         let (r, cm, l) = (bytes(g.ring_bytes, 1), bytes(g.comp_bytes, 2), bytes(g.logits_bytes, 3));
         // Three pages side by side in one host buffer, to consecutive remote pages.
         let local = bytes(3 * g.page_bytes, 40);
         let parts = SendParts { pages: local.chunks_exact(g.page_bytes).collect(), rings: &r, comp: &cm, logits: &l };
-        let sent = Sender::new().unwrap().send(&target, &g, &parts, Duration::from_secs(20)).unwrap();
+        let sent = Sender::new().unwrap().send(&f.target, g, &parts, Duration::from_secs(20)).unwrap();
         assert_eq!(sent.puts, 3 + 3, "three page puts and three state puts");
         assert_eq!(sent.bytes, parts.bytes());
-        let cpu = CpuBackend::new();
-        let kv = cpu.kv_adopt(Box::new(pool.region), 4 * g.page_bytes / 2, EntryDtype::Bf16).unwrap();
-        let landed = cpu.kv_host_bytes(&kv).unwrap();
-        assert!(landed[g.page_bytes..] == local[..], "pages 1..4 hold the three pages in order");
-        assert!(landed[..g.page_bytes].iter().all(|&b| b == 0), "page 0 untouched");
+        let page_bytes = g.page_bytes;
+        let landed = landed(f, 4);
+        assert!(landed[page_bytes..] == local[..], "pages 1..4 hold the three pages in order");
+        assert!(landed[..page_bytes].iter().all(|&b| b == 0), "page 0 untouched");
     }
 }
