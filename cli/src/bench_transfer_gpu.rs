@@ -21,7 +21,8 @@ use serde_json::json;
 use sluice_proto::v1 as pb;
 use transfer::{Checksums, Receiver, Sender, Source, SourceParts, Target, WireGeometry};
 
-use crate::bench_transfer::{checksums_json, expect_line, fill, hex, page_ids, read_lines, unhex};
+use crate::bench_transfer::{checksums_json, fill, hex, page_ids, unhex};
+use crate::child_proc::{expect_line, read_lines};
 
 /// A byte buffer in device memory (FP8 storage: one element per byte).
 fn device_bytes(b: &CudaBackend, bytes: &[u8]) -> kernels::cuda::CudaKv {

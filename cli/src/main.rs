@@ -12,7 +12,8 @@
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
 //! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark), over
 //!   `bench_gpus` (one GPU or several: what is measured on them).
-//! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest).
+//! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest), its
+//!   GPU children in `bench_transfer_gpu`, its child processes driven by `child_proc`.
 //! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
 //! - `bench_prefix`: `sluice bench prefix` (the SWA policy table: bytes, recompute, TTFT).
 //! - `bench_collectives`: `sluice bench collectives` (MoE row exchanges between GPUs:
@@ -31,6 +32,7 @@ mod bench_prefix;
 mod bench_serve;
 mod bench_transfer;
 mod bench_transfer_gpu;
+mod child_proc;
 mod client;
 mod generate_cmd;
 mod gpu_layout;
