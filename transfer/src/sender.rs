@@ -310,20 +310,18 @@ impl Sender {
             .zip(&t.page_ids)
             .map(|(p, &id)| (self.with_memh(*p), t.pages.base + id as u64 * g.page_bytes as u64))
             .collect();
-        let state: Vec<[(Source<'_>, u64); 1]> = [
+        let state = [
             (&t.rings, parts.rings, g.ring_bytes),
             (&t.comp, parts.comp, g.comp_bytes),
             (&t.logits, parts.logits, g.logits_bytes),
         ]
-        .into_iter()
-        .map(|(region, source, per_slot)| [(self.with_memh(source), region.base + t.slot as u64 * per_slot as u64)])
-        .collect();
+        .map(|(region, source, per_slot)| {
+            (region, [(self.with_memh(source), region.base + t.slot as u64 * per_slot as u64)])
+        });
         // Pages, rings, compressor slots and logits, each region its own batch, then one
         // flush for all of them.
         let mut batches = vec![(&peer.keys[&t.pages.rkey], pages.as_slice())];
-        for (region, put) in [&t.rings, &t.comp, &t.logits].into_iter().zip(&state) {
-            batches.push((&peer.keys[&region.rkey], put.as_slice()));
-        }
+        batches.extend(state.iter().map(|(region, put)| (&peer.keys[&region.rkey], put.as_slice())));
         let left = deadline.saturating_duration_since(Instant::now());
         Ok(self.worker.put_batches(&peer.ep, &batches, left)?)
     }

@@ -37,31 +37,12 @@ impl OpProfile {
     }
 
     pub fn measure<R>(&self, gpu: &Gpu, name: &'static str, f: impl FnOnce() -> R) -> R {
-        let record = || {
-            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            gpu.stream.record_event(flags).unwrap_or_else(|e| fail("event record", e))
-        };
-        match self.mode {
-            Mode::Sync => {
-                gpu.sync();
-                let t = std::time::Instant::now();
-                let r = f();
-                gpu.sync();
-                self.add(name, t.elapsed().as_secs_f64());
-                r
-            }
-            Mode::Events => {
-                let start = record();
-                let r = f();
-                let end = record();
-                self.pending.lock().expect("profile poisoned").push((name, start, end));
-                r
-            }
-        }
+        Self::measure_all(&[(self, gpu)], name, f)
     }
 
     /// [`OpProfile::measure`] for work issued to several GPUs at once (an NCCL group):
-    /// each GPU that profiles gets the time of `f` on its own stream.
+    /// each GPU that profiles gets the time of `f` on its own stream (in `Sync` mode the
+    /// wall time between synchronising all of them before and after).
     pub fn measure_all<R>(gpus: &[(&OpProfile, &Gpu)], name: &'static str, f: impl FnOnce() -> R) -> R {
         let Some((first, _)) = gpus.first() else { return f() };
         let record = |gpu: &Gpu| {
