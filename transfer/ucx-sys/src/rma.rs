@@ -146,22 +146,12 @@ impl Worker {
     }
 
     /// [`Worker::put_all`] for local bytes in host memory or held device memory (GPU
-    /// memory needs a CUDA-enabled libucx: [`Context::supports`](crate::Context::supports)).
-    /// GPU-memory puts that continue one another on both ends (and lie in one
-    /// allocation) go out as one (module `coalesce`); returns how many puts were issued.
-    pub fn put_sources(
-        &self,
-        ep: &Endpoint,
-        puts: &[(Source<'_>, u64)],
-        rkey: &RemoteKey,
-        timeout: Duration,
-    ) -> Result<usize, UcxError> {
-        self.put_batches(ep, &[(rkey, puts)], timeout)
-    }
-
-    /// [`Worker::put_sources`] into several regions of one peer (a batch per remote
-    /// key), all issued before one flush: one round trip for a sequence's pages, rings,
-    /// compressor slots and logits instead of one per region.
+    /// memory needs a CUDA-enabled libucx: [`Context::supports`](crate::Context::supports))
+    /// into several regions of one peer, a batch per remote key, all issued before one
+    /// flush: one round trip for a sequence's pages, rings, compressor slots and logits
+    /// instead of one per region. GPU-memory puts that continue one another on both ends
+    /// (and lie in one allocation) go out as one (module `coalesce`); returns how many
+    /// puts were issued.
     pub fn put_batches(
         &self,
         ep: &Endpoint,
