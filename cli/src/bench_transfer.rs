@@ -200,6 +200,11 @@ impl SluiceRun {
     fn gbps(&self) -> f64 {
         self.bytes_per_iter as f64 * self.seconds.len() as f64 / self.seconds.iter().sum::<f64>() / 1e9
     }
+
+    /// Mean bytes of one page put, `page_bytes` being every page of an iteration.
+    fn mean_put_bytes(&self, page_bytes: usize) -> usize {
+        page_bytes.div_ceil(self.page_puts.max(1))
+    }
 }
 
 fn compare(
@@ -220,7 +225,7 @@ fn compare(
         let perf = Perftest { bin: &a.perftest, tls: &tls, devices };
         let perftest = ucx_perftest(&perf, g.page_bytes, pages * a.iters, pages * a.warmup, run_bound);
         let perftest_at_put = (sluice.page_puts < pages).then(|| {
-            let size = (pages * g.page_bytes).div_ceil(sluice.page_puts.max(1));
+            let size = sluice.mean_put_bytes(pages * g.page_bytes);
             eprintln!("UCX_TLS={tls}: ucx_perftest with {size}-byte messages (the sender's mean put) ...");
             // The same bytes as the page-sized run, at least a few messages.
             let messages = (pages * a.iters * g.page_bytes).div_ceil(size).max(4);
@@ -453,7 +458,7 @@ fn report(
                     "ucx_perftest_error": r.perftest.as_ref().err().map(|e| format!("{e:#}")),
                     "page_puts_per_iter": r.sluice.page_puts,
                     "ucx_perftest_at_put_gbps": at_put,
-                    "ucx_perftest_at_put_message_bytes": (pages * g.page_bytes).div_ceil(r.sluice.page_puts.max(1)),
+                    "ucx_perftest_at_put_message_bytes": r.sluice.mean_put_bytes(pages * g.page_bytes),
                     "ratio_at_put": at_put.map(|p| r.sluice.gbps() / p),
                 })
             })
