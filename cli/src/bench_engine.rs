@@ -183,17 +183,21 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
             let mut next: Vec<u32> = bench_prompt(batch, vocab, 1000 + batch as u64);
             let mut steps = Vec::new();
             let mut traffic = Vec::new();
+            let mut launches = Vec::new();
             // One untimed step first: the plan shape and buffers of this batch are new.
             for i in 0..c.decode_steps + 1 {
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 engine.model.backend.traffic();
+                engine.model.backend.launches();
                 let t = Instant::now();
                 let out = engine.decode(&mut refs, &next)?;
                 let dt = t.elapsed().as_secs_f64();
                 let (w, kv) = engine.model.backend.traffic();
+                let n_launches = engine.model.backend.launches();
                 if i > 0 {
                     steps.push(dt);
                     traffic.push((w + kv) as f64);
+                    launches.push(n_launches);
                 } else {
                     // The first step of a shape loads kernels lazily: not in the profile.
                     engine.model.backend.profile();
@@ -203,8 +207,10 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
             let step = median(steps);
             let bytes_per_step = traffic.iter().sum::<f64>() / traffic.len() as f64;
             let gbs = bytes_per_step / step / 1e9;
+            let launches_per_step = launches.iter().sum::<u64>() as f64 / launches.len().max(1) as f64;
             eprintln!(
-                "decode ctx {ctx} batch {batch}: {:.3} ms/step, {:.0} MB/step, {gbs:.0} GB/s ({:.0}% of copy)",
+                "decode ctx {ctx} batch {batch}: {:.3} ms/step, {:.0} MB/step, {gbs:.0} GB/s ({:.0}% of copy), \
+                 {launches_per_step:.0} launches/step",
                 step * 1e3,
                 bytes_per_step / 1e6,
                 100.0 * gbs / copy_gbs
@@ -232,7 +238,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
             decode_rows.push(json!({
                 "context": ctx, "batch": batch, "ms_per_step": step * 1e3, "device_ms_per_step": device_step * 1e3,
                 "tokens_per_s": batch as f64 / step, "bytes_per_step": bytes_per_step,
-                "achieved_gb_s": gbs, "fraction_of_copy": gbs / copy_gbs,
+                "achieved_gb_s": gbs, "fraction_of_copy": gbs / copy_gbs, "launches_per_step": launches_per_step,
             }));
         }
     }

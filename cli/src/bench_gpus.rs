@@ -30,6 +30,16 @@ pub trait MeasuredGpus: Backend {
         self.gpus().iter().map(|g| g.take_traffic()).fold((0, 0), |(w, k), (a, b)| (w + a, k + b))
     }
 
+    /// Kernel launches and cuBLAS calls since the last call, on the first GPU (each GPU
+    /// of a sharded engine issues the same sequence).
+    fn launches(&self) -> u64 {
+        let n = self.first().take_launches();
+        self.gpus().iter().skip(1).for_each(|g| {
+            g.take_launches();
+        });
+        n
+    }
+
     /// Hold every GPU's stream for `ns` (work issued next queues behind it).
     fn hold(&self, ns: u64) {
         self.gpus().iter().for_each(|g| g.hold_stream(ns));

@@ -324,7 +324,7 @@ pub(crate) fn attention(
         launch!(
             g,
             "attention_merge",
-            cfg(((rows * heads) as u32, 1, 1), 128, 0),
+            cfg(((rows * heads) as u32, 1, 1), 128, (4 * splits) as u32),
             g.ptr(&part.mem),
             g.ptr(&sinks.mem),
             g.ptr(&out.mem),
@@ -375,10 +375,15 @@ pub(crate) fn store_window(
     }
     let g = &b.gpu;
     let dp = b.plans.get(g, plan);
+    // FP8: a warp per FP8 block of a row and one for the rest (attention.cu).
+    let warps_per_row = match layout.dtype {
+        crate::EntryDtype::Fp8 => (hd - lk.main.tail).div_ceil(crate::kv_layout::FP8_SCALE_BLOCK) + 1,
+        _ => 1,
+    };
     launch!(
         g,
         "store_window",
-        cfg_elems(rows * 32),
+        cfg_elems(rows * warps_per_row * 32),
         g.ptr(&new_kv.mem),
         g.ptr(&kv.rings.mem),
         g.ptr(&dp.row_seq),

@@ -416,6 +416,7 @@ pub(crate) fn cublas_gemm(
     beta: f32,
 ) {
     let alpha = 1f32;
+    gpu.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let blas = gpu.blas.lock().expect("cuBLAS handle poisoned");
     // SAFETY: A is groups × (m × k) weights, B holds n rows of ldb values whose group g
     // starts at column g·k, C holds n rows of ldc values whose group g starts at g·m; all
@@ -670,21 +671,30 @@ pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaW
     let tiles = n.div_ceil(16 * mt);
     let rounds = k / round;
     let most_parts = (rounds / D2_WARPS).max(1);
-    // Fewer row tiles than SMs: split K so that there are about two units per SM.
-    let mut parts = if tiles >= gpu.sms { 1 } else { (2 * gpu.sms).div_ceil(tiles).clamp(1, most_parts) };
     let rw_of = |parts: usize| rounds.div_ceil(parts).div_ceil(D2_WARPS);
-    // More parts also shrink each block's activations: take more until two blocks fit an
-    // SM (one block of 8 warps keeps too few loads in flight), or at least one does.
-    while d2_smem(fp4, nb, rw_of(parts), mt, dual) > D2_TWO_BLOCKS_SMEM && parts < most_parts {
-        parts += 1;
-    }
-    if d2_smem(fp4, nb, rw_of(parts), mt, dual) > D2_MAX_SMEM {
-        return None;
-    }
+    // More parts shrink each block's activations: the fewest parts with which two blocks
+    // fit an SM (one block of 8 warps keeps too few loads in flight), or at least one.
+    let fits = |parts: usize, limit: usize| d2_smem(fp4, nb, rw_of(parts), mt, dual) <= limit;
+    let fewest = (1..=most_parts)
+        .find(|&p| fits(p, D2_TWO_BLOCKS_SMEM))
+        .or_else(|| (1..=most_parts).find(|&p| fits(p, D2_MAX_SMEM)))?;
+    let kernel = *D2_KERNELS.iter().find(|&&x| x == name)?;
+    // Blocks loop over units (a row tile × a K part) and the grid is what is resident, so
+    // a step lasts (units of the busiest block) × (rounds a warp per unit). Take the K
+    // split that makes this shortest, fewer parts on a tie (each part adds a partial-sum
+    // pass). E.g. 128 tiles of K 8192 on 132 SMs: 3 parts gave 88 blocks a part, of which
+    // 40 took two tiles (10.7 rounds); 2 parts give every block one tile (8 rounds).
+    let plan_of = |parts: usize| {
+        let smem = d2_smem(fp4, nb, rw_of(parts), mt, dual);
+        let cap = gpu.resident_blocks(kernel, 256, smem as u32) * gpu.sms;
+        let grid_x = tiles.min((cap / parts).max(1));
+        (tiles.div_ceil(grid_x) * rw_of(parts), parts, smem, grid_x)
+    };
+    let (_, parts, smem, grid_x) = (fewest..=most_parts)
+        .filter(|&p| fits(p, D2_MAX_SMEM))
+        .map(plan_of)
+        .min_by_key(|&(cost, parts, ..)| (cost, parts))?;
     let rw_max = rw_of(parts);
-    let smem = d2_smem(fp4, nb, rw_max, mt, dual);
-    let cap = gpu.resident_blocks(D2_KERNELS.iter().find(|&&x| x == name)?, 256, smem as u32) * gpu.sms;
-    let grid_x = tiles.min(cap.div_ceil(parts)).max(1);
     Some(D2Plan { name, tiles, parts, rw_max, smem, grid_x })
 }
 

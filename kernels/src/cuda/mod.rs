@@ -231,6 +231,11 @@ impl CudaBackend {
         (t.weights.swap(0, Ordering::Relaxed) + device, t.kv.swap(0, Ordering::Relaxed))
     }
 
+    /// Kernel launches and cuBLAS calls issued since the last call.
+    pub fn take_launches(&self) -> u64 {
+        self.gpu.launches.swap(0, std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Device-to-device copy bandwidth over `bytes`-sized buffers (bytes read plus bytes
     /// written per second, median of `reps` timed copies after a warm-up), GB/s.
     pub fn copy_bandwidth_gbs(&self, bytes: usize, reps: usize) -> f64 {

@@ -7,7 +7,7 @@ use super::CudaBackend;
 use super::memory::{CudaBuf, CudaWeight, WeightData};
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::EntryDtype;
-use crate::kv_layout::EntryFormat;
+use crate::kv_layout::{EntryFormat, FP8_SCALE_BLOCK};
 use crate::rope::RopeTable;
 
 /// Most rotated pairs a head may have (the kernel's by-value table).
@@ -165,10 +165,12 @@ pub(crate) fn round_to(b: &CudaBackend, x: &mut CudaBuf, fmt: &EntryFormat) {
         EntryDtype::Bf16 => launch!(g, "round_to_bf16", cfg_elems(x.len), g.ptr(&x.mem), x.len as i64),
         EntryDtype::Fp8 => {
             let rows = x.len / fmt.dim;
+            // A warp per FP8 block of a row, one more for its bf16 tail (rows.cu).
+            let warps = rows * ((fmt.dim - fmt.tail).div_ceil(FP8_SCALE_BLOCK) + 1);
             launch!(
                 g,
                 "round_to_fp8",
-                cfg_elems(rows * 32),
+                cfg_elems(warps * 32),
                 g.ptr(&x.mem),
                 rows as i32,
                 fmt.dim as i32,

@@ -98,6 +98,9 @@ const KERNELS: &[&str] = &[
     "gemm_fp4_f8",
     "quant_e4m3_rows",
     "hc_pre_finish",
+    "hc_mix_split_f32",
+    "hc_mix_split_bf16",
+    "hc_collapse_rows",
     "hc_post",
     "hc_head_finish",
     "mix_rows_f32",
@@ -217,6 +220,9 @@ pub(crate) struct Gpu {
     /// Where the kernels came from (compiled now, or the PTX cache file).
     pub ptx_origin: String,
     pub traffic: Traffic,
+    /// Kernel launches and library calls (cuBLAS, NCCL) issued, for the benchmark's
+    /// launches per step.
+    pub launches: AtomicU64,
     scratch: Mutex<HashMap<&'static str, CudaSlice<u32>>>,
     /// Resident blocks per SM by (kernel, threads, dynamic shared memory).
     occupancy: Mutex<HashMap<(&'static str, u32, u32), usize>>,
@@ -292,6 +298,7 @@ impl Gpu {
             ordinal,
             ptx_origin,
             traffic: Traffic::default(),
+            launches: AtomicU64::new(0),
             scratch: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
             tables: Mutex::new(HashMap::new()),
@@ -503,6 +510,7 @@ macro_rules! launch {
     ($gpu:expr, $name:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
         let gpu: &$crate::cuda::runtime::Gpu = $gpu;
         let f = gpu.func($name);
+        gpu.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut b = gpu.stream.launch_builder(f);
         $( let a = $arg; cudarc::driver::PushKernelArg::arg(&mut b, &a); )*
         // SAFETY: the argument list matches the kernel's C signature (checked by the
@@ -531,6 +539,7 @@ impl Gpu {
     ) {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        self.launches.fetch_add(1, Ordering::Relaxed);
         // SAFETY: zero is a valid bit pattern for this plain C struct; id and value are
         // set below.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };

@@ -206,29 +206,31 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
     let (hc, d) = (4, 4096);
-    let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, "f32");
-    let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
-    let gw = HcWeights::<CudaBackend> {
-        mix: g.weight(mix.view()),
-        base: base.clone(),
-        scale: [0.8, 1.1, 0.9],
-        hc,
-        hidden: d,
-        sinkhorn_iters: 20,
-        norm_eps: 1e-6,
-        hc_eps: 1e-6,
-    };
-    let cw = HcWeights::<CpuBackend> {
-        mix: c.weight(mix.view()),
-        base,
-        scale: [0.8, 1.1, 0.9],
-        hc,
-        hidden: d,
-        sinkhorn_iters: 20,
-        norm_eps: 1e-6,
-        hc_eps: 1e-6,
-    };
-    for rows in [1, 8, 29, 40] {
+    // Up to 8 rows take the split pre-mix (hc_mix_split_*), more the row-per-block one;
+    // the mixing weight as stored in the checkpoints (f32) and in bf16.
+    for (mix_dtype, rows) in [("f32", 1), ("f32", 8), ("f32", 29), ("f32", 40), ("bf16", 1), ("bf16", 5)] {
+        let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, mix_dtype);
+        let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
+        let gw = HcWeights::<CudaBackend> {
+            mix: g.weight(mix.view()),
+            base: base.clone(),
+            scale: [0.8, 1.1, 0.9],
+            hc,
+            hidden: d,
+            sinkhorn_iters: 20,
+            norm_eps: 1e-6,
+            hc_eps: 1e-6,
+        };
+        let cw = HcWeights::<CpuBackend> {
+            mix: c.weight(mix.view()),
+            base,
+            scale: [0.8, 1.1, 0.9],
+            hc,
+            hidden: d,
+            sinkhorn_iters: 20,
+            norm_eps: 1e-6,
+            hc_eps: 1e-6,
+        };
         let s = rand_vec(&mut rng, rows * hc * d, 1.0);
         let out = rand_vec(&mut rng, rows * d, 1.0);
         let (mut col, mut post, mut comb) =
@@ -237,7 +239,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         let (mut ccol, mut cpost, mut ccomb) =
             (vec![0f32; rows * d], vec![0f32; rows * hc], vec![0f32; rows * hc * hc]);
         c.hc_pre(&s, rows, &cw, &mut ccol, &mut cpost, &mut ccomb);
-        check(&format!("hc_pre collapsed rows={rows}"), "f32", &g.download(&col), &ccol);
+        check(&format!("hc_pre collapsed rows={rows} mix {mix_dtype}"), "f32", &g.download(&col), &ccol);
         check(&format!("hc_pre post rows={rows}"), "f32", &g.download(&post), &cpost);
         check(&format!("hc_pre comb rows={rows}"), "f32", &g.download(&comb), &ccomb);
         let mut gs = g.upload(&s);

@@ -146,6 +146,40 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// FP8 block `b` (FP8_BLOCK values from b · FP8_BLOCK, of the n8 FP8 dims) of an entry by
+// one warp: its power-of-two scale from the block's largest magnitude, the codes to `e`
+// (with the scale byte) and/or what they decode to to `back`. Every lane must call it.
+__device__ __forceinline__ void entry_fp8_block_warp(const float* x, u8* e, float* back, int n8, int tail, int b) {
+    const int lane = threadIdx.x & 31;
+    const int c0 = b * FP8_BLOCK + lane, c1 = c0 + WARP;
+    const float v0 = c0 < n8 ? x[c0] : 0.0f, v1 = c1 < n8 ? x[c1] : 0.0f;
+    const u32 sb = fp8_scale_byte(warp_max(fmaxf(fabsf(v0), fabsf(v1))));
+    const float scale = ue8m0_scale(sb);
+    const u32 q0 = f2fp8(__fdiv_rn(v0, scale)), q1 = f2fp8(__fdiv_rn(v1, scale));
+    if (c0 < n8) {
+        if (e) e[c0] = (u8)q0;
+        if (back) back[c0] = fp8_to_f32(q0) * scale;
+    }
+    if (c1 < n8) {
+        if (e) e[c1] = (u8)q1;
+        if (back) back[c1] = fp8_to_f32(q1) * scale;
+    }
+    if (lane == 0 && e) e[n8 + 2 * tail + b] = (u8)sb;
+}
+
+// The rest of an FP8 entry after its blocks, by one warp: the bf16 tail and the zero
+// padding up to `bytes`.
+__device__ __forceinline__ void entry_fp8_tail_warp(const float* x, u8* e, float* back, int n8, int tail, int bytes) {
+    const int lane = threadIdx.x & 31, nb = (n8 + FP8_BLOCK - 1) / FP8_BLOCK;
+    for (int d = lane; d < tail; d += WARP) {
+        const u16 h = f2bf(x[n8 + d]);
+        if (e) ((u16*)(e + n8))[d] = h;
+        if (back) back[n8 + d] = bf2f(h);
+    }
+    if (e)
+        for (int p = n8 + 2 * tail + nb + lane; p < bytes; p += WARP) e[p] = 0;
+}
+
 // One warp stores the entry x[0..dim) at `e` (any dtype; `bytes` = the record's size),
 // and when `back` is set writes there what reading the entry gives (x and back may be
 // the same memory: each lane reads its values before writing them). Every lane of the
@@ -161,29 +195,8 @@ __device__ void entry_store_warp(const float* x, u8* e, float* back, int dtype, 
         return;
     }
     const int n8 = dim - tail, nb = (n8 + FP8_BLOCK - 1) / FP8_BLOCK;
-    for (int b = 0; b < nb; b++) {
-        const int c0 = b * FP8_BLOCK + lane, c1 = c0 + WARP;
-        const float v0 = c0 < n8 ? x[c0] : 0.0f, v1 = c1 < n8 ? x[c1] : 0.0f;
-        const u32 sb = fp8_scale_byte(warp_max(fmaxf(fabsf(v0), fabsf(v1))));
-        const float scale = ue8m0_scale(sb);
-        const u32 q0 = f2fp8(__fdiv_rn(v0, scale)), q1 = f2fp8(__fdiv_rn(v1, scale));
-        if (c0 < n8) {
-            if (e) e[c0] = (u8)q0;
-            if (back) back[c0] = fp8_to_f32(q0) * scale;
-        }
-        if (c1 < n8) {
-            if (e) e[c1] = (u8)q1;
-            if (back) back[c1] = fp8_to_f32(q1) * scale;
-        }
-        if (lane == 0 && e) e[n8 + 2 * tail + b] = (u8)sb;
-    }
-    for (int d = lane; d < tail; d += WARP) {
-        const u16 h = f2bf(x[n8 + d]);
-        if (e) ((u16*)(e + n8))[d] = h;
-        if (back) back[n8 + d] = bf2f(h);
-    }
-    if (e)
-        for (int p = n8 + 2 * tail + nb + lane; p < bytes; p += WARP) e[p] = 0;
+    for (int b = 0; b < nb; b++) entry_fp8_block_warp(x, e, back, n8, tail, b);
+    entry_fp8_tail_warp(x, e, back, n8, tail, bytes);
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.

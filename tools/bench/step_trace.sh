@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Device time of every kernel of one decode step, with Nsight Compute (the device
+# machines have `ncu` but no Nsight Systems). `sluice bench engine` queues its last
+# decode steps behind a `gpu_sleep` hold, so the kernels between the last two
+# `gpu_sleep` launches are exactly one step; tools/bench/step_trace.py sums them per
+# kernel and compares their total with the step's wall time (the rest is the gaps
+# between kernels: launch processing and dependencies).
+#
+#   tools/bench/step_trace.sh MODEL [BATCH] [CONTEXT]     (device machine, repo root)
+# Env: B (executables, default .device), KV (kv dtype, default fp8), OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+model=$1
+batch=${2:-1}
+ctx=${3:-8192}
+B=$(tools/bench/unpack_device.sh "${B:-.device}" /tmp/b)
+OUT=${OUT:-/tmp}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} SLUICE_PTX_CACHE=${SLUICE_PTX_CACHE:-/tmp/ptx}
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+[ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+# The step's wall time without the profiler, for the comparison.
+"$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype "${KV:-fp8}" \
+  --prefill-tokens 512 --chunk-tokens 8192 --contexts "$ctx" --batches "$batch" --decode-steps 8 --repeat 2 \
+  --skip-products --topk-candidates 0 --compress-tokens 0 2>&1 | grep '^decode ctx' | tee "$OUT/step_trace.wall"
+# Only the kernel duration: one pass per kernel, clocks left as they are (METHOD.md).
+"$ncu" --clock-control none --metrics gpu__time_duration.sum --csv --page raw --print-units base \
+  --log-file "$OUT/step_trace.csv" \
+  "$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype "${KV:-fp8}" \
+  --prefill-tokens 512 --chunk-tokens 8192 --contexts "$ctx" --batches "$batch" --decode-steps 1 --repeat 1 \
+  --skip-products --topk-candidates 0 --compress-tokens 0 >/dev/null 2>"$OUT/step_trace.err" ||
+  { tail -20 "$OUT/step_trace.err"; exit 1; }
+python3 tools/bench/step_trace.py "$OUT/step_trace.csv" "$OUT/step_trace.wall"
