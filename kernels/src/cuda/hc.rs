@@ -91,9 +91,6 @@ pub(crate) fn hc_pre(
     if rows == 0 {
         return;
     }
-    if hc_pre_split(b, streams, rows, w, collapsed, post, comb) {
-        return;
-    }
     let m = b.prof("hc_pre: mix", || mix(b, streams, rows, &w.mix));
     let g = &b.gpu;
     launch!(
@@ -115,93 +112,6 @@ pub(crate) fn hc_pre(
         g.ptr(&post.mem),
         g.ptr(&comb.mem),
     );
-}
-
-/// Inputs of a block of `hc_mix_split_*` (`HC_SLICE` in hc.cu).
-const HC_SLICE: usize = 256;
-/// Rows the split pre-mix takes (`HC_SPLIT_ROWS`), and its mixing outputs + 1 (`HC_SPLIT_NP`).
-const HC_SPLIT_ROWS: usize = 8;
-const HC_SPLIT_NP: usize = 32;
-
-/// The decode-sized pre-mix in two launches (hc.cu, `hc_mix_split_*` then
-/// `hc_collapse_rows`): the product and the row norms split over blocks of `HC_SLICE`
-/// inputs, the last block finishing every row. False (nothing issued) where the shapes
-/// or the weight's format are not the ones these kernels take.
-fn hc_pre_split(
-    b: &CudaBackend,
-    streams: &CudaBuf,
-    rows: usize,
-    w: &HcWeights<CudaBackend>,
-    collapsed: &mut CudaBuf,
-    post: &mut CudaBuf,
-    comb: &mut CudaBuf,
-) -> bool {
-    let (hc, d) = (w.hc, w.hidden);
-    let k = hc * d;
-    let n = (2 + hc) * hc;
-    let g = &b.gpu;
-    let kernel = match &w.mix.data {
-        WeightData::F32(m) => ("hc_mix_split_f32", g.ptr(m)),
-        WeightData::Bf16(m) => ("hc_mix_split_bf16", g.ptr(m)),
-        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => return false,
-    };
-    let shapes_fit = rows <= HC_SPLIT_ROWS
-        && hc * hc <= 32
-        && n < HC_SPLIT_NP
-        && (w.mix.rows, w.mix.cols) == (n, k)
-        && k.is_multiple_of(HC_SLICE)
-        && d.is_multiple_of(4);
-    if !shapes_fit || split_premix_off() {
-        return false;
-    }
-    b.prof("hc_pre: split mix", || {
-        let parts = k / HC_SLICE;
-        g.traffic.add_weights(w.mix.device_bytes());
-        let partials = g.scratch("hc_partials", parts * rows * (n + 1));
-        let ticket = g.scratch("hc_ticket", 1);
-        let pre = g.scratch("hc_pre_weights", rows * hc);
-        launch!(
-            g,
-            kernel.0,
-            cfg((parts as u32, 1, 1), HC_SLICE as u32, 0),
-            g.ptr(&streams.mem),
-            kernel.1,
-            f80(&w.base),
-            w.scale[0],
-            w.scale[1],
-            w.scale[2],
-            rows as i32,
-            hc as i32,
-            k as i32,
-            w.sinkhorn_iters as i32,
-            w.norm_eps,
-            w.hc_eps,
-            partials,
-            ticket,
-            pre,
-            g.ptr(&post.mem),
-            g.ptr(&comb.mem),
-        );
-        let threads = 256usize;
-        launch!(
-            g,
-            "hc_collapse_rows",
-            cfg((rows as u32, (d / 4).div_ceil(threads) as u32, 1), threads as u32, 0),
-            g.ptr(&streams.mem),
-            pre,
-            hc as i32,
-            d as i32,
-            g.ptr(&collapsed.mem),
-        );
-    });
-    true
-}
-
-/// `SLUICE_CUDA_HC_SPLIT=0` keeps decode batches on the one-block-per-row pre-mix (for
-/// comparison).
-fn split_premix_off() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OFF.get_or_init(|| std::env::var("SLUICE_CUDA_HC_SPLIT").is_ok_and(|v| v == "0"))
 }
 
 pub(crate) fn hc_post(

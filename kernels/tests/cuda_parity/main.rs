@@ -206,8 +206,8 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
     let (hc, d) = (4, 4096);
-    // Up to 8 rows take the split pre-mix (hc_mix_split_*), more the row-per-block one;
-    // the mixing weight as stored in the checkpoints (f32) and in bf16.
+    // Decode (gemv) and prefill-sized (mix_rows) mixing products; the mixing weight as
+    // stored in the checkpoints (f32) and in bf16.
     for (mix_dtype, rows) in [("f32", 1), ("f32", 8), ("f32", 29), ("f32", 40), ("bf16", 1), ("bf16", 5)] {
         let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, mix_dtype);
         let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);

@@ -34,19 +34,9 @@ __device__ __forceinline__ void hc_collapse(const float* s, const float* pre, in
     }
 }
 
-// Sinkhorn projection of the hc × hc logits in shared `c` (row softmax + eps, then
-// `iters` rounds of column and row normalisation), by the first hc² threads, the rest of
-// the participating threads keeping step; the result goes to `comb`. ONE_WARP: only the
-// first warp takes part (hc² ≤ 32) and syncs with __syncwarp; otherwise the whole block.
-template <bool ONE_WARP>
-__device__ __forceinline__ void hc_sync() {
-    if (ONE_WARP)
-        __syncwarp();
-    else
-        __syncthreads();
-}
-
-template <bool ONE_WARP>
+// Sinkhorn projection of the hc × hc logits in shared `c` by the whole block (hc² > 32,
+// beyond one warp: hc_sinkhorn_lanes below otherwise): the first hc² threads hold an
+// element each, the rest keep step at the barriers; the result goes to `comb`.
 __device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float hc_eps, float* comb) {
     const int j = threadIdx.x / hc, k = threadIdx.x % hc;
     const bool mine = threadIdx.x < hc * hc;
@@ -59,9 +49,9 @@ __device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float h
         for (int q = 0; q < hc; q++) sum += expf(c[j * hc + q] - mx);
         v = expf(c[j * hc + k] - mx) / sum + hc_eps;
     }
-    hc_sync<ONE_WARP>();
+    __syncthreads();
     if (mine) c[threadIdx.x] = v;
-    hc_sync<ONE_WARP>();
+    __syncthreads();
     for (int it = 0; it < iters; it++) {
         if (it > 0) {
             if (mine) {
@@ -69,20 +59,74 @@ __device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float h
                 for (int q = 0; q < hc; q++) sum += c[j * hc + q];
                 v = c[threadIdx.x] / (sum + hc_eps);
             }
-            hc_sync<ONE_WARP>();
+            __syncthreads();
             if (mine) c[threadIdx.x] = v;
-            hc_sync<ONE_WARP>();
+            __syncthreads();
         }
         if (mine) {
             float sum = 0.0f;
             for (int q = 0; q < hc; q++) sum += c[q * hc + k];
             v = c[threadIdx.x] / (sum + hc_eps);
         }
-        hc_sync<ONE_WARP>();
+        __syncthreads();
         if (mine) c[threadIdx.x] = v;
-        hc_sync<ONE_WARP>();
+        __syncthreads();
     }
     if (mine) comb[threadIdx.x] = c[threadIdx.x];
+}
+
+// The Sinkhorn projection by one warp with the matrix in registers: lane j·hc + k holds
+// logit c[j][k] (lanes past hc² hold lane 0's and their results are not used). Row
+// softmax + eps, then `iters` rounds of column and (from the second round) row
+// normalisation, each sum taken over the row or column in index order, as the CPU does.
+// Every lane must call it. HC > 0 fixes hc at compile time so the loops unroll and a
+// sum's shuffles issue together: the rounds are a chain of dependent steps (20 rounds ×
+// 2 sums), and with hc a run-time value they took ~10 µs of a decode step's pre-mix.
+template <int HC>
+__device__ __forceinline__ float hc_sinkhorn_lanes(float c, int hc_rt, int iters, float hc_eps) {
+    const int hc = HC > 0 ? HC : hc_rt;
+    const int lane = threadIdx.x & 31;
+    const int l = lane < hc * hc ? lane : 0;
+    const int j = l / hc, k = l % hc;
+    float v[HC > 0 ? HC : HC_MAX];
+#pragma unroll
+    for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+        if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, j * hc + q);
+    float mx = NEG_INF;
+#pragma unroll
+    for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+        if (q < hc) mx = fmaxf(mx, v[q]);
+    float sum = 0.0f;
+#pragma unroll
+    for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+        if (q < hc) sum += expf(v[q] - mx);
+    c = expf(c - mx) / sum + hc_eps;
+    for (int it = 0; it < iters; it++) {
+        if (it > 0) {
+#pragma unroll
+            for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+                if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, j * hc + q);
+            float s = 0.0f;
+#pragma unroll
+            for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+                if (q < hc) s += v[q];
+            c = c / (s + hc_eps);
+        }
+#pragma unroll
+        for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+            if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, q * hc + k);
+        float s = 0.0f;
+#pragma unroll
+        for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+            if (q < hc) s += v[q];
+        c = c / (s + hc_eps);
+    }
+    return c;
+}
+
+// hc_sinkhorn_lanes with hc fixed where V4's value (4) is the one given.
+__device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, float hc_eps) {
+    return hc == 4 ? hc_sinkhorn_lanes<4>(c, hc, iters, hc_eps) : hc_sinkhorn_lanes<0>(c, hc, iters, hc_eps);
 }
 
 // One block per row. mix[rows, (2+hc)*hc] = W · streams (un-normalised).
@@ -110,12 +154,14 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     __syncthreads();
     float* comb_r = comb + (long long)r * hc * hc;
     if (hc * hc <= WARP) {
-        // The rounds fit the first warp, which syncs alone (a block-wide barrier a round
-        // cost more than the rest of the kernel at decode sizes) while the other warps
-        // go on to the collapse, which needs only pre_s.
-        if (threadIdx.x < WARP) hc_sinkhorn<true>(c, hc, iters, hc_eps, comb_r);
+        // The rounds fit the first warp (registers and shuffles, no barrier) while the
+        // other warps go on to the collapse, which needs only pre_s.
+        if (threadIdx.x < WARP) {
+            const float v = hc_sinkhorn_warp(c[mine ? threadIdx.x : 0], hc, iters, hc_eps);
+            if (mine) comb_r[threadIdx.x] = v;
+        }
     } else {
-        hc_sinkhorn<false>(c, hc, iters, hc_eps, comb_r);
+        hc_sinkhorn(c, hc, iters, hc_eps, comb_r);
     }
     hc_collapse(s, pre_s, hc, d, collapsed + (long long)r * d);
 }
@@ -204,148 +250,4 @@ extern "C" __global__ void __launch_bounds__(256) mix_rows_f32(float* out, const
 extern "C" __global__ void __launch_bounds__(256) mix_rows_bf16(float* out, const float* x, const void* w, int rows,
                                                                 int N, int K) {
     mix_rows_body<4, 24, 1>(out, x, w, rows, N, K);
-}
-
-// Decode-sized mHC pre-mix (up to HC_SPLIT_ROWS rows). One block per row spent ~14 µs on
-// a 16K-wide row of streams (its loads, a block-wide norm, then 20 Sinkhorn rounds behind
-// it) after a 24-block gemv for the mixing product; here the product and the sums of
-// squares are split over blocks of HC_SLICE inputs, and the last block (by ticket) adds
-// the parts in block order and runs, one warp per row, the sigmoids and the Sinkhorn
-// rounds in registers (row and column sums by shuffles, in index order, as the CPU
-// sums). It writes `pre` for hc_collapse_rows, the second launch.
-#define HC_SLICE 256
-#define HC_SPLIT_ROWS 8
-#define HC_SPLIT_NP 32
-
-template <int WT>
-__device__ __forceinline__ void hc_load8(const void* w, long long at, float* out) {
-    if (WT == 0) {
-        const float4 a = *reinterpret_cast<const float4*>((const float*)w + at);
-        const float4 b = *reinterpret_cast<const float4*>((const float*)w + at + 4);
-        out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
-        out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
-    } else {
-        const uint4 q = *reinterpret_cast<const uint4*>((const u16*)w + at);
-        const u32 p[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            out[2 * i] = bf2f((u16)(p[i] & 0xffffu));
-            out[2 * i + 1] = bf2f((u16)(p[i] >> 16));
-        }
-    }
-}
-
-template <int WT>
-__device__ void hc_mix_split_body(const float* streams, const void* w, F80 base, float s_pre, float s_post,
-                                  float s_comb, int rows, int hc, int K, int iters, float norm_eps, float hc_eps,
-                                  float* partials, u32* ticket, float* pre, float* post, float* comb) {
-    const int N = (2 + hc) * hc, NP = N + 1;  // the mixing outputs, then the sum of squares
-    const int P = gridDim.x;
-    const long long k0 = (long long)blockIdx.x * HC_SLICE;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    __shared__ float xs[HC_SPLIT_ROWS][HC_SLICE];
-    __shared__ float red[HC_SPLIT_ROWS][HC_SLICE / WARP];
-    for (int r = 0; r < rows; r++) {
-        const float v = streams[(long long)r * K + k0 + threadIdx.x];
-        xs[r][threadIdx.x] = v;
-        const float sq = warp_sum(v * v);
-        if (lane == 0) red[r][warp] = sq;
-    }
-    __syncthreads();
-    float* part = partials + (long long)blockIdx.x * rows * NP;
-    if (threadIdx.x < rows) {
-        float s = 0.0f;
-        for (int q = 0; q < HC_SLICE / WARP; q++) s += red[threadIdx.x][q];
-        part[threadIdx.x * NP + N] = s;
-    }
-    // Warp `warp` takes outputs warp, warp + 8, …; each lane 8 consecutive inputs.
-    for (int n = warp; n < N; n += HC_SLICE / WARP) {
-        float wv[8];
-        hc_load8<WT>(w, (long long)n * K + k0 + lane * 8, wv);
-        for (int r = 0; r < rows; r++) {
-            const float4 a = *reinterpret_cast<const float4*>(&xs[r][lane * 8]);
-            const float4 b = *reinterpret_cast<const float4*>(&xs[r][lane * 8 + 4]);
-            float acc = wv[0] * a.x + wv[1] * a.y + wv[2] * a.z + wv[3] * a.w;
-            acc += wv[4] * b.x + wv[5] * b.y + wv[6] * b.z + wv[7] * b.w;
-            acc = warp_sum(acc);
-            if (lane == 0) part[r * NP + n] = acc;
-        }
-    }
-    __shared__ u32 last;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == (u32)(P - 1);
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    __shared__ float tot[HC_SPLIT_ROWS][HC_SPLIT_NP];
-    for (int i = threadIdx.x; i < rows * NP; i += blockDim.x) {
-        float s = 0.0f;
-        for (int q = 0; q < P; q++) s += __ldcg(&partials[(long long)q * rows * NP + i]);
-        tot[i / NP][i % NP] = s;
-    }
-    if (threadIdx.x == 0) *ticket = 0u;
-    __syncthreads();
-    if (warp >= rows) return;
-    const int r = warp;
-    const float inv = 1.0f / sqrtf(tot[r][N] / (float)K + norm_eps);
-    if (lane < hc) {
-        pre[r * hc + lane] = sigmoidf_(tot[r][lane] * inv * s_pre + base.v[lane]) + hc_eps;
-        post[r * hc + lane] = 2.0f * sigmoidf_(tot[r][hc + lane] * inv * s_post + base.v[hc + lane]);
-    }
-    // Lane j·hc + k holds c[j][k] (lanes past hc² mirror lane 0 and write nothing).
-    const int hh = hc * hc;
-    const int l = lane < hh ? lane : 0;
-    const int j = l / hc, k = l % hc;
-    float c = tot[r][2 * hc + l] * inv * s_comb + base.v[2 * hc + l];
-    float mx = NEG_INF;
-    for (int q = 0; q < hc; q++) mx = fmaxf(mx, __shfl_sync(0xffffffffu, c, j * hc + q));
-    float sum = 0.0f;
-    for (int q = 0; q < hc; q++) sum += expf(__shfl_sync(0xffffffffu, c, j * hc + q) - mx);
-    c = expf(c - mx) / sum + hc_eps;
-    for (int it = 0; it < iters; it++) {
-        if (it > 0) {
-            float s = 0.0f;
-            for (int q = 0; q < hc; q++) s += __shfl_sync(0xffffffffu, c, j * hc + q);
-            c = c / (s + hc_eps);
-        }
-        float s = 0.0f;
-        for (int q = 0; q < hc; q++) s += __shfl_sync(0xffffffffu, c, q * hc + k);
-        c = c / (s + hc_eps);
-    }
-    if (lane < hh) comb[(long long)r * hh + lane] = c;
-}
-
-extern "C" __global__ void __launch_bounds__(HC_SLICE)
-    hc_mix_split_f32(const float* streams, const void* w, F80 base, float s_pre, float s_post, float s_comb, int rows,
-                     int hc, int K, int iters, float norm_eps, float hc_eps, float* partials, u32* ticket, float* pre,
-                     float* post, float* comb) {
-    hc_mix_split_body<0>(streams, w, base, s_pre, s_post, s_comb, rows, hc, K, iters, norm_eps, hc_eps, partials,
-                         ticket, pre, post, comb);
-}
-extern "C" __global__ void __launch_bounds__(HC_SLICE)
-    hc_mix_split_bf16(const float* streams, const void* w, F80 base, float s_pre, float s_post, float s_comb, int rows,
-                      int hc, int K, int iters, float norm_eps, float hc_eps, float* partials, u32* ticket, float* pre,
-                      float* post, float* comb) {
-    hc_mix_split_body<1>(streams, w, base, s_pre, s_post, s_comb, rows, hc, K, iters, norm_eps, hc_eps, partials,
-                         ticket, pre, post, comb);
-}
-
-// out[r, i] = Σ_j pre[r, j] · streams[r, j, i] (in j order), four outputs a thread:
-// grid (rows, d / 4 / blockDim.x rounded up); d a multiple of 4.
-extern "C" __global__ void hc_collapse_rows(const float* streams, const float* pre, int hc, int d, float* out) {
-    const int r = blockIdx.x;
-    const int i = blockIdx.y * blockDim.x + threadIdx.x;
-    if (i >= (d >> 2)) return;
-    const float* s = streams + (long long)r * hc * d;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int j = 0; j < hc; j++) {
-        const float p = pre[r * hc + j];
-        const float4 v = reinterpret_cast<const float4*>(s + (long long)j * d)[i];
-        acc.x += p * v.x;
-        acc.y += p * v.y;
-        acc.z += p * v.z;
-        acc.w += p * v.w;
-    }
-    reinterpret_cast<float4*>(out + (long long)r * d)[i] = acc;
 }
