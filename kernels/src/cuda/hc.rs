@@ -49,16 +49,25 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
         && let Some((name, wp)) = kernel
     {
         g.traffic.add_weights(w.device_bytes());
+        let row_blocks = rows.div_ceil(MIX_ROWS_PER_BLOCK);
+        let parts = mix_rows_parts(g.sms, row_blocks, w.cols);
+        let (partials, tickets) = if parts > 1 {
+            (g.scratch("mix_partials", parts * rows * w.rows), g.scratch("mix_tickets", row_blocks))
+        } else {
+            (0, 0)
+        };
         launch!(
             g,
             name,
-            cfg((rows.div_ceil(MIX_ROWS_PER_BLOCK) as u32, 1, 1), 256, 0),
+            cfg((row_blocks as u32, parts as u32, 1), 256, 0),
             g.ptr(&out.mem),
             g.ptr(&streams.mem),
             wp,
             rows as i32,
             w.rows as i32,
-            w.cols as i32
+            w.cols as i32,
+            partials,
+            tickets
         );
         return out;
     }
@@ -67,6 +76,18 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
     matmul(g, op, w);
     out
 }
+
+/// K parts of a `mix_rows` launch: enough blocks for about two an SM when the row blocks
+/// are few (a decode batch), each part at least [`MIX_MIN_PART`] inputs; 1 for prefill.
+fn mix_rows_parts(sms: usize, row_blocks: usize, k: usize) -> usize {
+    if row_blocks >= sms {
+        return 1;
+    }
+    (2 * sms).div_ceil(row_blocks).clamp(1, (k / MIX_MIN_PART).max(1))
+}
+
+/// Fewest inputs a `mix_rows` K part takes (two loop rounds of its 256 threads).
+const MIX_MIN_PART: usize = 512;
 
 /// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
 /// rows are fewer than the SMs (a decode batch: each block reads its 64 KiB row alone,
@@ -174,4 +195,20 @@ pub(crate) fn hc_head(
         w.hc_eps,
         g.ptr(&out.mem),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mix_rows_parts;
+
+    #[test]
+    fn mix_rows_splits_k_only_for_few_row_blocks() {
+        // Prefill: a block per 4 rows already fills the GPU.
+        assert_eq!(mix_rows_parts(132, 2048, 16384), 1);
+        // 64 decode rows = 16 row blocks: 17 parts would give ~2 blocks an SM.
+        assert_eq!(mix_rows_parts(132, 16, 16384), 17);
+        // One row block: capped so each part keeps 512 inputs.
+        assert_eq!(mix_rows_parts(132, 1, 16384), 32);
+        assert_eq!(mix_rows_parts(132, 1, 100), 1);
+    }
 }

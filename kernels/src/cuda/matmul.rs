@@ -58,6 +58,21 @@ pub(crate) fn gemv_loop_max_rows() -> usize {
     })
 }
 
+/// Most rows a product takes through the gemv loop when its tiled GEMM would have few
+/// tiles ([`gemv_loops`]).
+const SMALL_GRID_GEMV_MAX_ROWS: usize = 64;
+
+/// Whether a product of `rows` rows and `n_out` outputs streams its weight through the
+/// gemv kernels, 8 rows a launch: up to [`gemv_loop_max_rows`] rows always, and up to
+/// [`SMALL_GRID_GEMV_MAX_ROWS`] when the tiled GEMM (a block per 128 × 128 tile, no K
+/// split) would have at most a quarter as many tiles as SMs. At 64 rows the GEMM of
+/// `wq_a` (1,024 outputs: 8 tiles) took 150 µs on 8 SMs and the router's (256 outputs)
+/// 123 µs on 2 (H200, tools/bench/step_trace.sh; docs/perf.md).
+pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
+    rows <= gemv_loop_max_rows()
+        || (rows <= SMALL_GRID_GEMV_MAX_ROWS && 4 * rows.div_ceil(GEMM_BM) * n_out.div_ceil(GEMM_BN) <= gpu.sms)
+}
+
 /// The experts' SwiGLU pair takes the gemv path up to this many rows, in launches of
 /// [`GEMV_ROWS`]: an expert's weights are small, and re-streaming them per 8 rows costs
 /// less than a tiled product's separate gate and up passes and temporaries (measured on
@@ -465,7 +480,7 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
     // A step's bytes count each weight once, however often a product streams it.
     gpu.traffic.add_weights(w.device_bytes());
-    if op.rows <= gemv_loop_max_rows() {
+    if gemv_loops(gpu, op.rows, w.rows) {
         // One launch up to 8 rows; past that each launch of up to 8 streams the weight again.
         for part in op.gemv_parts() {
             gemv(gpu, part, w, None, 0.0, variant);
@@ -502,7 +517,9 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
         return;
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
-    if op.rows <= SWIGLU_GEMV_MAX_ROWS && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
+    let gemv_rows =
+        op.rows <= SWIGLU_GEMV_MAX_ROWS || (op.rows <= SMALL_GRID_GEMV_MAX_ROWS && gemv_loops(gpu, op.rows, w1.rows));
+    if gemv_rows && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
         gpu.traffic.add_weights(w1.device_bytes() + w3.device_bytes());
         // The v2 kernels take up to 8 rows in one launch; more go through the first version.
         let v = if op.rows <= GEMV_MAX_ROWS { variant } else { Decode::V1 };

@@ -478,7 +478,7 @@ impl Backend for CudaBackend {
             rows,
             groups: 1,
         };
-        self.prof(if rows <= matmul::gemv_loop_max_rows() { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || {
+        self.prof(if matmul::gemv_loops(g, rows, w.rows) { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || {
             matmul::matmul(g, op, w)
         });
     }

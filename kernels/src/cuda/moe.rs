@@ -170,7 +170,7 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
     // Up to 8 rows every format works (SIMT grouped gemv as the fallback); larger decode
     // batches when the tensor-core gemv takes both projections of every expert.
     let tc = || tc_experts(w, true, first.w1.cols).is_some() && tc_experts(w, false, first.w2.cols).is_some();
-    uniform && (rows <= GEMV_MAX_ROWS || (rows <= DEVICE_ROUTED_MAX_ROWS && tc()))
+    uniform && (rows <= GEMV_MAX_ROWS || (rows <= device_routed_max_rows() && tc()))
 }
 
 /// `SLUICE_CUDA_EP_ROUTING=host`: a device holding a slice of the experts reads each
@@ -182,8 +182,23 @@ fn ep_routing_on_host() -> bool {
 }
 
 /// Most rows a batch may have for its experts to run routed on the device (beyond it
-/// the routing is read back and experts run as grouped tensor-core tiles).
-const DEVICE_ROUTED_MAX_ROWS: usize = 64;
+/// the routing is read back and experts run as grouped tensor-core tiles): 64, or
+/// `SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS` (8 to 64, read once) to compare the two paths.
+fn device_routed_max_rows() -> usize {
+    const DEFAULT: usize = 64;
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| {
+        let v = std::env::var("SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS").ok();
+        match v.as_deref().map(str::parse::<usize>) {
+            None => DEFAULT,
+            Some(Ok(n)) if (GEMV_MAX_ROWS..=DEFAULT).contains(&n) => n,
+            Some(_) => {
+                tracing::warn!(value = ?v, "SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS is not a number of rows from 8 to 64: using 64");
+                DEFAULT
+            }
+        }
+    })
+}
 
 /// The tensor-core gemv family every expert's `swiglu` (gate/up) or down projection
 /// takes, if all of them take it.
@@ -257,10 +272,12 @@ pub(crate) fn experts_routed_on_device(
     // The experts that received rows (at most n of them) and their number.
     let active = g.alloc::<i32>(n_exp + 1);
     let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
+    // The routing is staged in shared memory (n ints; decode batches: at most 64 rows).
+    assert!(4 * n <= 48 * 1024, "moe_lists takes at most 12,288 routed pairs, not {n}");
     launch!(
         g,
         "moe_lists",
-        cfg((1, 1, 1), 256, 0),
+        cfg((1, 1, 1), 256, (4 * n) as u32),
         g.ptr(chosen),
         rows as i32,
         k as i32,

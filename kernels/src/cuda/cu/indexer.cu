@@ -7,6 +7,42 @@ struct IndexGeom {
     int dtype, stride, page_elems, page_off, per_page;
 };
 
+// Row r's query (heads × dim) and head weights into shared memory, then a barrier. 16-byte
+// loads unrolled so a thread's loads are in flight together (one at a time, the 32 KiB of
+// a V4-Flash row took ~10 µs of a decode call).
+__device__ __forceinline__ void stage_query(const float* q, const float* w, int r, int heads, int dim, float* qs,
+                                            float* ws) {
+    const int hdim = heads * dim;
+    if ((hdim & 3) == 0) {
+        const float4* q4 = reinterpret_cast<const float4*>(q + (long long)r * hdim);
+        float4* qs4 = reinterpret_cast<float4*>(qs);
+#pragma unroll 8
+        for (int i = threadIdx.x; i < (hdim >> 2); i += blockDim.x) qs4[i] = q4[i];
+    } else {
+        for (int i = threadIdx.x; i < hdim; i += blockDim.x) qs[i] = q[(long long)r * hdim + i];
+    }
+    for (int i = threadIdx.x; i < heads; i += blockDim.x) ws[i] = w[(long long)r * heads + i];
+    __syncthreads();
+}
+
+// Values d0..d0+7 of an indexer key (`dim` values, no BF16 tail): 8 FP8 codes in one load
+// when `fp8_8` (FP8 entries, dim a multiple of 8, the entry 8-byte aligned), else
+// entry_load value by value; each value the same code × scale product as entry_load's.
+__device__ __forceinline__ void key8(const u8* key, int dtype, int dim, int d0, bool fp8_8, float* k) {
+    if (fp8_8) {
+        const uint2 c = *reinterpret_cast<const uint2*>(key + d0);
+        const float sc = ue8m0_scale(key[dim + d0 / FP8_BLOCK]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            k[i] = fp8_to_f32((c.x >> (8 * i)) & 0xffu) * sc;
+            k[4 + i] = fp8_to_f32((c.y >> (8 * i)) & 0xffu) * sc;
+        }
+        return;
+    }
+#pragma unroll
+    for (int x = 0; x < 8; x++) k[x] = d0 + x < dim ? entry_load(key, dtype, dim, 0, d0 + x) : 0.0f;
+}
+
 // grid (ceil(n_max / 256), rows), 256 threads, one entry per thread; q and w of the row
 // in shared memory (dynamic: heads*dim + heads floats). Entries past the row's visible
 // count get -inf.
@@ -17,10 +53,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
     float* qs = sm;
     float* ws = sm + g.heads * g.dim;
     const int r = blockIdx.y;
-    const int hdim = g.heads * g.dim;
-    for (int i = threadIdx.x; i < hdim; i += blockDim.x) qs[i] = q[(long long)r * hdim + i];
-    for (int i = threadIdx.x; i < g.heads; i += blockDim.x) ws[i] = w[(long long)r * g.heads + i];
-    __syncthreads();
+    stage_query(q, w, r, g.heads, g.dim, qs, ws);
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= g.n_max) return;
     const int n = (int)((positions[r] + 1) / (u32)g.ratio);
@@ -33,6 +66,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
     const u32 page = pages[seq[SEQ_PAGE_OFF] + e / g.per_page];
     const u8* key =
         entry_at(page_base, g.dtype, (long long)page * g.page_elems + g.page_off + (long long)(e % g.per_page) * g.stride);
+    const bool fp8_8 = g.dtype == DTYPE_FP8 && (g.dim & 7) == 0 && ((unsigned long long)key & 7) == 0;
     float score = 0.0f;
     for (int hg = 0; hg < g.heads; hg += 16) {
         float acc[16];
@@ -40,8 +74,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
         for (int h = 0; h < 16; h++) acc[h] = 0.0f;
         for (int d0 = 0; d0 < g.dim; d0 += 8) {
             float k[8];
-#pragma unroll
-            for (int x = 0; x < 8; x++) k[x] = d0 + x < g.dim ? entry_load(key, g.dtype, g.dim, 0, d0 + x) : 0.0f;
+            key8(key, g.dtype, g.dim, d0, fp8_8, k);
 #pragma unroll
             for (int h = 0; h < 16; h++) {
                 if (hg + h < g.heads) {
@@ -72,19 +105,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores_heads(const float
     float* ws = sm + g.heads * g.dim;
     float* part = ws + g.heads;  // [8 warps][32 candidates]
     const int r = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int hdim = g.heads * g.dim;
-    if ((hdim & 3) == 0) {
-        // 16-byte loads, unrolled so a thread's loads are in flight together (one at a
-        // time, the 32 KiB of a V4-Flash row took ~10 µs of every call).
-        const float4* q4 = reinterpret_cast<const float4*>(q + (long long)r * hdim);
-        float4* qs4 = reinterpret_cast<float4*>(qs);
-#pragma unroll 8
-        for (int i = threadIdx.x; i < (hdim >> 2); i += blockDim.x) qs4[i] = q4[i];
-    } else {
-        for (int i = threadIdx.x; i < hdim; i += blockDim.x) qs[i] = q[(long long)r * hdim + i];
-    }
-    for (int i = threadIdx.x; i < g.heads; i += blockDim.x) ws[i] = w[(long long)r * g.heads + i];
-    __syncthreads();
+    stage_query(q, w, r, g.heads, g.dim, qs, ws);
     const int e = blockIdx.x * 32 + lane;
     const int n = (int)((positions[r] + 1) / (u32)g.ratio);
     float partial = 0.0f;
@@ -104,14 +125,8 @@ extern "C" __global__ void __launch_bounds__(256) index_scores_heads(const float
             for (int h = 0; h < 8; h++) acc[h] = 0.0f;
             if (fp8_8) {
                 for (int d0 = 0; d0 < g.dim; d0 += 8) {
-                    const uint2 c = *reinterpret_cast<const uint2*>(key + d0);
-                    const float sc = ue8m0_scale(key[g.dim + d0 / FP8_BLOCK]);
                     float k[8];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        k[i] = fp8_to_f32((c.x >> (8 * i)) & 0xffu) * sc;
-                        k[4 + i] = fp8_to_f32((c.y >> (8 * i)) & 0xffu) * sc;
-                    }
+                    key8(key, g.dtype, g.dim, d0, true, k);
 #pragma unroll
                     for (int i = 0; i < 8; i++)
 #pragma unroll
