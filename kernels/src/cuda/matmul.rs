@@ -9,7 +9,8 @@
 //!   path up to 32 rows, 8 per launch.
 //! - Plain products of 9 to [`gemv_loop_max_rows`] rows (32; larger decode batches): the
 //!   same gemv kernels, 8 rows a launch, each launch streaming the weight again, which
-//!   beats a GEMM whose 128-row tiles would be mostly empty.
+//!   beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too when the
+//!   GEMM would have few output tiles ([`gemv_loops`]).
 //! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles fed by a
 //!   cp.async pipeline, whose weight tiles are dequantised to bf16 in shared memory and
 //!   whose f32 activations are first split into two bf16 parts (~16 mantissa bits
