@@ -202,6 +202,7 @@ extern "C" __global__ void attention_merge(const float* part, const float* sinks
     const float den = den_s;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float v = 0.0f;
+#pragma unroll 8
         for (int sp = 0; sp < splits; sp++) v += pp[sp * (hd + 2) + d] * factor[sp];
         out[(long long)rh * hd + d] = v / den;
     }
