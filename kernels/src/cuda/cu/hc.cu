@@ -75,6 +75,26 @@ __device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float h
     if (mine) comb[threadIdx.x] = c[threadIdx.x];
 }
 
+// The hc values of lanes first, first + step, … (a row: step 1; a column: step hc) into
+// v, by shuffles every lane takes part in. N = HC when hc is fixed at compile time (the
+// loops unroll and the shuffles issue together), else HC_MAX with hc bounding it.
+template <int N>
+__device__ __forceinline__ void hc_gather(float c, int hc, int first, int step, float* v) {
+#pragma unroll
+    for (int q = 0; q < N; q++)
+        if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, first + q * step);
+}
+
+// c / (Σ of v's hc values in index order + eps): one row or column normalisation.
+template <int N>
+__device__ __forceinline__ float hc_normalised(float c, int hc, const float* v, float hc_eps) {
+    float s = 0.0f;
+#pragma unroll
+    for (int q = 0; q < N; q++)
+        if (q < hc) s += v[q];
+    return c / (s + hc_eps);
+}
+
 // The Sinkhorn projection by one warp with the matrix in registers: lane j·hc + k holds
 // logit c[j][k] (lanes past hc² hold lane 0's and their results are not used). Row
 // softmax + eps, then `iters` rounds of column and (from the second round) row
@@ -84,42 +104,29 @@ __device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float h
 // 2 sums), and with hc a run-time value they took ~10 µs of a decode step's pre-mix.
 template <int HC>
 __device__ __forceinline__ float hc_sinkhorn_lanes(float c, int hc_rt, int iters, float hc_eps) {
+    constexpr int N = HC > 0 ? HC : HC_MAX;
     const int hc = HC > 0 ? HC : hc_rt;
     const int lane = threadIdx.x & 31;
     const int l = lane < hc * hc ? lane : 0;
     const int j = l / hc, k = l % hc;
-    float v[HC > 0 ? HC : HC_MAX];
-#pragma unroll
-    for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
-        if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, j * hc + q);
+    float v[N];
+    hc_gather<N>(c, hc, j * hc, 1, v);
     float mx = NEG_INF;
 #pragma unroll
-    for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+    for (int q = 0; q < N; q++)
         if (q < hc) mx = fmaxf(mx, v[q]);
     float sum = 0.0f;
 #pragma unroll
-    for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
+    for (int q = 0; q < N; q++)
         if (q < hc) sum += expf(v[q] - mx);
     c = expf(c - mx) / sum + hc_eps;
     for (int it = 0; it < iters; it++) {
         if (it > 0) {
-#pragma unroll
-            for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
-                if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, j * hc + q);
-            float s = 0.0f;
-#pragma unroll
-            for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
-                if (q < hc) s += v[q];
-            c = c / (s + hc_eps);
+            hc_gather<N>(c, hc, j * hc, 1, v);
+            c = hc_normalised<N>(c, hc, v, hc_eps);
         }
-#pragma unroll
-        for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
-            if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, q * hc + k);
-        float s = 0.0f;
-#pragma unroll
-        for (int q = 0; q < (HC > 0 ? HC : HC_MAX); q++)
-            if (q < hc) s += v[q];
-        c = c / (s + hc_eps);
+        hc_gather<N>(c, hc, k, hc, v);
+        c = hc_normalised<N>(c, hc, v, hc_eps);
     }
     return c;
 }
