@@ -211,26 +211,20 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     for (mix_dtype, rows) in [("f32", 1), ("f32", 8), ("f32", 29), ("f32", 40), ("bf16", 1), ("bf16", 5)] {
         let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, mix_dtype);
         let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
-        let gw = HcWeights::<CudaBackend> {
-            mix: g.weight(mix.view()),
-            base: base.clone(),
-            scale: [0.8, 1.1, 0.9],
-            hc,
-            hidden: d,
-            sinkhorn_iters: 20,
-            norm_eps: 1e-6,
-            hc_eps: 1e-6,
-        };
-        let cw = HcWeights::<CpuBackend> {
-            mix: c.weight(mix.view()),
-            base,
-            scale: [0.8, 1.1, 0.9],
-            hc,
-            hidden: d,
-            sinkhorn_iters: 20,
-            norm_eps: 1e-6,
-            hc_eps: 1e-6,
-        };
+        // The same mHC weights on either backend.
+        fn on<B: Backend>(b: &B, mix: &TestWeight, base: &[f32], hc: usize, d: usize) -> HcWeights<B> {
+            HcWeights {
+                mix: b.weight(mix.view()),
+                base: base.to_vec(),
+                scale: [0.8, 1.1, 0.9],
+                hc,
+                hidden: d,
+                sinkhorn_iters: 20,
+                norm_eps: 1e-6,
+                hc_eps: 1e-6,
+            }
+        }
+        let (gw, cw) = (on(g, &mix, &base, hc, d), on(&c, &mix, &base, hc, d));
         let s = rand_vec(&mut rng, rows * hc * d, 1.0);
         let out = rand_vec(&mut rng, rows * d, 1.0);
         let (mut col, mut post, mut comb) =
