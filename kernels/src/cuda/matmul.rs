@@ -70,8 +70,13 @@ const SMALL_GRID_GEMV_MAX_ROWS: usize = 64;
 /// `wq_a` (1,024 outputs: 8 tiles) took 150 µs on 8 SMs and the router's (256 outputs)
 /// 123 µs on 2 (H200, tools/bench/step_trace.sh; docs/perf.md).
 pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
-    rows <= gemv_loop_max_rows()
-        || (rows <= SMALL_GRID_GEMV_MAX_ROWS && 4 * rows.div_ceil(GEMM_BM) * n_out.div_ceil(GEMM_BN) <= gpu.sms)
+    rows <= gemv_loop_max_rows() || small_gemm_grid(gpu, rows, n_out)
+}
+
+/// Up to [`SMALL_GRID_GEMV_MAX_ROWS`] rows whose tiled GEMM would have at most a quarter
+/// as many tiles as SMs.
+fn small_gemm_grid(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
+    rows <= SMALL_GRID_GEMV_MAX_ROWS && 4 * rows.div_ceil(GEMM_BM) * n_out.div_ceil(GEMM_BN) <= gpu.sms
 }
 
 /// The experts' SwiGLU pair takes the gemv path up to this many rows, in launches of
@@ -518,8 +523,7 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
         return;
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
-    let gemv_rows =
-        op.rows <= SWIGLU_GEMV_MAX_ROWS || (op.rows <= SMALL_GRID_GEMV_MAX_ROWS && gemv_loops(gpu, op.rows, w1.rows));
+    let gemv_rows = op.rows <= SWIGLU_GEMV_MAX_ROWS || small_gemm_grid(gpu, op.rows, w1.rows);
     if gemv_rows && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
         gpu.traffic.add_weights(w1.device_bytes() + w3.device_bytes());
         // The v2 kernels take up to 8 rows in one launch; more go through the first version.
@@ -708,10 +712,8 @@ pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaW
         let grid_x = tiles.min((cap / parts).max(1));
         (tiles.div_ceil(grid_x) * rw_of(parts), parts, smem, grid_x)
     };
-    let (_, parts, smem, grid_x) = (fewest..=most_parts)
-        .filter(|&p| fits(p, D2_MAX_SMEM))
-        .map(plan_of)
-        .min_by_key(|&(cost, parts, ..)| (cost, parts))?;
+    // Shared memory only shrinks with more parts, so every count from `fewest` fits.
+    let (_, parts, smem, grid_x) = (fewest..=most_parts).map(plan_of).min_by_key(|&(cost, parts, ..)| (cost, parts))?;
     let rw_max = rw_of(parts);
     Some(D2Plan { name, tiles, parts, rw_max, smem, grid_x })
 }
