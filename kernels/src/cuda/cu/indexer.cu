@@ -25,9 +25,15 @@ __device__ __forceinline__ void stage_query(const float* q, const float* w, int 
     __syncthreads();
 }
 
-// Values d0..d0+7 of an indexer key (`dim` values, no BF16 tail): 8 FP8 codes in one load
-// when `fp8_8` (FP8 entries, dim a multiple of 8, the entry 8-byte aligned), else
-// entry_load value by value; each value the same code × scale product as entry_load's.
+// Whether key8 may read this key's FP8 codes 8 to a load: FP8 entries (zero-padded to 8
+// bytes), dim a multiple of 8, the entry 8-byte aligned.
+__device__ __forceinline__ bool key8_loads(const u8* key, int dtype, int dim) {
+    return dtype == DTYPE_FP8 && (dim & 7) == 0 && ((unsigned long long)key & 7) == 0;
+}
+
+// Values d0..d0+7 of an indexer key (`dim` values, no BF16 tail; 0 past dim): 8 FP8 codes
+// in one load when `fp8_8` (key8_loads), else entry_load value by value; each value the
+// same code × scale product as entry_load's, so sums over them keep their order and bits.
 __device__ __forceinline__ void key8(const u8* key, int dtype, int dim, int d0, bool fp8_8, float* k) {
     if (fp8_8) {
         const uint2 c = *reinterpret_cast<const uint2*>(key + d0);
@@ -66,7 +72,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, c
     const u32 page = pages[seq[SEQ_PAGE_OFF] + e / g.per_page];
     const u8* key =
         entry_at(page_base, g.dtype, (long long)page * g.page_elems + g.page_off + (long long)(e % g.per_page) * g.stride);
-    const bool fp8_8 = g.dtype == DTYPE_FP8 && (g.dim & 7) == 0 && ((unsigned long long)key & 7) == 0;
+    const bool fp8_8 = key8_loads(key, g.dtype, g.dim);
     float score = 0.0f;
     for (int hg = 0; hg < g.heads; hg += 16) {
         float acc[16];
@@ -115,14 +121,13 @@ extern "C" __global__ void __launch_bounds__(256) index_scores_heads(const float
         const u8* key = entry_at(page_base, g.dtype,
                                  (long long)page * g.page_elems + g.page_off + (long long)(e % g.per_page) * g.stride);
         const int h_lo = warp * g.heads / 8, h_hi = (warp + 1) * g.heads / 8;
-        // FP8 keys (entries zero-padded to 8 bytes, dim a multiple of 8) are read 8 codes
-        // to a load; each value is the same code × scale product as entry_load's, summed
-        // in the same order.
-        const bool fp8_8 = g.dtype == DTYPE_FP8 && (g.dim & 7) == 0 && ((unsigned long long)key & 7) == 0;
+        const bool fp8_8 = key8_loads(key, g.dtype, g.dim);
         for (int hg = h_lo; hg < h_hi; hg += 8) {
             float acc[8];
 #pragma unroll
             for (int h = 0; h < 8; h++) acc[h] = 0.0f;
+            // Without 8-code loads a value at a time: folding that case into the loop above
+            // (with its bounds check) took the kernel from 48 to 64 registers.
             if (fp8_8) {
                 for (int d0 = 0; d0 < g.dim; d0 += 8) {
                     float k[8];
