@@ -187,25 +187,15 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
         *n_active = used;
         if (traffic) atomicAdd(traffic, (unsigned long long)used * expert_bytes);
     }
-    if (e0 < n_exp) {
-        int at = at0;
-        for (int i = 0; i < n; i++) {
-            const int e = routed[i];
-            if (e == e0) {
+    // The thread's two runs, e0's then e1's, are adjacent in the lists.
+    int at = at0;
+    for (int e = e0; e <= e1 && e < n_exp; e++)
+        for (int i = 0; i < n; i++)
+            if (routed[i] == e) {
                 list_rows[at] = i / k;
                 list_widx[at] = i;
                 at++;
             }
-        }
-        for (int i = 0; i < n && e1 < n_exp; i++) {
-            const int e = routed[i];
-            if (e == e1) {
-                list_rows[at] = i / k;
-                list_widx[at] = i;
-                at++;
-            }
-        }
-    }
     // Under expert parallelism pairs routed to experts held elsewhere (id -1 after
     // moe_localize) are not listed: the list's tail is marked empty (-1), which
     // gather_rows turns into zero rows and the combines never match.
