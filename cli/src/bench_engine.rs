@@ -216,9 +216,11 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
                 100.0 * gbs / copy_gbs
             );
             print_profile(&engine.model.backend, &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps));
-            // The device's own step time: steps queued behind a 20 ms hold, so the host
-            // has issued everything before the device starts (the hold subtracted).
-            let hold = 0.02;
+            // The device's own step time: steps queued behind a hold longer than the
+            // host takes to issue a step (at most the step's wall time, so twice that, and
+            // at least 20 ms), so the device starts with everything issued (the hold
+            // subtracted).
+            let hold = (2.0 * step).max(0.02);
             let mut device_steps = Vec::new();
             for _ in 0..3 {
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();

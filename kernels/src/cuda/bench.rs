@@ -16,7 +16,8 @@ use super::matmul::{
     matmul, matmul_as, swiglu_pair,
 };
 use super::memory::CudaWeight;
-use super::moe::{experts_routed_on_device, experts_v2_plan, moe_as};
+use super::moe::{experts_routed_on_device, moe_as};
+use super::moe_v2::{experts_v2_plan, segments_plan};
 use super::{CudaBackend, CudaBuf};
 use crate::backend::{Backend, ExpertWeights, MoeWeights, Routing};
 use crate::stored::{OwnedFormat, OwnedWeight};
@@ -337,7 +338,7 @@ impl CudaBackend {
 
     /// Whether v2 runs the routed experts of a decode batch of `rows` rows (else v1 does).
     pub fn decode_v2_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
-        experts_v2_plan(rows, w).is_some()
+        experts_v2_plan(rows, w).is_some() || segments_plan(rows, w).is_some()
     }
 
     /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the

@@ -15,6 +15,7 @@
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
+//! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
@@ -34,6 +35,7 @@ mod kv_buffer;
 mod matmul;
 mod memory;
 mod moe;
+mod moe_v2;
 mod nvrtc;
 pub mod peer;
 mod profile;

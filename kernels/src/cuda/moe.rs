@@ -9,20 +9,21 @@
 //! accumulated in expert order, as the CPU does, so the sum does not depend on
 //! scheduling (and both paths give the same bits).
 //!
-//! With `SLUICE_CUDA_DECODE_KERNELS=v2`, a decode batch of FP4 experts takes two launches
-//! instead ([`experts_v2`]): every active expert's gate/up pair over all rows of the batch
-//! into h, then each output tile's down products over the active experts with the
-//! combine folded in (expert order, as above).
+//! With `SLUICE_CUDA_DECODE_KERNELS=v2` (the default), decode batches of FP4 experts take
+//! the v2 kernels instead (`moe_v2`): up to 8 rows every active expert's gate/up pair
+//! over all rows, then each output tile's down products with the combine folded in; 9 to
+//! 256 rows by segments of one expert's list positions, so each chosen expert is streamed
+//! once a projection (expert order, as above).
 
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::matmul::{
-    D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, Decode, GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, d2_round,
-    d2_smem, family, gemm, gemm_kernel, gemm_split, matmul_as, outputs_per_block, split_x, swiglu_act, swiglu_pair,
-    tc_family, tc_scratch, weight_ptrs,
+    Decode, GEMM_BM, GEMV_MAX_ROWS, Operand, Tiles, family, gemm, gemm_kernel, gemm_split, matmul_as,
+    outputs_per_block, split_x, swiglu_act, swiglu_pair, tc_family, tc_scratch, weight_ptrs,
 };
 use super::memory::CudaBuf;
+use super::moe_v2::{experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
 
@@ -132,7 +133,7 @@ pub(crate) fn moe_as(
         );
         (experts, weights)
     });
-    if device_routable(rows, w) {
+    if device_routable(rows, w, variant) {
         b.prof("moe: experts", || experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out, variant));
     } else {
         let mut host = vec![0i32; rows * k];
@@ -153,7 +154,7 @@ pub(crate) fn moe_as(
 
 /// Whether the batch's experts can run routed on the device: a decode batch (the gemv
 /// regime) over experts of one weight format and shape.
-fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
+fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>, variant: Decode) -> bool {
     let Some(first) = w.experts.first() else { return false };
     let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
         (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
@@ -167,11 +168,27 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>) -> bool {
     let uniform = w.expert_base + w.experts.len() <= w.gate.rows
         && same(&first.w1, &first.w3)
         && w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2));
+    if !uniform {
+        return false;
+    }
     // Up to 8 rows every format works (SIMT grouped gemv as the fallback); larger decode
-    // batches when the tensor-core gemv takes both projections of every expert.
+    // batches when the v2 segment kernels take the experts (up to 256 rows), else when
+    // the tensor-core gemv takes both projections of every expert (up to 64 rows: it
+    // runs 8 batch rows a launch).
+    if rows <= GEMV_MAX_ROWS {
+        return true;
+    }
+    let segments = variant == Decode::V2 && segments_plan(rows, w).is_some();
+    let most = device_routed_max_rows().unwrap_or(if segments { SEGMENTS_MAX_ROWS } else { TC_ROUTED_MAX_ROWS });
     let tc = || tc_experts(w, true, first.w1.cols).is_some() && tc_experts(w, false, first.w2.cols).is_some();
-    uniform && (rows <= GEMV_MAX_ROWS || (rows <= device_routed_max_rows() && tc()))
+    rows <= most && (segments || tc())
 }
+
+/// Most rows the first version's device-routed experts take (launches of 8 batch rows).
+const TC_ROUTED_MAX_ROWS: usize = 64;
+/// Most rows the segment kernels take routed on the device (the lists' shared memory
+/// holds 12,288 pairs: 256 rows of up to 48 experts each).
+const SEGMENTS_MAX_ROWS: usize = 256;
 
 /// `SLUICE_CUDA_EP_ROUTING=host`: a device holding a slice of the experts reads each
 /// layer's routing back and runs its experts host-routed, as before the slices were
@@ -181,20 +198,19 @@ fn ep_routing_on_host() -> bool {
     *ONCE.get_or_init(|| std::env::var("SLUICE_CUDA_EP_ROUTING").is_ok_and(|v| v == "host"))
 }
 
-/// Most rows a batch may have for its experts to run routed on the device (beyond it
-/// the routing is read back and experts run as grouped tensor-core tiles): 64, or
-/// `SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS` (8 to 64, read once) to compare the two paths.
-fn device_routed_max_rows() -> usize {
-    const DEFAULT: usize = 64;
-    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+/// `SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS` (8 to 256, read once): most rows a batch may have
+/// for its experts to run routed on the device (beyond it the routing is read back and
+/// experts run as grouped tensor-core tiles), to compare the two paths; by default 256
+/// where the segment kernels take the experts, else 64.
+fn device_routed_max_rows() -> Option<usize> {
+    static ONCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *ONCE.get_or_init(|| {
-        let v = std::env::var("SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS").ok();
-        match v.as_deref().map(str::parse::<usize>) {
-            None => DEFAULT,
-            Some(Ok(n)) if (GEMV_MAX_ROWS..=DEFAULT).contains(&n) => n,
-            Some(_) => {
-                tracing::warn!(value = ?v, "SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS is not a number of rows from 8 to 64: using 64");
-                DEFAULT
+        let v = std::env::var("SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS").ok()?;
+        match v.parse::<usize>() {
+            Ok(n) if (GEMV_MAX_ROWS..=SEGMENTS_MAX_ROWS).contains(&n) => Some(n),
+            _ => {
+                tracing::warn!(value = %v, "SLUICE_CUDA_DEVICE_ROUTED_MAX_ROWS is not a number of rows from 8 to 256: ignored");
+                None
             }
         }
     })
@@ -202,7 +218,7 @@ fn device_routed_max_rows() -> usize {
 
 /// The tensor-core gemv family every expert's `swiglu` (gate/up) or down projection
 /// takes, if all of them take it.
-fn tc_experts(w: &MoeWeights<CudaBackend>, swiglu: bool, k_in: usize) -> Option<&'static str> {
+pub(crate) fn tc_experts(w: &MoeWeights<CudaBackend>, swiglu: bool, k_in: usize) -> Option<&'static str> {
     let op = Operand { x: 0, x_stride: k_in, out: 0, out_stride: 0, rows: 1, groups: 1 };
     fn pick(e: &ExpertWeights<CudaBackend>, swiglu: bool) -> [&super::CudaWeight; 2] {
         if swiglu { [&e.w1, &e.w3] } else { [&e.w2, &e.w2] }
@@ -213,7 +229,7 @@ fn tc_experts(w: &MoeWeights<CudaBackend>, swiglu: bool, k_in: usize) -> Option<
 
 /// Per-expert weight table for the grouped kernels: (w, w3, scales, scales3) each; its
 /// device address (uploaded once).
-fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> u64 {
+pub(crate) fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> u64 {
     let g = &b.gpu;
     let mut t = Vec::with_capacity(4 * w.experts.len());
     for e in &w.experts {
@@ -272,6 +288,14 @@ pub(crate) fn experts_routed_on_device(
     // The experts that received rows (at most n of them) and their number.
     let active = g.alloc::<i32>(n_exp + 1);
     let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
+    // Batches of more than 8 rows run by segments of one expert's list positions
+    // (`segs`: 3 ints a segment, at most n of them, then their number).
+    let by_segments = if variant == Decode::V2 { segments_plan(rows, w) } else { None };
+    let segs = by_segments.as_ref().map(|_| g.alloc::<i32>(3 * n + 1));
+    let (segs_ptr, seg_rows) = match (&segs, &by_segments) {
+        (Some(s), Some(p)) => (g.ptr(s), p.seg_rows as i32),
+        _ => (0, 0),
+    };
     // The routing is staged in shared memory (n ints; decode batches: at most 64 rows).
     assert!(4 * n <= 48 * 1024, "moe_lists takes at most 12,288 routed pairs, not {n}");
     launch!(
@@ -290,7 +314,13 @@ pub(crate) fn experts_routed_on_device(
         n_active,
         expert_bytes as u64,
         g.traffic_counter(),
+        segs_ptr,
+        seg_rows,
+        n as i32,
     );
+    if let Some(plan) = &by_segments {
+        return experts_by_segments(b, plan, x, rows, w, (list_rows, list_widx, segs_ptr), weights, out);
+    }
     if variant == Decode::V2
         && let Some(plan) = experts_v2_plan(rows, w)
     {
@@ -390,8 +420,22 @@ pub(crate) fn experts_routed_on_device(
         );
         return;
     }
-    // Larger batches: each row's list positions first (one thread a row, in list order),
-    // then k reads an output instead of a scan of the whole list.
+    combine_in_list_order(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+}
+
+/// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches
+/// of more than 8 rows): each row's positions first (one thread a row), then k reads an
+/// output instead of a scan of the whole list.
+pub(crate) fn combine_in_list_order(
+    b: &CudaBackend,
+    y: &CudaBuf,
+    (rows, k, d): (usize, usize, usize),
+    (list_rows, list_widx): (u64, u64),
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let n = rows * k;
     let pos = g.alloc::<i32>(n);
     launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
     launch!(
@@ -606,156 +650,4 @@ fn experts_grouped(
         rows as i32,
         d as i32
     );
-}
-
-/// `D2DownArgs` in decode2.cu.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct D2DownArgs {
-    out: u64,
-    hb: u64,
-    wtab: u64,
-    active: u64,
-    n_active: u64,
-    chosen: u64,
-    weights: u64,
-    rows: i32,
-    n: i32,
-    k: i32,
-    top_k: i32,
-    tiles: i32,
-    h_unscale: f32,
-}
-
-// SAFETY: a plain #[repr(C)] struct of integers and floats, `struct D2DownArgs` in decode2.cu.
-unsafe impl DeviceRepr for D2DownArgs {}
-
-/// How the v2 expert kernels run a decode batch.
-pub(crate) struct ExpertsV2 {
-    swiglu: &'static str,
-    down: &'static str,
-    /// Swiglu kernel: K parts, rounds a warp takes, dynamic shared memory.
-    parts: usize,
-    rw_max: usize,
-    smem: usize,
-    /// h is split into f16 halves after multiplying by `h_scale` (a power of two that
-    /// keeps |h| ≤ limit·max(limit, 0.28) under 2^14).
-    h_scale: f32,
-}
-
-/// The v2 plan for a decode batch's routed experts, when v2 takes it: at most 8 rows,
-/// every expert FP4 with tensor-core scales, widths multiples of the 128-input round, a
-/// finite positive SwiGLU clamp (it bounds h, whose f16 split needs a fixed scale), and
-/// the activations fitting shared memory.
-pub(crate) fn experts_v2_plan(rows: usize, w: &MoeWeights<CudaBackend>) -> Option<ExpertsV2> {
-    let first = w.experts.first()?;
-    let (d, inter) = (w.gate.cols, first.w1.rows);
-    let round = d2_round(true);
-    if rows == 0 || rows > GEMV_MAX_ROWS || !d.is_multiple_of(round) || !inter.is_multiple_of(round) {
-        return None;
-    }
-    if tc_experts(w, true, d)? != "fp4" || tc_experts(w, false, inter)? != "fp4" || first.w2.rows != d {
-        return None;
-    }
-    let limit = w.swiglu_limit;
-    if !(limit.is_finite() && limit > 0.0) {
-        return None;
-    }
-    let bound = limit * limit.max(0.2785);
-    let e = bound.log2().ceil() as i32 - 14;
-    if !(-120..=120).contains(&e) {
-        return None;
-    }
-    let nb = if rows <= 4 { 1 } else { 2 };
-    // Split K (partials and a ticket per unit, as the plain products) until two blocks
-    // fit an SM: at 5-8 rows the activations alone take 128 KiB of a 4096-wide layer.
-    let rounds = d / round;
-    let rw_of = |parts: usize| rounds.div_ceil(parts).div_ceil(8);
-    let mut parts = 1;
-    while d2_smem(true, nb, rw_of(parts), 1, true) > D2_TWO_BLOCKS_SMEM && parts < (rounds / 8).max(1) {
-        parts += 1;
-    }
-    let rw_max = rw_of(parts);
-    let smem = d2_smem(true, nb, rw_max, 1, true);
-    if smem > D2_MAX_SMEM {
-        return None;
-    }
-    let pick = |name: String| D2_KERNELS.iter().copied().find(|&k| k == name);
-    Some(ExpertsV2 {
-        swiglu: pick(format!("d2moe_swiglu_fp4_n{nb}"))?,
-        down: pick(format!("d2moe_down_fp4_n{nb}"))?,
-        parts,
-        rw_max,
-        smem,
-        h_scale: 2f32.powi(-e),
-    })
-}
-
-/// The routed experts of a decode batch in two launches (the lists, `active` and
-/// `n_active`, come from `moe_lists`): gate/up of every active expert over all rows into
-/// h (f16 halves, [slot][row][2][inter]), then the down products of each output tile over
-/// the active experts with each row's weighted sum, in expert order, into `out`.
-#[allow(clippy::too_many_arguments)]
-fn experts_v2(
-    b: &CudaBackend,
-    plan: &ExpertsV2,
-    x: &CudaBuf,
-    rows: usize,
-    w: &MoeWeights<CudaBackend>,
-    active: u64,
-    n_active: u64,
-    (chosen, weights): (u64, u64),
-    out: &mut CudaBuf,
-) {
-    let g = &b.gpu;
-    let (n_exp, d, k) = (w.experts.len(), w.gate.cols, w.top_k);
-    let inter = w.experts[0].w1.rows;
-    let slots = n_exp.min(rows * k);
-    let hb = g.alloc::<u16>(slots * rows * 2 * inter);
-    let tiles_up = inter.div_ceil(16);
-    let cap = g.resident_blocks(plan.swiglu, 256, plan.smem as u32) * g.sms;
-    let (partials, tickets) = if plan.parts > 1 {
-        (g.scratch("d2_partials", slots * plan.parts * 8 * inter * 2), g.scratch("d2_tickets", slots * tiles_up))
-    } else {
-        (0, 0)
-    };
-    let args = D2Args {
-        x: g.ptr(&x.mem),
-        wtab: expert_table(b, w, false),
-        active,
-        n_active,
-        hb: g.ptr(&hb),
-        partials,
-        tickets,
-        rows: rows as i32,
-        n: inter as i32,
-        k: d as i32,
-        x_stride: d as i32,
-        tiles: tiles_up as i32,
-        parts: plan.parts as i32,
-        rw_max: plan.rw_max as i32,
-        limit: w.swiglu_limit,
-        h_scale: plan.h_scale,
-        ..D2Args::default()
-    };
-    let grid = (slots * tiles_up).min(cap.div_ceil(plan.parts)).max(1);
-    launch!(g, plan.swiglu, cfg((grid as u32, plan.parts as u32, 1), 256, plan.smem as u32), args);
-    let tiles_down = d.div_ceil(16);
-    let cap = g.resident_blocks(plan.down, 256, 0) * g.sms;
-    let args = D2DownArgs {
-        out: g.ptr(&out.mem),
-        hb: g.ptr(&hb),
-        wtab: expert_table(b, w, true),
-        active,
-        n_active,
-        chosen,
-        weights,
-        rows: rows as i32,
-        n: d as i32,
-        k: inter as i32,
-        top_k: k as i32,
-        tiles: tiles_down as i32,
-        h_unscale: 1.0 / plan.h_scale,
-    };
-    launch!(g, plan.down, cfg((tiles_down.min(cap).max(1) as u32, 1, 1), 256, 0), args);
 }

@@ -31,6 +31,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("attention_mma.cu", include_str!("cu/attention_mma.cu")),
     ("checksum.cu", include_str!("cu/checksum.cu")),
     ("decode2.cu", include_str!("cu/decode2.cu")),
+    ("decode2_segments.cu", include_str!("cu/decode2_segments.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

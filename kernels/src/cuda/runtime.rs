@@ -169,6 +169,11 @@ const KERNELS: &[&str] = &[
     "d2moe_swiglu_fp4_n2",
     "d2moe_down_fp4_n1",
     "d2moe_down_fp4_n2",
+    "d2_rows_f16",
+    "d2seg_swiglu_fp4_n1",
+    "d2seg_swiglu_fp4_n2",
+    "d2seg_down_fp4_n1",
+    "d2seg_down_fp4_n2",
 ];
 
 /// Kernels that take more than the default 48 KiB of dynamic shared memory, and the most

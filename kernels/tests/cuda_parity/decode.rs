@@ -1,8 +1,9 @@
 //! The second-version decode kernels (cu/decode2.cu, `SLUICE_CUDA_DECODE_KERNELS=v2`)
 //! against the CPU backend: FP8 and FP4 products and SwiGLU pairs at V4-Flash shapes and
 //! at odd ones (partial row tiles, K splits whose warps get unequal or no rounds), rows
-//! 1-8 (one and two mma column blocks), and the routed experts of decode batches (top-k
-//! and hash routing with an expert named twice for one token), each on poisoned outputs.
+//! 1-8 (one and two mma column blocks), and the routed experts of decode batches of 1-64
+//! rows (top-k and hash routing with an expert named twice for one token; 9-64 rows by
+//! segments of 4 and of 8 rows), each on poisoned outputs.
 //! Every case first checks that v2 really takes it (the kernel it runs is printed).
 
 use super::*;
@@ -97,29 +98,36 @@ fn cuda_decode_v2_swiglu_pairs_match_cpu() {
 }
 
 /// The routed experts of decode batches at V4-Flash widths (hidden 4096, experts of 2048
-/// in FP4, an FP8 shared expert, top-6 of 12), both decode versions against the CPU.
+/// in FP4, an FP8 shared expert, top-6 of 12), both decode versions against the CPU:
+/// 1-8 rows (every expert over the whole batch) and 9-64 rows (segments of one expert's
+/// rows: with 12 experts a 64-row batch gives each ~32 rows, several 8-row segments),
+/// then 64 narrower experts, where 9-64 row batches take 4-row segments.
 #[test]
 fn cuda_decode_v2_experts_match_cpu() {
     let Some(g) = gpu("cuda_decode_v2_experts_match_cpu") else { return };
-    let c = CpuBackend::new();
     let mut rng = rng("decode v2 experts");
-    let (d, inter, n_exp, k) = (4096, 2048, 12, 6);
-    let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+    check_experts(g, &mut rng, (4096, 2048, 12, 6), &[1, 3, 8, 9, 24, 64]);
+    check_experts(g, &mut rng, (1024, 256, 64, 6), &[9, 21, 64]);
+}
+
+/// One MoE layer of (hidden, expert width, experts, top-k) under top-k and hash routing
+/// at two SwiGLU clamps, each batch size of `batches` both decode versions vs the CPU.
+fn check_experts(
+    g: &CudaBackend,
+    rng: &mut ChaCha8Rng,
+    (d, inter, n_exp, k): (usize, usize, usize, usize),
+    batches: &[usize],
+) {
+    let c = CpuBackend::new();
+    let gate = weight(rng, n_exp, d, 0.05, "f32");
     let experts: Vec<[TestWeight; 3]> = (0..n_exp)
         .map(|_| {
-            [
-                weight(&mut rng, inter, d, 0.03, "fp4"),
-                weight(&mut rng, d, inter, 0.05, "fp4"),
-                weight(&mut rng, inter, d, 0.03, "fp4"),
-            ]
+            [weight(rng, inter, d, 0.03, "fp4"), weight(rng, d, inter, 0.05, "fp4"), weight(rng, inter, d, 0.03, "fp4")]
         })
         .collect();
-    let shared = [
-        weight(&mut rng, inter, d, 0.03, "fp8"),
-        weight(&mut rng, d, inter, 0.05, "fp8"),
-        weight(&mut rng, inter, d, 0.03, "fp8"),
-    ];
-    let bias = rand_vec(&mut rng, n_exp, 0.2);
+    let shared =
+        [weight(rng, inter, d, 0.03, "fp8"), weight(rng, d, inter, 0.05, "fp8"), weight(rng, inter, d, 0.03, "fp8")];
+    let bias = rand_vec(rng, n_exp, 0.2);
     // Hash rows: even tokens name their first expert twice (an expert list with repeats;
     // row 0 of every batch is token 0).
     let vocab: usize = 32;
@@ -136,9 +144,9 @@ fn cuda_decode_v2_experts_match_cpu() {
                 || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
             let gm = experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
             let cm = experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
-            for rows in [1, 3, 8] {
+            for &rows in batches {
                 assert!(g.decode_v2_experts(rows, &gm), "v2 does not take the experts at {rows} rows");
-                let x = rand_vec(&mut rng, rows * d, 1.0);
+                let x = rand_vec(rng, rows * d, 1.0);
                 let tokens: Vec<u32> =
                     (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
                 let gx = g.upload(&x);
@@ -147,7 +155,7 @@ fn cuda_decode_v2_experts_match_cpu() {
                 for variant in ["v1", "v2"] {
                     let mut out = poisoned(g, rows * d);
                     g.decode_moe(variant, &gx, rows, &tokens, &gm, 0..rows, &mut out);
-                    let what = format!("{variant} moe limit={limit} hash={hash} rows={rows}");
+                    let what = format!("{variant} moe {n_exp}x{inter} limit={limit} hash={hash} rows={rows}");
                     check(&what, "fp4", &g.download(&out), &want);
                 }
             }

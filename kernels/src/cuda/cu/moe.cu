@@ -147,6 +147,11 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total) {
 // index only those. Adds the bytes of the experts that received rows to `traffic`
 // (what the step must stream).
 //
+// With `segs` (not null), each expert's run is also cut into segments of at most
+// `seg_rows` consecutive list positions, in list order: segs[s] = the first position,
+// segs[max_segs + s] = how many, segs[2·max_segs + s] = the expert; their number at
+// segs[3·max_segs] (the 9-64 row kernels of decode2_segments.cu take a unit a segment).
+//
 // One block of MOE_LIST_THREADS threads, two experts a thread (n_exp ≤ 2 · threads): the
 // offsets and the active list are block-wide prefix sums (one thread walking 256
 // experts was ~10 µs of every decode layer).
@@ -154,10 +159,10 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total) {
 extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets, int* list_rows,
               int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
-              unsigned long long* traffic) {
+              unsigned long long* traffic, int* segs, int seg_rows, int max_segs) {
     // The routing, read by every thread twice, in shared memory (n ints, dynamic).
     extern __shared__ int routed[];
-    __shared__ int total, used;
+    __shared__ int total, used, total_segs;
     const int n = rows * k;
     for (int i = threadIdx.x; i < n; i += blockDim.x) routed[i] = experts[i];
     __syncthreads();
@@ -182,6 +187,17 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
             offsets[e1] = at0 + c0;
             if (c1 > 0) active[rank0 + (c0 > 0)] = e1;
         }
+    }
+    if (segs) {
+        const int ns0 = (c0 + seg_rows - 1) / seg_rows, ns1 = (c1 + seg_rows - 1) / seg_rows;
+        int s = block_exclusive_scan(ns0 + ns1, &total_segs);
+        for (int e = e0, c = c0, at = at0; e <= e1 && e < n_exp; at += c, c = c1, e++)
+            for (int first = 0; first < c; first += seg_rows, s++) {
+                segs[s] = at + first;
+                segs[max_segs + s] = min(seg_rows, c - first);
+                segs[2 * max_segs + s] = e;
+            }
+        if (threadIdx.x == 0) segs[3 * max_segs] = total_segs;
     }
     if (threadIdx.x == 0) {
         *n_active = used;
