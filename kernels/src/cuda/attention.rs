@@ -110,6 +110,40 @@ pub(crate) fn index_topk(
             page_off: lk.page_offset(Branch::Indexer) as i32,
             per_page: lk.entries_per_page(layout.block) as i32,
         };
+        if let Some(kpb) = mma_keys_per_block(layout, layer, heads, rows, n_max, g.sms) {
+            // FP8 keys: tensor cores (indexer_mma.cu), q as f16 fragments first.
+            let frags = g.alloc::<u32>(rows * dim * 64);
+            let qscale = g.alloc::<f32>(rows);
+            let (fp, qp) = (g.ptr(&frags), g.ptr(&qscale));
+            launch!(
+                g,
+                "index_q_frags",
+                cfg((rows as u32, 1, 1), 256, 0),
+                g.ptr(&q.mem),
+                fp,
+                qp,
+                heads as i32,
+                dim as i32
+            );
+            launch!(
+                g,
+                "index_scores_mma",
+                cfg((n_max.div_ceil(kpb) as u32, rows as u32, 1), 256, (dim * 256 + 64 * 4) as u32),
+                fp,
+                qp,
+                g.ptr(&weights.mem),
+                g.ptr(&dp.positions),
+                g.ptr(&dp.row_seq),
+                g.ptr(&dp.seqs),
+                g.ptr(&dp.pages),
+                g.ptr(&kv.pages.mem),
+                g.ptr(&scores.mem),
+                geom,
+                kpb as i32,
+            );
+            select_topk(g, g.ptr(&scores.mem), n_max, g.ptr(&dp.positions), rows, ratio, top_k, g.ptr(&sel.mem));
+            return Selection { indices: sel, top_k };
+        }
         // Few rows (decode): heads across warps, 32 candidates a block, so the grid fills
         // the GPU; otherwise one thread per candidate.
         let heads_parallel = rows * n_max.div_ceil(256) < 2 * g.sms;
@@ -135,6 +169,37 @@ pub(crate) fn index_topk(
     }
     select_topk(g, g.ptr(&scores.mem), n_max, g.ptr(&dp.positions), rows, ratio, top_k, g.ptr(&sel.mem));
     Selection { indices: sel, top_k }
+}
+
+/// Keys a block of the tensor-core indexer scores (`index_scores_mma`), if it takes this
+/// layer: FP8 keys with 8-byte aligned entries, at most 64 heads in groups of 4, whole
+/// 64-dim FP8 blocks of at most 128 dims (the q fragments' 32 KiB of shared memory), and
+/// `SLUICE_CUDA_INDEXER_MMA` not `0` (read once; `0` keeps the SIMT kernels, to compare).
+/// 512 keys a block, fewer while the grid would not fill the GPU twice over.
+fn mma_keys_per_block(
+    layout: &KvLayout,
+    layer: usize,
+    heads: usize,
+    rows: usize,
+    n_max: usize,
+    sms: usize,
+) -> Option<usize> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_INDEXER_MMA").map_or(true, |v| v != "0"));
+    let lk = &layout.layers[layer];
+    let dim = lk.spec.index_dim;
+    let aligned = [lk.stride(Branch::Indexer), lk.page_offset(Branch::Indexer), layout.page_elems]
+        .iter()
+        .all(|v| v.is_multiple_of(8));
+    let fits = heads.is_multiple_of(4) && heads <= 64 && dim.is_multiple_of(64) && dim <= 128;
+    if !(on && layout.dtype == crate::EntryDtype::Fp8 && aligned && fits) {
+        return None;
+    }
+    let mut kpb = 512;
+    while kpb > 16 && rows * n_max.div_ceil(kpb) < 2 * sms {
+        kpb /= 2;
+    }
+    Some(kpb)
 }
 
 /// Rows of more candidates than this are split over several blocks.

@@ -32,6 +32,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("checksum.cu", include_str!("cu/checksum.cu")),
     ("decode2.cu", include_str!("cu/decode2.cu")),
     ("decode2_segments.cu", include_str!("cu/decode2_segments.cu")),
+    ("indexer_mma.cu", include_str!("cu/indexer_mma.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

@@ -148,6 +148,8 @@ const KERNELS: &[&str] = &[
     "compress_store",
     "index_scores",
     "index_scores_heads",
+    "index_q_frags",
+    "index_scores_mma",
     "topk_select",
     "topk_hist",
     "topk_gather",

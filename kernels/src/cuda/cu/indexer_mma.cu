@@ -1,0 +1,157 @@
+// Lightning-indexer scores on tensor cores for FP8 keys (the serving format). The SIMT
+// kernels of indexer.cu spend 8,192 FMAs and 2,048 shared-memory loads of q per key of
+// a V4-Flash row (64 heads × 128 dims): at batch 64 and a 64K context that was ~2 ms a
+// CSA layer, 21% of the step. Here a warp takes 16 keys as the A operand of
+// mma.m16n8k16 (e4m3 codes are exact in f16), q is the B operand (n = 4 heads × its f16
+// hi and lo halves, so q keeps ~22 bits), and the block scale of each key's 64-dim
+// FP8 block multiplies that block's f32 partial sums. The sum over dims is in tensor-core
+// order, not the CPU's, so scores differ in the last bits: selections may differ only
+// where two scores are that close (the parity suite checks the picks are a top-k).
+//
+// Input order: a thread reads 16 contiguous key bytes per 64-dim block (dims 16t..16t+15
+// of the block, t = lane % 4) and uses word s of them for k-step s; within a word bytes
+// (0, 2) are the fragment's k = (2t, 2t + 1) and bytes (1, 3) k = (2t + 8, 2t + 9)
+// (d2_fp8_pairs). q's fragments are written in that same order by index_q_frags.
+
+#define IDX_MMA_NT 16  // n-tiles of 4 heads: at most 64 heads
+
+// Row r's q as B fragments: frags[r][ks][nt][lane] = two f16x2 words for k-step ks, heads
+// 4·nt .. 4·nt + 3 (column g = lane / 4 is head 4·nt + g / 2, half g % 2: hi, lo), q
+// divided by the power of two qscale[r] that puts its maximum under 2^14. Heads past
+// `heads` are zero. One block a row.
+extern "C" __global__ void __launch_bounds__(256) index_q_frags(const float* q, uint2* frags, float* qscale, int heads,
+                                                                int dim) {
+    __shared__ float red[8];
+    const int r = blockIdx.x, tid = threadIdx.x;
+    const float* qr = q + (long long)r * heads * dim;
+    float m = 0.0f;
+    for (int i = tid; i < heads * dim; i += blockDim.x) m = fmaxf(m, fabsf(qr[i]));
+    m = warp_max(m);
+    if ((tid & 31) == 0) red[tid >> 5] = m;
+    __syncthreads();
+    m = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+    float s = 1.0f;
+    if (m > 0.0f && m <= 3.0e38f) {
+        const int e = max(-126, min(127, (int)((__float_as_uint(m) >> 23) & 0xff) - 127 - 13));
+        s = __uint_as_float((u32)(e + 127) << 23);
+    }
+    if (tid == 0) qscale[r] = s;
+    const float inv = 1.0f / s;  // a power of two: exact
+    const int ks_n = dim / 16, n = ks_n * IDX_MMA_NT * 32;
+    for (int i = tid; i < n; i += blockDim.x) {
+        const int lane = i & 31, nt = (i >> 5) % IDX_MMA_NT, ks = i / (32 * IDX_MMA_NT);
+        const int g = lane >> 2, t = lane & 3, h = 4 * nt + g / 2, lo = g & 1;
+        const int base = 64 * (ks / 4) + 16 * t + 4 * (ks % 4);
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (h < heads)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float x = qr[h * dim + base + j] * inv;
+                const float hi = f16lo_to_f32(pack_f16x2(x, 0.0f));
+                v[j] = lo ? x - hi : hi;
+            }
+        frags[(long long)r * n + i] = make_uint2(pack_f16x2(v[0], v[2]), pack_f16x2(v[1], v[3]));
+    }
+}
+
+// grid (ceil(n_max / keys_per_block), rows), 256 threads; keys_per_block a multiple of 16.
+// Dynamic shared memory: the row's q fragments (dim · 256 bytes) and 64 head weights.
+// Entries past the row's visible count get -inf.
+extern "C" __global__ void __launch_bounds__(256)
+    index_scores_mma(const uint2* frags, const float* qscale, const float* w, const u32* positions, const int* row_seq,
+                     const int* seqs, const u32* pages, const u8* page_base, float* scores, IndexGeom geo,
+                     int keys_per_block) {
+    extern __shared__ __align__(16) unsigned char idx_smem[];
+    const int ks_n = geo.dim / 16, nfrag = ks_n * IDX_MMA_NT * 32;
+    uint2* bf = (uint2*)idx_smem;
+    float* ws = (float*)(bf + nfrag);
+    const int r = blockIdx.y, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    {
+        const uint4* src = (const uint4*)(frags + (long long)r * nfrag);
+        uint4* dst = (uint4*)bf;
+        for (int i = tid; i < nfrag / 2; i += blockDim.x) dst[i] = src[i];
+        for (int i = tid; i < 4 * IDX_MMA_NT; i += blockDim.x) ws[i] = i < geo.heads ? w[(long long)r * geo.heads + i] : 0.0f;
+    }
+    __syncthreads();
+    const int n = (int)((positions[r] + 1) / (u32)geo.ratio);
+    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
+    const float qs = qscale[r];
+    float* out = scores + (long long)r * geo.n_max;
+    const int k0 = blockIdx.x * keys_per_block, k1 = min(k0 + keys_per_block, geo.n_max);
+    for (int e0 = k0 + 16 * warp; e0 < k1; e0 += 16 * D2_WARPS) {
+        // This thread's two keys (rows g and g + 8 of the m-tile).
+        const u8* key[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int e = e0 + g + 8 * h;
+            key[h] = nullptr;
+            if (e < n) {
+                const u32 page = pages[seq[SEQ_PAGE_OFF] + e / geo.per_page];
+                key[h] = page_base + (long long)page * geo.page_elems + geo.page_off + (long long)(e % geo.per_page) * geo.stride;
+            }
+        }
+        float tot[IDX_MMA_NT][2];
+#pragma unroll
+        for (int nt = 0; nt < IDX_MMA_NT; nt++) tot[nt][0] = tot[nt][1] = 0.0f;
+        for (int b = 0; b < geo.dim / FP8_BLOCK; b++) {
+            u32 wd[2][4];
+            float f[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                uint2 lo = make_uint2(0u, 0u), hi = make_uint2(0u, 0u);
+                f[h] = 0.0f;
+                if (key[h]) {
+                    const u8* p = key[h] + FP8_BLOCK * b + 16 * t;
+                    lo = *(const uint2*)p;
+                    hi = *(const uint2*)(p + 8);
+                    f[h] = ue8m0_scale(key[h][geo.dim + b]) * FP8_F16_SCALE;
+                }
+                wd[h][0] = lo.x;
+                wd[h][1] = lo.y;
+                wd[h][2] = hi.x;
+                wd[h][3] = hi.y;
+            }
+            float acc[IDX_MMA_NT][4];
+#pragma unroll
+            for (int nt = 0; nt < IDX_MMA_NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+            for (int s = 0; s < 4; s++) {
+                u32 p02a, p13a, p02b, p13b;
+                d2_fp8_pairs(wd[0][s], p02a, p13a);
+                d2_fp8_pairs(wd[1][s], p02b, p13b);
+                const u32 a[4] = {p02a, p02b, p13a, p13b};
+                const uint2* bk = bf + (4 * b + s) * IDX_MMA_NT * 32 + lane;
+#pragma unroll
+                for (int nt = 0; nt < IDX_MMA_NT; nt++) {
+                    const uint2 bb = bk[nt * 32];
+                    mma_f16(acc[nt], a, bb.x, bb.y);
+                }
+            }
+            // Columns 2t, 2t + 1 are head 4·nt + t's hi and lo halves.
+#pragma unroll
+            for (int nt = 0; nt < IDX_MMA_NT; nt++) {
+                tot[nt][0] = fmaf(acc[nt][0] + acc[nt][1], f[0], tot[nt][0]);
+                tot[nt][1] = fmaf(acc[nt][2] + acc[nt][3], f[1], tot[nt][1]);
+            }
+        }
+        float sc[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nt = 0; nt < IDX_MMA_NT; nt++) {
+            const float wh = ws[4 * nt + t];
+            sc[0] = fmaf(wh, fmaxf(tot[nt][0], 0.0f), sc[0]);
+            sc[1] = fmaf(wh, fmaxf(tot[nt][1], 0.0f), sc[1]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 1);
+            sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 2);
+        }
+        if (t == 0)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int e = e0 + g + 8 * h;
+                if (e < k1) out[e] = e < n ? sc[h] * qs : NEG_INF;
+            }
+    }
+}
