@@ -186,8 +186,8 @@ fn device_routable(rows: usize, w: &MoeWeights<CudaBackend>, variant: Decode) ->
 
 /// Most rows the first version's device-routed experts take (launches of 8 batch rows).
 const TC_ROUTED_MAX_ROWS: usize = 64;
-/// Most rows the segment kernels take routed on the device (the lists' shared memory
-/// holds 12,288 pairs: 256 rows of up to 48 experts each).
+/// Most rows the segment kernels take routed on the device (`moe_lists` stages up to
+/// 5,120 pairs in shared memory: 256 rows of up to 16 experts, the routing kernel's most).
 const SEGMENTS_MAX_ROWS: usize = 256;
 
 /// `SLUICE_CUDA_EP_ROUTING=host`: a device holding a slice of the experts reads each
@@ -291,17 +291,20 @@ pub(crate) fn experts_routed_on_device(
     // Batches of more than 8 rows run by segments of one expert's list positions
     // (`segs`: 3 ints a segment, at most n of them, then their number).
     let by_segments = if variant == Decode::V2 { segments_plan(rows, w) } else { None };
-    let segs = by_segments.as_ref().map(|_| g.alloc::<i32>(3 * n + 1));
-    let (segs_ptr, seg_rows) = match (&segs, &by_segments) {
-        (Some(s), Some(p)) => (g.ptr(s), p.seg_rows as i32),
-        _ => (0, 0),
+    // (`segs`: 3 ints a segment, at most n of them, then their number; `pos`: each row's
+    // list positions, for the combine.)
+    let segs = by_segments.as_ref().map(|_| g.alloc::<i32>(4 * n + 1));
+    let (segs_ptr, seg_rows, pos_ptr) = match (&segs, &by_segments) {
+        (Some(s), Some(p)) => (g.ptr(s), p.seg_rows as i32, g.ptr(s) + 4 * (3 * n + 1) as u64),
+        _ => (0, 0, 0),
     };
-    // The routing is staged in shared memory (n ints; decode batches: at most 64 rows).
-    assert!(4 * n <= 48 * 1024, "moe_lists takes at most 12,288 routed pairs, not {n}");
+    // The routing and each pair's position are staged in shared memory (2n ints beside
+    // the kernel's 4 KiB of counters, under the 48 KiB a block gets by default).
+    assert!(8 * n <= 40 * 1024, "moe_lists takes at most 5,120 routed pairs, not {n}");
     launch!(
         g,
         "moe_lists",
-        cfg((1, 1, 1), 256, (4 * n) as u32),
+        cfg((1, 1, 1), 256, (8 * n) as u32),
         g.ptr(chosen),
         rows as i32,
         k as i32,
@@ -317,9 +320,11 @@ pub(crate) fn experts_routed_on_device(
         segs_ptr,
         seg_rows,
         n as i32,
+        pos_ptr,
     );
     if let Some(plan) = &by_segments {
-        return experts_by_segments(b, plan, x, rows, w, (list_rows, list_widx, segs_ptr), weights, out);
+        let lists = (list_rows, list_widx, segs_ptr, pos_ptr);
+        return experts_by_segments(b, plan, x, rows, w, lists, weights, out);
     }
     if variant == Decode::V2
         && let Some(plan) = experts_v2_plan(rows, w)
@@ -420,31 +425,30 @@ pub(crate) fn experts_routed_on_device(
         );
         return;
     }
-    combine_in_list_order(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+    let pos = g.alloc::<i32>(n);
+    launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
+    combine_in_list_order(b, &y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out);
 }
 
 /// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches
-/// of more than 8 rows): each row's positions first (one thread a row), then k reads an
-/// output instead of a scan of the whole list.
+/// of more than 8 rows), given each row's positions ascending (`pos[r·k ..]`, -1 after
+/// the last): k reads an output instead of a scan of the whole list.
 pub(crate) fn combine_in_list_order(
     b: &CudaBackend,
     y: &CudaBuf,
     (rows, k, d): (usize, usize, usize),
-    (list_rows, list_widx): (u64, u64),
+    (pos, list_widx): (u64, u64),
     weights: &CudaBuf,
     out: &mut CudaBuf,
 ) {
     let g = &b.gpu;
-    let n = rows * k;
-    let pos = g.alloc::<i32>(n);
-    launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
     launch!(
         g,
         "moe_combine_rows",
         cfg_elems(rows * d),
         g.ptr(&out.mem),
         g.ptr(&y.mem),
-        g.ptr(&pos),
+        pos,
         list_widx,
         g.ptr(&weights.mem),
         k as i32,

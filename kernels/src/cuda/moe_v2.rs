@@ -256,8 +256,8 @@ fn segment_rows_override() -> Option<usize> {
     })
 }
 
-/// The routed experts of a decode batch of more than 8 rows by segments (the lists and
-/// `segs` come from `moe_lists` cut at `plan.seg_rows`): the rows staged as f16 halves,
+/// The routed experts of a decode batch of more than 8 rows by segments (the lists,
+/// `segs` and each row's positions `pos` come from `moe_lists` cut at `plan.seg_rows`): the rows staged as f16 halves,
 /// gate/up of each segment into h ([list position][2][inter]), down of each segment into
 /// y ([list position][d]), then each row's weighted sum in list order into `out`.
 #[allow(clippy::too_many_arguments)]
@@ -267,7 +267,7 @@ pub(crate) fn experts_by_segments(
     x: &CudaBuf,
     rows: usize,
     w: &MoeWeights<CudaBackend>,
-    (list_rows, list_widx, segs): (u64, u64, u64),
+    (list_rows, list_widx, segs, pos): (u64, u64, u64, u64),
     weights: &CudaBuf,
     out: &mut CudaBuf,
 ) {
@@ -315,5 +315,5 @@ pub(crate) fn experts_by_segments(
         let cap = g.resident_blocks(kernel, 256, 0) * g.sms;
         launch!(g, kernel, cfg(((n * tiles).min(cap).max(1) as u32, 1, 1), 256, 0), args);
     }
-    super::moe::combine_in_list_order(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+    super::moe::combine_in_list_order(b, &y, (rows, k, d), (pos, list_widx), weights, out);
 }
