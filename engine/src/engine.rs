@@ -177,16 +177,9 @@ impl<B: Backend> Engine<B> {
             logit_rows.extend(rows);
         }
         let (model, state) = (&self.model, &mut self.cache.state);
-        let logits = model.backend.enter(|| model.forward(state, &plan, &logit_rows));
+        let out = model.backend.enter(|| model.forward(state, &plan, &logit_rows, &counts));
         for inp in inputs.iter_mut() {
             inp.seq.len += inp.tokens.len();
-        }
-        let vocab = self.model.config.vocab_size;
-        let mut out = Vec::with_capacity(inputs.len());
-        let mut at = 0;
-        for n in counts {
-            out.push(logits[at * vocab..(at + n) * vocab].to_vec());
-            at += n;
         }
         Ok(out)
     }

@@ -239,6 +239,21 @@ pub trait Backend: Send + Sync + 'static {
     }
     fn upload(&self, data: &[f32]) -> Self::Buf;
     fn download(&self, buf: &Self::Buf) -> Vec<f32>;
+    /// `buf` read back as consecutive parts of `lens` values (a step's logits, a part a
+    /// sequence; the lengths sum to the buffer's). By default one download split on the
+    /// host; the CUDA backend reads straight into the parts, since one host buffer of a
+    /// large batch's logits (66 MB at 128 rows) is fresh, page-faulting memory every step.
+    fn download_parts(&self, buf: &Self::Buf, lens: &[usize]) -> Vec<Vec<f32>> {
+        let all = self.download(buf);
+        assert_eq!(lens.iter().sum::<usize>(), all.len(), "download parts do not cover the buffer");
+        let mut at = 0;
+        lens.iter()
+            .map(|&n| {
+                at += n;
+                all[at - n..at].to_vec()
+            })
+            .collect()
+    }
     /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.
     fn gather_rows(&self, src: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
     /// A weight as the checkpoint stores it (validated by the caller): device backends

@@ -15,8 +15,15 @@ use super::weights::{CompressorWeights, LayerWeights};
 
 impl<B: Backend> Model<B> {
     /// Run `plan` through the model, updating the KV state, and return the logits of
-    /// `logit_rows` (batch row indices) as `[logit_rows.len(), vocab]`.
-    pub fn forward(&self, kv: &mut KvState<B>, plan: &BatchPlan, logit_rows: &[usize]) -> Vec<f32> {
+    /// `logit_rows` (batch row indices) in parts of `parts[i]` rows each (`[n, vocab]`
+    /// flattened; the parts' rows sum to `logit_rows.len()`).
+    pub fn forward(
+        &self,
+        kv: &mut KvState<B>,
+        plan: &BatchPlan,
+        logit_rows: &[usize],
+        parts: &[usize],
+    ) -> Vec<Vec<f32>> {
         let b = &self.backend;
         let c = &self.config;
         let rows = plan.rows();
@@ -32,7 +39,7 @@ impl<B: Backend> Model<B> {
         }
 
         if logit_rows.is_empty() {
-            return Vec::new();
+            return parts.iter().map(|_| Vec::new()).collect();
         }
         let picked = b.gather_rows(&streams, hc * d, logit_rows);
         let mut h = b.output(logit_rows.len() * d);
@@ -40,7 +47,8 @@ impl<B: Backend> Model<B> {
         b.rms_norm(&mut h, d, Some(&self.weights.norm), c.rms_norm_eps as f32);
         let mut logits = b.output(logit_rows.len() * c.vocab_size);
         b.matmul(&h, logit_rows.len(), &self.weights.head, &mut logits);
-        b.download(&logits)
+        let lens: Vec<usize> = parts.iter().map(|&n| n * c.vocab_size).collect();
+        b.download_parts(&logits, &lens)
     }
 
     pub(super) fn layer(

@@ -12,6 +12,7 @@
 //!   weights keep the checkpoint's format (BF16, FP8 + block scales, FP4 + ue8m0 scales).
 //! - `kv_buffer`: KV storage from `cuMemAlloc` (exportable to peers: UCX cuda_ipc, peer copies).
 //! - `upload`: host → device streaming of weights through bounded pinned buffers.
+//! - `download`: large device → host reads (logits) through two pinned buffers.
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
@@ -30,6 +31,7 @@ mod checksum;
 pub mod collective;
 mod compress;
 mod devplan;
+mod download;
 mod hc;
 mod kv_buffer;
 mod matmul;
@@ -359,6 +361,24 @@ impl Backend for CudaBackend {
         let mut out = vec![0f32; buf.len];
         self.prof("download", || self.gpu.read(&buf.mem, 0, &mut out));
         out
+    }
+
+    fn download_parts(&self, buf: &CudaBuf, lens: &[usize]) -> Vec<Vec<f32>> {
+        assert_eq!(lens.iter().sum::<usize>(), buf.len, "download parts do not cover the buffer");
+        if !runtime::staged_reads() {
+            let all = self.download(buf);
+            let mut at = 0;
+            return lens
+                .iter()
+                .map(|&n| {
+                    at += n;
+                    all[at - n..at].to_vec()
+                })
+                .collect();
+        }
+        let mut parts: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+        self.prof("download", || self.gpu.read_parts(&buf.mem, &mut parts));
+        parts
     }
 
     fn gather_rows(&self, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {

@@ -232,6 +232,8 @@ pub(crate) struct Gpu {
     occupancy: Mutex<HashMap<(&'static str, u32, u32), usize>>,
     /// Device copies of small constant tables (per-expert weight pointers), by content.
     tables: Mutex<HashMap<u64, CudaSlice<u64>>>,
+    /// Pinned buffers of large reads.
+    download: super::download::Download,
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -269,6 +271,7 @@ impl Gpu {
         // needed to order them.
         unsafe { ctx.disable_event_tracking() };
         keep_pool_memory(&ctx)?;
+        super::download::keep_host_allocations();
         let stream = ctx.new_stream().map_err(drv)?;
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
         let cc = ctx.compute_capability().map_err(drv)?;
@@ -306,6 +309,7 @@ impl Gpu {
             scratch: Mutex::new(HashMap::new()),
             occupancy: Mutex::new(HashMap::new()),
             tables: Mutex::new(HashMap::new()),
+            download: Default::default(),
         })
     }
 
@@ -397,9 +401,50 @@ impl Gpu {
         if out.is_empty() {
             return;
         }
+        let bytes = std::mem::size_of_val(out);
+        if bytes >= super::download::STAGED_READ_MIN_BYTES && staged_reads() {
+            assert!(
+                offset + out.len() <= src.len(),
+                "read of {} elements at {offset} past the buffer's {}",
+                out.len(),
+                src.len()
+            );
+            self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+            let at = self.ptr(src) + (offset * std::mem::size_of::<T>()) as u64;
+            // SAFETY: DeviceRepr types are plain data, so their bytes may be written as
+            // u8; the range lies inside `src` (asserted above).
+            let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
+            self.download.read(&self.stream, at, &mut [out]);
+            return;
+        }
         let view = src.slice(offset..offset + out.len());
         self.stream.memcpy_dtoh(&view, out).unwrap_or_else(|e| fail("device-to-host copy", e));
         self.sync();
+    }
+
+    /// Copy the first values of `src` into `parts`, one after another, and wait: through
+    /// pinned pieces when large (`download`).
+    pub fn read_parts(&self, src: &CudaSlice<f32>, parts: &mut [Vec<f32>]) {
+        let total: usize = parts.iter().map(Vec::len).sum();
+        assert!(total <= src.len(), "read parts of {total} values from a buffer of {}", src.len());
+        if 4 * total < super::download::STAGED_READ_MIN_BYTES {
+            let mut all = vec![0f32; total];
+            self.read(src, 0, &mut all);
+            let mut at = 0;
+            for p in parts.iter_mut() {
+                let n = p.len();
+                p.copy_from_slice(&all[at..at + n]);
+                at += n;
+            }
+            return;
+        }
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        let mut outs: Vec<&mut [u8]> = parts
+            .iter_mut()
+            // SAFETY: f32 is plain data; each slice covers exactly its Vec's values.
+            .map(|p| unsafe { std::slice::from_raw_parts_mut(p.as_mut_ptr() as *mut u8, 4 * p.len()) })
+            .collect();
+        self.download.read(&self.stream, self.ptr(src), &mut outs);
     }
 
     pub fn write<T: DeviceRepr>(&self, dst: &mut CudaSlice<T>, offset: usize, data: &[T]) {
@@ -467,6 +512,13 @@ impl Gpu {
         let (p, _guard) = s.device_ptr(&self.stream);
         p
     }
+}
+
+/// Whether large reads go through the pinned pieces of `download` (the default) or one
+/// pageable copy (`SLUICE_CUDA_STAGED_READS=0`, read once, to compare the two).
+pub(crate) fn staged_reads() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_STAGED_READS").map_or(true, |v| v != "0"))
 }
 
 /// Keep freed memory in the device's stream-ordered pool. Its default release threshold

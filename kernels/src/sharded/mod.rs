@@ -129,6 +129,10 @@ impl<B: Backend> Backend for Sharded<B> {
         ops::download(self, buf)
     }
 
+    fn download_parts(&self, buf: &ShardBuf<B>, lens: &[usize]) -> Vec<Vec<f32>> {
+        ops::download_parts(self, buf, lens)
+    }
+
     fn gather_rows(&self, src: &ShardBuf<B>, width: usize, rows: &[usize]) -> ShardBuf<B> {
         ops::gather_rows(self, src, width, rows)
     }

@@ -84,6 +84,35 @@ pub(super) fn gather_rows<B: Backend>(s: &Sharded<B>, src: &ShardBuf<B>, width: 
     ShardBuf::Rows { len: rows.len() * width, split: Arc::new(picked), parts }
 }
 
+/// A buffer of rows read back a row a part (a decode step's logits) straight from each
+/// rank's rows, no whole-batch host buffer; other splits download the whole buffer.
+pub(super) fn download_parts<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>, lens: &[usize]) -> Vec<Vec<f32>> {
+    if let ShardBuf::Rows { split, parts, .. } = buf {
+        let width = buf.width();
+        if lens.len() == split.rows() && lens.iter().all(|&n| n == width) {
+            let mut out: Vec<Vec<f32>> = vec![Vec::new(); lens.len()];
+            for (r, (b, part)) in s.ranks.iter().zip(parts).enumerate() {
+                if split.count(r) == 0 {
+                    continue;
+                }
+                let rows = b.download_parts(part, &vec![width; split.count(r)]);
+                for (&g, row) in split.held[r].iter().zip(rows) {
+                    out[g] = row;
+                }
+            }
+            return out;
+        }
+    }
+    let all = download(s, buf);
+    let mut at = 0;
+    lens.iter()
+        .map(|&n| {
+            at += n;
+            all[at - n..at].to_vec()
+        })
+        .collect()
+}
+
 pub(super) fn download<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>) -> Vec<f32> {
     match buf {
         ShardBuf::Replicated { parts, .. } => s.ranks[0].download(&parts[0]),

@@ -425,3 +425,16 @@ fn fp4_gemm_bf16_and_fp8_tensor_core_paths_against_cpu() {
         }
     }
 }
+
+/// Reads of 4 MB and more go through pinned pieces of 8 MB (a decode step's logits): an
+/// upload of 20 MB plus a ragged tail comes back bit for bit, as does a small one.
+#[test]
+fn cuda_large_downloads_round_trip() {
+    let Some(g) = gpu("cuda_large_downloads_round_trip") else { return };
+    let mut rng = rng("downloads");
+    for n in [5_000_003usize, 2 << 20, 1000] {
+        let x = rand_vec(&mut rng, n, 1.0);
+        let back = g.download(&g.upload(&x));
+        assert!(back.iter().zip(&x).all(|(a, b)| a.to_bits() == b.to_bits()), "{n} floats did not come back as sent");
+    }
+}

@@ -1,0 +1,96 @@
+//! Large device-to-host reads (a decode step's logits: 66 MB at batch 128 of a 129K
+//! vocabulary) through two pinned buffers, double-buffered: the DMA of one piece runs
+//! while the host copies the previous one out, into as many destination parts as the
+//! caller has (one a sequence, so no single step-sized host buffer: glibc maps one that
+//! large afresh every step, and its page faults made the batch-128 read 44 ms).
+
+use std::sync::Mutex;
+
+use cudarc::driver::{CudaStream, PinnedHostSlice};
+
+use super::runtime::fail;
+
+/// Bytes per pinned piece.
+const PIECE_BYTES: usize = 8 << 20;
+/// Reads smaller than this go through one pageable copy (fast enough, no staging).
+pub(crate) const STAGED_READ_MIN_BYTES: usize = 4 << 20;
+
+/// Keep large host allocations in the heap, for the process's life. glibc maps
+/// allocations above a threshold (adapting up to 32 MiB) afresh and trims free memory at
+/// the heap's top beyond twice it, so a large batch's per-sequence logits were page-
+/// faulted in again every step: the copy out of the pinned pieces took 5 to 16 ms at
+/// batch 64 on the H200 machine, varying run to run. Fixed thresholds (64 MiB mapped,
+/// 1 GiB trimmed) let the next step reuse the memory. Called when a GPU is opened.
+pub(crate) fn keep_host_allocations() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        static ONCE: std::sync::Once = std::sync::Once::new();
+        // SAFETY: mallopt only sets allocator parameters; any value is valid.
+        ONCE.call_once(|| unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        });
+    }
+}
+
+/// The two pinned buffers, allocated at the first large read.
+#[derive(Default)]
+pub(crate) struct Download {
+    bufs: Mutex<Vec<PinnedHostSlice<u8>>>,
+}
+
+impl Download {
+    /// Copy the bytes at device address `src` into `outs`, one after another (their
+    /// lengths summed), on `stream`, and wait. The address range must lie in live device
+    /// memory of the stream's context.
+    pub fn read(&self, stream: &CudaStream, src: u64, outs: &mut [&mut [u8]]) {
+        let mut bufs = self.bufs.lock().expect("download buffers poisoned");
+        while bufs.len() < 2 {
+            // SAFETY: the buffer's bytes are written by the copies below before any read.
+            let b = unsafe { stream.context().alloc_pinned_with_flags::<u8>(PIECE_BYTES, 0) }
+                .unwrap_or_else(|e| fail("pinned download buffer", e));
+            bufs.push(b);
+        }
+        let ptrs: Vec<*mut u8> =
+            bufs.iter_mut().map(|b| b.as_mut_ptr().unwrap_or_else(|e| fail("pinned buffer access", e))).collect();
+        let len: usize = outs.iter().map(|o| o.len()).sum();
+        let pieces = len.div_ceil(PIECE_BYTES);
+        let piece = |i: usize| (i * PIECE_BYTES, (len - i * PIECE_BYTES).min(PIECE_BYTES));
+        let queue = |i: usize| {
+            let (at, n) = piece(i);
+            // SAFETY: the pinned buffer holds PIECE_BYTES >= n bytes and is not read by the
+            // host until the event recorded after this copy has completed; the source
+            // range lies in live device memory (the caller's contract).
+            unsafe {
+                let dst = std::slice::from_raw_parts_mut(ptrs[i % 2], n);
+                cudarc::driver::result::memcpy_dtoh_async(dst, src + at as u64, stream.cu_stream())
+            }
+            .unwrap_or_else(|e| fail("device-to-host copy", e));
+            stream.record_event(None).unwrap_or_else(|e| fail("event record", e))
+        };
+        // Where the next byte goes: part `part`, offset `off` in it.
+        let (mut part, mut off) = (0, 0);
+        let mut pending = (pieces > 0).then(|| queue(0));
+        for i in 0..pieces {
+            // Piece i + 1 goes into the other buffer, whose piece i - 1 was copied out.
+            let next = (i + 1 < pieces).then(|| queue(i + 1));
+            let done = pending.take().expect("a queued piece");
+            done.synchronize().unwrap_or_else(|e| fail("download event wait", e));
+            let n = piece(i).1;
+            // SAFETY: the copy into this buffer completed (its event above).
+            let mut from = unsafe { std::slice::from_raw_parts(ptrs[i % 2], n) };
+            while !from.is_empty() {
+                let dst = &mut outs[part][off..];
+                let k = dst.len().min(from.len());
+                dst[..k].copy_from_slice(&from[..k]);
+                from = &from[k..];
+                off += k;
+                if off == outs[part].len() {
+                    part += 1;
+                    off = 0;
+                }
+            }
+            pending = next;
+        }
+    }
+}
