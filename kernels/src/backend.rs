@@ -244,15 +244,7 @@ pub trait Backend: Send + Sync + 'static {
     /// host; the CUDA backend reads straight into the parts, since one host buffer of a
     /// large batch's logits (66 MB at 128 rows) is fresh, page-faulting memory every step.
     fn download_parts(&self, buf: &Self::Buf, lens: &[usize]) -> Vec<Vec<f32>> {
-        let all = self.download(buf);
-        assert_eq!(lens.iter().sum::<usize>(), all.len(), "download parts do not cover the buffer");
-        let mut at = 0;
-        lens.iter()
-            .map(|&n| {
-                at += n;
-                all[at - n..at].to_vec()
-            })
-            .collect()
+        split_parts(&self.download(buf), lens)
     }
     /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.
     fn gather_rows(&self, src: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
@@ -486,4 +478,16 @@ pub trait Backend: Send + Sync + 'static {
         plan: &BatchPlan,
         new_kv: &Self::Buf,
     );
+}
+
+/// `all` cut into consecutive parts of `lens` values (which must cover it exactly).
+pub fn split_parts(all: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
+    assert_eq!(lens.iter().sum::<usize>(), all.len(), "download parts do not cover the buffer");
+    let mut at = 0;
+    lens.iter()
+        .map(|&n| {
+            at += n;
+            all[at - n..at].to_vec()
+        })
+        .collect()
 }

@@ -366,15 +366,7 @@ impl Backend for CudaBackend {
     fn download_parts(&self, buf: &CudaBuf, lens: &[usize]) -> Vec<Vec<f32>> {
         assert_eq!(lens.iter().sum::<usize>(), buf.len, "download parts do not cover the buffer");
         if !runtime::staged_reads() {
-            let all = self.download(buf);
-            let mut at = 0;
-            return lens
-                .iter()
-                .map(|&n| {
-                    at += n;
-                    all[at - n..at].to_vec()
-                })
-                .collect();
+            return crate::backend::split_parts(&self.download(buf), lens);
         }
         let mut parts: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
         self.prof("download", || self.gpu.read_parts(&buf.mem, &mut parts));

@@ -103,14 +103,7 @@ pub(super) fn download_parts<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>, lens
             return out;
         }
     }
-    let all = download(s, buf);
-    let mut at = 0;
-    lens.iter()
-        .map(|&n| {
-            at += n;
-            all[at - n..at].to_vec()
-        })
-        .collect()
+    crate::backend::split_parts(&download(s, buf), lens)
 }
 
 pub(super) fn download<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>) -> Vec<f32> {
