@@ -141,31 +141,30 @@ pub(crate) fn index_topk(
                 geom,
                 kpb as i32,
             );
-            select_topk(g, g.ptr(&scores.mem), n_max, g.ptr(&dp.positions), rows, ratio, top_k, g.ptr(&sel.mem));
-            return Selection { indices: sel, top_k };
-        }
-        // Few rows (decode): heads across warps, 32 candidates a block, so the grid fills
-        // the GPU; otherwise one thread per candidate.
-        let heads_parallel = rows * n_max.div_ceil(256) < 2 * g.sms;
-        let (name, grid, smem) = if heads_parallel {
-            ("index_scores_heads", (n_max.div_ceil(32) as u32, rows as u32, 1), smem + 256 * 4)
         } else {
-            ("index_scores", (n_max.div_ceil(256) as u32, rows as u32, 1), smem)
-        };
-        launch!(
-            g,
-            name,
-            cfg(grid, 256, smem as u32),
-            g.ptr(&q.mem),
-            g.ptr(&weights.mem),
-            g.ptr(&dp.positions),
-            g.ptr(&dp.row_seq),
-            g.ptr(&dp.seqs),
-            g.ptr(&dp.pages),
-            g.ptr(&kv.pages.mem),
-            g.ptr(&scores.mem),
-            geom,
-        );
+            // Few rows (decode): heads across warps, 32 candidates a block, so the grid
+            // fills the GPU; otherwise one thread per candidate.
+            let heads_parallel = rows * n_max.div_ceil(256) < 2 * g.sms;
+            let (name, grid, smem) = if heads_parallel {
+                ("index_scores_heads", (n_max.div_ceil(32) as u32, rows as u32, 1), smem + 256 * 4)
+            } else {
+                ("index_scores", (n_max.div_ceil(256) as u32, rows as u32, 1), smem)
+            };
+            launch!(
+                g,
+                name,
+                cfg(grid, 256, smem as u32),
+                g.ptr(&q.mem),
+                g.ptr(&weights.mem),
+                g.ptr(&dp.positions),
+                g.ptr(&dp.row_seq),
+                g.ptr(&dp.seqs),
+                g.ptr(&dp.pages),
+                g.ptr(&kv.pages.mem),
+                g.ptr(&scores.mem),
+                geom,
+            );
+        }
     }
     select_topk(g, g.ptr(&scores.mem), n_max, g.ptr(&dp.positions), rows, ratio, top_k, g.ptr(&sel.mem));
     Selection { indices: sel, top_k }
