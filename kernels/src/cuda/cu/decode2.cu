@@ -187,6 +187,29 @@ __device__ __forceinline__ void d2_mma(float (&acc)[NM][MT][NB][4], const D2Raw<
     }
 }
 
+// The power of two 2^e that puts max·2^-e under 2^14 (kept a normal float; 1 for a zero
+// or non-finite max): activations divided by it split into f16 hi + lo halves without
+// overflow and with ~22 bits kept.
+__device__ __forceinline__ float d2_pow2_scale(float m) {
+    if (!(m > 0.0f && m <= 3.0e38f)) return 1.0f;
+    const int e = max(-126, min(127, (int)((__float_as_uint(m) >> 23) & 0xff) - 127 - 13));
+    return __uint_as_float((u32)(e + 127) << 23);
+}
+
+// A round's activation fragments as the u32 operands d2_mma takes.
+template <int NB, int Q>
+__device__ __forceinline__ void d2_unpack_b(u32 (&bq)[NB][4 * Q], const uint4 (&b)[NB][Q]) {
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int q = 0; q < Q; q++) {
+            bq[nb][4 * q] = b[nb][q].x;
+            bq[nb][4 * q + 1] = b[nb][q].y;
+            bq[nb][4 * q + 2] = b[nb][q].z;
+            bq[nb][4 * q + 3] = b[nb][q].w;
+        }
+}
+
 // Activation layout (shared memory for the products, global memory for the MoE h): per
 // (column block nb, round, 16-byte chunk q) 32 uint4, one per lane (g = lane / 4 is the
 // mma column, t = lane % 4 the quad position), holding 8 f16 of the thread's inputs in
@@ -210,13 +233,7 @@ __device__ void d2_stage_x(uint4* xs, long long blk, const float* x, int x_strid
             const float4 v = *(const float4*)(xr + i);
             m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
         }
-        m = warp_max(m);
-        float s = 1.0f;
-        if (m > 0.0f && m <= 3.0e38f) {
-            // 2^e with max·2^-e < 2^14 (kept a normal float), as tc_stage_x.
-            const int e = max(-126, min(127, (int)((__float_as_uint(m) >> 23) & 0xff) - 127 - 13));
-            s = __uint_as_float((u32)(e + 127) << 23);
-        }
+        const float s = d2_pow2_scale(warp_max(m));  // as tc_stage_x
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
             if (r == 4 * nb + t) sc[nb] = s;
@@ -623,15 +640,7 @@ __device__ void d2_down_body(const D2DownArgs& A) {
         const bool more = nu < A.tiles;
         if (more) load(nxt, nm, (long long)nu * RT, ns, nj);
         u32 bq[NB][4 * Q];
-#pragma unroll
-        for (int nb = 0; nb < NB; nb++)
-#pragma unroll
-            for (int q = 0; q < Q; q++) {
-                bq[nb][4 * q] = cur.b[nb][q].x;
-                bq[nb][4 * q + 1] = cur.b[nb][q].y;
-                bq[nb][4 * q + 2] = cur.b[nb][q].z;
-                bq[nb][4 * q + 3] = cur.b[nb][q].w;
-            }
+        d2_unpack_b<NB, Q>(bq, cur.b);
         d2_mma<WT, NM, MT, NB>(acc, cur.w, bq);
         if (j == rw - 1) finish(o0, slot);
         u = nu;

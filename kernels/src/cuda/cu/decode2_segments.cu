@@ -25,12 +25,7 @@ extern "C" __global__ void __launch_bounds__(256) d2_rows_f16(u16* xb, float* xs
         const float4 v = *(const float4*)(xr + i);
         m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
     }
-    m = warp_max(m);
-    float s = 1.0f;
-    if (m > 0.0f && m <= 3.0e38f) {
-        const int e = max(-126, min(127, (int)((__float_as_uint(m) >> 23) & 0xff) - 127 - 13));
-        s = __uint_as_float((u32)(e + 127) << 23);
-    }
+    const float s = d2_pow2_scale(warp_max(m));
     if (lane == 0) xscale[r] = s;
     const float inv = 1.0f / s;  // a power of two: exact
     u16* hi = xb + (long long)r * 2 * K;
@@ -190,15 +185,7 @@ __device__ void d2_seg_body(const D2SegArgs& A) {
         const bool more = nu < units;
         if (more) load(nxt, nun, nj);
         u32 bq[NB][4 * Q];
-#pragma unroll
-        for (int nb = 0; nb < NB; nb++)
-#pragma unroll
-            for (int q = 0; q < Q; q++) {
-                bq[nb][4 * q] = cur.b[nb][q].x;
-                bq[nb][4 * q + 1] = cur.b[nb][q].y;
-                bq[nb][4 * q + 2] = cur.b[nb][q].z;
-                bq[nb][4 * q + 3] = cur.b[nb][q].w;
-            }
+        d2_unpack_b<NB, Q>(bq, cur.b);
         d2_mma<WT, NM, MT, NB>(acc, cur.w, bq);
         if (j == rw - 1) finish(un);
         u = nu;

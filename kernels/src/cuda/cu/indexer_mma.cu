@@ -31,11 +31,7 @@ extern "C" __global__ void __launch_bounds__(256) index_q_frags(const float* q, 
     __syncthreads();
     m = 0.0f;
     for (int w = 0; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
-    float s = 1.0f;
-    if (m > 0.0f && m <= 3.0e38f) {
-        const int e = max(-126, min(127, (int)((__float_as_uint(m) >> 23) & 0xff) - 127 - 13));
-        s = __uint_as_float((u32)(e + 127) << 23);
-    }
+    const float s = d2_pow2_scale(m);
     if (tid == 0) qscale[r] = s;
     const float inv = 1.0f / s;  // a power of two: exact
     const int ks_n = dim / 16, n = ks_n * IDX_MMA_NT * 32;
