@@ -57,7 +57,7 @@ struct CompressGeom {
 // SAFETY: #[repr(C)] ints and a float, laid out as the C struct.
 unsafe impl DeviceRepr for CompressGeom {}
 
-/// A kernel argument for [`super::runtime::Gpu::launch_overlapped`].
+/// A kernel argument for [`super::runtime::Gpu::launch_raw`].
 fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
     (v as *mut T).cast()
 }
@@ -192,7 +192,7 @@ pub(crate) fn compress(
             arg(&mut a.14),
             arg(&mut a.15),
         ];
-        g.launch_overlapped("compress_stream", cfg((grid as u32, 1, 1), threads as u32, smem as u32), &mut args);
+        g.launch_raw("compress_stream", cfg((grid as u32, 1, 1), threads as u32, smem as u32), &mut args);
     }
     if fused.is_some() {
         return;

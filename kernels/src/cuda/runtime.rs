@@ -219,6 +219,8 @@ pub(crate) struct Gpu {
     pub sms: usize,
     pub name: String,
     pub cc: (i32, i32),
+    /// Kernels launched with programmatic dependent launch ([`Gpu::launch_raw`]).
+    pub pdl: bool,
     pub total_mem: usize,
     pub ordinal: usize,
     /// Where the kernels came from (compiled now, or the PTX cache file).
@@ -302,6 +304,7 @@ impl Gpu {
             funcs,
             sms,
             cc,
+            pdl: pdl_enabled(cc),
             ordinal,
             ptx_origin,
             traffic: Traffic::default(),
@@ -561,38 +564,46 @@ pub(crate) fn cfg_elems(n: usize) -> cudarc::driver::LaunchConfig {
 }
 
 /// Launch kernel `$name` with `$cfg` and the given arguments (device addresses as u64,
-/// ints as i32, floats as f32, `#[repr(C)]` structs by value), checking the launch.
+/// ints as i32, floats as f32, `#[repr(C)]` structs by value), checking the launch; see
+/// [`Gpu::launch_raw`] for how it is ordered after the kernel before it.
 macro_rules! launch {
     ($gpu:expr, $name:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
         let gpu: &$crate::cuda::runtime::Gpu = $gpu;
-        let f = gpu.func($name);
-        gpu.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut b = gpu.stream.launch_builder(f);
-        $( let a = $arg; cudarc::driver::PushKernelArg::arg(&mut b, &a); )*
-        // SAFETY: the argument list matches the kernel's C signature (checked by the
-        // parity suite on a GPU); buffers passed are live device allocations of the
-        // sizes the kernel indexes, as each call site establishes.
-        unsafe { b.launch($cfg) }.unwrap_or_else(|e| $crate::cuda::runtime::fail(&format!("launch of {}", $name), e));
+        let mut args: Vec<*mut std::ffi::c_void> = Vec::with_capacity(16);
+        // Each value lives in its own (shadowed) binding until the end of this block,
+        // after the launch has copied the arguments.
+        $( let a = $arg; args.push($crate::cuda::runtime::arg_ptr(&a)); )*
+        gpu.launch_raw($name, $cfg, &mut args);
     }};
 }
 pub(crate) use launch;
 
+/// A kernel argument as the driver takes it: the address of its value.
+pub(crate) fn arg_ptr<T: DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
+    value as *const T as *mut std::ffi::c_void
+}
+
+/// Whether kernels are launched with programmatic dependent launch: compute capability
+/// 9.0 and later, unless `SLUICE_CUDA_PDL=0` (plain stream order, to compare or rule it
+/// out).
+fn pdl_enabled(cc: (i32, i32)) -> bool {
+    cc.0 >= 9 && std::env::var("SLUICE_CUDA_PDL").map(|v| v != "0").unwrap_or(true)
+}
+
 impl Gpu {
-    /// Launches `name` so that it may start while the kernel before it in the stream is
-    /// still finishing (programmatic dependent launch, compute capability 9.0 and later;
-    /// elsewhere an ordinary launch): if that kernel allows it (`griddepcontrol.
-    /// launch_dependents`), this one's blocks can be placed and run their set-up as the
-    /// previous kernel's blocks leave the SMs; otherwise it starts once they have all
-    /// left. The kernel must execute
+    /// Launches `name` with the argument values `args` points at (in the kernel's order).
+    ///
+    /// Where programmatic dependent launch is on ([`Gpu::pdl`]), a kernel may be placed
+    /// on the SMs while the kernel before it in the stream is finishing: once every block
+    /// of that one has executed `griddepcontrol.launch_dependents` (every kernel does it
+    /// right after its wait, `pdl_begin` in common.cuh), this one's blocks take the SM room
+    /// the earlier one's leave, so the launch latency and block placement of each kernel
+    /// overlap the tail of the one before instead of following it. Every kernel executes
     /// `griddepcontrol.wait` before it touches memory an earlier kernel writes or reads
-    /// after it (the wait returns once every earlier kernel has completed and its writes
-    /// are visible). `args` point at the argument values, in the kernel's order.
-    pub(crate) fn launch_overlapped(
-        &self,
-        name: &str,
-        cfg: cudarc::driver::LaunchConfig,
-        args: &mut [*mut std::ffi::c_void],
-    ) {
+    /// (the wait returns once the previous kernel has completed and its writes are
+    /// visible); `nvrtc::tests` checks that each kernel of the sources does. Copies,
+    /// cuBLAS and NCCL keep ordinary stream order.
+    pub(crate) fn launch_raw(&self, name: &str, cfg: cudarc::driver::LaunchConfig, args: &mut [*mut std::ffi::c_void]) {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
         self.launches.fetch_add(1, Ordering::Relaxed);
@@ -600,7 +611,7 @@ impl Gpu {
         // set below.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
         attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = i32::from(self.cc.0 >= 9);
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -611,11 +622,12 @@ impl Gpu {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: u32::from(self.pdl),
         };
         // SAFETY: the function belongs to this context's module; `args` holds one pointer
         // per kernel parameter to a live value of the parameter's C type (the call site
-        // establishes this, and the parity suite checks it on a GPU); the stream is ours.
+        // establishes this, and the parity suite checks it on a GPU); buffers passed are
+        // live device allocations of the sizes the kernel indexes; the stream is ours.
         unsafe {
             sys::cuLaunchKernelEx(&config, self.func(name).cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
         }

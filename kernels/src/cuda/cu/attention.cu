@@ -48,6 +48,7 @@ extern "C" __global__ void __launch_bounds__(512)
     attention(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
               const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
               float* out, float* part, AttnGeom g) {
+    pdl_begin();
     __shared__ float keys[ATT_T * ATT_HD_MAX];
     __shared__ int src_kind[ATT_T];
     __shared__ long long src_off[ATT_T];
@@ -180,6 +181,7 @@ extern "C" __global__ void __launch_bounds__(512)
 // with an exp each was ~25 µs at 40 splits.
 extern "C" __global__ void attention_merge(const float* part, const float* sinks, float* out, int heads, int hd,
                                            int splits) {
+    pdl_begin();
     extern __shared__ float factor[];
     __shared__ float den_s;
     const int rh = blockIdx.x, h = rh % heads;
@@ -215,6 +217,7 @@ extern "C" __global__ void attention_merge(const float* part, const float* sinks
 extern "C" __global__ void store_window(const float* new_kv, u8* rings, const int* row_seq, const int* seqs, int rows,
                                         int hd, int window, int dtype, int tail, int stride, int ring_elems,
                                         int ring_off) {
+    pdl_begin();
     const int n8 = hd - tail, nb = dtype == DTYPE_FP8 ? (n8 + FP8_BLOCK - 1) / FP8_BLOCK : 0;
     const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     if (w >= (long long)rows * (nb + 1)) return;

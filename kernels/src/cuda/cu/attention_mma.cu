@@ -75,6 +75,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     attention_mma(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
                   const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
                   float* out, float* /* part: unused, same arguments as `attention` */, AttnGeom g) {
+    pdl_begin();
     __shared__ __align__(16) u16 kt[2][TC_KEYS * TC_KSTRIDE];
     __shared__ float sp[TC_DGROUPS][TC_HEADS][TC_KEYS];
     __shared__ __align__(16) u16 ph[2][TC_HEADS * TC_PSTRIDE];

@@ -22,6 +22,7 @@ __device__ __forceinline__ u64 kv_fmix64(u64 k) {
 // the launch.
 extern "C" __global__ void kv_checksum(const u8* __restrict__ base, const u64* __restrict__ ranges,
                                        u64* __restrict__ out) {
+    pdl_begin();
     const int r = blockIdx.y;
     const u64 off = ranges[3 * r], len = ranges[3 * r + 1], first = ranges[3 * r + 2];
     const u64 words = (len + 7) / 8;

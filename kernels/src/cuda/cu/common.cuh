@@ -9,6 +9,31 @@ typedef unsigned long long u64;
 #define WARP 32
 #define NEG_INF (__int_as_float(0xff800000))
 
+// Programmatic dependent launch (sm_90+; no-ops before). Every kernel is launched so that
+// it may be placed on the SMs while the kernel before it in the stream is finishing
+// (runtime.rs, `Gpu::launch_raw`), so every kernel starts with `pdl_begin()`, or calls
+// `pdl_wait()` before it touches memory an earlier kernel writes or reads: the wait returns
+// once the previous kernel has completed and its writes are visible. Waiting in every
+// kernel is also what keeps the chain transitive (a kernel that did not wait could finish
+// before its predecessor, and its successor would then not wait for that one).
+// `pdl_launch_dependents()` lets the next kernel be placed once every block of this one
+// has started (or left).
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// Wait for the kernels before, then let the next one be placed.
+__device__ __forceinline__ void pdl_begin() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
 // bf16 <-> f32. Round to nearest even, NaN kept quiet: the same bits as the `half`
 // crate produces on the CPU, so values stored on either device are interchangeable.
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }

@@ -319,19 +319,6 @@ __device__ void comp_finish(float* v, bool live, int c, int i, u32 page, u8* pag
     }
 }
 
-// Programmatic dependent launch (sm_90+; no-ops before): let the next kernel in the
-// stream be scheduled, and wait until every earlier kernel has completed.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Entry metadata of `item` and the range of its sources [u_lo, u_lo + cnt).
 __device__ __forceinline__ int4 comp_item_range(const int* meta, int item, int chunks, const CompressGeom& g, int& u_lo,
                                                 int& cnt) {
@@ -411,7 +398,7 @@ __device__ __forceinline__ void compress_stream_body(const int* meta, int n_entr
     // cs_stage[(((stage·GROUP + q)·2 + a)·nt + t)·NC].
     const u32 my = smem_addr(cs_stage) + threadIdx.x * NC * 4;
     const u32 arr = nt * NC * 4;
-    // Launched to overlap the previous kernel's tail (Gpu::launch_overlapped): the next
+    // Launched to overlap the previous kernel's tail (Gpu::launch_raw): the next
     // kernel may be placed as soon as every block here has started, and nothing below
     // touches memory an earlier kernel writes until the wait after the tables.
     pdl_launch_dependents();
@@ -539,6 +526,7 @@ COMPRESS_STREAM(compress_stream, 2, 4, 3, 256, 4)
 // only the rows that land in the ring are visited.
 extern "C" __global__ void compress_store(const int* seqs, const float* proj_kv, const float* proj_score,
                                           const float* ape, float* comp, CompressGeom g) {
+    pdl_begin();
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)g.slots * g.width) return;
     const int k = (int)(idx / g.width), c = (int)(idx % g.width);

@@ -505,7 +505,10 @@ __device__ void d2_body(const D2Args& A) {
 }
 
 #define D2_KERNEL(NAME, WT, DUAL, MT, NB, MOE) \
-    extern "C" __global__ void __launch_bounds__(D2_THREADS) NAME(D2Args a) { d2_body<WT, DUAL, MT, NB, MOE>(a); }
+    extern "C" __global__ void __launch_bounds__(D2_THREADS) NAME(D2Args a) { \
+        pdl_begin();                                                          \
+        d2_body<WT, DUAL, MT, NB, MOE>(a);                                    \
+    }
 
 D2_KERNEL(d2gemv_fp8_n1, 2, false, 2, 1, false)
 D2_KERNEL(d2gemv_fp8_n2, 2, false, 2, 2, false)
@@ -654,5 +657,11 @@ __device__ void d2_down_body(const D2DownArgs& A) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2moe_down_fp4_n1(D2DownArgs a) { d2_down_body<1>(a); }
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2moe_down_fp4_n2(D2DownArgs a) { d2_down_body<2>(a); }
+extern "C" __global__ void __launch_bounds__(D2_THREADS) d2moe_down_fp4_n1(D2DownArgs a) {
+    pdl_begin();
+    d2_down_body<1>(a);
+}
+extern "C" __global__ void __launch_bounds__(D2_THREADS) d2moe_down_fp4_n2(D2DownArgs a) {
+    pdl_begin();
+    d2_down_body<2>(a);
+}

@@ -17,6 +17,7 @@
 // divided by the power of two xscale[row] that puts its maximum under 2^14 (as
 // d2_stage_x, with one scale a row instead of one a warp's slice). A warp a row.
 extern "C" __global__ void __launch_bounds__(256) d2_rows_f16(u16* xb, float* xscale, const float* x, int rows, int K) {
+    pdl_begin();
     const int r = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows) return;
     const float* xr = x + (long long)r * K;
@@ -197,7 +198,19 @@ __device__ void d2_seg_body(const D2SegArgs& A) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_swiglu_fp4_n1(D2SegArgs a) { d2_seg_body<true, 1>(a); }
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_swiglu_fp4_n2(D2SegArgs a) { d2_seg_body<true, 2>(a); }
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_down_fp4_n1(D2SegArgs a) { d2_seg_body<false, 1>(a); }
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_down_fp4_n2(D2SegArgs a) { d2_seg_body<false, 2>(a); }
+extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_swiglu_fp4_n1(D2SegArgs a) {
+    pdl_begin();
+    d2_seg_body<true, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_swiglu_fp4_n2(D2SegArgs a) {
+    pdl_begin();
+    d2_seg_body<true, 2>(a);
+}
+extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_down_fp4_n1(D2SegArgs a) {
+    pdl_begin();
+    d2_seg_body<false, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_down_fp4_n2(D2SegArgs a) {
+    pdl_begin();
+    d2_seg_body<false, 2>(a);
+}

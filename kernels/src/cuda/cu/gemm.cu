@@ -34,6 +34,7 @@
 
 // x[rows, cols] (rows x_stride floats apart) -> hi, lo [rows, cols] bf16, contiguous.
 extern "C" __global__ void split_bf16(u16* hi, u16* lo, const float* x, int rows, int cols, int x_stride) {
+    pdl_begin();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     const int r = (int)(i / cols), c = (int)(i % cols);
@@ -237,7 +238,7 @@ __device__ void gemm_body(float* out, int out_stride, const u16* xh, const u16* 
 #define GEMM_KERNEL(WT, SPLIT, NAME)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                          \
         NAME(float* out, int out_stride, const u16* xh, const u16* xl, int x_cols, const void* w0, const void* s0, \
-             const u64* wtab, const int* tiles, int rows, int N, int K, int g_out) {                               \
+             const u64* wtab, const int* tiles, int rows, int N, int K, int g_out) { pdl_begin();                  \
         int group = 0, row0 = blockIdx.y * GEMM_BM, nrows = min(GEMM_BM, rows - row0);                            \
         const void* w = w0;                                                                                       \
         const void* s = s0;                                                                                       \

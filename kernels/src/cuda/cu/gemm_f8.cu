@@ -22,6 +22,7 @@
 // f32 power-of-two scales (the smallest with |x| / s <= 448 in the block). One thread
 // per 32-value block.
 extern "C" __global__ void quant_e4m3_rows(u8* q, float* s, const float* x, int rows, int cols, int x_stride) {
+    pdl_begin();
     const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int nb = cols / 32;
     if (b >= (long long)rows * nb) return;
@@ -193,6 +194,7 @@ __device__ void gemm_f8_body(float* out, int out_stride, const u8* xq, const flo
 extern "C" __global__ void __launch_bounds__(256, 1)
     gemm_fp4_f8(float* out, int out_stride, const u8* xq, const float* xs, const void* w0, const void* s0,
                 const u64* wtab, const int* tiles, int rows, int N, int K) {
+    pdl_begin();
     int row0 = blockIdx.y * GEMM_BM, nrows = min(GEMM_BM, rows - row0);
     const void* w = w0;
     const void* s = s0;

@@ -150,6 +150,7 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
         float* out, const float* x, const void* w, const void* w3, const void* scales, const void* scales3,         \
         int rows, int N, int K, int x_stride, int out_stride, int g_out, int opb, int vec, float limit) {           \
+        pdl_begin();                                                                                                \
         gemv_body<R, WT, DUAL>(out, x, w, w3, scales, scales3, rows, N, K, x_stride, out_stride, g_out, opb, vec,  \
                                limit);                                                                              \
     }
@@ -197,7 +198,7 @@ __device__ void moe_gemv_body(float* out, const float* x, const u64* wtab, const
 #define MOE_GEMV_KERNEL(R, WT, DUAL, NAME)                                                                      \
     extern "C" __global__ void __launch_bounds__(256)                                                           \
         NAME(float* out, const float* x, const u64* wtab, const int* counts, const int* offsets, int N, int K, \
-             int opb, int vec, float limit) {                                                                   \
+             int opb, int vec, float limit) { pdl_begin();                                                      \
         moe_gemv_body<R, WT, DUAL>(out, x, wtab, counts, offsets, N, K, opb, vec, limit);                      \
     }
 

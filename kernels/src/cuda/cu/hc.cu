@@ -140,6 +140,7 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, fl
 extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
                                          float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
                                          float hc_eps, float* collapsed, float* post, float* comb) {
+    pdl_begin();
     const int r = blockIdx.x;
     const int width = hc * d;
     const float* s = streams + (long long)r * width;
@@ -176,6 +177,7 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
 // streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].
 extern "C" __global__ void hc_post(float* streams, const float* out, const float* post, const float* comb, int rows,
                                    int hc, int d) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * d) return;
     int r = (int)(i / d), x = (int)(i % d);
@@ -194,6 +196,7 @@ extern "C" __global__ void hc_post(float* streams, const float* out, const float
 // Final collapse: out[r, :] = Σ_j (sigmoid(mix_j/rms · scale + base_j) + eps) · streams[r, j, :].
 extern "C" __global__ void hc_head_finish(const float* streams, const float* mix, F80 base, float scale,
                                           int hc, int d, float norm_eps, float hc_eps, float* out) {
+    pdl_begin();
     const int r = blockIdx.x;
     const int width = hc * d;
     const float* s = streams + (long long)r * width;
@@ -278,9 +281,11 @@ __device__ void mix_rows_body(float* out, const float* x, const void* w, int row
 
 extern "C" __global__ void __launch_bounds__(256) mix_rows_f32(float* out, const float* x, const void* w, int rows,
                                                                int N, int K, float* partials, u32* tickets) {
+    pdl_begin();
     mix_rows_body<4, 24, 0>(out, x, w, rows, N, K, partials, tickets);
 }
 extern "C" __global__ void __launch_bounds__(256) mix_rows_bf16(float* out, const float* x, const void* w, int rows,
                                                                 int N, int K, float* partials, u32* tickets) {
+    pdl_begin();
     mix_rows_body<4, 24, 1>(out, x, w, rows, N, K, partials, tickets);
 }

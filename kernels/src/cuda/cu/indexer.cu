@@ -55,6 +55,7 @@ __device__ __forceinline__ void key8(const u8* key, int dtype, int dim, int d0, 
 extern "C" __global__ void __launch_bounds__(256) index_scores(const float* q, const float* w, const u32* positions,
                                                                const int* row_seq, const int* seqs, const u32* pages,
                                                                const u8* page_base, float* scores, IndexGeom g) {
+    pdl_begin();
     extern __shared__ float sm[];
     float* qs = sm;
     float* ws = sm + g.heads * g.dim;
@@ -106,6 +107,7 @@ extern "C" __global__ void __launch_bounds__(256) index_scores_heads(const float
                                                                      const u32* positions, const int* row_seq,
                                                                      const int* seqs, const u32* pages,
                                                                      const u8* page_base, float* scores, IndexGeom g) {
+    pdl_begin();
     extern __shared__ float sm[];
     float* qs = sm;
     float* ws = sm + g.heads * g.dim;
@@ -300,6 +302,7 @@ __device__ void tk_take_all(int* o, int n, int k) {
 // shared-memory histograms, then the ordered compaction. Used while rows are short.
 extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scores, int n_max, const u32* positions,
                                                                int ratio, int k, int* out) {
+    pdl_begin();
     const int r = blockIdx.x;
     const int n = (int)((positions[r] + 1) / (u32)ratio);
     const float* s = scores + (long long)r * n_max;
@@ -334,6 +337,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scor
 extern "C" __global__ void __launch_bounds__(1024) topk_hist(const float* scores, int n_max, const u32* positions,
                                                              int ratio, int k, int chunk, int pass, u32* state,
                                                              u32* ghist, u32* tickets) {
+    pdl_begin();
     const int r = blockIdx.y;
     const int n = (int)((positions[r] + 1) / (u32)ratio);
     if (n <= k) return;
@@ -451,6 +455,7 @@ __device__ void tk_finish_row(const u32* st, const int* sure, const u32* ck, con
 extern "C" __global__ void __launch_bounds__(1024) topk_gather(const float* scores, int n_max, const u32* positions,
                                                                int ratio, int k, int chunk, u32* state, u32* tickets,
                                                                int* sure, u32* cand_key, int* cand_idx, int* out) {
+    pdl_begin();
     const int r = blockIdx.y;
     const int n = (int)((positions[r] + 1) / (u32)ratio);
     int* o = out + (long long)r * k;
@@ -485,6 +490,7 @@ extern "C" __global__ void __launch_bounds__(1024) topk_gather(const float* scor
 // Holds the stream for `ns` nanoseconds (benchmarks queue work behind it so that what
 // they time is the GPU's, not the host's issue rate).
 extern "C" __global__ void gpu_sleep(u64 ns) {
+    pdl_begin();
     u64 t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do {

@@ -21,6 +21,7 @@
 // `heads` are zero. One block a row.
 extern "C" __global__ void __launch_bounds__(256) index_q_frags(const float* q, uint2* frags, float* qscale, int heads,
                                                                 int dim) {
+    pdl_begin();
     __shared__ float red[8];
     const int r = blockIdx.x, tid = threadIdx.x;
     const float* qr = q + (long long)r * heads * dim;
@@ -58,6 +59,7 @@ extern "C" __global__ void __launch_bounds__(256)
     index_scores_mma(const uint2* frags, const float* qscale, const float* w, const u32* positions, const int* row_seq,
                      const int* seqs, const u32* pages, const u8* page_base, float* scores, IndexGeom geo,
                      int keys_per_block) {
+    pdl_begin();
     extern __shared__ __align__(16) unsigned char idx_smem[];
     const int ks_n = geo.dim / 16, nfrag = ks_n * IDX_MMA_NT * 32;
     uint2* bf = (uint2*)idx_smem;

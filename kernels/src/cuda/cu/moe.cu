@@ -15,6 +15,7 @@ __device__ __forceinline__ float softplus_(float x) { return x > 20.0f ? x : log
 extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits, int rows, int n_exp, int k,
                                                            const u32* hash_rows, F512 bias, float route_scale,
                                                            int* experts, float* weights) {
+    pdl_begin();
     __shared__ float score[512];
     __shared__ float key[512];
     __shared__ float best_v[8];
@@ -82,6 +83,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits,
 // so a row listed twice is still summed in order).
 extern "C" __global__ void moe_accumulate(float* out, const float* y, const int* rows_of, const int* widx,
                                           const float* weights, int n, int d) {
+    pdl_begin();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= d) return;
     for (int i = 0; i < n; i++) out[(long long)rows_of[i] * d + c] += weights[widx[i]] * y[(long long)i * d + c];
@@ -90,6 +92,7 @@ extern "C" __global__ void moe_accumulate(float* out, const float* y, const int*
 // The same when no row appears twice in the list: one thread per (listed row, column).
 extern "C" __global__ void moe_accumulate_rows(float* out, const float* y, const int* rows_of, const int* widx,
                                                const float* weights, int n, int d) {
+    pdl_begin();
     long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)n * d) return;
     const int i = (int)(t / d), c = (int)(t % d);
@@ -98,12 +101,14 @@ extern "C" __global__ void moe_accumulate_rows(float* out, const float* y, const
 
 // out += y (elementwise).
 extern "C" __global__ void add_into(float* out, const float* y, long long n) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] += y[i];
 }
 
 // g = silu(min(g, limit)) * clamp(u, -limit, limit), in place in g.
 extern "C" __global__ void swiglu_act(float* g, const float* u, long long n, float limit) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float a = fminf(g[i], limit);
@@ -164,6 +169,7 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets, int* list_rows,
               int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
               unsigned long long* traffic, int* segs, int seg_rows, int max_segs, int* pos) {
+    pdl_begin();
     // The routing, then each pair's list position (-1: not listed), in shared memory
     // (2n ints, dynamic).
     extern __shared__ int routed[];
@@ -260,6 +266,7 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
 // `0..held`, experts held on other devices -1 (expert parallelism: their rows get
 // nothing from here).
 extern "C" __global__ void moe_localize(int* local, const int* chosen, int n, int base, int held) {
+    pdl_begin();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int e = chosen[i] - base;
@@ -270,6 +277,7 @@ extern "C" __global__ void moe_localize(int* local, const int* chosen, int n, in
 // row r: the same sums, in the same order, as the host-routed path's per-expert adds.
 extern "C" __global__ void moe_combine(float* out, const float* y, const int* list_rows, const int* list_widx,
                                        const float* weights, int n, int rows, int d) {
+    pdl_begin();
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)rows * d) return;
     const int r = (int)(t / d), c = (int)(t % d);
@@ -285,6 +293,7 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const int* li
 // other experts live on another device under expert parallelism).
 extern "C" __global__ void moe_combine_rows(float* out, const float* y, const int* pos, const int* list_widx,
                                             const float* weights, int k, int rows, int d) {
+    pdl_begin();
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)rows * d) return;
     const int r = (int)(t / d), c = (int)(t % d);
@@ -303,6 +312,7 @@ extern "C" __global__ void moe_combine_rows(float* out, const float* y, const in
 // a 64-row batch).
 #define MOE_POS_CHUNK 4096
 extern "C" __global__ void moe_positions(int* pos, const int* list_rows, int n, int rows, int k) {
+    pdl_begin();
     __shared__ int chunk[MOE_POS_CHUNK];
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     int j = 0;

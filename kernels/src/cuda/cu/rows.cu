@@ -2,6 +2,7 @@
 // and the activation split used by tensor-core products.
 
 extern "C" __global__ void embed_f32(float* out, const float* table, const u32* tokens, int rows, int cols) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     int r = (int)(i / cols), c = (int)(i % cols);
@@ -9,6 +10,7 @@ extern "C" __global__ void embed_f32(float* out, const float* table, const u32* 
 }
 
 extern "C" __global__ void embed_bf16(float* out, const u16* table, const u32* tokens, int rows, int cols) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     int r = (int)(i / cols), c = (int)(i % cols);
@@ -16,6 +18,7 @@ extern "C" __global__ void embed_bf16(float* out, const u16* table, const u32* t
 }
 
 extern "C" __global__ void gather_rows(float* out, const float* src, const u32* idx, int rows, int width) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * width) return;
     int r = (int)(i / width), c = (int)(i % width);
@@ -27,6 +30,7 @@ extern "C" __global__ void gather_rows(float* out, const float* src, const u32* 
 // One block per row: x * rsqrt(mean(x²) + eps), times weight when given.
 // 16-byte loads and stores when dim is a multiple of 4 (thread_sumsq).
 extern "C" __global__ void rms_norm(float* x, const float* weight, int dim, float eps) {
+    pdl_begin();
     float* row = x + (long long)blockIdx.x * dim;
     float ss = block_sum(thread_sumsq(row, dim));
     float inv = 1.0f / sqrtf(ss / (float)dim + eps);
@@ -59,6 +63,7 @@ extern "C" __global__ void rms_norm(float* x, const float* weight, int dim, floa
 // x[rows, heads, head_dim]: one thread per (row, head, pair) of the last 2*pairs dims.
 extern "C" __global__ void rope(float* x, const u32* positions, int rows, int heads, int head_dim, RopeParams p,
                                 int inverse) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     long long total = (long long)rows * heads * p.pairs;
     if (i >= total) return;
@@ -70,11 +75,13 @@ extern "C" __global__ void rope(float* x, const u32* positions, int rows, int he
 }
 
 extern "C" __global__ void scale_f32(float* x, long long n, float f) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= f;
 }
 
 extern "C" __global__ void round_to_bf16(float* x, long long n) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] = round_bf16(x[i]);
 }
@@ -86,6 +93,7 @@ extern "C" __global__ void round_to_bf16(float* x, long long n) {
 // blocks one after another, each waiting on its loads (x is written in place, so the
 // loads of the next block could not be issued early), ~7 µs for one 512-wide row.
 extern "C" __global__ void round_to_fp8(float* x, int rows, int dim, int tail) {
+    pdl_begin();
     const int n8 = dim - tail, nb = (n8 + FP8_BLOCK - 1) / FP8_BLOCK;
     const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
     if (w >= (long long)rows * (nb + 1)) return;
@@ -100,6 +108,7 @@ extern "C" __global__ void round_to_fp8(float* x, int rows, int dim, int tail) {
 
 extern "C" __global__ void embed_fp8(float* out, const u8* q, const float* scales, const u32* tokens, int rows,
                                      int cols) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     int r = (int)(i / cols), c = (int)(i % cols);
@@ -109,6 +118,7 @@ extern "C" __global__ void embed_fp8(float* out, const u8* q, const float* scale
 
 extern "C" __global__ void embed_fp4(float* out, const u8* packed, const u8* scales, const u32* tokens, int rows,
                                      int cols) {
+    pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
     int r = (int)(i / cols), c = (int)(i % cols);

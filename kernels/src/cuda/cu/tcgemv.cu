@@ -348,6 +348,7 @@ __device__ void tc_body(float* out, const float* x, const void* w, const void* w
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                         \
         float* out, const float* x, const void* w, const void* w3, const void* scales, const void* scales3,          \
         int rows, int N, int K, int x_stride, int out_stride, int g_out, float limit, float* partials, u32* tickets) { \
+        pdl_begin();                                                                                                   \
         tc_body<WT, DUAL>(out, x, w, w3, scales, scales3, rows, N, K, x_stride, out_stride, g_out, limit, partials,  \
                           tickets, 0);                                                                              \
     }
@@ -366,7 +367,7 @@ TC_GEMV_KERNEL(3, true, tcswiglu_fp4)
 #define TC_MOE_KERNEL(WT, DUAL, NAME)                                                                                \
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                          \
         float* out, const float* x, const u64* wtab, const int* counts, const int* offsets, const int* active,        \
-        const int* n_active, int part, int N, int K, float limit, float* partials, u32* tickets) {                     \
+        const int* n_active, int part, int N, int K, float limit, float* partials, u32* tickets) { pdl_begin();        \
         const int slot = blockIdx.z;                                                                                  \
         if (slot >= *n_active) return;                                                                                \
         const int e = active[slot], r0 = 8 * part, cnt = counts[e] - r0;                                              \
