@@ -276,10 +276,13 @@ __device__ void tc_body(float* out, const float* x, const void* w, const void* w
     const int half = kn / 2;  // kn is a multiple of 128
     const int k_lo = kh * half, k_hi = (kh + 1) * half;
     // Weight loads first: they do not depend on the activations, so their latency
-    // overlaps the staging below.
+    // overlaps the staging below and, in a plain product, the end of the kernel before
+    // (the wait for it comes after them; a grouped MoE launch has waited already, as its
+    // weight table comes from the kernel before).
     WarpLoads<WT> l0, l3;
     tc_warp_load<WT>(l0, w, scales, o0, N, K, kbase, k_lo, k_hi);
     if (DUAL) tc_warp_load<WT>(l3, w3, scales3, o0, N, K, kbase, k_lo, k_hi);
+    pdl_begin();
     tc_stage_x<WT>(xb, x_stride, rows, kbase, kn, xs_hi, xs_lo, row_scale);
 
     float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc3[4] = {0.f, 0.f, 0.f, 0.f};
@@ -348,7 +351,6 @@ __device__ void tc_body(float* out, const float* x, const void* w, const void* w
     extern "C" __global__ void __launch_bounds__(256) NAME(                                                         \
         float* out, const float* x, const void* w, const void* w3, const void* scales, const void* scales3,          \
         int rows, int N, int K, int x_stride, int out_stride, int g_out, float limit, float* partials, u32* tickets) { \
-        pdl_begin();                                                                                                   \
         tc_body<WT, DUAL>(out, x, w, w3, scales, scales3, rows, N, K, x_stride, out_stride, g_out, limit, partials,  \
                           tickets, 0);                                                                              \
     }
