@@ -118,7 +118,7 @@ pub(crate) fn index_topk(
             launch!(
                 g,
                 "index_q_frags",
-                cfg((rows as u32, 1, 1), 256, 0),
+                cfg((rows as u32, 1, 1), 1024, 0),
                 g.ptr(&q.mem),
                 fp,
                 qp,
