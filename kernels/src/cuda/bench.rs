@@ -275,13 +275,22 @@ impl CudaBackend {
     }
 
     /// `out = x · Wᵀ` for a decode batch (at most 8 rows) with decode kernels `variant`
-    /// (`v1` or `v2`; v2 leaves what it does not take to v1), for the parity suite.
-    pub fn decode_matmul(&self, variant: &str, x: &CudaBuf, rows: usize, w: &CudaWeight, out: &mut CudaBuf) {
+    /// (`v1` or `v2`; v2 leaves what it does not take to v1), for the parity suite;
+    /// `groups` > 1 makes it the grouped product (`Backend::grouped_matmul`).
+    pub fn decode_matmul(
+        &self,
+        variant: &str,
+        x: &CudaBuf,
+        rows: usize,
+        groups: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+    ) {
         assert!(rows <= 8, "decode_matmul takes at most 8 rows");
-        assert_eq!((x.len, out.len), (rows * w.cols, rows * w.rows), "decode_matmul shapes");
+        assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "decode_matmul shapes");
         let g = &self.gpu;
-        let op =
-            Operand { x: g.ptr(&x.mem), x_stride: w.cols, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups: 1 };
+        let x_stride = groups * w.cols;
+        let op = Operand { x: g.ptr(&x.mem), x_stride, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups };
         matmul_as(g, op, w, decode_variant(variant));
     }
 
@@ -327,11 +336,12 @@ impl CudaBackend {
         &self,
         x: &CudaBuf,
         rows: usize,
+        groups: usize,
         w: &CudaWeight,
         w3: Option<&CudaWeight>,
     ) -> Option<&'static str> {
         let g = &self.gpu;
-        let op = Operand { x: g.ptr(&x.mem), x_stride: w.cols, out: 0, out_stride: w.rows, rows, groups: 1 };
+        let op = Operand { x: g.ptr(&x.mem), x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
         let plan = d2_plan(g, &op, w, w3)?;
         D2_KERNELS.iter().copied().find(|&k| k == plan.name)
     }

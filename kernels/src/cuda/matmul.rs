@@ -627,6 +627,7 @@ pub(crate) struct D2Args {
     pub rw_max: i32,
     pub limit: f32,
     pub h_scale: f32,
+    pub g_out: i32,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers and floats, `struct D2Args` in decode2.cu.
@@ -664,10 +665,13 @@ fn d2_format(w: &CudaWeight) -> Option<bool> {
 }
 
 /// The v2 plan for a product of up to 8 rows, when v2 takes it: FP8 or FP4 weights (a
-/// SwiGLU pair of one format), a plain product (no groups), K a multiple of the round,
-/// 16-byte aligned activation rows, a matrix of under 4 GiB and activations that fit
-/// shared memory. Small products split K over blockIdx.y parts so that the grid fills
-/// the GPU (about two units per SM; every warp keeps at least one round).
+/// SwiGLU pair of one format), K a multiple of the round, 16-byte aligned activation
+/// rows, a matrix of under 4 GiB and activations that fit shared memory. Small products
+/// split K over blockIdx.y parts so that the grid fills the GPU (about two units per SM;
+/// every warp keeps at least one round). A grouped product (the attention output's
+/// `wo_a`: each group of output rows reads its own slice of x) is taken when a unit's
+/// rows lie in one group and every unit gets a block of its own, so a block stages one
+/// group's activations once.
 pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaWeight>) -> Option<D2Plan> {
     let fp4 = d2_format(w)?;
     if let Some(w3) = w3
@@ -679,7 +683,7 @@ pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaW
     let round = d2_round(fp4);
     let aligned = op.x.is_multiple_of(16) && op.x_stride.is_multiple_of(4);
     let row_bytes = if fp4 { k / 2 } else { k };
-    if op.groups != 1 || op.rows == 0 || op.rows > GEMV_MAX_ROWS || !k.is_multiple_of(round) || !aligned {
+    if op.groups == 0 || op.rows == 0 || op.rows > GEMV_MAX_ROWS || !k.is_multiple_of(round) || !aligned {
         return None;
     }
     if n.checked_mul(row_bytes).is_none_or(|b| b >= 1 << 32) {
@@ -687,6 +691,10 @@ pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaW
     }
     let dual = w3.is_some();
     let mt = if dual { 1 } else { 2 };
+    let grouped = op.groups > 1;
+    if grouped && (dual || !n.is_multiple_of(op.groups) || !(n / op.groups).is_multiple_of(16 * mt) || !d2_grouped()) {
+        return None;
+    }
     let nb = if op.rows <= 4 { 1 } else { 2 };
     let fam = if fp4 { "fp4" } else { "fp8" };
     let name = format!("d2{}_{fam}_n{nb}", if dual { "swiglu" } else { "gemv" });
@@ -713,9 +721,19 @@ pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaW
         (tiles.div_ceil(grid_x) * rw_of(parts), parts, smem, grid_x)
     };
     // Shared memory only shrinks with more parts, so every count from `fewest` fits.
-    let (_, parts, smem, grid_x) = (fewest..=most_parts).map(plan_of).min_by_key(|&(cost, parts, ..)| (cost, parts))?;
+    let (_, parts, smem, grid_x) = (fewest..=most_parts)
+        .map(plan_of)
+        .filter(|&(.., grid_x)| !grouped || grid_x == tiles)
+        .min_by_key(|&(cost, parts, ..)| (cost, parts))?;
     let rw_max = rw_of(parts);
     Some(D2Plan { name, tiles, parts, rw_max, smem, grid_x })
+}
+
+/// Whether v2 takes grouped products (`SLUICE_CUDA_D2_GROUPED=0` leaves them to the v1
+/// tensor-core gemv, to compare).
+fn d2_grouped() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_D2_GROUPED").map(|v| v != "0").unwrap_or(true))
 }
 
 /// Launch a v2 product (one launch: at most 8 rows).
@@ -749,6 +767,7 @@ fn d2_gemv(gpu: &Gpu, plan: &D2Plan, op: Operand, w: &CudaWeight, w3: Option<&Cu
         parts: plan.parts as i32,
         rw_max: plan.rw_max as i32,
         limit,
+        g_out: if op.groups > 1 { (w.rows / op.groups) as i32 } else { 0 },
         ..D2Args::default()
     };
     launch!(gpu, plan.name.as_str(), cfg((plan.grid_x as u32, plan.parts as u32, 1), 256, plan.smem as u32), args);

@@ -288,8 +288,7 @@ pub(crate) fn experts_routed_on_device(
     // The experts that received rows (at most n of them) and their number.
     let active = g.alloc::<i32>(n_exp + 1);
     let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
-    // Batches of more than 8 rows run by segments of one expert's list positions
-    // (`segs`: 3 ints a segment, at most n of them, then their number).
+    // Decode batches run by segments of one expert's list positions.
     let by_segments = if variant == Decode::V2 { segments_plan(rows, w) } else { None };
     // (`segs`: 3 ints a segment, at most n of them, then their number; `pos`: each row's
     // list positions, for the combine.)

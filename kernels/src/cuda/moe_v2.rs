@@ -3,13 +3,13 @@
 //! scales. Both take the device-side routing lists of `moe_lists` and never read the
 //! routing back.
 //!
-//! - Up to 8 rows ([`experts_v2`]): every active expert's gate/up pair over all rows of
-//!   the batch into h, then each output tile's down products over the active experts with
-//!   the combine folded in (two launches).
-//! - 9 to 64 rows ([`experts_by_segments`]): the rows staged once as f16 halves, then
-//!   units of (segment, output tile), a segment being up to 4 or 8 list positions of one
-//!   expert, so each chosen expert is streamed once a projection; the combine is the
-//!   list-order sum of the grouped path.
+//! - Every decode batch by default, 1 to 256 rows ([`experts_by_segments`]): the rows
+//!   staged once as f16 halves, then units of (segment, output tile), a segment being up
+//!   to 4 or 8 list positions of one expert, so each chosen expert is streamed once a
+//!   projection; the combine is the list-order sum of the grouped path.
+//! - Up to 8 rows below `SLUICE_CUDA_MOE_SEGMENTS_FROM` ([`experts_v2`]): every active
+//!   expert's gate/up pair over all rows of the batch into h, then each output tile's
+//!   down products over the active experts with the combine folded in (two launches).
 
 use cudarc::driver::DeviceRepr;
 
@@ -204,7 +204,7 @@ struct D2SegArgs {
 // decode2_segments.cu.
 unsafe impl DeviceRepr for D2SegArgs {}
 
-/// How a decode batch of more than 8 rows runs its routed experts by segments.
+/// How a decode batch runs its routed experts by segments.
 pub(crate) struct ExpertsBySegments {
     /// Most list positions of one expert a segment holds (4 or 8: one or two mma column
     /// blocks); `moe_lists` cuts the lists into segments of this size.
@@ -221,7 +221,7 @@ pub(crate) struct ExpertsBySegments {
 /// fixes it to 4 or 8, or with 0 turns segments off (the first version's grouped
 /// tensor-core launches of 8 batch rows), to compare them.
 pub(crate) fn segments_plan(rows: usize, w: &MoeWeights<CudaBackend>) -> Option<ExpertsBySegments> {
-    if rows <= GEMV_MAX_ROWS {
+    if rows < segments_from() {
         return None;
     }
     let h_scale = v2_experts_h_scale(w)?;
@@ -236,6 +236,20 @@ pub(crate) fn segments_plan(rows: usize, w: &MoeWeights<CudaBackend>) -> Option<
         swiglu: pick(format!("d2seg_swiglu_fp4_n{nb}"))?,
         down: pick(format!("d2seg_down_fp4_n{nb}"))?,
         h_scale,
+    })
+}
+
+/// Fewest rows that take the segments (`SLUICE_CUDA_MOE_SEGMENTS_FROM`, 1–9). Default 1:
+/// every decode batch. Below it `d2moe_swiglu` / `d2moe_down` run every active expert
+/// over all rows of the batch (one launch fewer, no row staging, but each expert's
+/// 8-column mma work is paid for every row and the down kernel walks the experts one
+/// after another): on 8 Flash layers (H200) 21% slower a step at batch 8 (docs/perf.md,
+/// "Programmatic dependent launch").
+fn segments_from() -> usize {
+    static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FROM.get_or_init(|| {
+        let v = std::env::var("SLUICE_CUDA_MOE_SEGMENTS_FROM").ok().and_then(|v| v.parse().ok());
+        v.unwrap_or(1).clamp(1, GEMV_MAX_ROWS + 1)
     })
 }
 
@@ -256,7 +270,7 @@ fn segment_rows_override() -> Option<usize> {
     })
 }
 
-/// The routed experts of a decode batch of more than 8 rows by segments (the lists,
+/// The routed experts of a decode batch by segments (the lists,
 /// `segs` and each row's positions `pos` come from `moe_lists` cut at `plan.seg_rows`): the rows staged as f16 halves,
 /// gate/up of each segment into h ([list position][2][inter]), down of each segment into
 /// y ([list position][d]), then each row's weighted sum in list order into `out`.

@@ -295,6 +295,9 @@ struct D2Args {
     int rw_max;               // most rounds a warp takes (shared-memory layout)
     float limit;              // SwiGLU clamp
     float h_scale;            // MoE: h is multiplied by this (2^-e) before the split
+    int g_out;                // grouped plain product: output rows per group (0: one group);
+                              // group g reads x[r · x_stride + g · K + k], and every block
+                              // has one unit (grid = tiles), so it stages one group's x
 };
 
 __device__ __forceinline__ float d2_swiglu(float g, float u, float limit) {
@@ -440,8 +443,9 @@ __device__ void d2_body(const D2Args& A) {
     int u = blockIdx.x, slot;
     long long o0;
     D2Mat m = unit_mat(u, slot, o0);
+    const float* x = A.g_out ? A.x + (o0 / A.g_out) * A.K : A.x;
     if (rw == 0) {
-        d2_stage_x<WT, NB>(xs, blk, A.x, A.x_stride, A.rows, kr0, 0, sc);
+        d2_stage_x<WT, NB>(xs, blk, x, A.x_stride, A.rows, kr0, 0, sc);
         for (; u < units; u += gridDim.x) {
             m = unit_mat(u, slot, o0);
             d2_finish<WT, DUAL, MT, NB, MOE>(A, acc, sc, red, parity, o0, slot);
@@ -451,7 +455,7 @@ __device__ void d2_body(const D2Args& A) {
     }
     D2Raw<WT, NM, MT> ra, rb;
     d2_load<WT, NM, MT>(ra, m, (u32)o0, A.N, A.K, kr0);
-    d2_stage_x<WT, NB>(xs, blk, A.x, A.x_stride, A.rows, kr0, rw, sc);
+    d2_stage_x<WT, NB>(xs, blk, x, A.x_stride, A.rows, kr0, rw, sc);
 
     int j = 0;
     // One round: prefetch the next (unit, round) into `nxt`, multiply `cur`, finish the
