@@ -198,19 +198,13 @@ __device__ void d2_seg_body(const D2SegArgs& A) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_swiglu_fp4_n1(D2SegArgs a) {
-    pdl_begin();
-    d2_seg_body<true, 1>(a);
-}
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_swiglu_fp4_n2(D2SegArgs a) {
-    pdl_begin();
-    d2_seg_body<true, 2>(a);
-}
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_down_fp4_n1(D2SegArgs a) {
-    pdl_begin();
-    d2_seg_body<false, 1>(a);
-}
-extern "C" __global__ void __launch_bounds__(D2_THREADS) d2seg_down_fp4_n2(D2SegArgs a) {
-    pdl_begin();
-    d2_seg_body<false, 2>(a);
-}
+#define D2SEG_KERNEL(NAME, SWIGLU, NB)                                          \
+    extern "C" __global__ void __launch_bounds__(D2_THREADS) NAME(D2SegArgs a) { \
+        pdl_begin();                                                             \
+        d2_seg_body<SWIGLU, NB>(a);                                              \
+    }
+
+D2SEG_KERNEL(d2seg_swiglu_fp4_n1, true, 1)
+D2SEG_KERNEL(d2seg_swiglu_fp4_n2, true, 2)
+D2SEG_KERNEL(d2seg_down_fp4_n1, false, 1)
+D2SEG_KERNEL(d2seg_down_fp4_n2, false, 2)
