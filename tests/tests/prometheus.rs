@@ -194,8 +194,12 @@ async fn every_panel_and_alert_returns_data_from_a_real_prometheus() {
         p.extend(prompt(40, 2000 + i, VOCAB));
         ids_request(p, 4)
     };
+    // The first one stores the prefix's 5 blocks of 128 tokens, each with a snapshot
+    // (policy `full`): wait for those on top of the 6 prompts' 2 blocks each (waiting for
+    // 5 of each in all returned at once and raced the puts).
+    let stored = c.wait_kvstore(12, 12).await;
     c.generate(ask(0)).await.expect("the first shared-prefix request");
-    c.wait_kvstore(5, 5).await;
+    c.wait_kvstore(stored.pages + 5, stored.snapshots + 5).await;
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut i = 1;
     let after = loop {
