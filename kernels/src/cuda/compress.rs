@@ -57,11 +57,6 @@ struct CompressGeom {
 // SAFETY: #[repr(C)] ints and a float, laid out as the C struct.
 unsafe impl DeviceRepr for CompressGeom {}
 
-/// A kernel argument for [`super::runtime::Gpu::launch_raw`].
-fn arg<T>(v: &mut T) -> *mut std::ffi::c_void {
-    (v as *mut T).cast()
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn compress(
     b: &CudaBackend,
@@ -156,7 +151,10 @@ pub(crate) fn compress(
         // reads only the entry list, which a host-to-device copy wrote (copies are not
         // overlapped; only kernel after kernel is), and it waits for every earlier
         // kernel before it touches anything else.
-        let mut a = (
+        launch!(
+            g,
+            "compress_stream",
+            cfg((grid as u32, 1, 1), threads as u32, smem as u32),
             g.ptr(&*entries),
             n as i32,
             chunks as i32,
@@ -174,25 +172,6 @@ pub(crate) fn compress(
             geom,
             RopeParams::new(p.rope),
         );
-        let mut args = [
-            arg(&mut a.0),
-            arg(&mut a.1),
-            arg(&mut a.2),
-            arg(&mut a.3),
-            arg(&mut a.4),
-            arg(&mut a.5),
-            arg(&mut a.6),
-            arg(&mut a.7),
-            arg(&mut a.8),
-            arg(&mut a.9),
-            arg(&mut a.10),
-            arg(&mut a.11),
-            arg(&mut a.12),
-            arg(&mut a.13),
-            arg(&mut a.14),
-            arg(&mut a.15),
-        ];
-        g.launch_raw("compress_stream", cfg((grid as u32, 1, 1), threads as u32, smem as u32), &mut args);
     }
     if fused.is_some() {
         return;

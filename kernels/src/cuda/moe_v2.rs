@@ -214,7 +214,8 @@ pub(crate) struct ExpertsBySegments {
     h_scale: f32,
 }
 
-/// The segment plan for a decode batch of more than 8 rows, when v2 takes the experts.
+/// The segment plan for a decode batch (from [`segments_from`] rows), when v2 takes the
+/// experts.
 /// A segment of 8 rows costs twice the mma work of one of 4 whatever rows it really
 /// holds, so segments hold 4 while an expert expects at most two rows (k·rows over all
 /// experts, wherever they are held), 8 beyond. `SLUICE_CUDA_MOE_SEGMENT_ROWS` (read once)

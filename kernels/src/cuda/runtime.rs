@@ -601,7 +601,8 @@ impl Gpu {
     /// overlap the tail of the one before instead of following it. Every kernel executes
     /// `griddepcontrol.wait` before it touches memory an earlier kernel writes or reads
     /// (the wait returns once the previous kernel has completed and its writes are
-    /// visible); `nvrtc::tests` checks that each kernel of the sources does. Copies,
+    /// visible); `kernels/tests/cuda_sources.rs` checks that each kernel of the sources
+    /// does. Copies,
     /// cuBLAS and NCCL keep ordinary stream order.
     pub(crate) fn launch_raw(&self, name: &str, cfg: cudarc::driver::LaunchConfig, args: &mut [*mut std::ffi::c_void]) {
         use cudarc::driver::sys;
