@@ -18,10 +18,6 @@ const ATT_T: usize = 16;
 const ATT_HEADS_PER_BLOCK: usize = 16;
 /// Heads per block of the tensor-core kernel (`TC_HEADS` in attention_mma.cu).
 const MMA_HEADS_PER_BLOCK: usize = 32;
-/// Rows from which the tensor-core kernel runs: one block per row and 32 heads fills
-/// the GPU without key splits. Fewer rows (decode) take the SIMT kernel, which splits
-/// the key axis across blocks.
-const MMA_MIN_ROWS: usize = 64;
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -269,10 +265,11 @@ pub(crate) fn select_topk(
     }
 }
 
-/// Splits of the key axis: enough blocks to fill the GPU when rows are few, each split
-/// a whole number of tiles.
-fn key_splits(sms: usize, blocks: usize, n_max: usize) -> (usize, usize) {
-    let want = (2 * sms).div_ceil(blocks.max(1));
+/// Splits of the key axis: about enough blocks to fill `slots` block places when rows are
+/// few (a decode batch: a row's heads are only 2 tensor-core blocks or 4 SIMT ones), each
+/// split a whole number of tiles; one split when the rows alone fill the places.
+fn key_splits(slots: usize, blocks: usize, n_max: usize) -> (usize, usize) {
+    let want = slots / blocks.max(1);
     let splits = want.clamp(1, n_max.div_ceil(ATT_T).max(1));
     let per = n_max.div_ceil(splits).div_ceil(ATT_T) * ATT_T;
     (n_max.div_ceil(per.max(1)).max(1), per.max(ATT_T))
@@ -342,8 +339,11 @@ pub(crate) fn attention(
         .sum();
     g.traffic.add_kv(keys * lk.main.bytes());
     let mma = use_mma(layout, layer, rows);
-    let hgroups = heads.div_ceil(if mma { MMA_HEADS_PER_BLOCK } else { ATT_HEADS_PER_BLOCK });
-    let (splits, per) = if mma { (1, n_max) } else { key_splits(g.sms, rows * hgroups, n_max) };
+    // Block places: the tensor-core kernel holds one block an SM (198 registers a thread),
+    // the SIMT kernel aims for two.
+    let (hpb, slots) = if mma { (MMA_HEADS_PER_BLOCK, g.sms) } else { (ATT_HEADS_PER_BLOCK.min(heads), 2 * g.sms) };
+    let hgroups = heads.div_ceil(hpb);
+    let (splits, per) = key_splits(slots, rows * hgroups, n_max);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     let geom = AttnGeom {
         heads: heads as i32,
@@ -364,8 +364,7 @@ pub(crate) fn attention(
         keys_per_split: per as i32,
         scale,
     };
-    let (kernel, threads) =
-        if mma { ("attention_mma", 256) } else { ("attention", 32 * ATT_HEADS_PER_BLOCK.min(heads)) };
+    let (kernel, threads) = if mma { ("attention_mma", 256) } else { ("attention", 32 * hpb) };
     launch!(
         g,
         kernel,
@@ -401,15 +400,20 @@ pub(crate) fn attention(
     }
 }
 
-/// Whether this layer's attention runs on the tensor cores: prefill-sized batches over
-/// bf16 or fp8 entries (both exact as bf16 operands: fp8 codes times a power-of-two
-/// scale need 4 significant bits) whose geometry the kernel handles (head_dim a multiple
-/// of 64, every entry 16-byte aligned for bf16, 8-byte for fp8 records, whose FP8 and
-/// BF16 parts then come in whole 8-dim pieces). `SLUICE_CUDA_ATTENTION=simt` keeps the
-/// SIMT kernel everywhere (for comparisons).
+/// Whether this layer's attention runs on the tensor cores: any batch (decode rows with
+/// key splits) over bf16 or fp8 entries (both exact as bf16 operands: fp8 codes times a
+/// power-of-two scale need 4 significant bits) whose geometry the kernel handles
+/// (head_dim a multiple of 64, every entry 16-byte aligned for bf16, 8-byte for fp8
+/// records, whose FP8 and BF16 parts then come in whole 8-dim pieces); f32 entries take
+/// the SIMT kernel. `SLUICE_CUDA_ATTENTION=simt` keeps the SIMT kernel everywhere, and
+/// `SLUICE_CUDA_ATT_MMA_FROM=N` below N rows (64 was the rule before decode batches took
+/// the tensor cores), for comparisons.
 fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
     static SIMT_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let simt_only = *SIMT_ONLY.get_or_init(|| std::env::var("SLUICE_CUDA_ATTENTION").is_ok_and(|v| v == "simt"));
+    static MIN_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let min_rows = *MIN_ROWS
+        .get_or_init(|| std::env::var("SLUICE_CUDA_ATT_MMA_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(1));
     let lk = &layout.layers[layer];
     let hd = lk.spec.head_dim;
     let aligned =
@@ -421,7 +425,7 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
         crate::EntryDtype::Fp8 => lk.main.tail.is_multiple_of(8),
         crate::EntryDtype::F32 => false,
     };
-    !simt_only && rows >= MMA_MIN_ROWS && dtype_ok && hd.is_multiple_of(64) && hd <= ATT_HD_MAX && aligned
+    !simt_only && rows >= min_rows && dtype_ok && hd.is_multiple_of(64) && hd <= ATT_HD_MAX && aligned
 }
 
 pub(crate) fn store_window(

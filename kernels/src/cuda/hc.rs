@@ -1,7 +1,8 @@
 //! mHC on the GPU: the mixing product runs on the raw streams (the unweighted RMSNorm
 //! is one scalar per row, applied by the finishing kernel), then one block per row does
-//! the sigmoids, the Sinkhorn projection and the collapse. Prefill-sized batches take
-//! the product in `mix_rows` (few outputs, long rows), decode batches in gemv.
+//! the sigmoids, the Sinkhorn projection and the collapse. The product runs in `mix_rows`
+//! (few outputs, long rows, K split over blocks when rows are few) from 2 rows, in the
+//! gemv at one row.
 
 use cudarc::driver::DeviceRepr;
 
@@ -44,7 +45,7 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
         WeightData::Bf16(d) => Some(("mix_rows_bf16", g.ptr(d))),
         WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
     };
-    if rows > GEMV_MAX_ROWS
+    if rows >= mix_rows_from()
         && w.rows <= MIX_ROWS_MAX_N
         && let Some((name, wp)) = kernel
     {
@@ -75,6 +76,17 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
         Operand { x: g.ptr(&streams.mem), x_stride: w.cols, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups: 1 };
     matmul(g, op, w);
     out
+}
+
+/// Fewest rows the mixing product takes `mix_rows` for (`SLUICE_CUDA_MIX_ROWS_FROM`,
+/// default 2): the gemv's blocks each read every row's 64 KiB of streams, so a batch of 8
+/// took 28 µs a call with its 24 blocks; at one row the gemv is the faster.
+fn mix_rows_from() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| {
+        let v = std::env::var("SLUICE_CUDA_MIX_ROWS_FROM").ok().and_then(|v| v.parse().ok());
+        v.unwrap_or(2usize).clamp(1, GEMV_MAX_ROWS + 1)
+    })
 }
 
 /// K parts of a `mix_rows` launch: enough blocks for about two an SM when the row blocks

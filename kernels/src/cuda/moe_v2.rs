@@ -292,16 +292,7 @@ pub(crate) fn experts_by_segments(
     let xb = g.alloc::<u16>(rows * 2 * d);
     let xscale = g.alloc::<f32>(rows);
     let (xbp, xsp) = (g.ptr(&xb), g.ptr(&xscale));
-    launch!(
-        g,
-        "d2_rows_f16",
-        cfg((rows.div_ceil(8) as u32, 1, 1), 256, 0),
-        xbp,
-        xsp,
-        g.ptr(&x.mem),
-        rows as i32,
-        d as i32
-    );
+    launch!(g, "d2_rows_f16", cfg((rows as u32, 1, 1), 256, 0), xbp, xsp, g.ptr(&x.mem), rows as i32, d as i32);
     let hb = g.alloc::<u16>(n * 2 * inter);
     let y = b.alloc_buf(n * d);
     let n_seg = segs + 4 * 3 * n as u64;

@@ -15,8 +15,11 @@
 // Per tile of 16 keys: load keys to shared memory (double-buffered), each warp computes
 // its dim group's partial logits [16 heads × 16 keys], the partials are summed in a fixed
 // order and the online softmax runs with 8 threads per head, then each warp rescales its
-// output accumulator [16 heads × head_dim/4] and adds P·V. No key splits: every row is
-// one block per 32 heads, so the result is deterministic.
+// output accumulator [16 heads × head_dim/4] and adds P·V. Prefill-sized batches take
+// one block per (row, 32 heads); decode batches also split the key axis over blockIdx.y
+// (a row's 64 heads are only 2 blocks) and leave (unnormalised output, max, sum) per
+// split in `part`, in the SIMT kernel's layout, for `attention_merge`, which adds them
+// in split order: results do not depend on scheduling either way.
 
 #define TC_KEYS 16
 #define TC_KSTRIDE (ATT_HD_MAX + 8)  // bf16 per key row: the pad spreads rows over banks
@@ -69,12 +72,12 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u
 #endif
 }
 
-// grid (ceil(heads / 32), 1, rows), 256 threads. Requires bf16 entries, head_dim a
+// grid (ceil(heads / 32), splits, rows), 256 threads. Requires bf16 entries, head_dim a
 // multiple of 64 (≤ 512) and 16-byte-aligned entry offsets (checked by the launcher).
 extern "C" __global__ void __launch_bounds__(256, 1)
     attention_mma(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
                   const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
-                  float* out, float* /* part: unused, same arguments as `attention` */, AttnGeom g) {
+                  float* out, float* part, AttnGeom g) {
     pdl_begin();
     __shared__ __align__(16) u16 kt[2][TC_KEYS * TC_KSTRIDE];
     __shared__ float sp[TC_DGROUPS][TC_HEADS][TC_KEYS];
@@ -93,6 +96,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int n_win = min(t + 1, g.window);
     const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
     const int n = n_win + n_comp;
+    const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
     const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
 
     // This warp's q fragments (rows: heads gid and gid + 8 of its group; columns: its dims).
@@ -126,8 +130,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int chunks = g.hd >> 3;  // 16-byte pieces of one key
 
     int buf = 0;
-    for (int jt = 0; jt < n; jt += TC_KEYS, buf ^= 1) {
-        const int nt = min(TC_KEYS, n - jt);
+    for (int jt = j0; jt < j1; jt += TC_KEYS, buf ^= 1) {
+        const int nt = min(TC_KEYS, j1 - jt);
         u16* kb = kt[buf];
         // 1. Keys into shared memory as bf16; missing keys (past the end, unselected) as 0.
         for (int i = threadIdx.x; i < TC_KEYS * chunks; i += blockDim.x) {
@@ -252,6 +256,25 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         s_s[sh] = s_run;
     }
     __syncthreads();
+    if (g.splits > 1) {
+        // This split's partial triple per head; the merge applies the sink.
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int hl = hg * 16 + gid + 8 * half, h = h_base + hl;
+            if (h >= g.heads) continue;
+            float* pp = part + (((long long)r * g.heads + h) * g.splits + blockIdx.y) * (g.hd + 2);
+#pragma unroll
+            for (int n8 = 0; n8 < TC_NTILES_MAX; n8++) {
+                if (n8 < nn)
+                    *(float2*)(pp + d_base + 2 * tig + 8 * n8) = make_float2(acc[n8][2 * half], acc[n8][2 * half + 1]);
+            }
+            if (dg == 0 && tig == 0) {
+                pp[g.hd] = m_s[hl];
+                pp[g.hd + 1] = s_s[hl];
+            }
+        }
+        return;
+    }
 #pragma unroll
     for (int half = 0; half < 2; half++) {
         const int hl = hg * 16 + gid + 8 * half, h = h_base + hl;
