@@ -468,3 +468,34 @@ pub(crate) fn store_window(
         lk.ring as i32,
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{ATT_T, key_splits};
+
+    #[test]
+    fn key_splits_fill_the_block_places_and_cover_every_key() {
+        // Batch 1 on the tensor-core kernel (2 blocks a row, 132 places): a CSA row of
+        // 128 window + 512 selected keys takes one tile a split, a window row 8 splits.
+        assert_eq!(key_splits(132, 2, 640), (40, 16));
+        assert_eq!(key_splits(132, 2, 128), (8, 16));
+        // Batch 8: 16 blocks, so 8 splits; an HCA row of 192 keys in 6 of 32.
+        assert_eq!(key_splits(132, 16, 640), (8, 80));
+        assert_eq!(key_splits(132, 16, 192), (6, 32));
+        // Rows that fill the places alone: one split over every key.
+        assert_eq!(key_splits(132, 2 * 64, 640), (1, 640));
+        for slots in [132, 264] {
+            for blocks in [1, 2, 3, 16, 32, 131, 132, 500] {
+                for n in (1..3000).step_by(7) {
+                    let (splits, per) = key_splits(slots, blocks, n);
+                    assert_eq!(per % ATT_T, 0, "whole tiles ({slots}, {blocks}, {n})");
+                    assert!(
+                        splits * per >= n && (splits - 1) * per < n,
+                        "every split holds keys ({slots}, {blocks}, {n})"
+                    );
+                    assert!(splits == 1 || splits * blocks <= slots, "one round of places ({slots}, {blocks}, {n})");
+                }
+            }
+        }
+    }
+}
