@@ -8,6 +8,7 @@ by total time.
 """
 import csv
 import re
+import signal
 import sys
 from collections import defaultdict
 
@@ -61,4 +62,6 @@ def main():
         print(f"  {ns / 1e3:8.2f} µs  {name.split('(')[0][:40]:40} {grid} {block}")
 
 
+# Piped into `head`: stop quietly when the reader goes away.
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 main()
