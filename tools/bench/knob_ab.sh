@@ -26,7 +26,7 @@ for spec in ${BENCHES:-}; do
   env $(echo "${spec#*:}" | tr ',' ' ') timeout 150 "$B/sluice" bench engine --device cuda:0 --model "$MODEL" \
     --kv-dtype "${KV:-fp8}" --prefill-tokens 8192 --contexts "${CTX:-8192}" --batches "${BATCHES:-1,8,16,64}" \
     --decode-steps 8 --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0 2>&1 |
-    grep -E "^ +(prefill|context|[0-9])" | tee -a "$L"
+    grep -E "^ +(prefill|context|[0-9])|error|panicked" | tee -a "$L"
   echo "($((SECONDS - t0)) s)" | tee -a "$L"
 done
 for t in ${TESTS:-}; do
