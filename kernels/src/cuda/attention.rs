@@ -5,7 +5,7 @@ use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
-use super::runtime::{Gpu, cfg, cfg_elems, launch};
+use super::runtime::{Gpu, cfg, cfg_elems, env_rows, launch};
 use crate::backend::{KvView, KvViewMut, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
@@ -412,8 +412,7 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
     static SIMT_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let simt_only = *SIMT_ONLY.get_or_init(|| std::env::var("SLUICE_CUDA_ATTENTION").is_ok_and(|v| v == "simt"));
     static MIN_ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let min_rows = *MIN_ROWS
-        .get_or_init(|| std::env::var("SLUICE_CUDA_ATT_MMA_FROM").ok().and_then(|v| v.parse().ok()).unwrap_or(1));
+    let min_rows = *MIN_ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_MMA_FROM").unwrap_or(1));
     let lk = &layout.layers[layer];
     let hd = lk.spec.head_dim;
     let aligned =

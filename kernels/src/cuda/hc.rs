@@ -9,7 +9,7 @@ use cudarc::driver::DeviceRepr;
 use super::CudaBackend;
 use super::matmul::{GEMV_MAX_ROWS, Operand, matmul};
 use super::memory::{CudaBuf, WeightData};
-use super::runtime::{cfg, cfg_elems, launch};
+use super::runtime::{cfg, cfg_elems, env_rows, launch};
 use crate::backend::{HcHeadWeights, HcWeights};
 
 /// Largest number of residual streams the kernels handle.
@@ -83,10 +83,7 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
 /// took 28 µs a call with its 24 blocks; at one row the gemv is the faster.
 fn mix_rows_from() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ONCE.get_or_init(|| {
-        let v = std::env::var("SLUICE_CUDA_MIX_ROWS_FROM").ok().and_then(|v| v.parse().ok());
-        v.unwrap_or(2usize).clamp(1, GEMV_MAX_ROWS + 1)
-    })
+    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_MIX_ROWS_FROM").unwrap_or(2).clamp(1, GEMV_MAX_ROWS + 1))
 }
 
 /// K parts of a `mix_rows` launch: enough blocks for about two an SM when the row blocks

@@ -17,7 +17,7 @@ use super::CudaBackend;
 use super::matmul::{D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, GEMV_MAX_ROWS, d2_round, d2_smem};
 use super::memory::CudaBuf;
 use super::moe::{expert_table, tc_experts};
-use super::runtime::{cfg, launch};
+use super::runtime::{cfg, env_rows, launch};
 use crate::backend::MoeWeights;
 
 /// `D2DownArgs` in decode2.cu.
@@ -248,10 +248,7 @@ pub(crate) fn segments_plan(rows: usize, w: &MoeWeights<CudaBackend>) -> Option<
 /// "Programmatic dependent launch").
 fn segments_from() -> usize {
     static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *FROM.get_or_init(|| {
-        let v = std::env::var("SLUICE_CUDA_MOE_SEGMENTS_FROM").ok().and_then(|v| v.parse().ok());
-        v.unwrap_or(1).clamp(1, GEMV_MAX_ROWS + 1)
-    })
+    *FROM.get_or_init(|| env_rows("SLUICE_CUDA_MOE_SEGMENTS_FROM").unwrap_or(1).clamp(1, GEMV_MAX_ROWS + 1))
 }
 
 const SEGMENT_KERNELS: [&str; 4] =

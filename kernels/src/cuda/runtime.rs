@@ -583,6 +583,12 @@ pub(crate) fn arg_ptr<T: DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
     value as *const T as *mut std::ffi::c_void
 }
 
+/// A row-count knob from the environment (`SLUICE_CUDA_…_FROM`), read by its caller
+/// once: the value when it parses as a count, else None (the caller's default).
+pub(crate) fn env_rows(name: &str) -> Option<usize> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
 /// Whether kernels are launched with programmatic dependent launch: compute capability
 /// 9.0 and later, unless `SLUICE_CUDA_PDL=0` (plain stream order, to compare or rule it
 /// out).
