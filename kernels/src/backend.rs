@@ -375,15 +375,41 @@ pub trait Backend: Send + Sync + 'static {
     /// for fp8), so that values used straight from activations equal the ones later
     /// read back from storage.
     fn round_to(&self, x: &mut Self::Buf, fmt: &EntryFormat);
+    /// What a layer's q heads and new KV entry go through: [`Backend::rms_norm`] of each
+    /// head of `x[rows, heads, head_dim]` (times `weight` when given), [`Backend::rope`]
+    /// at `positions`, then [`Backend::round_to`] `round` when given. Backends may fuse
+    /// them (the CUDA one does: one pass instead of three launches).
+    #[allow(clippy::too_many_arguments)]
+    fn head_norm_rope(
+        &self,
+        x: &mut Self::Buf,
+        heads: usize,
+        head_dim: usize,
+        weight: Option<&Self::Buf>,
+        eps: f32,
+        positions: &[u32],
+        rope: &RopeTable,
+        round: Option<&EntryFormat>,
+    ) {
+        self.rms_norm(x, head_dim, weight, eps);
+        self.rope(x, heads, head_dim, positions, rope, false);
+        if let Some(fmt) = round {
+            self.round_to(x, fmt);
+        }
+    }
 
     /// mHC mixing before a sub-block. `streams[rows, hc, hidden]` →
     /// `collapsed[rows, hidden]` (input of the sub-block), `post[rows, hc]`,
-    /// `comb[rows, hc, hc]` (Sinkhorn-projected).
+    /// `comb[rows, hc, hc]` (Sinkhorn-projected). With `norm = Some((weight, eps))`,
+    /// `collapsed` is then RMSNormed with that weight (the sub-block's input norm, which
+    /// backends may fuse into the mixing).
+    #[allow(clippy::too_many_arguments)]
     fn hc_pre(
         &self,
         streams: &Self::Buf,
         rows: usize,
         w: &Self::Hc,
+        norm: Option<(&Self::Buf, f32)>,
         collapsed: &mut Self::Buf,
         post: &mut Self::Buf,
         comb: &mut Self::Buf,

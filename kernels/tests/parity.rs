@@ -125,6 +125,22 @@ fn check_row_ops<B: Backend>(b: &B, tol: &Tolerances) {
             assert_close("rope", &b.download(&buf), &want, tol.elementwise);
         }
     }
+    // Norm + RoPE of heads, the shapes a backend may fuse (head_dim a multiple of 128)
+    // and one it may not, with and without a weight.
+    for (heads, hd, pairs) in [(3, 256, 32), (2, 48, 8)] {
+        let table = RopeTable::yarn(160000.0, 2 * pairs, yarn, 1.0);
+        let positions: Vec<u32> = (0..5).map(|_| rng.random_range(0..70000)).collect();
+        let x = rand_vec(&mut rng, 5 * heads * hd, 2.0);
+        let w = rand_vec(&mut rng, hd, 1.0);
+        for weight in [None, Some(&w)] {
+            let normed = refr::rms_norm(&x, hd, weight.map(|w| w.as_slice()), 1e-6);
+            let want = refr::rope(&normed, heads, hd, &positions, &table, false);
+            let mut buf = b.upload(&x);
+            let wb = weight.map(|w| b.upload(w));
+            b.head_norm_rope(&mut buf, heads, hd, wb.as_ref(), 1e-6, &positions, &table, None);
+            assert_close(&format!("head_norm_rope {heads}x{hd}"), &b.download(&buf), &want, tol.elementwise);
+        }
+    }
 }
 
 fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
@@ -147,9 +163,16 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
     });
     let (mut col, mut post, mut comb) = (poisoned(b, rows * d), poisoned(b, rows * hc), poisoned(b, rows * hc * hc));
     let sbuf = b.upload(&streams);
-    b.hc_pre(&sbuf, rows, &w, &mut col, &mut post, &mut comb);
+    b.hc_pre(&sbuf, rows, &w, None, &mut col, &mut post, &mut comb);
     let mut next = b.upload(&streams);
     b.hc_post(&mut next, rows, hc, &b.upload(&out), &post, &comb);
+    // The sub-block's input norm taken by hc_pre.
+    let norm_w = rand_vec(&mut rng, d, 1.0);
+    let mut normed = poisoned(b, rows * d);
+    let (mut post2, mut comb2) = (poisoned(b, rows * hc), poisoned(b, rows * hc * hc));
+    b.hc_pre(&sbuf, rows, &w, Some((&b.upload(&norm_w), 1e-6)), &mut normed, &mut post2, &mut comb2);
+    assert_eq!(b.download(&post2), b.download(&post), "hc_pre's post does not depend on the norm");
+    assert_eq!(b.download(&comb2), b.download(&comb), "hc_pre's comb does not depend on the norm");
 
     let (mut want_col, mut want_next) = (Vec::new(), Vec::new());
     for r in 0..rows {
@@ -159,6 +182,8 @@ fn check_hc<B: Backend>(b: &B, tol: &Tolerances) {
         want_next.extend(refr::expand(s, hc, &out[r * d..(r + 1) * d], &post, &comb));
     }
     assert_close("hc_pre collapsed", &b.download(&col), &want_col, tol.elementwise);
+    let want_normed = refr::rms_norm(&want_col, d, Some(&norm_w), 1e-6);
+    assert_close("hc_pre collapsed, normed", &b.download(&normed), &want_normed, tol.elementwise);
     assert_close("hc_post streams", &b.download(&next), &want_next, tol.elementwise);
 
     let hmix = rand_matrix(&mut rng, hc, hc * d, 0.1);

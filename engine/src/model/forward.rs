@@ -67,13 +67,11 @@ impl<B: Backend> Model<B> {
         let mut post = b.output(rows * hc);
         let mut comb = b.output(rows * hc * hc);
 
-        b.hc_pre(streams, rows, &lw.hc_attn, &mut x, &mut post, &mut comb);
-        b.rms_norm(&mut x, d, Some(&lw.attn_norm), eps);
+        b.hc_pre(streams, rows, &lw.hc_attn, Some((&lw.attn_norm, eps)), &mut x, &mut post, &mut comb);
         let attn = self.attention(l, lw, &x, kv, plan);
         b.hc_post(streams, rows, hc, &attn, &post, &comb);
 
-        b.hc_pre(streams, rows, &lw.hc_ffn, &mut x, &mut post, &mut comb);
-        b.rms_norm(&mut x, d, Some(&lw.ffn_norm), eps);
+        b.hc_pre(streams, rows, &lw.hc_ffn, Some((&lw.ffn_norm, eps)), &mut x, &mut post, &mut comb);
         let mut y = b.output(rows * d);
         b.moe(&x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
         b.hc_post(streams, rows, hc, &y, &post, &comb);
@@ -119,16 +117,14 @@ impl<B: Backend> Model<B> {
         let mut qr = self.project(x, rows, &a.wq_a);
         b.rms_norm(&mut qr, c.q_lora_rank, Some(&a.q_norm), eps);
         let mut q = self.project(&qr, rows, &a.wq_b);
-        b.rms_norm(&mut q, hd, None, eps);
-        b.rope(&mut q, h, hd, pos, rope, false);
+        b.head_norm_rope(&mut q, h, hd, None, eps, pos, rope, None);
 
+        // Normed, rotated, then rounded to exactly what the window ring will hold, so a
+        // token attends to the same values whether it is in this chunk or a later one
+        // (for fp8 that is each entry quantised with its own block scales, RoPE tail in
+        // BF16).
         let mut new_kv = self.project(x, rows, &a.wkv);
-        b.rms_norm(&mut new_kv, hd, Some(&a.kv_norm), eps);
-        b.rope(&mut new_kv, 1, hd, pos, rope, false);
-        // Use exactly what the window ring will hold, so a token attends to the same
-        // values whether it is in this chunk or a later one (for fp8 that is each
-        // entry quantised with its own block scales, RoPE tail in BF16).
-        b.round_to(&mut new_kv, &self.layout.layers[l].main);
+        b.head_norm_rope(&mut new_kv, 1, hd, Some(&a.kv_norm), eps, pos, rope, Some(&self.layout.layers[l].main));
 
         if let Some(cw) = &a.compressor {
             self.run_compressor(l, Branch::Main, cw, x, kv, plan);

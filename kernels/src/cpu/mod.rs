@@ -176,11 +176,15 @@ impl Backend for CpuBackend {
         streams: &Vec<f32>,
         rows: usize,
         w: &HcWeights<Self>,
+        norm: Option<(&Vec<f32>, f32)>,
         collapsed: &mut Vec<f32>,
         post: &mut Vec<f32>,
         comb: &mut Vec<f32>,
     ) {
-        hc::hc_pre(streams, rows, w, collapsed, post, comb)
+        hc::hc_pre(streams, rows, w, collapsed, post, comb);
+        if let Some((weight, eps)) = norm {
+            self.rms_norm(collapsed, w.hidden, Some(weight), eps);
+        }
     }
 
     fn hc_post(

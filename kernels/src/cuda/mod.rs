@@ -537,16 +537,40 @@ impl Backend for CudaBackend {
         self.prof("round_to", || rows::round_to(self, x, fmt))
     }
 
+    fn head_norm_rope(
+        &self,
+        x: &mut CudaBuf,
+        heads: usize,
+        head_dim: usize,
+        weight: Option<&CudaBuf>,
+        eps: f32,
+        positions: &[u32],
+        rope: &RopeTable,
+        round: Option<&EntryFormat>,
+    ) {
+        let fused = self.prof("head_norm_rope", || {
+            rows::head_norm_rope(self, x, heads, head_dim, weight, eps, positions, rope, round)
+        });
+        if !fused {
+            self.rms_norm(x, head_dim, weight, eps);
+            self.rope(x, heads, head_dim, positions, rope, false);
+            if let Some(fmt) = round {
+                self.round_to(x, fmt);
+            }
+        }
+    }
+
     fn hc_pre(
         &self,
         streams: &CudaBuf,
         rows: usize,
         w: &HcWeights<Self>,
+        norm: Option<(&CudaBuf, f32)>,
         collapsed: &mut CudaBuf,
         post: &mut CudaBuf,
         comb: &mut CudaBuf,
     ) {
-        self.prof("hc_pre", || hc::hc_pre(self, streams, rows, w, collapsed, post, comb))
+        self.prof("hc_pre", || hc::hc_pre(self, streams, rows, w, norm, collapsed, post, comb))
     }
 
     fn hc_post(&self, streams: &mut CudaBuf, rows: usize, hc: usize, out: &CudaBuf, post: &CudaBuf, comb: &CudaBuf) {

@@ -107,6 +107,90 @@ pub(crate) fn rms_norm(b: &CudaBackend, x: &mut CudaBuf, dim: usize, weight: Opt
     launch!(g, "rms_norm", cfg((rows as u32, 1, 1), threads, 0), g.ptr(&x.mem), w, dim as i32, eps);
 }
 
+/// Most 16-byte chunks a lane of `head_norm_rope` holds (`HNR_MAX_V` in rows.cu): heads
+/// of up to 1,024 values.
+const HNR_MAX_V: usize = 8;
+
+/// Whether the row ops are fused where a kernel takes them together
+/// (`SLUICE_CUDA_FUSE_NORMS=0` runs them one launch each, to compare): RMSNorm + RoPE +
+/// rounding of a head (`head_norm_rope`), and the sub-block's input RMSNorm inside the
+/// mHC pre-mix (`hc_pre_finish`).
+pub(crate) fn fuse_norms() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FUSE_NORMS").map(|v| v != "0").unwrap_or(true))
+}
+
+/// RMSNorm + RoPE (+ rounding to `round`) of `x[rows, heads, head_dim]` in one launch of
+/// `head_norm_rope` when its shape allows (head_dim a multiple of 128 up to 1,024, the
+/// FP8 part of an FP8 format whole 64-value blocks, the BF16 tail whole 16-byte chunks);
+/// false when it does not, and the caller runs the three ops.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_norm_rope(
+    b: &CudaBackend,
+    x: &mut CudaBuf,
+    heads: usize,
+    head_dim: usize,
+    weight: Option<&CudaBuf>,
+    eps: f32,
+    positions: &[u32],
+    table: &RopeTable,
+    round: Option<&EntryFormat>,
+) -> bool {
+    assert_eq!(x.len, positions.len() * heads * head_dim, "head_norm_rope input is not [rows, heads, head_dim]");
+    let (round_dtype, tail): (i32, usize) = match round {
+        None => (-1, 0),
+        Some(f) => {
+            assert_eq!(f.dim, head_dim, "head_norm_rope rounds heads of {head_dim} to entries of {}", f.dim);
+            match f.dtype {
+                EntryDtype::F32 => (-1, 0),
+                EntryDtype::Bf16 => (1, 0),
+                EntryDtype::Fp8 => (2, f.tail),
+            }
+        }
+    };
+    let fits = fuse_norms()
+        && head_dim.is_multiple_of(128)
+        && head_dim / 128 <= HNR_MAX_V
+        && table.dims() <= head_dim
+        && (head_dim - tail).is_multiple_of(FP8_SCALE_BLOCK)
+        && tail.is_multiple_of(4)
+        && weight.is_none_or(|w| w.len == head_dim);
+    if !fits {
+        return false;
+    }
+    let n = positions.len() * heads;
+    if n == 0 {
+        return true;
+    }
+    let g = &b.gpu;
+    let cached = b.plans.positions_of(positions);
+    let temp;
+    let pos = match &cached {
+        Some(p) => g.ptr(&p.positions),
+        None => {
+            temp = g.upload(positions);
+            g.ptr(&temp)
+        }
+    };
+    let w = weight.map(|w| g.ptr(&w.mem)).unwrap_or(0);
+    launch!(
+        g,
+        "head_norm_rope",
+        cfg_elems(n * 32),
+        g.ptr(&x.mem),
+        w,
+        pos,
+        positions.len() as i32,
+        heads as i32,
+        head_dim as i32,
+        eps,
+        RopeParams::new(table),
+        round_dtype,
+        tail as i32
+    );
+    true
+}
+
 pub(crate) fn rope(
     b: &CudaBackend,
     x: &mut CudaBuf,

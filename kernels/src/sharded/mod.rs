@@ -323,16 +323,35 @@ impl<B: Backend> Backend for Sharded<B> {
         ops::each_in_place(self, x, |_, b, part| b.round_to(part, fmt))
     }
 
+    fn head_norm_rope(
+        &self,
+        x: &mut ShardBuf<B>,
+        heads: usize,
+        head_dim: usize,
+        weight: Option<&ShardBuf<B>>,
+        eps: f32,
+        positions: &[u32],
+        rope: &RopeTable,
+        round: Option<&EntryFormat>,
+    ) {
+        let held = x.rows_at(positions.len()).0.held.clone();
+        ops::each_in_place(self, x, |r, b, part| {
+            let pos: Vec<u32> = held[r].iter().map(|&g| positions[g]).collect();
+            b.head_norm_rope(part, heads, head_dim, weight.map(|w| w.on(r)), eps, &pos, rope, round)
+        })
+    }
+
     fn hc_pre(
         &self,
         streams: &ShardBuf<B>,
         rows: usize,
         w: &Vec<B::Hc>,
+        norm: Option<(&ShardBuf<B>, f32)>,
         collapsed: &mut ShardBuf<B>,
         post: &mut ShardBuf<B>,
         comb: &mut ShardBuf<B>,
     ) {
-        ops::hc_pre(self, streams, rows, w, collapsed, post, comb)
+        ops::hc_pre(self, streams, rows, w, norm, collapsed, post, comb)
     }
 
     fn hc_post(

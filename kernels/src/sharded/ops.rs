@@ -165,11 +165,13 @@ pub(super) fn idx_download<B: Backend>(s: &Sharded<B>, idx: &ShardIdx<B>) -> Vec
     out
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(super) fn hc_pre<B: Backend>(
     s: &Sharded<B>,
     streams: &ShardBuf<B>,
     rows: usize,
     w: &[B::Hc],
+    norm: Option<(&ShardBuf<B>, f32)>,
     collapsed: &mut ShardBuf<B>,
     post: &mut ShardBuf<B>,
     comb: &mut ShardBuf<B>,
@@ -182,7 +184,7 @@ pub(super) fn hc_pre<B: Backend>(
     for (r, b) in s.ranks.iter().enumerate() {
         let n = split.count(r);
         if n > 0 {
-            b.hc_pre(&parts[r], n, &w[r], &mut c[r], &mut p[r], &mut m[r]);
+            b.hc_pre(&parts[r], n, &w[r], norm.map(|(nw, eps)| (nw.on(r), eps)), &mut c[r], &mut p[r], &mut m[r]);
         }
     }
 }

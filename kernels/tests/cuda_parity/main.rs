@@ -185,6 +185,38 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
         c.round_to(&mut want, &fmt);
         assert_eq!(g.download(&gx), want, "{fmt:?} rounding must be bit-identical");
     }
+    // Norm + RoPE (+ rounding) of the q heads (64 × 512, no weight) and of the new KV
+    // entry (1 × 512, weighted), as the fused kernel runs them: unrounded within f32
+    // tolerance of the CPU's three ops, and its rounding bit-identical to the CPU's
+    // round_to of its own unrounded output.
+    let table = RopeTable::yarn(160000.0, 64, yarn, 1.0);
+    for (heads, weighted) in [(64, false), (1, true)] {
+        for rows in [1, 5, 40] {
+            let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..1_048_576)).collect();
+            let x: Vec<f32> = rand_vec(&mut rng, rows * heads * 512, 1.0)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * 10f32.powi((i / 64 % 7) as i32 - 3))
+                .collect();
+            let w = rand_vec(&mut rng, 512, 1.0);
+            let gw = weighted.then(|| g.upload(&w));
+            let mut gx = g.upload(&x);
+            g.head_norm_rope(&mut gx, heads, 512, gw.as_ref(), 1e-6, &positions, &table, None);
+            let unrounded = g.download(&gx);
+            let mut want = x.clone();
+            c.head_norm_rope(&mut want, heads, 512, weighted.then_some(&w), 1e-6, &positions, &table, None);
+            check(&format!("head_norm_rope {rows}x{heads}x512 weighted={weighted}"), "f32", &unrounded, &want);
+            for dtype in [EntryDtype::Bf16, EntryDtype::Fp8] {
+                let fmt = EntryFormat { dtype, dim: 512, tail: 64 };
+                let mut gx = g.upload(&x);
+                g.head_norm_rope(&mut gx, heads, 512, gw.as_ref(), 1e-6, &positions, &table, Some(&fmt));
+                let mut want = unrounded.clone();
+                c.round_to(&mut want, &fmt);
+                assert_eq!(g.download(&gx), want, "head_norm_rope's {dtype:?} rounding must be round_to's");
+            }
+        }
+    }
+
     let x = rand_vec(&mut rng, 11 * 512, 1.0);
     let gathered = g.gather_rows(&g.upload(&x), 512, &[3, 0, 10, 3]);
     assert_eq!(g.download(&gathered), c.gather_rows(&x, 512, &[3, 0, 10, 3]));
@@ -205,10 +237,13 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let Some(g) = gpu("cuda_hyper_connections_match_cpu_at_flash_shapes") else { return };
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
-    let (hc, d) = (4, 4096);
+    let d = 4096;
     // Decode (gemv) and prefill-sized (mix_rows) mixing products; the mixing weight as
-    // stored in the checkpoints (f32) and in bf16.
-    for (mix_dtype, rows) in [("f32", 1), ("f32", 8), ("f32", 29), ("f32", 40), ("bf16", 1), ("bf16", 5)] {
+    // stored in the checkpoints (f32) and in bf16; V4's 4 streams, and 6 (36 logits: the
+    // Sinkhorn rounds of a block, not a warp).
+    for (hc, mix_dtype, rows) in
+        [(4, "f32", 1), (4, "f32", 8), (4, "f32", 29), (4, "f32", 40), (4, "bf16", 1), (4, "bf16", 5), (6, "f32", 3)]
+    {
         let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, mix_dtype);
         let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
         // The same mHC weights on either backend.
@@ -229,11 +264,20 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         let out = rand_vec(&mut rng, rows * d, 1.0);
         let (mut col, mut post, mut comb) =
             (poisoned(g, rows * d), poisoned(g, rows * hc), poisoned(g, rows * hc * hc));
-        g.hc_pre(&g.upload(&s), rows, &gw, &mut col, &mut post, &mut comb);
+        g.hc_pre(&g.upload(&s), rows, &gw, None, &mut col, &mut post, &mut comb);
         let (mut ccol, mut cpost, mut ccomb) =
             (vec![0f32; rows * d], vec![0f32; rows * hc], vec![0f32; rows * hc * hc]);
-        c.hc_pre(&s, rows, &cw, &mut ccol, &mut cpost, &mut ccomb);
+        c.hc_pre(&s, rows, &cw, None, &mut ccol, &mut cpost, &mut ccomb);
         check(&format!("hc_pre collapsed rows={rows} mix {mix_dtype}"), "f32", &g.download(&col), &ccol);
+        // With the sub-block's input norm (fused into the pre-mix kernel).
+        let norm_w = rand_vec(&mut rng, d, 1.0);
+        let mut normed = poisoned(g, rows * d);
+        let (mut p2, mut m2) = (poisoned(g, rows * hc), poisoned(g, rows * hc * hc));
+        g.hc_pre(&g.upload(&s), rows, &gw, Some((&g.upload(&norm_w), 1e-6)), &mut normed, &mut p2, &mut m2);
+        let mut cnormed = vec![0f32; rows * d];
+        let (mut cp2, mut cm2) = (vec![0f32; rows * hc], vec![0f32; rows * hc * hc]);
+        c.hc_pre(&s, rows, &cw, Some((&norm_w, 1e-6)), &mut cnormed, &mut cp2, &mut cm2);
+        check(&format!("hc_pre normed rows={rows} mix {mix_dtype}"), "f32", &g.download(&normed), &cnormed);
         check(&format!("hc_pre post rows={rows}"), "f32", &g.download(&post), &cpost);
         check(&format!("hc_pre comb rows={rows}"), "f32", &g.download(&comb), &ccomb);
         let mut gs = g.upload(&s);

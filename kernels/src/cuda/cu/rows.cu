@@ -74,6 +74,75 @@ extern "C" __global__ void rope(float* x, const u32* positions, int rows, int he
     rope_pair(&head[2 * j], &head[2 * j + 1], (float)positions[r], p.inv_freq[j], p.attention_factor, inverse != 0);
 }
 
+// RMSNorm of each head (times `weight` when given), RoPE on its last 2·pairs values,
+// then, for round_dtype DTYPE_BF16 / DTYPE_FP8, the values an entry of that format reads
+// back (round_to): what a layer's q and new KV entry go through, in one pass instead of
+// three launches (each ~3 µs at decode sizes, latency, not bytes). A warp per (row,
+// head); head_dim = 128·V with V ≤ HNR_MAX_V, lane l holding the 16-byte chunks l + 32·i.
+// An FP8 block (FP8_BLOCK = 64 values) is chunk i of one half-warp, so its scale is a
+// 16-lane maximum; the host checks that the FP8 part is whole blocks.
+#define HNR_MAX_V 8
+extern "C" __global__ void head_norm_rope(float* x, const float* weight, const u32* positions, int rows, int heads,
+                                          int head_dim, float eps, RopeParams p, int round_dtype, int tail) {
+    pdl_begin();
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (w >= (long long)rows * heads) return;  // whole warps: blockDim.x is a multiple of 32
+    const int lane = threadIdx.x & 31, V = head_dim >> 7;
+    float4* h = reinterpret_cast<float4*>(x + w * head_dim);
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    float4 v[HNR_MAX_V];
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < HNR_MAX_V; i++)
+        if (i < V) {
+            v[i] = h[lane + 32 * i];
+            ss += v[i].x * v[i].x + v[i].y * v[i].y + v[i].z * v[i].z + v[i].w * v[i].w;
+        }
+    const float inv = 1.0f / sqrtf(warp_sum(ss) / (float)head_dim + eps);
+    const float pos = (float)positions[w / heads];
+    const int r0 = head_dim - 2 * p.pairs, n8 = head_dim - tail;
+#pragma unroll
+    for (int i = 0; i < HNR_MAX_V; i++) {
+        if (i >= V) break;
+        const int c = lane + 32 * i, d0 = 4 * c;
+        float4 a = v[i];
+        a.x *= inv;
+        a.y *= inv;
+        a.z *= inv;
+        a.w *= inv;
+        if (weight) {
+            const float4 g = w4[c];
+            a.x *= g.x;
+            a.y *= g.y;
+            a.z *= g.z;
+            a.w *= g.w;
+        }
+        if (d0 >= r0) rope_pair(&a.x, &a.y, pos, p.inv_freq[(d0 - r0) >> 1], p.attention_factor, false);
+        if (d0 + 2 >= r0) rope_pair(&a.z, &a.w, pos, p.inv_freq[(d0 + 2 - r0) >> 1], p.attention_factor, false);
+        if (round_dtype == DTYPE_FP8) {
+            // Every lane takes part in the half-warp maximum; lanes past the FP8 part
+            // (the BF16 tail) do not use it.
+            float m = fmaxf(fmaxf(fabsf(a.x), fabsf(a.y)), fmaxf(fabsf(a.z), fabsf(a.w)));
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+            if (d0 < n8) {
+                const float scale = ue8m0_scale(fp8_scale_byte(m));
+                a.x = fp8_to_f32(f2fp8(__fdiv_rn(a.x, scale))) * scale;
+                a.y = fp8_to_f32(f2fp8(__fdiv_rn(a.y, scale))) * scale;
+                a.z = fp8_to_f32(f2fp8(__fdiv_rn(a.z, scale))) * scale;
+                a.w = fp8_to_f32(f2fp8(__fdiv_rn(a.w, scale))) * scale;
+            }
+        }
+        if (round_dtype == DTYPE_BF16 || (round_dtype == DTYPE_FP8 && d0 >= n8)) {
+            a.x = round_bf16(a.x);
+            a.y = round_bf16(a.y);
+            a.z = round_bf16(a.z);
+            a.w = round_bf16(a.w);
+        }
+        h[c] = a;
+    }
+}
+
 extern "C" __global__ void scale_f32(float* x, long long n, float f) {
     pdl_begin();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
