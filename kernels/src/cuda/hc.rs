@@ -9,7 +9,7 @@ use cudarc::driver::DeviceRepr;
 use super::CudaBackend;
 use super::matmul::{GEMV_MAX_ROWS, Operand, matmul};
 use super::memory::{CudaBuf, WeightData};
-use super::runtime::{cfg, cfg_elems, env_rows, launch, launch_side};
+use super::runtime::{cfg, cfg_elems, env_rows, launch};
 use crate::backend::{HcHeadWeights, HcWeights};
 
 /// Largest number of residual streams the kernels handle.
@@ -86,14 +86,6 @@ fn mix_rows_from() -> usize {
     *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_MIX_ROWS_FROM").unwrap_or(2).clamp(1, GEMV_MAX_ROWS + 1))
 }
 
-/// Whether hc_pre runs the Sinkhorn rounds on the side stream (`SLUICE_CUDA_SINKHORN_SIDE`,
-/// default on; 0 keeps them in `hc_pre_finish`, on the critical path: ~7 of its ~10 µs at
-/// decode sizes are the rounds' chain of dependent steps).
-fn sinkhorn_side() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_SINKHORN_SIDE").map(|v| v != "0").unwrap_or(true))
-}
-
 /// K parts of a `mix_rows` launch: enough blocks for about two an SM when the row blocks
 /// are few (a decode batch), each part at least [`MIX_MIN_PART`] inputs; 1 for prefill.
 fn mix_rows_parts(sms: usize, row_blocks: usize, k: usize) -> usize {
@@ -139,9 +131,6 @@ pub(crate) fn hc_pre(
     // The sub-block's input RMSNorm in the same kernel (its block holds the collapsed
     // row), unless `SLUICE_CUDA_FUSE_NORMS=0`.
     let fused = norm.filter(|_| super::rows::fuse_norms());
-    // The Sinkhorn rounds on the side stream (hc_pre_finish leaves the scaled logits in
-    // `comb`): only hc_post needs them, after the whole sub-block.
-    let side = sinkhorn_side();
     let (norm_w, norm_eps) = fused.map(|(nw, eps)| (g.ptr(&nw.mem), eps)).unwrap_or((0, 0.0));
     launch!(
         g,
@@ -163,20 +152,7 @@ pub(crate) fn hc_pre(
         g.ptr(&comb.mem),
         norm_w,
         norm_eps,
-        i32::from(side),
     );
-    if side {
-        let threads = if hc * hc <= 32 { 32 } else { 64 };
-        launch_side!(
-            g,
-            "hc_sinkhorn_rows",
-            cfg((rows as u32, 1, 1), threads, 0),
-            g.ptr(&comb.mem),
-            hc as i32,
-            w.sinkhorn_iters as i32,
-            w.hc_eps
-        );
-    }
     if let (None, Some((nw, eps))) = (fused, norm) {
         super::rows::rms_norm(b, collapsed, d, Some(nw), eps);
     }
@@ -198,8 +174,6 @@ pub(crate) fn hc_post(
     let d = out.len / rows;
     assert_eq!(streams.len, rows * hc * d, "hc_post streams are not [rows, hc, hidden]");
     let g = &b.gpu;
-    // `comb` may still be in the side stream's Sinkhorn rounds (hc_pre).
-    g.join_side();
     launch!(
         g,
         "hc_post",

@@ -13,9 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use super::nvrtc;
 
@@ -101,7 +99,6 @@ const KERNELS: &[&str] = &[
     "gemm_fp4_f8",
     "quant_e4m3_rows",
     "hc_pre_finish",
-    "hc_sinkhorn_rows",
     "hc_post",
     "hc_head_finish",
     "mix_rows_f32",
@@ -217,11 +214,6 @@ impl Traffic {
 pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    /// A second stream for work off the critical path ([`Gpu::side_launch_raw`]): the
-    /// main stream waits for it before anything reads its results ([`Gpu::join_side`]).
-    side: Arc<CudaStream>,
-    /// The side stream's work not yet waited for by the main stream.
-    side_done: Mutex<Option<CudaEvent>>,
     /// cuBLAS handles are not safe to use from two threads at once.
     pub blas: Mutex<CudaBlas>,
     funcs: HashMap<&'static str, CudaFunction>,
@@ -284,7 +276,6 @@ impl Gpu {
         keep_pool_memory(&ctx)?;
         super::download::keep_host_allocations();
         let stream = ctx.new_stream().map_err(drv)?;
-        let side = ctx.new_stream().map_err(drv)?;
         let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
         let cc = ctx.compute_capability().map_err(drv)?;
         let sms = ctx
@@ -310,8 +301,6 @@ impl Gpu {
             total_mem: ctx.total_mem().map_err(drv)?,
             ctx,
             stream,
-            side,
-            side_done: Mutex::new(None),
             blas: Mutex::new(blas),
             funcs,
             sms,
@@ -416,7 +405,6 @@ impl Gpu {
         if out.is_empty() {
             return;
         }
-        self.join_side();
         let bytes = std::mem::size_of_val(out);
         if bytes >= super::download::STAGED_READ_MIN_BYTES && staged_reads() {
             assert!(
@@ -443,7 +431,6 @@ impl Gpu {
     pub fn read_parts(&self, src: &CudaSlice<f32>, parts: &mut [Vec<f32>]) {
         let total: usize = parts.iter().map(Vec::len).sum();
         assert!(total <= src.len(), "read parts of {total} values from a buffer of {}", src.len());
-        self.join_side();
         if 4 * total < super::download::STAGED_READ_MIN_BYTES {
             let mut all = vec![0f32; total];
             self.read(src, 0, &mut all);
@@ -479,7 +466,6 @@ impl Gpu {
         if out.is_empty() {
             return;
         }
-        self.join_side();
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
         // SAFETY: the caller passes an address range inside a live allocation of this
         // context; `out` is a live host buffer of exactly the copied length, and the sync
@@ -522,17 +508,7 @@ impl Gpu {
 
     /// Wait for everything issued so far, and surface asynchronous kernel faults.
     pub fn sync(&self) {
-        self.join_side();
         self.stream.synchronize().unwrap_or_else(|e| fail("stream synchronize", e));
-    }
-
-    /// Make the main stream wait for the side stream's work issued so far (before
-    /// anything reads what it writes; reads and [`Gpu::sync`] do it themselves).
-    pub fn join_side(&self) {
-        let done = self.side_done.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(ev) = done {
-            self.stream.wait(&ev).unwrap_or_else(|e| fail("waiting for the side stream", e));
-        }
     }
 
     /// Raw device address of a buffer, for kernel arguments.
@@ -603,17 +579,6 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
-/// [`launch!`] on the side stream ([`Gpu::side_launch_raw`]).
-macro_rules! launch_side {
-    ($gpu:expr, $name:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
-        let gpu: &$crate::cuda::runtime::Gpu = $gpu;
-        let mut args: Vec<*mut std::ffi::c_void> = Vec::with_capacity(16);
-        $( let a = $arg; args.push($crate::cuda::runtime::arg_ptr(&a)); )*
-        gpu.side_launch_raw($name, $cfg, &mut args);
-    }};
-}
-pub(crate) use launch_side;
-
 /// A kernel argument as the driver takes it: the address of its value.
 pub(crate) fn arg_ptr<T: DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
     value as *const T as *mut std::ffi::c_void
@@ -647,34 +612,6 @@ impl Gpu {
     /// does. Copies,
     /// cuBLAS and NCCL keep ordinary stream order.
     pub(crate) fn launch_raw(&self, name: &str, cfg: cudarc::driver::LaunchConfig, args: &mut [*mut std::ffi::c_void]) {
-        self.launch_on(&self.stream, self.pdl, name, cfg, args);
-    }
-
-    /// Launches `name` on the side stream, after everything issued to the main stream so
-    /// far (an event fork), for work whose result the main stream needs only later:
-    /// [`Gpu::join_side`] (called by whatever reads it) makes the main stream wait for it.
-    pub(crate) fn side_launch_raw(
-        &self,
-        name: &str,
-        cfg: cudarc::driver::LaunchConfig,
-        args: &mut [*mut std::ffi::c_void],
-    ) {
-        use cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-        let forked = self.stream.record_event(Some(CU_EVENT_DISABLE_TIMING)).unwrap_or_else(|e| fail("event", e));
-        self.side.wait(&forked).unwrap_or_else(|e| fail("forking the side stream", e));
-        self.launch_on(&self.side, false, name, cfg, args);
-        let done = self.side.record_event(Some(CU_EVENT_DISABLE_TIMING)).unwrap_or_else(|e| fail("event", e));
-        *self.side_done.lock().unwrap_or_else(|e| e.into_inner()) = Some(done);
-    }
-
-    fn launch_on(
-        &self,
-        stream: &CudaStream,
-        pdl: bool,
-        name: &str,
-        cfg: cudarc::driver::LaunchConfig,
-        args: &mut [*mut std::ffi::c_void],
-    ) {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
         self.launches.fetch_add(1, Ordering::Relaxed);
@@ -691,9 +628,9 @@ impl Gpu {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: stream.cu_stream(),
+            hStream: self.stream.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(pdl),
+            numAttrs: u32::from(self.pdl),
         };
         // SAFETY: the function belongs to this context's module; `args` holds one pointer
         // per kernel parameter to a live value of the parameter's C type (the call site

@@ -136,12 +136,11 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, fl
     return hc == 4 ? hc_sinkhorn_lanes<4>(c, hc, iters, hc_eps) : hc_sinkhorn_lanes<0>(c, hc, iters, hc_eps);
 }
 
-// One block per row. mix[rows, (2+hc)*hc] = W · streams (un-normalised). With `defer`,
-// comb gets the scaled logits and hc_sinkhorn_rows projects them on the side stream.
+// One block per row. mix[rows, (2+hc)*hc] = W · streams (un-normalised).
 extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
                                          float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
                                          float hc_eps, float* collapsed, float* post, float* comb,
-                                         const float* out_norm, float out_eps, int defer) {
+                                         const float* out_norm, float out_eps) {
     pdl_begin();
     const int r = blockIdx.x;
     const int width = hc * d;
@@ -163,9 +162,7 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     if (mine) c[threadIdx.x] = m[2 * hc + threadIdx.x] * inv * s_comb + base.v[2 * hc + threadIdx.x];
     __syncthreads();
     float* comb_r = comb + (long long)r * hc * hc;
-    if (defer) {
-        if (mine) comb_r[threadIdx.x] = c[threadIdx.x];
-    } else if (hc * hc <= WARP) {
+    if (hc * hc <= WARP) {
         // The rounds fit the first warp (registers and shuffles, no barrier) while the
         // other warps go on to the collapse, which needs only pre_s.
         if (threadIdx.x < WARP) {
@@ -198,24 +195,6 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
             for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = out[i] * oinv * out_norm[i];
         }
     }
-}
-
-// The Sinkhorn projection of each row's hc × hc logits in `comb`, in place (the rounds
-// hc_pre_finish defers): a block per row, one warp when hc² fits it, else 64 threads.
-extern "C" __global__ void hc_sinkhorn_rows(float* comb, int hc, int iters, float hc_eps) {
-    pdl_begin();
-    float* c = comb + (long long)blockIdx.x * hc * hc;
-    const bool mine = threadIdx.x < hc * hc;
-    if (hc * hc <= WARP) {
-        // Every lane reads its logit before the shuffles of the rounds; writes come after.
-        const float v = hc_sinkhorn_warp(c[mine ? threadIdx.x : 0], hc, iters, hc_eps);
-        if (mine) c[threadIdx.x] = v;
-        return;
-    }
-    __shared__ float m[HC_MAX * HC_MAX];
-    if (mine) m[threadIdx.x] = c[threadIdx.x];
-    __syncthreads();
-    hc_sinkhorn(m, hc, iters, hc_eps, c);
 }
 
 // streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].
