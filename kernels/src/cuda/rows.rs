@@ -163,15 +163,7 @@ pub(crate) fn head_norm_rope(
         return true;
     }
     let g = &b.gpu;
-    let cached = b.plans.positions_of(positions);
-    let temp;
-    let pos = match &cached {
-        Some(p) => g.ptr(&p.positions),
-        None => {
-            temp = g.upload(positions);
-            g.ptr(&temp)
-        }
-    };
+    let (pos, _held) = positions_on_device(b, positions);
     let w = weight.map(|w| g.ptr(&w.mem)).unwrap_or(0);
     launch!(
         g,
@@ -191,6 +183,24 @@ pub(crate) fn head_norm_rope(
     true
 }
 
+/// Device address of a step's `positions`: the step plan's copy when it has one, else a
+/// fresh upload, returned beside the address so that it lives until the launch is issued.
+fn positions_on_device(b: &CudaBackend, positions: &[u32]) -> (u64, PositionsHeld) {
+    match b.plans.positions_of(positions) {
+        Some(p) => (b.gpu.ptr(&p.positions), PositionsHeld { _plan: Some(p), _upload: None }),
+        None => {
+            let up = b.gpu.upload(positions);
+            (b.gpu.ptr(&up), PositionsHeld { _plan: None, _upload: Some(up) })
+        }
+    }
+}
+
+/// What keeps the memory behind [`positions_on_device`]'s address alive.
+struct PositionsHeld {
+    _plan: Option<std::sync::Arc<super::devplan::DevPlan>>,
+    _upload: Option<cudarc::driver::CudaSlice<u32>>,
+}
+
 pub(crate) fn rope(
     b: &CudaBackend,
     x: &mut CudaBuf,
@@ -207,15 +217,7 @@ pub(crate) fn rope(
         return;
     }
     let g = &b.gpu;
-    let cached = b.plans.positions_of(positions);
-    let temp;
-    let pos = match &cached {
-        Some(p) => g.ptr(&p.positions),
-        None => {
-            temp = g.upload(positions);
-            g.ptr(&temp)
-        }
-    };
+    let (pos, _held) = positions_on_device(b, positions);
     launch!(
         g,
         "rope",
