@@ -263,6 +263,38 @@ __device__ T block_sum(T v) {
     return total;
 }
 
+// RMSNorm of one row by the whole block: row * rsqrt(mean(row²) + eps), times weight
+// when given; 16-byte loads and stores when dim is a multiple of 4. Each thread touches
+// the elements thread_sumsq (and hc_collapse) give it, stride blockDim.x, so a block that
+// has just written the row itself needs no barrier beyond block_sum's.
+__device__ __forceinline__ void block_rms_norm_row(float* row, const float* weight, int dim, float eps) {
+    const float inv = 1.0f / sqrtf(block_sum(thread_sumsq(row, dim)) / (float)dim + eps);
+    if ((dim & 3) == 0) {
+        float4* r4 = reinterpret_cast<float4*>(row);
+        const float4* w4 = reinterpret_cast<const float4*>(weight);
+        for (int c = threadIdx.x; c < (dim >> 2); c += blockDim.x) {
+            float4 v = r4[c];
+            v.x *= inv;
+            v.y *= inv;
+            v.z *= inv;
+            v.w *= inv;
+            if (weight) {
+                const float4 w = w4[c];
+                v.x *= w.x;
+                v.y *= w.y;
+                v.z *= w.z;
+                v.w *= w.w;
+            }
+            r4[c] = v;
+        }
+        return;
+    }
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
+        const float v = row[c] * inv;
+        row[c] = weight ? weight[c] * v : v;
+    }
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 // Rotary table passed by value: one frequency per rotated pair.

@@ -174,27 +174,8 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     }
     float* out = collapsed + (long long)r * d;
     hc_collapse(s, pre_s, hc, d, out);
-    if (out_norm) {
-        // The sub-block's input RMSNorm (weight out_norm), fused: every thread reads
-        // back only what it wrote (thread_sumsq and the loop below stride as
-        // hc_collapse does), so the block sum's barriers are the only ones needed.
-        const float oinv = 1.0f / sqrtf(block_sum(thread_sumsq(out, d)) / (float)d + out_eps);
-        if ((d & 3) == 0) {
-            float4* o4 = reinterpret_cast<float4*>(out);
-            const float4* w4 = reinterpret_cast<const float4*>(out_norm);
-            for (int i = threadIdx.x; i < (d >> 2); i += blockDim.x) {
-                float4 v = o4[i];
-                const float4 w = w4[i];
-                v.x = v.x * oinv * w.x;
-                v.y = v.y * oinv * w.y;
-                v.z = v.z * oinv * w.z;
-                v.w = v.w * oinv * w.w;
-                o4[i] = v;
-            }
-        } else {
-            for (int i = threadIdx.x; i < d; i += blockDim.x) out[i] = out[i] * oinv * out_norm[i];
-        }
-    }
+    // The sub-block's input RMSNorm, fused: the block holds the row it just wrote.
+    if (out_norm) block_rms_norm_row(out, out_norm, d, out_eps);
 }
 
 // streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].

@@ -28,36 +28,9 @@ extern "C" __global__ void gather_rows(float* out, const float* src, const u32* 
 }
 
 // One block per row: x * rsqrt(mean(x²) + eps), times weight when given.
-// 16-byte loads and stores when dim is a multiple of 4 (thread_sumsq).
 extern "C" __global__ void rms_norm(float* x, const float* weight, int dim, float eps) {
     pdl_begin();
-    float* row = x + (long long)blockIdx.x * dim;
-    float ss = block_sum(thread_sumsq(row, dim));
-    float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-    if ((dim & 3) == 0) {
-        float4* r4 = reinterpret_cast<float4*>(row);
-        const float4* w4 = reinterpret_cast<const float4*>(weight);
-        for (int c = threadIdx.x; c < (dim >> 2); c += blockDim.x) {
-            float4 v = r4[c];
-            v.x *= inv;
-            v.y *= inv;
-            v.z *= inv;
-            v.w *= inv;
-            if (weight) {
-                const float4 w = w4[c];
-                v.x *= w.x;
-                v.y *= w.y;
-                v.z *= w.z;
-                v.w *= w.w;
-            }
-            r4[c] = v;
-        }
-        return;
-    }
-    for (int c = threadIdx.x; c < dim; c += blockDim.x) {
-        float v = row[c] * inv;
-        row[c] = weight ? weight[c] * v : v;
-    }
+    block_rms_norm_row(x + (long long)blockIdx.x * dim, weight, dim, eps);
 }
 
 // x[rows, heads, head_dim]: one thread per (row, head, pair) of the last 2*pairs dims.
