@@ -107,7 +107,8 @@ pub(crate) fn index_topk(
             per_page: lk.entries_per_page(layout.block) as i32,
         };
         if let Some(kpb) = mma_keys_per_block(layout, layer, heads, rows, n_max, g.sms) {
-            // FP8 keys: tensor cores (indexer_mma.cu), q as f16 fragments first.
+            // FP8 and BF16 keys: tensor cores (indexer_mma.cu), q as f16 (bf16) fragments first.
+            let bf16 = layout.dtype == crate::EntryDtype::Bf16;
             let frags = g.alloc::<u32>(rows * dim * 64);
             let qscale = g.alloc::<f32>(rows);
             let (fp, qp) = (g.ptr(&frags), g.ptr(&qscale));
@@ -119,11 +120,12 @@ pub(crate) fn index_topk(
                 fp,
                 qp,
                 heads as i32,
-                dim as i32
+                dim as i32,
+                bf16 as i32,
             );
             launch!(
                 g,
-                "index_scores_mma",
+                if bf16 { "index_scores_mma_bf16" } else { "index_scores_mma" },
                 cfg((n_max.div_ceil(kpb) as u32, rows as u32, 1), 256, (dim * 256 + 64 * 4) as u32),
                 fp,
                 qp,
@@ -166,9 +168,10 @@ pub(crate) fn index_topk(
     Selection { indices: sel, top_k }
 }
 
-/// Keys a block of the tensor-core indexer scores (`index_scores_mma`), if it takes this
-/// layer: FP8 keys with 8-byte aligned entries, at most 64 heads in groups of 4, whole
-/// 64-dim FP8 blocks of at most 128 dims (the q fragments' 32 KiB of shared memory), and
+/// Keys a block of the tensor-core indexer scores (`index_scores_mma`, `_bf16`), if it
+/// takes this layer: FP8 or BF16 keys with entries aligned to 8 elements, at most 64
+/// heads in groups of 4, whole 64-dim blocks of at most 128 dims (the q fragments' 32 KiB
+/// of shared memory), and
 /// `SLUICE_CUDA_INDEXER_MMA` not `0` (read once; `0` keeps the SIMT kernels, to compare).
 /// 512 keys a block, fewer while the grid would not fill the GPU twice over.
 fn mma_keys_per_block(
@@ -187,7 +190,8 @@ fn mma_keys_per_block(
         .iter()
         .all(|v| v.is_multiple_of(8));
     let fits = heads.is_multiple_of(4) && heads <= 64 && dim.is_multiple_of(64) && dim <= 128;
-    if !(on && layout.dtype == crate::EntryDtype::Fp8 && aligned && fits) {
+    let dtype = matches!(layout.dtype, crate::EntryDtype::Fp8 | crate::EntryDtype::Bf16);
+    if !(on && dtype && aligned && fits) {
         return None;
     }
     let mut kpb = 512;

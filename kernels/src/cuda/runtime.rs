@@ -151,6 +151,7 @@ const KERNELS: &[&str] = &[
     "index_scores_heads",
     "index_q_frags",
     "index_scores_mma",
+    "index_scores_mma_bf16",
     "topk_select",
     "topk_hist",
     "topk_gather",

@@ -114,8 +114,9 @@ fn cuda_products_match_cpu_at_flash_shapes() {
         for dtype in ["f32", "bf16", "fp8", "fp4"] {
             let w = weight(&mut rng, n, k, 0.05, dtype);
             let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
-            // Rows: gemv launches (1-8), tensor-core tiles of 64 rows with partial ones.
-            for rows in [1, 3, 8, 20, 33, 64, 130] {
+            // Rows: one gemv launch (1-8), launches of 8 rows (12, 20; 33 and 64 where the
+            // tiles would be few), tensor-core tiles of 64 rows with partial ones.
+            for rows in [1, 3, 8, 12, 20, 33, 64, 130] {
                 let x = rand_vec(&mut rng, rows * k, 1.0);
                 let mut out = poisoned(g, rows * n);
                 g.matmul(&g.upload(&x), rows, &gw, &mut out);
@@ -129,7 +130,7 @@ fn cuda_products_match_cpu_at_flash_shapes() {
     for dtype in ["bf16", "fp8"] {
         let w = weight(&mut rng, 8 * 1024, 4096, 0.02, dtype);
         let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
-        for rows in [1, 5, 40, 100] {
+        for rows in [1, 5, 24, 40, 100] {
             let x = rand_vec(&mut rng, rows * 8 * 4096, 1.0);
             let mut out = poisoned(g, rows * 8 * 1024);
             g.grouped_matmul(&g.upload(&x), rows, 8, &gw, &mut out);
@@ -344,9 +345,10 @@ fn cuda_moe_matches_cpu_at_flash_width() {
                 || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
             let gm = moe_weights(g, &gate, routing(), &experts, &shared, k);
             let cm = moe_weights(&c, &gate, routing(), &experts, &shared, k);
-            // 1 and 8 rows: routed on the device; 37 and 300: grouped tiles (300 rows give
-            // experts more than one 64-row tile).
-            for rows in [1, 8, 37, 300] {
+            // 1 and 8 rows: routed on the device; 12 and 37: experts in launches of 8 rows
+            // (FP4: by segments); 300: grouped tiles (300 rows give experts more than one
+            // 64-row tile).
+            for rows in [1, 8, 12, 37, 300] {
                 let x = rand_vec(&mut rng, rows * d, 1.0);
                 let tokens: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
                 let mut out = poisoned(g, rows * d);

@@ -12,6 +12,12 @@
 // of the block, t = lane % 4) and uses word s of them for k-step s; within a word bytes
 // (0, 2) are the fragment's k = (2t, 2t + 1) and bytes (1, 3) k = (2t + 8, 2t + 9)
 // (d2_fp8_pairs). q's fragments are written in that same order by index_q_frags.
+//
+// BF16 keys (`index_scores_mma_bf16`, the bf16 KV format) take the same tiling with bf16
+// mma: a thread reads the same 16 dims (32 bytes) per 64-dim block, k-step s uses its
+// words 2s (k = 2t, 2t + 1) and 2s + 1 (k = 2t + 8, 2t + 9), q's halves are bf16 (hi + lo,
+// ~16 bits) in that order, and there is no block scale. At batch 32 and an 8K context
+// the SIMT kernel took 365 µs a CSA layer (flash-bench, 13% of the step).
 
 #define IDX_MMA_NT 16  // n-tiles of 4 heads: at most 64 heads
 
@@ -20,8 +26,9 @@
 // divided by the power of two qscale[r] that puts its maximum under 2^14. Heads past
 // `heads` are zero. One block of 1,024 threads a row (with 256, a decode row's 4,096
 // fragments took 16 loops of dependent loads a thread: 16 µs at batch 1).
+// `bf16`: the halves are bf16 and paired (dims 0, 1), (2, 3) of each 4 (the bf16-key order).
 extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q, uint2* frags, float* qscale, int heads,
-                                                                 int dim) {
+                                                                 int dim, int bf16) {
     pdl_begin();
     __shared__ float red[32];
     const int r = blockIdx.x, tid = threadIdx.x;
@@ -46,20 +53,22 @@ extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q,
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const float x = qr[h * dim + base + j] * inv;
-                const float hi = f16lo_to_f32(pack_f16x2(x, 0.0f));
+                const float hi = bf16 ? round_bf16(x) : f16lo_to_f32(pack_f16x2(x, 0.0f));
                 v[j] = lo ? x - hi : hi;
             }
-        frags[(long long)r * n + i] = make_uint2(pack_f16x2(v[0], v[2]), pack_f16x2(v[1], v[3]));
+        frags[(long long)r * n + i] =
+            bf16 ? make_uint2((u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16), (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16))
+                 : make_uint2(pack_f16x2(v[0], v[2]), pack_f16x2(v[1], v[3]));
     }
 }
 
 // grid (ceil(n_max / keys_per_block), rows), 256 threads; keys_per_block a multiple of 16.
 // Dynamic shared memory: the row's q fragments (dim · 256 bytes) and 64 head weights.
 // Entries past the row's visible count get -inf.
-extern "C" __global__ void __launch_bounds__(256)
-    index_scores_mma(const uint2* frags, const float* qscale, const float* w, const u32* positions, const int* row_seq,
-                     const int* seqs, const u32* pages, const u8* page_base, float* scores, IndexGeom geo,
-                     int keys_per_block) {
+template <bool BF16>
+__device__ void index_scores_mma_body(const uint2* frags, const float* qscale, const float* w, const u32* positions,
+                                      const int* row_seq, const int* seqs, const u32* pages, const u8* page_base,
+                                      float* scores, IndexGeom geo, int keys_per_block) {
     pdl_begin();
     extern __shared__ __align__(16) unsigned char idx_smem[];
     const int ks_n = geo.dim / 16, nfrag = ks_n * IDX_MMA_NT * 32;
@@ -87,44 +96,71 @@ extern "C" __global__ void __launch_bounds__(256)
             key[h] = nullptr;
             if (e < n) {
                 const u32 page = pages[seq[SEQ_PAGE_OFF] + e / geo.per_page];
-                key[h] = page_base + (long long)page * geo.page_elems + geo.page_off + (long long)(e % geo.per_page) * geo.stride;
+                key[h] = page_base + (BF16 ? 2 : 1) * ((long long)page * geo.page_elems + geo.page_off +
+                                                       (long long)(e % geo.per_page) * geo.stride);
             }
         }
         float tot[IDX_MMA_NT][2];
 #pragma unroll
         for (int nt = 0; nt < IDX_MMA_NT; nt++) tot[nt][0] = tot[nt][1] = 0.0f;
         for (int b = 0; b < geo.dim / FP8_BLOCK; b++) {
-            u32 wd[2][4];
+            // The thread's 16 dims of the block: 4 words (FP8) or 8 (bf16) a key.
+            u32 wd[2][8];
             float f[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                uint2 lo = make_uint2(0u, 0u), hi = make_uint2(0u, 0u);
+                uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
                 f[h] = 0.0f;
                 if (key[h]) {
-                    const u8* p = key[h] + FP8_BLOCK * b + 16 * t;
-                    lo = *(const uint2*)p;
-                    hi = *(const uint2*)(p + 8);
-                    f[h] = ue8m0_scale(key[h][geo.dim + b]) * FP8_F16_SCALE;
+                    if (BF16) {
+                        const uint4* p = (const uint4*)(key[h] + 2 * (FP8_BLOCK * b + 16 * t));
+                        lo = p[0];
+                        hi = p[1];
+                        f[h] = 1.0f;
+                    } else {
+                        const u8* p = key[h] + FP8_BLOCK * b + 16 * t;
+                        const uint2 a = *(const uint2*)p, c = *(const uint2*)(p + 8);
+                        lo = make_uint4(a.x, a.y, c.x, c.y);
+                        f[h] = ue8m0_scale(key[h][geo.dim + b]) * FP8_F16_SCALE;
+                    }
                 }
                 wd[h][0] = lo.x;
                 wd[h][1] = lo.y;
-                wd[h][2] = hi.x;
-                wd[h][3] = hi.y;
+                wd[h][2] = lo.z;
+                wd[h][3] = lo.w;
+                wd[h][4] = hi.x;
+                wd[h][5] = hi.y;
+                wd[h][6] = hi.z;
+                wd[h][7] = hi.w;
             }
             float acc[IDX_MMA_NT][4];
 #pragma unroll
             for (int nt = 0; nt < IDX_MMA_NT; nt++) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 #pragma unroll
             for (int s = 0; s < 4; s++) {
-                u32 p02a, p13a, p02b, p13b;
-                d2_fp8_pairs(wd[0][s], p02a, p13a);
-                d2_fp8_pairs(wd[1][s], p02b, p13b);
-                const u32 a[4] = {p02a, p02b, p13a, p13b};
+                u32 a[4];
+                if (BF16) {
+                    a[0] = wd[0][2 * s];
+                    a[1] = wd[1][2 * s];
+                    a[2] = wd[0][2 * s + 1];
+                    a[3] = wd[1][2 * s + 1];
+                } else {
+                    u32 p02a, p13a, p02b, p13b;
+                    d2_fp8_pairs(wd[0][s], p02a, p13a);
+                    d2_fp8_pairs(wd[1][s], p02b, p13b);
+                    a[0] = p02a;
+                    a[1] = p02b;
+                    a[2] = p13a;
+                    a[3] = p13b;
+                }
                 const uint2* bk = bf + (4 * b + s) * IDX_MMA_NT * 32 + lane;
 #pragma unroll
                 for (int nt = 0; nt < IDX_MMA_NT; nt++) {
                     const uint2 bb = bk[nt * 32];
-                    mma_f16(acc[nt], a, bb.x, bb.y);
+                    if (BF16)
+                        mma_bf16x(acc[nt], a, bb.x, bb.y);
+                    else
+                        mma_f16(acc[nt], a, bb.x, bb.y);
                 }
             }
             // Columns 2t, 2t + 1 are head 4·nt + t's hi and lo halves.
@@ -153,4 +189,20 @@ extern "C" __global__ void __launch_bounds__(256)
                 if (e < k1) out[e] = e < n ? sc[h] * qs : NEG_INF;
             }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    index_scores_mma(const uint2* frags, const float* qscale, const float* w, const u32* positions, const int* row_seq,
+                     const int* seqs, const u32* pages, const u8* page_base, float* scores, IndexGeom geo,
+                     int keys_per_block) {
+    index_scores_mma_body<false>(frags, qscale, w, positions, row_seq, seqs, pages, page_base, scores, geo,
+                                 keys_per_block);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    index_scores_mma_bf16(const uint2* frags, const float* qscale, const float* w, const u32* positions,
+                          const int* row_seq, const int* seqs, const u32* pages, const u8* page_base, float* scores,
+                          IndexGeom geo, int keys_per_block) {
+    index_scores_mma_body<true>(frags, qscale, w, positions, row_seq, seqs, pages, page_base, scores, geo,
+                                keys_per_block);
 }
