@@ -22,12 +22,18 @@ use rand_chacha::ChaCha8Rng;
 /// Allowed max|Δ| / max|ref| per op family, for one activation precision.
 struct Tolerances {
     matmul: f32,
+    /// Products of 9-64 rows over FP8/FP4 weights: the GPU's decode kernels for 9-32
+    /// rows take the activations as f16 alone (11 bits, a power-of-two scale per row and
+    /// warp; the reference model computes these projections from bf16 activations), so
+    /// they round each activation by up to 2^-12 of its row's range.
+    matmul_wide: f32,
     elementwise: f32,
     moe: f32,
     attention: f32,
 }
 
-const F32_TOL: Tolerances = Tolerances { matmul: 1e-5, elementwise: 1e-5, moe: 2e-5, attention: 2e-5 };
+const F32_TOL: Tolerances =
+    Tolerances { matmul: 1e-5, matmul_wide: 1e-5, elementwise: 1e-5, moe: 2e-5, attention: 2e-5 };
 /// Sequence ops over fp8 entries (either device): both sides store through the same
 /// codec, so only an element that f32-vs-f64 arithmetic puts on the other side of an FP8
 /// rounding step (1/16 relative) differs.
@@ -35,7 +41,8 @@ const FP8_SEQ_TOL: f32 = 1e-2;
 /// CUDA: f32 arithmetic in another order (parallel reductions, split-bf16 tensor-core
 /// products for many rows, device `expf`/`sincosf`).
 #[cfg(feature = "cuda")]
-const CUDA_TOL: Tolerances = Tolerances { matmul: 1e-4, elementwise: 1e-5, moe: 1e-4, attention: 1e-4 };
+const CUDA_TOL: Tolerances =
+    Tolerances { matmul: 1e-4, matmul_wide: 5e-4, elementwise: 1e-5, moe: 1e-4, attention: 1e-4 };
 
 fn rand_vec(rng: &mut ChaCha8Rng, n: usize, std: f32) -> Vec<f32> {
     (0..n).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * std * 1.732).collect()
@@ -101,7 +108,9 @@ fn check_row_ops<B: Backend>(b: &B, tol: &Tolerances) {
             let want = refr::matmul(&x, rows, &q.dequantized());
             let mut out = poisoned(b, rows * n);
             b.matmul(&b.upload(&x), rows, &w, &mut out);
-            assert_close(&format!("matmul {format:?} {n}x{k} rows={rows}"), &b.download(&out), &want, tol.matmul);
+            let wide = (9..=64).contains(&rows) && format != OwnedFormat::Bf16;
+            let t = if wide { tol.matmul_wide } else { tol.matmul };
+            assert_close(&format!("matmul {format:?} {n}x{k} rows={rows}"), &b.download(&out), &want, t);
         }
     }
 

@@ -274,7 +274,7 @@ impl CudaBackend {
         }
     }
 
-    /// `out = x · Wᵀ` for a decode batch (at most 8 rows) with decode kernels `variant`
+    /// `out = x · Wᵀ` for a decode batch (at most 32 rows) with decode kernels `variant`
     /// (`v1` or `v2`; v2 leaves what it does not take to v1), for the parity suite;
     /// `groups` > 1 makes it the grouped product (`Backend::grouped_matmul`).
     pub fn decode_matmul(
@@ -286,7 +286,7 @@ impl CudaBackend {
         w: &CudaWeight,
         out: &mut CudaBuf,
     ) {
-        assert!(rows <= 8, "decode_matmul takes at most 8 rows");
+        assert!(rows <= 32, "decode_matmul takes at most 32 rows");
         assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "decode_matmul shapes");
         let g = &self.gpu;
         let x_stride = groups * w.cols;

@@ -8,9 +8,10 @@
 //!   weight once with f32 activations and accumulation. Experts' SwiGLU pairs take this
 //!   path up to 32 rows, 8 per launch.
 //! - Plain products of 9 to [`gemv_loop_max_rows`] rows (32; larger decode batches): the
-//!   same gemv kernels, 8 rows a launch, each launch streaming the weight again, which
-//!   beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too when the
-//!   GEMM would have few output tiles ([`gemv_loops`]).
+//!   same gemv kernels, each launch streaming the weight again — up to 32 rows a launch
+//!   where the v2 kernels take the weight ([`gemv_launch_rows`]: FP8, FP4 up to 16), else
+//!   8 — which beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too
+//!   when the GEMM would have few output tiles ([`gemv_loops`]).
 //! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles fed by a
 //!   cp.async pipeline, whose weight tiles are dequantised to bf16 in shared memory and
 //!   whose f32 activations are first split into two bf16 parts (~16 mantissa bits
@@ -20,9 +21,10 @@
 //!   32, block-diagonal groups narrower than its 128-output tile: tiny test models) run
 //!   through the gemv kernels, 8 rows a launch.
 //! - `SLUICE_CUDA_DECODE_KERNELS=v2` (read once; the default, `v1` the fallback): FP8 and FP4
-//!   decode products (and SwiGLU pairs) up to 8 rows take the second-version kernels of
-//!   cu/decode2.cu instead (blocks that keep their activations and stream many weight
-//!   rows, [`d2_plan`]); what they cannot take stays on the paths above.
+//!   decode products (and SwiGLU pairs) up to 8 rows (plain products up to 32) take the
+//!   second-version kernels of cu/decode2.cu instead (blocks that keep their activations
+//!   and stream many weight rows, [`d2_plan`]); what they cannot take stays on the paths
+//!   above.
 
 use std::ffi::c_void;
 
@@ -128,12 +130,12 @@ pub(crate) struct Operand {
 }
 
 impl Operand {
-    /// The product's rows in parts of at most [`GEMV_ROWS`] (one gemv launch each).
-    fn gemv_parts(self) -> impl Iterator<Item = Operand> {
-        (0..self.rows).step_by(GEMV_ROWS).map(move |r0| Operand {
+    /// The product's rows in parts of at most `rows` (one gemv launch each).
+    fn gemv_parts(self, rows: usize) -> impl Iterator<Item = Operand> {
+        (0..self.rows).step_by(rows).map(move |r0| Operand {
             x: self.x + (4 * r0 * self.x_stride) as u64,
             out: self.out + (4 * r0 * self.out_stride) as u64,
-            rows: (self.rows - r0).min(GEMV_ROWS),
+            rows: (self.rows - r0).min(rows),
             ..self
         })
     }
@@ -207,6 +209,18 @@ pub(crate) fn tc_scratch(gpu: &Gpu, partial_floats: usize, tickets: usize) -> (u
     (gpu.scratch("tc_partials", partial_floats), gpu.scratch("tc_tickets", tickets))
 }
 
+/// Rows a gemv launch of a plain product takes: up to [`d2_max_rows`] when the v2 kernels
+/// take a launch that wide, else [`GEMV_ROWS`].
+fn gemv_launch_rows(gpu: &Gpu, op: &Operand, w: &CudaWeight, variant: Decode) -> usize {
+    if op.rows <= GEMV_ROWS || variant != Decode::V2 {
+        return GEMV_ROWS;
+    }
+    let Some(fmt) = d2_format(w) else { return GEMV_ROWS };
+    let rows = d2_max_rows(fmt).min(op.rows);
+    let first = Operand { rows, ..*op };
+    if d2_plan(gpu, &first, w, None).is_some() { d2_max_rows(fmt) } else { GEMV_ROWS }
+}
+
 /// Tensor-core gemv in launches of up to 8 rows (the mma's n).
 fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
     let (n, k) = (w.rows, w.cols);
@@ -263,7 +277,7 @@ fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: 
 
 /// The SIMT gemv kernels, in launches of up to [`GEMV_ROWS`] rows.
 pub(crate) fn gemv_simt(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
-    for part in op.gemv_parts() {
+    for part in op.gemv_parts(GEMV_ROWS) {
         gemv_launch(gpu, part, w, w3, limit);
     }
 }
@@ -487,8 +501,9 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     // A step's bytes count each weight once, however often a product streams it.
     gpu.traffic.add_weights(w.device_bytes());
     if gemv_loops(gpu, op.rows, w.rows) {
-        // One launch up to 8 rows; past that each launch of up to 8 streams the weight again.
-        for part in op.gemv_parts() {
+        // One launch up to 8 rows (the v2 kernels: up to 32); past that each launch
+        // streams the weight again.
+        for part in op.gemv_parts(gemv_launch_rows(gpu, &op, w, variant)) {
             gemv(gpu, part, w, None, 0.0, variant);
         }
         return;
@@ -586,11 +601,14 @@ pub(crate) const D2_MAX_SMEM: usize = 148 * 1024;
 /// Dynamic shared memory up to which two v2 blocks fit an SM of a Hopper (228 KiB).
 pub(crate) const D2_TWO_BLOCKS_SMEM: usize = 100 * 1024;
 /// The v2 kernels (all take up to [`D2_MAX_SMEM`] of dynamic shared memory).
-pub(crate) const D2_KERNELS: [&str; 12] = [
+pub(crate) const D2_KERNELS: [&str; 15] = [
     "d2gemv_fp8_n1",
     "d2gemv_fp8_n2",
+    "d2gemv_fp8_r16",
+    "d2gemv_fp8_r32",
     "d2gemv_fp4_n1",
     "d2gemv_fp4_n2",
+    "d2gemv_fp4_r16",
     "d2swiglu_fp8_n1",
     "d2swiglu_fp8_n2",
     "d2swiglu_fp4_n1",
@@ -643,68 +661,146 @@ pub(crate) struct D2Plan {
     pub grid_x: usize,
 }
 
-/// Inputs a v2 round covers per row (FP4 128, FP8 64): K must be a multiple.
-pub(crate) fn d2_round(fp4: bool) -> usize {
-    if fp4 { 128 } else { 64 }
+/// A weight format the v2 kernels take (`WT` in decode2.cu).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum D2Fmt {
+    Fp8,
+    Fp4,
 }
 
-/// Dynamic shared memory of a v2 block: the warps' activations (`nb` column blocks of
-/// `rw_max` rounds) and the double-buffered unit sums (`d2_red` in decode2.cu).
-pub(crate) fn d2_smem(fp4: bool, nb: usize, rw_max: usize, mt: usize, dual: bool) -> usize {
-    let q = if fp4 { 4 } else { 2 };
-    nb * D2_WARPS * rw_max * q * 32 * 16 + 2 * (1 + usize::from(dual)) * D2_WARPS * 16 * mt * 8 * 4
+impl D2Fmt {
+    /// Kernel-name suffix.
+    fn fam(self) -> &'static str {
+        match self {
+            D2Fmt::Fp8 => "fp8",
+            D2Fmt::Fp4 => "fp4",
+        }
+    }
+
+    /// Stored bytes of a row of `k` inputs.
+    fn row_bytes(self, k: usize) -> usize {
+        match self {
+            D2Fmt::Fp8 => k,
+            D2Fmt::Fp4 => k / 2,
+        }
+    }
+}
+
+/// Inputs a v2 round covers per row (64 bytes of either format: FP8 64, FP4 128): K must
+/// be a multiple.
+pub(crate) fn d2_round(fmt: D2Fmt) -> usize {
+    match fmt {
+        D2Fmt::Fp8 => 64,
+        D2Fmt::Fp4 => 128,
+    }
+}
+
+/// How a v2 launch lays out its batch rows: `nb` column blocks of the mma's n, each 4
+/// rows as f16 hi + lo pairs (1-8 rows) or 8 rows as f16 alone (`wide`: the 16- and
+/// 32-row plain products; `H` in decode2.cu).
+#[derive(Clone, Copy)]
+pub(crate) struct D2Cols {
+    pub nb: usize,
+    pub wide: bool,
+}
+
+impl D2Cols {
+    /// The layout for `rows` rows: up to 8 as pairs, 9-16 and 17-32 as 2 and 4 blocks of 8.
+    pub(crate) fn for_rows(rows: usize) -> D2Cols {
+        if rows <= GEMV_MAX_ROWS {
+            D2Cols { nb: if rows <= 4 { 1 } else { 2 }, wide: false }
+        } else {
+            D2Cols { nb: rows.div_ceil(8).next_power_of_two(), wide: true }
+        }
+    }
+
+    /// Columns of a unit's sums and K-part partials (`D2Cols` in decode2.cu): one a row.
+    fn sums(self) -> usize {
+        if self.wide { 8 * self.nb } else { 8 }
+    }
+}
+
+/// Dynamic shared memory of a v2 block: the warps' activations (`cols.nb` column blocks
+/// of `rw_max` rounds) and the double-buffered unit sums (`d2_red` in decode2.cu).
+pub(crate) fn d2_smem(fmt: D2Fmt, cols: D2Cols, rw_max: usize, mt: usize, dual: bool) -> usize {
+    let q = d2_round(fmt) / 32;
+    cols.nb * D2_WARPS * rw_max * q * 32 * 16 + 2 * (1 + usize::from(dual)) * D2_WARPS * 16 * mt * cols.sums() * 4
+}
+
+/// Most rows one v2 launch of a plain product takes: 32 (FP8) or 16 (FP4: its
+/// activation fragments are twice as many registers), capped by
+/// `SLUICE_CUDA_D2_ROWS=8|16|32` (read once; 8 = launches of 8 rows, the earlier rule).
+pub(crate) fn d2_max_rows(fmt: D2Fmt) -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cap = *CAP.get_or_init(|| match std::env::var("SLUICE_CUDA_D2_ROWS").ok().as_deref() {
+        None => 32,
+        Some(v) => match v.parse() {
+            Ok(n @ (8 | 16 | 32)) => n,
+            _ => {
+                tracing::warn!(value = v, "SLUICE_CUDA_D2_ROWS is not 8, 16 or 32: using 32");
+                32
+            }
+        },
+    });
+    cap.min(if fmt == D2Fmt::Fp4 { 16 } else { 32 })
 }
 
 /// FP8, or FP4 with scales the f16 decode multiplies exactly: the formats v2 takes.
-fn d2_format(w: &CudaWeight) -> Option<bool> {
+fn d2_format(w: &CudaWeight) -> Option<D2Fmt> {
     match &w.data {
-        WeightData::Fp8 { .. } => Some(false),
-        WeightData::Fp4 { tc: true, .. } => Some(true),
+        WeightData::Fp8 { .. } => Some(D2Fmt::Fp8),
+        WeightData::Fp4 { tc: true, .. } => Some(D2Fmt::Fp4),
         _ => None,
     }
 }
 
-/// The v2 plan for a product of up to 8 rows, when v2 takes it: FP8 or FP4 weights (a
-/// SwiGLU pair of one format), K a multiple of the round, 16-byte aligned activation
-/// rows, a matrix of under 4 GiB and activations that fit shared memory. Small products
-/// split K over blockIdx.y parts so that the grid fills the GPU (about two units per SM;
-/// every warp keeps at least one round). A grouped product (the attention output's
+/// The v2 plan for a product of up to 8 rows (plain products: up to [`d2_max_rows`]),
+/// when v2 takes it: FP8 or FP4 weights (a SwiGLU pair of one format), K a multiple of
+/// the round, 16-byte aligned activation rows, a matrix of under 4 GiB and activations
+/// that fit shared memory. Small products split K over blockIdx.y parts so that the grid
+/// fills the GPU (about two units per SM; every warp keeps at least one round). A grouped product (the attention output's
 /// `wo_a`: each group of output rows reads its own slice of x) is taken when a unit's
 /// rows lie in one group and every unit gets a block of its own, so a block stages one
 /// group's activations once.
 pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaWeight>) -> Option<D2Plan> {
-    let fp4 = d2_format(w)?;
+    let fmt = d2_format(w)?;
     if let Some(w3) = w3
-        && (d2_format(w3) != Some(fp4) || (w3.rows, w3.cols) != (w.rows, w.cols))
+        && (d2_format(w3) != Some(fmt) || (w3.rows, w3.cols) != (w.rows, w.cols))
     {
         return None;
     }
     let (n, k) = (w.rows, w.cols);
-    let round = d2_round(fp4);
+    let round = d2_round(fmt);
     let aligned = op.x.is_multiple_of(16) && op.x_stride.is_multiple_of(4);
-    let row_bytes = if fp4 { k / 2 } else { k };
-    if op.groups == 0 || op.rows == 0 || op.rows > GEMV_MAX_ROWS || !k.is_multiple_of(round) || !aligned {
+    let row_bytes = fmt.row_bytes(k);
+    let dual = w3.is_some();
+    let grouped = op.groups > 1;
+    let most_rows = if dual || grouped { GEMV_MAX_ROWS } else { d2_max_rows(fmt).max(GEMV_MAX_ROWS) };
+    if op.groups == 0 || op.rows == 0 || op.rows > most_rows || !k.is_multiple_of(round) || !aligned {
         return None;
     }
     if n.checked_mul(row_bytes).is_none_or(|b| b >= 1 << 32) {
         return None;
     }
-    let dual = w3.is_some();
-    let mt = if dual { 1 } else { 2 };
-    let grouped = op.groups > 1;
+    let cols = D2Cols::for_rows(op.rows);
+    // Two m-tiles a unit; one for SwiGLU pairs and for 32 rows (registers).
+    let mt = if dual || (cols.wide && cols.nb == 4) { 1 } else { 2 };
     if grouped && (dual || !n.is_multiple_of(op.groups) || !(n / op.groups).is_multiple_of(16 * mt) || !d2_grouped()) {
         return None;
     }
-    let nb = if op.rows <= 4 { 1 } else { 2 };
-    let fam = if fp4 { "fp4" } else { "fp8" };
-    let name = format!("d2{}_{fam}_n{nb}", if dual { "swiglu" } else { "gemv" });
+    let fam = fmt.fam();
+    let name = if cols.wide {
+        format!("d2gemv_{fam}_r{}", 8 * cols.nb)
+    } else {
+        format!("d2{}_{fam}_n{}", if dual { "swiglu" } else { "gemv" }, cols.nb)
+    };
     let tiles = n.div_ceil(16 * mt);
     let rounds = k / round;
     let most_parts = (rounds / D2_WARPS).max(1);
     let rw_of = |parts: usize| rounds.div_ceil(parts).div_ceil(D2_WARPS);
     // More parts shrink each block's activations: the fewest parts with which two blocks
     // fit an SM (one block of 8 warps keeps too few loads in flight), or at least one.
-    let fits = |parts: usize, limit: usize| d2_smem(fp4, nb, rw_of(parts), mt, dual) <= limit;
+    let fits = |parts: usize, limit: usize| d2_smem(fmt, cols, rw_of(parts), mt, dual) <= limit;
     let fewest = (1..=most_parts)
         .find(|&p| fits(p, D2_TWO_BLOCKS_SMEM))
         .or_else(|| (1..=most_parts).find(|&p| fits(p, D2_MAX_SMEM)))?;
@@ -715,7 +811,7 @@ pub(crate) fn d2_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight, w3: Option<&CudaW
     // pass). E.g. 128 tiles of K 8192 on 132 SMs: 3 parts gave 88 blocks a part, of which
     // 40 took two tiles (10.7 rounds); 2 parts give every block one tile (8 rounds).
     let plan_of = |parts: usize| {
-        let smem = d2_smem(fp4, nb, rw_of(parts), mt, dual);
+        let smem = d2_smem(fmt, cols, rw_of(parts), mt, dual);
         let cap = gpu.resident_blocks(kernel, 256, smem as u32) * gpu.sms;
         let grid_x = tiles.min((cap / parts).max(1));
         (tiles.div_ceil(grid_x) * rw_of(parts), parts, smem, grid_x)
@@ -736,14 +832,15 @@ fn d2_grouped() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_D2_GROUPED").map(|v| v != "0").unwrap_or(true))
 }
 
-/// Launch a v2 product (one launch: at most 8 rows).
+/// Launch a v2 product (one launch: at most 8 rows, plain products [`d2_max_rows`]).
 fn d2_gemv(gpu: &Gpu, plan: &D2Plan, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
     let (wp, sp) = weight_ptrs(gpu, w);
     let (wp3, sp3) = w3.map(|w3| weight_ptrs(gpu, w3)).unwrap_or((0, 0));
     let dual = w3.is_some();
+    let cols = D2Cols::for_rows(op.rows).sums();
     let (partials, tickets) = if plan.parts > 1 {
         (
-            gpu.scratch("d2_partials", plan.parts * 8 * w.rows * (1 + usize::from(dual))),
+            gpu.scratch("d2_partials", plan.parts * cols * w.rows * (1 + usize::from(dual))),
             gpu.scratch("d2_tickets", plan.tiles),
         )
     } else {

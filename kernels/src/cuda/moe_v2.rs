@@ -14,7 +14,9 @@
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
-use super::matmul::{D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, GEMV_MAX_ROWS, d2_round, d2_smem};
+use super::matmul::{
+    D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, D2Cols, D2Fmt, GEMV_MAX_ROWS, d2_round, d2_smem,
+};
 use super::memory::CudaBuf;
 use super::moe::{expert_table, tc_experts};
 use super::runtime::{cfg, env_rows, launch};
@@ -62,7 +64,7 @@ pub(crate) struct ExpertsV2 {
 fn v2_experts_h_scale(w: &MoeWeights<CudaBackend>) -> Option<f32> {
     let first = w.experts.first()?;
     let (d, inter) = (w.gate.cols, first.w1.rows);
-    let round = d2_round(true);
+    let round = d2_round(D2Fmt::Fp4);
     if !d.is_multiple_of(round) || !inter.is_multiple_of(round) {
         return None;
     }
@@ -86,18 +88,20 @@ pub(crate) fn experts_v2_plan(rows: usize, w: &MoeWeights<CudaBackend>) -> Optio
     }
     let h_scale = v2_experts_h_scale(w)?;
     let d = w.gate.cols;
-    let round = d2_round(true);
+    let round = d2_round(D2Fmt::Fp4);
     let nb = if rows <= 4 { 1 } else { 2 };
     // Split K (partials and a ticket per unit, as the plain products) until two blocks
     // fit an SM: at 5-8 rows the activations alone take 128 KiB of a 4096-wide layer.
     let rounds = d / round;
     let rw_of = |parts: usize| rounds.div_ceil(parts).div_ceil(8);
     let mut parts = 1;
-    while d2_smem(true, nb, rw_of(parts), 1, true) > D2_TWO_BLOCKS_SMEM && parts < (rounds / 8).max(1) {
+    while d2_smem(D2Fmt::Fp4, D2Cols { nb, wide: false }, rw_of(parts), 1, true) > D2_TWO_BLOCKS_SMEM
+        && parts < (rounds / 8).max(1)
+    {
         parts += 1;
     }
     let rw_max = rw_of(parts);
-    let smem = d2_smem(true, nb, rw_max, 1, true);
+    let smem = d2_smem(D2Fmt::Fp4, D2Cols { nb, wide: false }, rw_max, 1, true);
     if smem > D2_MAX_SMEM {
         return None;
     }

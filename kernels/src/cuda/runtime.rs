@@ -32,7 +32,8 @@ pub enum CudaError {
     Compile(String),
 }
 
-/// Every kernel the sources define; looked up once at start.
+/// Every kernel the sources define but the v2 products ([`super::matmul::D2_KERNELS`]);
+/// looked up once at start ([`loaded_kernels`]).
 const KERNELS: &[&str] = &[
     "embed_f32",
     "embed_bf16",
@@ -161,18 +162,6 @@ const KERNELS: &[&str] = &[
     "store_window",
     "gpu_sleep",
     "kv_checksum",
-    "d2gemv_fp8_n1",
-    "d2gemv_fp8_n2",
-    "d2gemv_fp4_n1",
-    "d2gemv_fp4_n2",
-    "d2swiglu_fp8_n1",
-    "d2swiglu_fp8_n2",
-    "d2swiglu_fp4_n1",
-    "d2swiglu_fp4_n2",
-    "d2moe_swiglu_fp4_n1",
-    "d2moe_swiglu_fp4_n2",
-    "d2moe_down_fp4_n1",
-    "d2moe_down_fp4_n2",
     "d2_rows_f16",
     "d2seg_swiglu_fp4_n1",
     "d2seg_swiglu_fp4_n2",
@@ -188,6 +177,11 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::matmul::D2_KERNELS.iter().map(|&n| (n, super::matmul::D2_MAX_SMEM)));
     v
+}
+
+/// The kernels a backend looks up at start: [`KERNELS`] and the v2 products.
+fn loaded_kernels() -> impl Iterator<Item = &'static str> {
+    KERNELS.iter().chain(super::matmul::D2_KERNELS.iter()).copied()
 }
 
 /// Scratch name of the device-side traffic counter.
@@ -284,7 +278,7 @@ impl Gpu {
             .map_err(drv)? as usize;
         let (module, ptx_origin) = nvrtc::load(&ctx, cc)?;
         let mut funcs = HashMap::new();
-        for &name in KERNELS {
+        for name in loaded_kernels() {
             let f = module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e:?}")))?;
             funcs.insert(name, f);
         }
@@ -642,5 +636,25 @@ impl Gpu {
         }
         .result()
         .unwrap_or_else(|e| fail(&format!("launch of {name}"), e));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel given more shared memory at start is one the backend loads (a name
+    /// missing from the tables fails every GPU backend at start, which no CPU test sees
+    /// otherwise), and no kernel is listed twice.
+    #[test]
+    fn kernels_given_shared_memory_are_loaded_once() {
+        let loaded: Vec<&str> = loaded_kernels().collect();
+        for (name, _) in big_shared() {
+            assert!(loaded.contains(&name), "{name} gets shared memory at start but is not loaded");
+        }
+        let mut sorted = loaded.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), loaded.len(), "a kernel is listed twice");
     }
 }

@@ -1,7 +1,8 @@
 //! The second-version decode kernels (cu/decode2.cu, `SLUICE_CUDA_DECODE_KERNELS=v2`)
 //! against the CPU backend: FP8 and FP4 products and SwiGLU pairs at V4-Flash shapes and
 //! at odd ones (partial row tiles, K splits whose warps get unequal or no rounds), rows
-//! 1-8 (one and two mma column blocks), and the routed experts of decode batches of 1-64
+//! 1-8 (one and two mma column blocks) and plain products of 9-32 rows (FP4 up to 16),
+//! and the routed experts of decode batches of 1-64
 //! rows (top-k and hash routing with an expert named twice for one token; 9-64 rows by
 //! segments of 4 and of 8 rows), each on poisoned outputs.
 //! Every case first checks that v2 really takes it (the kernel it runs is printed).
@@ -48,7 +49,10 @@ fn cuda_decode_v2_products_match_cpu() {
         for dtype in ["fp8", "fp4"] {
             let w = weight(&mut rng, n, k, 0.05, dtype);
             let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
-            for rows in [1, 2, 3, 4, 5, 8] {
+            // 9-16 and 17-32 rows: one launch of 2 or 4 column blocks of 8 rows, f16
+            // activations alone (FP4 up to 16).
+            let wide: &[usize] = if dtype == "fp8" { &[9, 16, 17, 32] } else { &[9, 16] };
+            for &rows in [1, 2, 3, 4, 5, 8].iter().chain(wide) {
                 let x = rand_vec(&mut rng, rows * k, 1.0);
                 let gx = g.upload(&x);
                 let kernel = g.decode_v2_kernel(&gx, rows, 1, &gw, None);

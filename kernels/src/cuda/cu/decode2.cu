@@ -20,9 +20,12 @@
 //   registers straight into mma.m16n8k16 A fragments. The next round's loads (and, at a
 //   unit's end, the next unit's first round) are issued before this round's products:
 //   two register buffers, ping-pong.
-// - The batch (≤ 8 rows) is the mma's n. Up to 4 rows, n holds (row, hi) and (row, lo)
-//   pairs, so one mma per 16 inputs covers both halves of the split (the first version
-//   spends two); 5-8 rows take two mmas (NB = 2 column blocks).
+// - The batch is the mma's n. Up to 4 rows, n holds (row, hi) and (row, lo) pairs, so
+//   one mma per 16 inputs covers both halves of the split (the first version spends
+//   two); 5-8 rows take two mmas (NB = 2 column blocks). Plain products of 9-16 and 17-32
+//   rows take 2 and 4 column blocks of 8 rows with f16 activations alone (H = 1, see
+//   d2_stage_x), so a decode batch of up to 32 rows streams each weight once instead of
+//   once per 8 rows.
 // - The inputs an mma step sees are a permutation of the physical ones (any permutation
 //   works if the activations use the same): per 32-bit word of FP8 codes the pairs are
 //   bytes (0, 1) and (2, 3), converted to f16 by the hardware (cvt.rn.f16x2.e4m3x2, two
@@ -226,19 +229,25 @@ __device__ __forceinline__ void d2_unpack_b(u32 (&bq)[NB][4 * Q], const uint4 (&
 // Activation layout (shared memory for the products, global memory for the MoE h): per
 // (column block nb, round, 16-byte chunk q) 32 uint4, one per lane (g = lane / 4 is the
 // mma column, t = lane % 4 the quad position), holding 8 f16 of the thread's inputs in
-// d2_place order. Column g of block nb is row 4·nb + g / 2, half g % 2 (hi, lo).
+// d2_place order. H = 2 (hi and lo halves, ~22 bits): column g of block nb is row
+// 4·nb + g / 2, half g % 2. H = 1 (the 16- and 32-row kernels: f16 alone, 11 bits, still
+// more than the bf16 activations the reference model computes its projections from):
+// column g of block nb is row 8·nb + g.
 //
 // This warp converts rows [0, rows) of x over its slice (rounds kr0 .. kr0 + rw) into
-// xs (its own region: nb blocks `blk` uint4 apart) and returns in sc[nb] the scale of
-// row 4·nb + t (the power of two its values were divided by).
-template <int WT, int NB>
+// xs (its own region: nb blocks `blk` uint4 apart) and returns in sc[nb][j] the scale
+// (the power of two its values were divided by) of the row of the thread's accumulator
+// column 2t + j: row 4·nb + t for H = 2 (both columns), 8·nb + 2t + j for H = 1.
+template <int WT, int NB, int H>
 __device__ void d2_stage_x(uint4* xs, long long blk, const float* x, int x_stride, int rows, int kr0, int rw,
-                           float (&sc)[NB]) {
+                           float (&sc)[NB][3 - H]) {
     constexpr int RK = D2F<WT>::RK, V = D2F<WT>::V, Q = D2F<WT>::Q;
     const int lane = threadIdx.x & 31, t = lane & 3;
     const int n = rw * RK;
 #pragma unroll
-    for (int nb = 0; nb < NB; nb++) sc[nb] = 1.0f;
+    for (int nb = 0; nb < NB; nb++)
+#pragma unroll
+        for (int j = 0; j < 3 - H; j++) sc[nb][j] = 1.0f;
     for (int r = 0; r < rows; r++) {
         const float* xr = x + (long long)r * x_stride + (long long)kr0 * RK;
         float m = 0.0f;
@@ -249,9 +258,11 @@ __device__ void d2_stage_x(uint4* xs, long long blk, const float* x, int x_strid
         const float s = d2_pow2_scale(warp_max(m));  // as tc_stage_x
 #pragma unroll
         for (int nb = 0; nb < NB; nb++)
-            if (r == 4 * nb + t) sc[nb] = s;
+#pragma unroll
+            for (int j = 0; j < 3 - H; j++)
+                if (r == (H == 2 ? 4 * nb + t : 8 * nb + 2 * t + j)) sc[nb][j] = s;
         const float inv = 1.0f / s;  // a power of two: exact
-        const int nb = r / 4, ghi = 2 * (r % 4);
+        const int nb = r / (8 / H), ghi = H * (r % (8 / H));
         for (int gi = lane; gi < n / 8; gi += 32) {
             const int rr = (8 * gi) / RK, off = (8 * gi) % RK, tt = off / V, q = (off % V) / 8;
             const float4 u0 = *(const float4*)(xr + 8 * gi), u1 = *(const float4*)(xr + 8 * gi + 4);
@@ -265,7 +276,7 @@ __device__ void d2_stage_x(uint4* xs, long long blk, const float* x, int x_strid
             }
             uint4* d = xs + nb * blk + ((long long)rr * Q + q) * 32 + tt;
             d[4 * ghi] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
-            d[4 * (ghi + 1)] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+            if (H == 2) d[4 * (ghi + 1)] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
         }
     }
     __syncwarp();
@@ -318,49 +329,68 @@ __device__ __forceinline__ float d2_swiglu(float g, float u, float limit) {
     return a / (1.0f + expf(-a)) * b;
 }
 
+// Columns of a unit's sums and of the K parts' partials: a row per column, 8 for the
+// 1-8 row kernels (H = 2), 8·NB for the 16- and 32-row ones (H = 1).
+template <int NB, int H>
+struct D2Cols {
+    static constexpr int C = H == 2 ? 8 : 8 * NB;
+};
+
 // Shared memory: activations (NB × warps × rw_max × Q × 32 uint4), then the unit sums
-// [2 (double buffer)][NM][warps][16·MT][8] floats.
+// [2 (double buffer)][NM][warps][16·MT][C] floats (D2Cols).
 template <int WT, int NM, int MT, int NB>
 __device__ __forceinline__ float* d2_red(unsigned char* smem, int rw_max) {
     return (float*)(smem + (size_t)NB * D2_WARPS * rw_max * D2F<WT>::Q * 32 * 16);
 }
 
 // One unit's end: the warps' scaled sums to shared memory, one barrier, the warp-order
-// sum, then the output (plain: out or a K part's partials and the ticket; MoE: h).
-template <int WT, bool DUAL, int MT, int NB, bool MOE>
-__device__ __forceinline__ void d2_finish(const D2Args& A, float (&acc)[DUAL ? 2 : 1][MT][NB][4], const float (&sc)[NB],
-                                          float* red, int parity, long long o0, int slot) {
-    constexpr int NM = DUAL ? 2 : 1, RT = 16 * MT;
+// sum, then the output (plain: out or a K part's partials and the ticket; MoE: h). Each
+// thread takes (output, row) pairs i, i + 256, … of the unit's 16·MT × rows.
+template <int WT, bool DUAL, int MT, int NB, int H, bool MOE>
+__device__ __forceinline__ void d2_finish(const D2Args& A, float (&acc)[DUAL ? 2 : 1][MT][NB][4],
+                                          const float (&sc)[NB][3 - H], float* red, int parity, long long o0, int slot) {
+    constexpr int NM = DUAL ? 2 : 1, RT = 16 * MT, C = D2Cols<NB, H>::C;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    float* buf = red + (size_t)parity * NM * D2_WARPS * RT * 8;
+    float* buf = red + (size_t)parity * NM * D2_WARPS * RT * C;
 #pragma unroll
     for (int mat = 0; mat < NM; mat++)
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int nb = 0; nb < NB; nb++) {
-                // Columns 2t, 2t + 1 are row 4·nb + t's hi and lo halves.
-                float* d = buf + ((size_t)(mat * D2_WARPS + warp) * RT + 16 * mt + g) * 8 + 4 * nb + t;
-                d[0] = (acc[mat][mt][nb][0] + acc[mat][mt][nb][1]) * sc[nb];
-                d[64] = (acc[mat][mt][nb][2] + acc[mat][mt][nb][3]) * sc[nb];
+                float* row = buf + ((size_t)(mat * D2_WARPS + warp) * RT + 16 * mt + g) * C;
+                if (H == 2) {
+                    // Columns 2t, 2t + 1 are row 4·nb + t's hi and lo halves.
+                    float* d = row + 4 * nb + t;
+                    d[0] = (acc[mat][mt][nb][0] + acc[mat][mt][nb][1]) * sc[nb][0];
+                    d[8 * C] = (acc[mat][mt][nb][2] + acc[mat][mt][nb][3]) * sc[nb][0];
+                } else {
+                    // Columns 2t, 2t + 1 are rows 8·nb + 2t, 8·nb + 2t + 1.
+                    float* d = row + 8 * nb + 2 * t;
+                    d[0] = acc[mat][mt][nb][0] * sc[nb][0];
+                    d[1] = acc[mat][mt][nb][1] * sc[nb][3 - H - 1];
+                    d[8 * C] = acc[mat][mt][nb][2] * sc[nb][0];
+                    d[8 * C + 1] = acc[mat][mt][nb][3] * sc[nb][3 - H - 1];
+                }
 #pragma unroll
                 for (int i = 0; i < 4; i++) acc[mat][mt][nb][i] = 0.0f;
             }
     __syncthreads();
-    const int rows = A.rows;
-    const int i = threadIdx.x;
-    const bool mine = i < RT * rows;
-    const int ol = i % RT, r = i / RT;
-    const long long o = o0 + ol;
-    float v = 0.0f, v3 = 0.0f;
-    if (mine) {
+    // Pairs a thread takes at most (1 up to 8 rows; the loops below then run once).
+    constexpr int ITER = (RT * (8 / H) * NB + D2_THREADS - 1) / D2_THREADS;
+    const int rows = A.rows, n = RT * rows;
+    // The warp-order sum of pair i: output o0 + i % RT, row i / RT.
+    auto unit_sum = [&](int i, float& v, float& v3) {
+        const int ol = i % RT, r = i / RT;
+        v = 0.0f;
+        v3 = 0.0f;
         for (int w = 0; w < D2_WARPS; w++) {
-            v += buf[((size_t)w * RT + ol) * 8 + r];
-            if (DUAL) v3 += buf[((size_t)(D2_WARPS + w) * RT + ol) * 8 + r];
+            v += buf[((size_t)w * RT + ol) * C + r];
+            if (DUAL) v3 += buf[((size_t)(D2_WARPS + w) * RT + ol) * C + r];
         }
-    }
+    };
     // The unit's result: MoE h (SwiGLU, scaled, as f16 halves in d2_place order) or out.
-    auto emit = [&](float a, float a3) {
+    auto emit = [&](int r, long long o, float a, float a3) {
         if (MOE) {
             const float h = d2_swiglu(a, a3, A.limit) * A.h_scale;
             const u32 hh = pack_f16x2(h, 0.0f);
@@ -374,15 +404,31 @@ __device__ __forceinline__ void d2_finish(const D2Args& A, float (&acc)[DUAL ? 2
     };
     const int KS = A.parts;
     if (KS == 1) {
-        if (mine && o < A.N) emit(v, v3);
+        #pragma unroll
+    for (int it = 0; it < ITER; it++) {
+        const int i = threadIdx.x + it * D2_THREADS;
+        if (i >= n) break;
+            const long long o = o0 + i % RT;
+            if (o >= A.N) continue;
+            float v, v3;
+            unit_sum(i, v, v3);
+            emit(i / RT, o, v, v3);
+        }
         return;
     }
-    // K parts: partials[slot][part][8][N] (then the w3 sums), one ticket per (slot, tile).
-    float* pp = A.partials + (long long)slot * KS * 8 * A.N * NM;
-    if (mine && o < A.N) {
-        const long long at = ((long long)blockIdx.y * 8 + r) * A.N + o;
+    // K parts: partials[slot][part][C][N] (then the w3 sums), one ticket per (slot, tile).
+    float* pp = A.partials + (long long)slot * KS * C * A.N * NM;
+    #pragma unroll
+    for (int it = 0; it < ITER; it++) {
+        const int i = threadIdx.x + it * D2_THREADS;
+        if (i >= n) break;
+        const long long o = o0 + i % RT;
+        if (o >= A.N) continue;
+        float v, v3;
+        unit_sum(i, v, v3);
+        const long long at = ((long long)blockIdx.y * C + i / RT) * A.N + o;
         pp[at] = v;
-        if (DUAL) pp[(long long)KS * 8 * A.N + at] = v3;
+        if (DUAL) pp[(long long)KS * C * A.N + at] = v3;
     }
     __shared__ u32 last;
     __threadfence();
@@ -392,21 +438,27 @@ __device__ __forceinline__ void d2_finish(const D2Args& A, float (&acc)[DUAL ? 2
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (mine && o < A.N) {
+    #pragma unroll
+    for (int it = 0; it < ITER; it++) {
+        const int i = threadIdx.x + it * D2_THREADS;
+        if (i >= n) break;
+        const int r = i / RT;
+        const long long o = o0 + i % RT;
+        if (o >= A.N) continue;
         float s = 0.0f, s3 = 0.0f;
         for (int ks = 0; ks < KS; ks++) {
-            const long long at = ((long long)ks * 8 + r) * A.N + o;
+            const long long at = ((long long)ks * C + r) * A.N + o;
             s += __ldcg(&pp[at]);
-            if (DUAL) s3 += __ldcg(&pp[(long long)KS * 8 * A.N + at]);
+            if (DUAL) s3 += __ldcg(&pp[(long long)KS * C * A.N + at]);
         }
-        emit(s, s3);
+        emit(r, o, s, s3);
     }
     if (threadIdx.x == 0) A.tickets[ticket] = 0u;
 }
 
 // The products (plain: one matrix or pair, tiles × K parts; MoE: units (active slot,
-// tile) of every active expert's w1/w3 pair).
-template <int WT, bool DUAL, int MT, int NB, bool MOE>
+// tile) of every active expert's w1/w3 pair); H: activation halves (d2_stage_x).
+template <int WT, bool DUAL, int MT, int NB, int H, bool MOE>
 __device__ void d2_body(const D2Args& A) {
     constexpr int NM = DUAL ? 2 : 1, Q = D2F<WT>::Q, RT = 16 * MT;
     extern __shared__ __align__(16) unsigned char d2_smem[];
@@ -450,7 +502,7 @@ __device__ void d2_body(const D2Args& A) {
             for (int c = 0; c < NB; c++)
 #pragma unroll
                 for (int d = 0; d < 4; d++) acc[a][b][c][d] = part[a][b][c][d] = 0.0f;
-    float sc[NB];
+    float sc[NB][3 - H];
     int parity = 0;
 
     int u = blockIdx.x, slot;
@@ -458,17 +510,17 @@ __device__ void d2_body(const D2Args& A) {
     D2Mat m = unit_mat(u, slot, o0);
     const float* x = A.g_out ? A.x + (o0 / A.g_out) * A.K : A.x;
     if (rw == 0) {
-        d2_stage_x<WT, NB>(xs, blk, x, A.x_stride, A.rows, kr0, 0, sc);
+        d2_stage_x<WT, NB, H>(xs, blk, x, A.x_stride, A.rows, kr0, 0, sc);
         for (; u < units; u += gridDim.x) {
             m = unit_mat(u, slot, o0);
-            d2_finish<WT, DUAL, MT, NB, MOE>(A, acc, sc, red, parity, o0, slot);
+            d2_finish<WT, DUAL, MT, NB, H, MOE>(A, acc, sc, red, parity, o0, slot);
             parity ^= 1;
         }
         return;
     }
     D2Raw<WT, NM, MT> ra, rb;
     d2_load<WT, NM, MT>(ra, m, (u32)o0, A.N, A.K, kr0);
-    d2_stage_x<WT, NB>(xs, blk, x, A.x_stride, A.rows, kr0, rw, sc);
+    d2_stage_x<WT, NB, H>(xs, blk, x, A.x_stride, A.rows, kr0, rw, sc);
 
     int j = 0;
     // One round: prefetch the next (unit, round) into `nxt`, multiply `cur`, finish the
@@ -507,7 +559,7 @@ __device__ void d2_body(const D2Args& A) {
             d2_mma<WT, NM, MT, NB>(acc, cur, bq);
         }
         if (j == rw - 1) {
-            d2_finish<WT, DUAL, MT, NB, MOE>(A, acc, sc, red, parity, o0, slot);
+            d2_finish<WT, DUAL, MT, NB, H, MOE>(A, acc, sc, red, parity, o0, slot);
             parity ^= 1;
         }
         u = nu;
@@ -521,22 +573,28 @@ __device__ void d2_body(const D2Args& A) {
     }
 }
 
-#define D2_KERNEL(NAME, WT, DUAL, MT, NB, MOE) \
+#define D2_KERNEL(NAME, WT, DUAL, MT, NB, H, MOE)                          \
     extern "C" __global__ void __launch_bounds__(D2_THREADS) NAME(D2Args a) { \
         pdl_begin();                                                          \
-        d2_body<WT, DUAL, MT, NB, MOE>(a);                                    \
+        d2_body<WT, DUAL, MT, NB, H, MOE>(a);                                 \
     }
 
-D2_KERNEL(d2gemv_fp8_n1, 2, false, 2, 1, false)
-D2_KERNEL(d2gemv_fp8_n2, 2, false, 2, 2, false)
-D2_KERNEL(d2gemv_fp4_n1, 3, false, 2, 1, false)
-D2_KERNEL(d2gemv_fp4_n2, 3, false, 2, 2, false)
-D2_KERNEL(d2swiglu_fp8_n1, 2, true, 1, 1, false)
-D2_KERNEL(d2swiglu_fp8_n2, 2, true, 1, 2, false)
-D2_KERNEL(d2swiglu_fp4_n1, 3, true, 1, 1, false)
-D2_KERNEL(d2swiglu_fp4_n2, 3, true, 1, 2, false)
-D2_KERNEL(d2moe_swiglu_fp4_n1, 3, true, 1, 1, true)
-D2_KERNEL(d2moe_swiglu_fp4_n2, 3, true, 1, 2, true)
+D2_KERNEL(d2gemv_fp8_n1, 2, false, 2, 1, 2, false)
+D2_KERNEL(d2gemv_fp8_n2, 2, false, 2, 2, 2, false)
+D2_KERNEL(d2gemv_fp4_n1, 3, false, 2, 1, 2, false)
+D2_KERNEL(d2gemv_fp4_n2, 3, false, 2, 2, 2, false)
+// Plain products of 9-16 and 17-32 rows in one weight stream: 2 or 4 column blocks of 8
+// rows with f16 activations alone (hi + lo pairs would double the mmas, which bound a
+// 32-row launch: with pairs it took 101 µs where four 8-row launches take ~70).
+D2_KERNEL(d2gemv_fp8_r16, 2, false, 2, 2, 1, false)
+D2_KERNEL(d2gemv_fp8_r32, 2, false, 1, 4, 1, false)
+D2_KERNEL(d2gemv_fp4_r16, 3, false, 2, 2, 1, false)
+D2_KERNEL(d2swiglu_fp8_n1, 2, true, 1, 1, 2, false)
+D2_KERNEL(d2swiglu_fp8_n2, 2, true, 1, 2, 2, false)
+D2_KERNEL(d2swiglu_fp4_n1, 3, true, 1, 1, 2, false)
+D2_KERNEL(d2swiglu_fp4_n2, 3, true, 1, 2, 2, false)
+D2_KERNEL(d2moe_swiglu_fp4_n1, 3, true, 1, 1, 2, true)
+D2_KERNEL(d2moe_swiglu_fp4_n2, 3, true, 1, 2, 2, true)
 
 // The MoE down projection and the combine: out[r, o] = Σ over row r's (expert, weight)
 // choices in expert order of weight · (h[slot(expert), r] · w2[expert][o]). A unit is an
