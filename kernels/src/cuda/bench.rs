@@ -11,9 +11,10 @@
 
 use cudarc::cublas::sys::cudaDataType;
 
+use super::decode_v2::{D2_KERNELS, d2_plan};
 use super::matmul::{
-    D2_KERNELS, Decode, GEMM_BM, Operand, Tiles, cublas_gemm, d2_plan, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt,
-    matmul, matmul_as, swiglu_pair,
+    Decode, GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as,
+    swiglu_pair,
 };
 use super::memory::CudaWeight;
 use super::moe::{experts_routed_on_device, moe_as};

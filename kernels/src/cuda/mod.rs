@@ -15,6 +15,8 @@
 //! - `download`: large device → host reads (logits) through two pinned buffers.
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
+//! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
+//!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
@@ -30,6 +32,7 @@ mod bench;
 mod checksum;
 pub mod collective;
 mod compress;
+mod decode_v2;
 mod devplan;
 mod download;
 mod hc;

@@ -14,9 +14,8 @@
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
-use super::matmul::{
-    D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, D2Cols, D2Fmt, GEMV_MAX_ROWS, d2_round, d2_smem,
-};
+use super::decode_v2::{D2_KERNELS, D2_MAX_SMEM, D2_TWO_BLOCKS_SMEM, D2Args, D2Cols, D2Fmt, d2_round, d2_smem};
+use super::matmul::GEMV_MAX_ROWS;
 use super::memory::CudaBuf;
 use super::moe::{expert_table, tc_experts};
 use super::runtime::{cfg, env_rows, launch};

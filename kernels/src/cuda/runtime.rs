@@ -32,7 +32,7 @@ pub enum CudaError {
     Compile(String),
 }
 
-/// Every kernel the sources define but the v2 products ([`super::matmul::D2_KERNELS`]);
+/// Every kernel the sources define but the v2 products ([`super::decode_v2::D2_KERNELS`]);
 /// looked up once at start ([`loaded_kernels`]).
 const KERNELS: &[&str] = &[
     "embed_f32",
@@ -175,13 +175,13 @@ const KERNELS: &[&str] = &[
 fn big_shared() -> Vec<(&'static str, usize)> {
     let mut v = vec![("compress_stream", super::compress::STREAM_MAX_SMEM)];
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
-    v.extend(super::matmul::D2_KERNELS.iter().map(|&n| (n, super::matmul::D2_MAX_SMEM)));
+    v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));
     v
 }
 
 /// The kernels a backend looks up at start: [`KERNELS`] and the v2 products.
 fn loaded_kernels() -> impl Iterator<Item = &'static str> {
-    KERNELS.iter().chain(super::matmul::D2_KERNELS.iter()).copied()
+    KERNELS.iter().chain(super::decode_v2::D2_KERNELS.iter()).copied()
 }
 
 /// Scratch name of the device-side traffic counter.
