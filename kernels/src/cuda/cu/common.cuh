@@ -263,6 +263,23 @@ __device__ T block_sum(T v) {
     return total;
 }
 
+// Four values of a row times its RMSNorm factor `inv`, then times the weight's four at
+// w4[c] when there is a weight (w4 null: none). block_rms_norm_row and head_norm_rope.
+__device__ __forceinline__ float4 rms_scale4(float4 v, float inv, const float4* w4, int c) {
+    v.x *= inv;
+    v.y *= inv;
+    v.z *= inv;
+    v.w *= inv;
+    if (w4) {
+        const float4 w = w4[c];
+        v.x *= w.x;
+        v.y *= w.y;
+        v.z *= w.z;
+        v.w *= w.w;
+    }
+    return v;
+}
+
 // RMSNorm of one row by the whole block: row * rsqrt(mean(row²) + eps), times weight
 // when given; 16-byte loads and stores when dim is a multiple of 4. Each thread touches
 // the elements thread_sumsq (and hc_collapse) give it, stride blockDim.x, so a block that
@@ -272,21 +289,7 @@ __device__ __forceinline__ void block_rms_norm_row(float* row, const float* weig
     if ((dim & 3) == 0) {
         float4* r4 = reinterpret_cast<float4*>(row);
         const float4* w4 = reinterpret_cast<const float4*>(weight);
-        for (int c = threadIdx.x; c < (dim >> 2); c += blockDim.x) {
-            float4 v = r4[c];
-            v.x *= inv;
-            v.y *= inv;
-            v.z *= inv;
-            v.w *= inv;
-            if (weight) {
-                const float4 w = w4[c];
-                v.x *= w.x;
-                v.y *= w.y;
-                v.z *= w.z;
-                v.w *= w.w;
-            }
-            r4[c] = v;
-        }
+        for (int c = threadIdx.x; c < (dim >> 2); c += blockDim.x) r4[c] = rms_scale4(r4[c], inv, w4, c);
         return;
     }
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {

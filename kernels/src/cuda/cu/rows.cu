@@ -78,18 +78,7 @@ extern "C" __global__ void head_norm_rope(float* x, const float* weight, const u
     for (int i = 0; i < HNR_MAX_V; i++) {
         if (i >= V) break;
         const int c = lane + 32 * i, d0 = 4 * c;
-        float4 a = v[i];
-        a.x *= inv;
-        a.y *= inv;
-        a.z *= inv;
-        a.w *= inv;
-        if (weight) {
-            const float4 g = w4[c];
-            a.x *= g.x;
-            a.y *= g.y;
-            a.z *= g.z;
-            a.w *= g.w;
-        }
+        float4 a = rms_scale4(v[i], inv, w4, c);
         if (d0 >= r0) rope_pair(&a.x, &a.y, pos, p.inv_freq[(d0 - r0) >> 1], p.attention_factor, false);
         if (d0 + 2 >= r0) rope_pair(&a.z, &a.w, pos, p.inv_freq[(d0 + 2 - r0) >> 1], p.attention_factor, false);
         if (round_dtype == DTYPE_FP8) {
