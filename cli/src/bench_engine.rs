@@ -185,6 +185,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
             let mut traffic = Vec::new();
             let mut launches = Vec::new();
             // One untimed step first: the plan shape and buffers of this batch are new.
+            engine.model.backend.graphs();
             for i in 0..c.decode_steps + 1 {
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 engine.model.backend.traffic();
@@ -208,6 +209,16 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
             let bytes_per_step = traffic.iter().sum::<f64>() / traffic.len() as f64;
             let gbs = bytes_per_step / step / 1e9;
             let launches_per_step = launches.iter().sum::<u64>() as f64 / launches.len().max(1) as f64;
+            let graphs = engine.model.backend.graphs();
+            eprintln!(
+                "decode ctx {ctx} batch {batch}: {} of {} step segments from CUDA graphs ({} captured, {} eager) \
+                 in {} recorded steps",
+                graphs.replayed + graphs.captured,
+                graphs.segments,
+                graphs.captured,
+                graphs.eager,
+                graphs.recorded
+            );
             eprintln!(
                 "decode ctx {ctx} batch {batch}: {:.3} ms/step, {:.0} MB/step, {gbs:.0} GB/s ({:.0}% of copy), \
                  {launches_per_step:.0} launches/step",
@@ -241,6 +252,8 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
                 "context": ctx, "batch": batch, "ms_per_step": step * 1e3, "device_ms_per_step": device_step * 1e3,
                 "tokens_per_s": batch as f64 / step, "bytes_per_step": bytes_per_step,
                 "achieved_gb_s": gbs, "fraction_of_copy": gbs / copy_gbs, "launches_per_step": launches_per_step,
+                "graph_segments": graphs.segments, "graph_replays": graphs.replayed + graphs.captured,
+                "graph_captures": graphs.captured,
             }));
         }
     }

@@ -40,6 +40,16 @@ pub trait MeasuredGpus: Backend {
         n
     }
 
+    /// Decode steps replayed as CUDA graphs since the last call, on the first GPU (a
+    /// sharded engine issues its steps eagerly).
+    fn graphs(&self) -> kernels::cuda::GraphStats {
+        let s = self.first().take_graph_stats();
+        self.gpus().iter().skip(1).for_each(|g| {
+            let _ = g.take_graph_stats();
+        });
+        s
+    }
+
     /// Hold every GPU's stream for `ns` (work issued next queues behind it).
     fn hold(&self, ns: u64) {
         self.gpus().iter().for_each(|g| g.hold_stream(ns));

@@ -209,18 +209,29 @@ pub fn pools_from_config(cfg: &ModelConfig, at: Residence, devices: usize) -> We
 /// - the MoE's gathered rows, gate/up and down outputs: top_k · (2 · hidden + 2 · inter);
 ///
 /// plus the indexer's scores (rows × context / 4 candidates) and the logits of the
-/// sampled rows (sequences × vocab), and [`FIXED_WORKSPACE`].
+/// sampled rows (sequences × vocab), and [`FIXED_WORKSPACE`]. A GPU worker also keeps the
+/// arena its decode steps record into for CUDA graphs (up to [`GRAPH_ARENA_ROWS`] rows,
+/// whose temporaries stay at fixed addresses instead of returning to the pool): twice
+/// the same terms for that many rows.
 pub fn workspace_bytes(cfg: &ModelConfig, shape: &StepShape) -> u64 {
     let per_row = 2 * cfg.hc_mult * cfg.hidden_size
         + 3 * cfg.num_heads * cfg.head_dim
         + cfg.q_lora_rank
         + cfg.o_groups * cfg.o_lora_rank
         + cfg.experts_per_token * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size);
-    let rows = shape.rows as u64;
-    let scores = rows * (shape.context as u64).div_ceil(4);
-    let logits = (shape.sequences.min(shape.rows) as u64) * cfg.vocab_size as u64;
-    4 * (rows * per_row as u64 + scores + logits) + FIXED_WORKSPACE
+    let step = |rows: usize, sequences: usize| {
+        let rows = rows as u64;
+        let scores = rows * (shape.context as u64).div_ceil(4);
+        let logits = (sequences.min(rows as usize) as u64) * cfg.vocab_size as u64;
+        4 * (rows * per_row as u64 + scores + logits)
+    };
+    let decode_rows = shape.sequences.min(GRAPH_ARENA_ROWS);
+    step(shape.rows, shape.sequences) + 2 * step(decode_rows, decode_rows) + FIXED_WORKSPACE
 }
+
+/// Most rows of a decode step recorded for a CUDA graph (`GRAPH_MAX_ROWS` in
+/// kernels/src/cuda/step_graph.rs).
+pub const GRAPH_ARENA_ROWS: usize = 64;
 
 impl MemoryPlan {
     pub fn new(

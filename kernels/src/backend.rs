@@ -279,6 +279,14 @@ pub trait Backend: Send + Sync + 'static {
     /// Every weight has been handed over: wait for queued uploads and free what loading
     /// needed (a device backend's pinned staging buffers).
     fn finish_load(&self) {}
+    /// A forward step over `plan` starts: the ops until [`Backend::end_step`] are one
+    /// step (a CUDA backend records decode steps and replays them as graphs). Buffers
+    /// made during the step must not outlive it.
+    fn begin_step(&self, plan: &BatchPlan) {
+        let _ = plan;
+    }
+    /// The step begun by [`Backend::begin_step`] has been read back.
+    fn end_step(&self) {}
     /// `(rows, cols)` of a weight.
     fn weight_shape(&self, w: &Self::Weight) -> (usize, usize);
 

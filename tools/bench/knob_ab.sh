@@ -9,7 +9,8 @@
 # BENCHES: label:VAR=value[,VAR=value…] (X=1 sets nothing that matters). TESTS: executable
 # names from tools/bench/pack_device.sh, `exe:filter` to pass a filter. Env: B (executables,
 # default .device), MODEL (default /dev/shm/f8, written with the 8-layer Flash preset when
-# missing), KV (fp8), CTX (8192), BATCHES (1,8,16,64), OUT (the log's folder, default /tmp).
+# missing), KV (fp8), CTX (8192), BATCHES (1,8,16,64), STEPS (decode steps a point, 8),
+# OUT (the log's folder, default /tmp).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 B=$(tools/bench/unpack_device.sh "${B:-.device}" /tmp/b)
@@ -25,8 +26,8 @@ for spec in ${BENCHES:-}; do
   # shellcheck disable=SC2046 # the knobs are words on purpose
   env $(echo "${spec#*:}" | tr ',' ' ') timeout 150 "$B/sluice" bench engine --device cuda:0 --model "$MODEL" \
     --kv-dtype "${KV:-fp8}" --prefill-tokens 8192 --contexts "${CTX:-8192}" --batches "${BATCHES:-1,8,16,64}" \
-    --decode-steps 8 --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0 2>&1 |
-    grep -E "^ +(prefill|context|[0-9])|error|panicked" | tee -a "$L"
+    --decode-steps "${STEPS:-8}" --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0 2>&1 |
+    grep -E "^ +(prefill|context|[0-9])|CUDA graphs|error|panicked" | tee -a "$L"
   echo "($((SECONDS - t0)) s)" | tee -a "$L"
 done
 for t in ${TESTS:-}; do

@@ -9,7 +9,7 @@ for b in sluice router prefill-worker decode-worker kvstore; do
   cp target/release/$b .device/
 done
 # The newest test executable of each name (cargo names them <test>-<hash>).
-for t in parity cuda_parity cuda_collective cuda_conformance cuda_multi_gpu device_serving gpu_direct gpu_direct_serving memory_types; do
+for t in parity cuda_parity cuda_collective cuda_conformance cuda_graphs cuda_multi_gpu device_serving gpu_direct gpu_direct_serving memory_types; do
   f=$(ls -t target/release/deps/$t-* 2>/dev/null | grep -v '\.d$' | head -1)
   [ -n "$f" ] || { echo "no test executable $t: build it first" >&2; exit 1; }
   cp "$f" .device/$t

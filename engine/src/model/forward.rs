@@ -24,6 +24,13 @@ impl<B: Backend> Model<B> {
         logit_rows: &[usize],
         parts: &[usize],
     ) -> Vec<Vec<f32>> {
+        self.backend.begin_step(plan);
+        let logits = self.step(kv, plan, logit_rows, parts);
+        self.backend.end_step();
+        logits
+    }
+
+    fn step(&self, kv: &mut KvState<B>, plan: &BatchPlan, logit_rows: &[usize], parts: &[usize]) -> Vec<Vec<f32>> {
         let b = &self.backend;
         let c = &self.config;
         let rows = plan.rows();

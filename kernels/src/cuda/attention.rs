@@ -87,12 +87,13 @@ pub(crate) fn index_topk(
         return Selection { indices: sel, top_k };
     }
     let ratio = lk.spec.ratio;
-    let n_max = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).max().unwrap_or(0);
+    let most = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).max().unwrap_or(0);
+    let n_max = scored_candidates(most);
     let dp = b.plans.get(g, plan);
     let visible: usize = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).sum();
     g.traffic.add_kv(visible * lk.index.bytes());
     let scores = b.alloc_buf(rows * n_max);
-    if n_max > top_k {
+    if most > top_k {
         let smem = (heads * dim + heads) * 4;
         assert!(smem <= 48 * 1024, "indexer q of {heads}x{dim} exceeds the kernel's shared memory");
         let geom = IndexGeom {
@@ -166,6 +167,18 @@ pub(crate) fn index_topk(
     }
     select_topk(g, g.ptr(&scores.mem), n_max, g.ptr(&dp.positions), rows, ratio, top_k, g.ptr(&sel.mem));
     Selection { indices: sel, top_k }
+}
+
+/// Score slots a row gets for a batch whose rows see at most `most` entries: `most`
+/// rounded up to a granule of about a sixteenth of it (at least 64), so the decode steps
+/// between two granules (a row sees one more entry every `ratio` tokens) launch the same
+/// grids with the same arguments and replay one CUDA graph (`step_graph`). Slots past a
+/// row's visible count score -inf and are never selected, so results do not change.
+fn scored_candidates(most: usize) -> usize {
+    if most == 0 {
+        return 0;
+    }
+    most.next_multiple_of((most.next_power_of_two() / 16).max(64))
 }
 
 /// Keys a block of the tensor-core indexer scores (`index_scores_mma`, `_bf16`), if it
@@ -474,7 +487,23 @@ pub(crate) fn store_window(
 
 #[cfg(test)]
 mod tests {
-    use super::{ATT_T, key_splits};
+    use super::{ATT_T, key_splits, scored_candidates};
+
+    #[test]
+    fn scored_candidates_cover_every_entry_in_few_granules() {
+        assert_eq!(scored_candidates(0), 0);
+        assert_eq!(scored_candidates(1), 64);
+        assert_eq!(scored_candidates(64), 64);
+        assert_eq!(scored_candidates(2047), 2048);
+        assert_eq!(scored_candidates(2049), 2304);
+        for most in 1..40_000 {
+            let n = scored_candidates(most);
+            assert!(n >= most && n - most < 64.max(most / 8), "{most} -> {n}");
+        }
+        // Steps of a growing context share a layout for whole granules.
+        let layouts: std::collections::BTreeSet<usize> = (1000..2000).map(scored_candidates).collect();
+        assert!(layouts.len() <= 10, "{} layouts for 1000 contexts", layouts.len());
+    }
 
     #[test]
     fn key_splits_fill_the_block_places_and_cover_every_key() {

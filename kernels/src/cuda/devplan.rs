@@ -5,7 +5,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::CudaSlice;
+use super::arena::DevBuf;
 
 use super::runtime::Gpu;
 use crate::plan::BatchPlan;
@@ -24,11 +24,11 @@ const STORE_ROWS: usize = 8;
 #[derive(Clone)]
 pub(crate) struct CompressorWork {
     /// ENTRY_META ints per entry.
-    pub entries: Arc<CudaSlice<i32>>,
+    pub entries: Arc<DevBuf<i32>>,
     pub n_entries: usize,
     /// `(sequence, first ring row)` per store item of CS_STORE_ROWS rows; `None` when
     /// some entry reads its sequence's ring, so the ring is written by a later launch.
-    pub stores: Option<(Arc<CudaSlice<i32>>, usize)>,
+    pub stores: Option<(Arc<DevBuf<i32>>, usize)>,
 }
 
 /// Compressor geometry a work list depends on: ratio, entries per page, whether windows
@@ -37,10 +37,10 @@ pub(crate) type CompressorKey = (usize, usize, bool, usize);
 
 pub(crate) struct DevPlan {
     host: BatchPlan,
-    pub positions: CudaSlice<u32>,
-    pub row_seq: CudaSlice<i32>,
-    pub seqs: CudaSlice<i32>,
-    pub pages: CudaSlice<u32>,
+    pub positions: DevBuf<u32>,
+    pub row_seq: DevBuf<i32>,
+    pub seqs: DevBuf<i32>,
+    pub pages: DevBuf<u32>,
     /// Compressor work per geometry.
     work: Mutex<Vec<(CompressorKey, CompressorWork)>>,
 }
@@ -123,6 +123,11 @@ pub(crate) struct PlanCache {
 }
 
 impl PlanCache {
+    /// Forget the cached plan (its buffers may be a finished step's arena pieces).
+    pub fn clear(&self) {
+        *self.last.lock().expect("plan cache poisoned") = None;
+    }
+
     pub fn get(&self, gpu: &Gpu, plan: &BatchPlan) -> Arc<DevPlan> {
         let mut last = self.last.lock().expect("plan cache poisoned");
         if let Some(p) = last.as_ref()

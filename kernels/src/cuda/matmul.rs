@@ -337,8 +337,8 @@ pub(crate) struct Tiles {
 
 /// Activations split for the tensor-core GEMM: `[rows, cols]` bf16 hi and lo parts.
 pub(crate) struct SplitX {
-    pub hi: cudarc::driver::CudaSlice<u16>,
-    pub lo: cudarc::driver::CudaSlice<u16>,
+    pub hi: super::arena::DevBuf<u16>,
+    pub lo: super::arena::DevBuf<u16>,
     pub cols: usize,
 }
 
@@ -451,6 +451,8 @@ pub(crate) fn cublas_gemm(
     beta: f32,
 ) {
     let alpha = 1f32;
+    // cuBLAS issues its own launches: a recorded step's ops go first (`step_graph`).
+    gpu.flush_recording();
     gpu.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let blas = gpu.blas.lock().expect("cuBLAS handle poisoned");
     // SAFETY: A is groups × (m × k) weights, B holds n rows of ldb values whose group g

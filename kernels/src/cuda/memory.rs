@@ -4,6 +4,7 @@
 
 use cudarc::driver::CudaSlice;
 
+use super::arena::DevBuf;
 use super::runtime::Gpu;
 use super::upload::{STAGE_MIN_BYTES, Staging, queue_copy};
 use crate::EntryDtype;
@@ -12,7 +13,7 @@ use crate::stored::{FP4_GROUP, FP8_BLOCK, Stored, WeightView};
 
 /// Dense f32 activations.
 pub struct CudaBuf {
-    pub(crate) mem: CudaSlice<f32>,
+    pub(crate) mem: DevBuf<f32>,
     pub(crate) len: usize,
 }
 
@@ -100,7 +101,7 @@ fn staged<T: cudarc::driver::DeviceRepr>(
     mut fill: impl FnMut(usize, &mut [u8]),
 ) -> CudaSlice<T> {
     let bytes = len * std::mem::size_of::<T>();
-    let dst = gpu.alloc::<T>(len);
+    let dst = gpu.alloc_owned::<T>(len);
     if bytes < STAGE_MIN_BYTES {
         let mut host = vec![0u8; bytes];
         fill(0, &mut host);
@@ -141,21 +142,22 @@ pub(crate) fn upload_weight(gpu: &Gpu, staging: &Staging, w: &WeightView<'_>) ->
                 out.copy_from_slice(&f16_to_f32(u16::from_le_bytes([b[j], b[j + 1]])).to_le_bytes());
             }
         })),
-        Stored::Fp8 { codes, scales } => {
-            WeightData::Fp8 { codes: staged(gpu, staging, n, slice_fill(codes)), scales: gpu.upload(&scales.to_f32()) }
-        }
+        Stored::Fp8 { codes, scales } => WeightData::Fp8 {
+            codes: staged(gpu, staging, n, slice_fill(codes)),
+            scales: gpu.upload_owned(&scales.to_f32()),
+        },
         Stored::Fp4 { packed, scales } => match scales.to_ue8m0() {
             Some(s) => WeightData::Fp4 {
                 tc: s.iter().all(|&b| (FP4_TC_SCALES.0..=FP4_TC_SCALES.1).contains(&b)),
                 packed: staged(gpu, staging, n / 2, slice_fill(packed)),
-                scales: gpu.upload(&s),
+                scales: gpu.upload_owned(&s),
             },
             None => {
                 // Not DeepSeek's format (scales that are not powers of two): the kernels
                 // read ue8m0 only, so this weight is widened to bf16 (exact) instead.
                 tracing::warn!(rows, cols, "FP4 weight with non-power-of-two scales: stored as bf16 on the device");
                 let bits: Vec<u16> = w.dequantize().iter().map(|&v| f32_to_bf16(v)).collect();
-                WeightData::Bf16(gpu.upload(&bits))
+                WeightData::Bf16(gpu.upload_owned(&bits))
             }
         },
     };
@@ -224,7 +226,7 @@ impl CudaKv {
 
 /// Integer indices (the indexer's selection).
 pub struct CudaIdx {
-    pub(crate) mem: CudaSlice<i32>,
+    pub(crate) mem: DevBuf<i32>,
     pub(crate) len: usize,
 }
 

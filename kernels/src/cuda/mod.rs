@@ -27,6 +27,7 @@
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
+mod arena;
 mod attention;
 mod bench;
 mod checksum;
@@ -46,6 +47,7 @@ pub mod peer;
 mod profile;
 mod rows;
 pub(crate) mod runtime;
+mod step_graph;
 mod upload;
 
 use crate::EntryDtype;
@@ -59,6 +61,7 @@ use runtime::launch;
 pub use bench::ProductTime;
 pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
 pub use runtime::{CudaError, driver_present};
+pub use step_graph::GraphStats;
 
 /// A kernel's time per call, microseconds ([`CudaBackend::time_kernel_us`]).
 #[derive(Clone, Copy, Debug)]
@@ -238,6 +241,19 @@ impl CudaBackend {
         (t.weights.swap(0, Ordering::Relaxed) + device, t.kv.swap(0, Ordering::Relaxed))
     }
 
+    /// Decode steps recorded, replayed from a CUDA graph, captured and issued eagerly
+    /// since the last call (`step_graph`).
+    pub fn take_graph_stats(&self) -> GraphStats {
+        self.gpu.steps.take_stats()
+    }
+
+    /// Record decode steps and replay them as CUDA graphs (`on`, the default unless
+    /// `SLUICE_CUDA_GRAPHS=0`), or issue every op as it comes: tests compare the two in
+    /// one process.
+    pub fn set_graphs(&self, on: bool) {
+        self.gpu.set_graphs(on);
+    }
+
     /// Kernel launches and cuBLAS calls issued since the last call.
     pub fn take_launches(&self) -> u64 {
         self.gpu.launches.swap(0, std::sync::atomic::Ordering::Relaxed)
@@ -247,8 +263,8 @@ impl CudaBackend {
     /// written per second, median of `reps` timed copies after a warm-up), GB/s.
     pub fn copy_bandwidth_gbs(&self, bytes: usize, reps: usize) -> f64 {
         let g = &self.gpu;
-        let src = g.zeros::<u8>(bytes);
-        let mut dst = g.alloc::<u8>(bytes);
+        let src = g.zeros_owned::<u8>(bytes);
+        let mut dst = g.alloc_owned::<u8>(bytes);
         let mut times = Vec::with_capacity(reps);
         for i in 0..reps + 1 {
             let ((), ms) = self.time_ms(|| {
@@ -386,6 +402,25 @@ impl Backend for CudaBackend {
 
     fn finish_load(&self) {
         self.staging.release(&self.gpu.stream);
+    }
+
+    fn begin_step(&self, plan: &BatchPlan) {
+        let decode = plan.seqs.iter().all(|s| s.rows == 1);
+        let rows = plan.rows();
+        if decode && (1..=step_graph::GRAPH_MAX_ROWS).contains(&rows) && self.profile.is_none() {
+            // The cached plan may hold pool memory of an eager op; the step's own goes
+            // to the arena (its addresses are part of what a graph replays).
+            self.plans.clear();
+            self.gpu.begin_recording();
+        }
+    }
+
+    fn end_step(&self) {
+        if self.gpu.recording() || self.gpu.arena_active() {
+            self.gpu.end_recording();
+            // Its buffers are arena pieces the next step reuses.
+            self.plans.clear();
+        }
     }
 
     fn hc_weights(&self, w: HcWeights<Self>) -> HcWeights<Self> {

@@ -198,7 +198,7 @@ fn positions_on_device(b: &CudaBackend, positions: &[u32]) -> (u64, PositionsHel
 /// What keeps the memory behind [`positions_on_device`]'s address alive.
 struct PositionsHeld {
     _plan: Option<std::sync::Arc<super::devplan::DevPlan>>,
-    _upload: Option<cudarc::driver::CudaSlice<u32>>,
+    _upload: Option<super::arena::DevBuf<u32>>,
 }
 
 pub(crate) fn rope(

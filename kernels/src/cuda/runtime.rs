@@ -15,6 +15,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
+pub(crate) use super::arena::DevBuf;
+
 use super::nvrtc;
 
 /// Why a CUDA backend could not start.
@@ -232,6 +234,8 @@ pub(crate) struct Gpu {
     tables: Mutex<HashMap<u64, CudaSlice<u64>>>,
     /// Pinned buffers of large reads.
     download: super::download::Download,
+    /// Decode steps recorded and replayed as CUDA graphs (`step_graph`).
+    pub(crate) steps: super::step_graph::Steps,
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -309,6 +313,7 @@ impl Gpu {
             occupancy: Mutex::new(HashMap::new()),
             tables: Mutex::new(HashMap::new()),
             download: Default::default(),
+            steps: super::step_graph::Steps::new(),
         })
     }
 
@@ -342,9 +347,11 @@ impl Gpu {
     /// predecessor is freed only after the kernels that used it.
     pub fn scratch(&self, name: &'static str, len: usize) -> u64 {
         let mut map = self.scratch.lock().expect("scratch map poisoned");
-        let buf = map.entry(name).or_insert_with(|| self.zeros::<u32>(len));
+        let buf = map.entry(name).or_insert_with(|| self.zeros_owned::<u32>(len));
         if buf.len() < len {
-            *buf = self.zeros::<u32>(len.next_power_of_two());
+            let old = std::mem::replace(buf, self.zeros_owned::<u32>(len.next_power_of_two()));
+            // Recorded ops may still name the old buffer.
+            self.retire_during_recording(old);
         }
         self.ptr(buf)
     }
@@ -358,7 +365,7 @@ impl Gpu {
         table.hash(&mut h);
         let key = h.finish();
         let mut map = self.tables.lock().expect("table map poisoned");
-        let buf = map.entry(key).or_insert_with(|| self.upload(table));
+        let buf = map.entry(key).or_insert_with(|| self.upload_owned(table));
         self.ptr(buf)
     }
 
@@ -376,19 +383,47 @@ impl Gpu {
     }
 
     /// Uninitialised device memory of `len` elements (at least one, so every buffer has
-    /// a real address). Stream-ordered: freed memory is reused without a device sync.
-    pub fn alloc<T: DeviceRepr>(&self, len: usize) -> CudaSlice<T> {
+    /// a real address): from the step arena while a decode step records (`arena`), else
+    /// stream-ordered (freed memory is reused without a device sync).
+    pub fn alloc<T: DeviceRepr>(&self, len: usize) -> DevBuf<T> {
+        match self.arena_slice::<T>(len.max(1), false) {
+            Some(buf) => buf,
+            None => DevBuf::owned(self.alloc_owned(len)),
+        }
+    }
+
+    /// [`Gpu::alloc`] from the pool always: memory that outlives a step (weights, tables).
+    pub fn alloc_owned<T: DeviceRepr>(&self, len: usize) -> CudaSlice<T> {
         // SAFETY: callers write every element they later read (kernels fully cover
         // their outputs; `zeros` memsets).
         unsafe { self.stream.alloc::<T>(len.max(1)) }.unwrap_or_else(|e| fail("allocation", e))
     }
 
-    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> DevBuf<T> {
+        let mut buf = self.alloc::<T>(len);
+        self.memset_zero(&mut buf);
+        buf
+    }
+
+    pub fn zeros_owned<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> CudaSlice<T> {
         self.stream.alloc_zeros::<T>(len.max(1)).unwrap_or_else(|e| fail("allocation", e))
     }
 
-    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> CudaSlice<T> {
-        let mut dst = self.alloc::<T>(data.len());
+    /// A device copy of `data`. While a step records, into the arena's top, copied now:
+    /// the step's recorded kernels, issued later, read it after it has landed.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> DevBuf<T> {
+        let mut dst = match self.arena_slice::<T>(data.len().max(1), true) {
+            Some(buf) => buf,
+            None => DevBuf::owned(self.alloc_owned(data.len())),
+        };
+        if !data.is_empty() {
+            self.stream.memcpy_htod(data, &mut *dst).unwrap_or_else(|e| fail("host-to-device copy", e));
+        }
+        dst
+    }
+
+    pub fn upload_owned<T: DeviceRepr>(&self, data: &[T]) -> CudaSlice<T> {
+        let mut dst = self.alloc_owned::<T>(data.len());
         if !data.is_empty() {
             self.stream.memcpy_htod(data, &mut dst).unwrap_or_else(|e| fail("host-to-device copy", e));
         }
@@ -397,6 +432,7 @@ impl Gpu {
 
     /// Copy `out.len()` elements starting at element `offset` to the host and wait.
     pub fn read<T: DeviceRepr>(&self, src: &CudaSlice<T>, offset: usize, out: &mut [T]) {
+        self.flush_recording();
         if out.is_empty() {
             return;
         }
@@ -424,6 +460,7 @@ impl Gpu {
     /// Copy the first values of `src` into `parts`, one after another, and wait: through
     /// pinned pieces when large (`download`).
     pub fn read_parts(&self, src: &CudaSlice<f32>, parts: &mut [Vec<f32>]) {
+        self.flush_recording();
         let total: usize = parts.iter().map(Vec::len).sum();
         assert!(total <= src.len(), "read parts of {total} values from a buffer of {}", src.len());
         if 4 * total < super::download::STAGED_READ_MIN_BYTES {
@@ -447,6 +484,8 @@ impl Gpu {
     }
 
     pub fn write<T: DeviceRepr>(&self, dst: &mut CudaSlice<T>, offset: usize, data: &[T]) {
+        // Into memory recorded ops may use: not something to run ahead of them.
+        self.flush_recording();
         if data.is_empty() {
             return;
         }
@@ -458,6 +497,7 @@ impl Gpu {
     /// must lie in live device memory of this GPU (a buffer shared with a transport,
     /// reached by address because other owners hold it too).
     pub fn read_raw(&self, src: u64, out: &mut [u8]) {
+        self.flush_recording();
         if out.is_empty() {
             return;
         }
@@ -473,6 +513,7 @@ impl Gpu {
     /// Copy `data` to device address `dst` (asynchronous from pinned memory, as
     /// [`Gpu::write`]). The range must lie in live device memory of this GPU.
     pub fn write_raw(&self, dst: u64, data: &[u8]) {
+        self.flush_recording();
         if data.is_empty() {
             return;
         }
@@ -487,7 +528,7 @@ impl Gpu {
     /// Device-to-device copy of `bytes` between two ranges of live device memory of this
     /// GPU, in stream order.
     pub fn copy_raw(&self, dst: u64, src: u64, bytes: usize) {
-        if bytes == 0 {
+        if bytes == 0 || self.record_copy(dst, src, bytes) {
             return;
         }
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
@@ -498,11 +539,15 @@ impl Gpu {
     }
 
     pub fn memset_zero<T: DeviceRepr + ValidAsZeroBits>(&self, dst: &mut CudaSlice<T>) {
+        if self.record_memset(self.ptr(dst), dst.len() * std::mem::size_of::<T>()) {
+            return;
+        }
         self.stream.memset_zeros(dst).unwrap_or_else(|e| fail("memset", e));
     }
 
     /// Wait for everything issued so far, and surface asynchronous kernel faults.
     pub fn sync(&self) {
+        self.flush_recording();
         self.stream.synchronize().unwrap_or_else(|e| fail("stream synchronize", e));
     }
 
@@ -566,10 +611,11 @@ macro_rules! launch {
     ($gpu:expr, $name:expr, $cfg:expr $(, $arg:expr)* $(,)?) => {{
         let gpu: &$crate::cuda::runtime::Gpu = $gpu;
         let mut args: Vec<*mut std::ffi::c_void> = Vec::with_capacity(16);
+        let mut sizes: Vec<usize> = Vec::with_capacity(16);
         // Each value lives in its own (shadowed) binding until the end of this block,
-        // after the launch has copied the arguments.
-        $( let a = $arg; args.push($crate::cuda::runtime::arg_ptr(&a)); )*
-        gpu.launch_raw($name, $cfg, &mut args);
+        // after the launch (or the recording) has copied the arguments.
+        $( let a = $arg; args.push($crate::cuda::runtime::arg_ptr(&a)); sizes.push(std::mem::size_of_val(&a)); )*
+        gpu.launch_raw($name, $cfg, &mut args, &sizes);
     }};
 }
 pub(crate) use launch;
@@ -606,10 +652,38 @@ impl Gpu {
     /// visible); `kernels/tests/cuda_sources.rs` checks that each kernel of the sources
     /// does. Copies,
     /// cuBLAS and NCCL keep ordinary stream order.
-    pub(crate) fn launch_raw(&self, name: &str, cfg: cudarc::driver::LaunchConfig, args: &mut [*mut std::ffi::c_void]) {
-        use cudarc::driver::sys;
-        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+    pub(crate) fn launch_raw(
+        &self,
+        name: &str,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+        sizes: &[usize],
+    ) {
         self.launches.fetch_add(1, Ordering::Relaxed);
+        let func = self.func(name).cu_function();
+        if self.record_launch(func, cfg, args, sizes) {
+            return;
+        }
+        // SAFETY: the function belongs to this context's module; `args` holds one pointer
+        // per kernel parameter to a live value of the parameter's C type (the call site
+        // establishes this, and the parity suite checks it on a GPU); buffers passed are
+        // live device allocations of the sizes the kernel indexes; the stream is ours.
+        unsafe { self.launch_now(func, cfg, args) }.unwrap_or_else(|e| fail(&format!("launch of {name}"), e));
+    }
+
+    /// Launch `func` on the stream now, with programmatic dependent launch where on.
+    ///
+    /// # Safety
+    /// `func` is a kernel of this context and `args` one pointer per parameter to a live
+    /// value of its C type, buffers live and large enough for what the kernel indexes.
+    pub(crate) unsafe fn launch_now(
+        &self,
+        func: cudarc::driver::sys::CUfunction,
+        cfg: cudarc::driver::LaunchConfig,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), cudarc::driver::DriverError> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
         // SAFETY: zero is a valid bit pattern for this plain C struct; id and value are
         // set below.
         let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -627,15 +701,8 @@ impl Gpu {
             attrs: &mut attr,
             numAttrs: u32::from(self.pdl),
         };
-        // SAFETY: the function belongs to this context's module; `args` holds one pointer
-        // per kernel parameter to a live value of the parameter's C type (the call site
-        // establishes this, and the parity suite checks it on a GPU); buffers passed are
-        // live device allocations of the sizes the kernel indexes; the stream is ours.
-        unsafe {
-            sys::cuLaunchKernelEx(&config, self.func(name).cu_function(), args.as_mut_ptr(), std::ptr::null_mut())
-        }
-        .result()
-        .unwrap_or_else(|e| fail(&format!("launch of {name}"), e));
+        // SAFETY: the caller's contract (above).
+        unsafe { sys::cuLaunchKernelEx(&config, func, args.as_mut_ptr(), std::ptr::null_mut()) }.result()
     }
 }
 

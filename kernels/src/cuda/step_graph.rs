@@ -1,0 +1,425 @@
+//! Decode steps replayed as CUDA graphs (`SLUICE_CUDA_GRAPHS`, on unless `0`).
+//!
+//! A decode step (every sequence one row, at most [`GRAPH_MAX_ROWS`] rows) is recorded
+//! instead of issued: its kernel launches, memsets and device copies are kept with their
+//! argument bytes while its temporaries come from the step arena (`arena`), at addresses
+//! that repeat when the step's ops repeat, and its host-to-device copies (the batch
+//! plan, token ids, work lists) run at once into the arena's top, so no recorded op can
+//! read them before they land. Every [`segment_ops`] ops, and at the step's first read
+//! back (the logits), the segment recorded so far is compared, word for word, with the
+//! segments captured before: an equal one replays that segment's graph; one seen once
+//! before is captured (stream capture of the same ops) and replayed; anything else is
+//! issued as recorded, which is what the step would have done without graphs. The device
+//! runs a segment while the host records the next. Equality of every launch's function, grid, block, shared memory
+//! and argument bytes is what makes a replay correct: the host values a graph bakes in
+//! are exactly those this step computed, and everything else the kernels read comes
+//! from device memory (the plan's positions and pages, the KV state, the weights).
+//!
+//! A step is not replayed when something in it cannot be recorded (a read back, a
+//! cuBLAS call, a copy from the host into an existing buffer: the record is issued at
+//! that point and the rest of the step runs eagerly), when the arena overflowed (the
+//! next step gets a larger one), or when a persistent scratch buffer was regrown (every
+//! captured graph is dropped: they point at the old one).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys;
+use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig};
+
+use super::arena::{ArenaState, DevBuf, Lease};
+use super::runtime::{Gpu, fail};
+
+/// Most rows of a step recorded for a graph: beyond it the arena would grow large and
+/// batches are rarely repeated exactly.
+pub(crate) const GRAPH_MAX_ROWS: usize = 64;
+/// Graphs kept (least recently replayed dropped first).
+const GRAPH_CACHE: usize = 512;
+/// The first arena, grown to what a step needed when a step overflows it.
+const FIRST_ARENA: usize = 64 << 20;
+
+/// Recorded ops a segment holds (`SLUICE_CUDA_GRAPH_OPS`, read once; default 64). A
+/// step is replayed segment by segment: the device starts on the first while the host
+/// records the rest, instead of idling until the whole step is recorded (at batch 32 a
+/// step takes the host ~0.5 ms to record). Segments end at fixed op counts, so equal
+/// steps cut into equal segments.
+fn segment_ops() -> usize {
+    static OPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *OPS.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_GRAPH_OPS").unwrap_or(64).max(1))
+}
+
+/// Whether decode steps are recorded for graphs: `SLUICE_CUDA_GRAPHS` is not `0` (read
+/// once).
+pub(crate) fn graphs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GRAPHS").map_or(true, |v| v != "0"))
+}
+
+/// One recorded device op.
+enum Op {
+    Launch { func: usize, cfg: LaunchConfig, params: Vec<u64>, offsets: Vec<usize> },
+    Memset { dst: u64, bytes: usize },
+    Copy { dst: u64, src: u64, bytes: usize },
+}
+
+#[derive(Default)]
+struct Recording {
+    ops: Vec<Op>,
+    /// Something in the step makes its record unfit for a graph.
+    spoiled: bool,
+}
+
+/// A captured step.
+struct Replay {
+    key: Vec<u64>,
+    graph: CudaGraph,
+    used: u64,
+}
+
+// SAFETY: a graph is only touched under the `Steps::cache` mutex, one thread at a time,
+// which is what the driver requires of graph objects.
+unsafe impl Send for Replay {}
+
+#[derive(Default)]
+struct Cache {
+    graphs: HashMap<u64, Replay>,
+    /// Keys seen once and not captured yet.
+    seen: HashMap<u64, ()>,
+    clock: u64,
+}
+
+/// Counts since the last [`Steps::take_stats`]: steps recorded; their segments, and of
+/// those how many were replayed from a graph, captured (and replayed), issued as recorded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub recorded: u64,
+    pub segments: u64,
+    pub replayed: u64,
+    pub captured: u64,
+    pub eager: u64,
+}
+
+/// The recording state of one GPU.
+pub(crate) struct Steps {
+    on: AtomicU64,
+    arena: Arc<ArenaState>,
+    region: Mutex<Option<CudaSlice<u8>>>,
+    next_size: AtomicU64,
+    rec: Mutex<Option<Recording>>,
+    cache: Mutex<Cache>,
+    /// Scratch buffers replaced while a step was recorded, kept until its ops are issued.
+    graveyard: Mutex<Vec<CudaSlice<u32>>>,
+    stats: [AtomicU64; 5],
+}
+
+impl Steps {
+    pub(crate) fn new() -> Self {
+        Steps {
+            on: AtomicU64::new(u64::from(graphs_enabled())),
+            arena: ArenaState::new(),
+            region: Mutex::new(None),
+            next_size: AtomicU64::new(FIRST_ARENA as u64),
+            rec: Mutex::new(None),
+            cache: Mutex::new(Cache::default()),
+            graveyard: Mutex::new(Vec::new()),
+            stats: Default::default(),
+        }
+    }
+
+    pub(crate) fn take_stats(&self) -> GraphStats {
+        let t = |i: usize| self.stats[i].swap(0, Ordering::Relaxed);
+        GraphStats { recorded: t(0), segments: t(1), replayed: t(2), captured: t(3), eager: t(4) }
+    }
+
+    fn count(&self, i: usize) {
+        self.stats[i].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Gpu {
+    /// Start recording a decode step (false when graphs are off or the arena could not
+    /// be allocated; the step then runs eagerly).
+    pub(crate) fn begin_recording(&self) -> bool {
+        let s = &self.steps;
+        if s.on.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        self.flush_recording();
+        let want = s.next_size.load(Ordering::Relaxed) as usize;
+        let mut region = s.region.lock().expect("arena region poisoned");
+        if region.as_ref().is_none_or(|r| r.len() < want) {
+            // Graphs point into the old region: drop them before it goes.
+            s.cache.lock().expect("graph cache poisoned").graphs.clear();
+            *region = None;
+            // SAFETY: arena memory is written by the kernels of the steps that use it
+            // before they read it (as any temporary).
+            match unsafe { self.stream.alloc::<u8>(want) } {
+                Ok(r) => {
+                    tracing::info!(mib = want >> 20, "step arena for CUDA graphs allocated");
+                    *region = Some(r);
+                }
+                Err(e) => {
+                    tracing::warn!(bytes = want, error = ?e, "no device memory for the step arena; CUDA graphs off");
+                    s.on.store(0, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+        let size = region.as_ref().map_or(0, |r| r.len());
+        s.arena.begin(size);
+        *s.rec.lock().expect("recording poisoned") = Some(Recording::default());
+        s.count(0);
+        true
+    }
+
+    /// Issue what is recorded and stop handing out arena memory; a step that
+    /// overflowed the arena makes the next one larger.
+    pub(crate) fn end_recording(&self) {
+        self.flush_recording();
+        let (peak, overflow) = self.steps.arena.end();
+        if overflow > 0 {
+            let want = ((peak + overflow) * 5 / 4).next_multiple_of(1 << 20);
+            self.steps.next_size.fetch_max(want as u64, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn recording(&self) -> bool {
+        self.steps.rec.lock().expect("recording poisoned").is_some()
+    }
+
+    pub(crate) fn set_graphs(&self, on: bool) {
+        self.steps.on.store(u64::from(on), Ordering::Relaxed);
+    }
+
+    /// Whether a step is under way (recording, or flushed and running eagerly).
+    pub(crate) fn arena_active(&self) -> bool {
+        self.steps.arena.active()
+    }
+
+    /// A piece of the step arena for `len` values of `T`, if a step is recording.
+    pub(crate) fn arena_slice<T>(&self, len: usize, upload: bool) -> Option<DevBuf<T>> {
+        let lease: Lease = self.steps.arena.take(len * std::mem::size_of::<T>(), upload)?;
+        let region = self.steps.region.lock().expect("arena region poisoned");
+        let base = self.ptr(region.as_ref()?);
+        // SAFETY: the range lies inside the arena region (the arena hands out pieces of
+        // its size only), which lives until no graph or step can use it; the slice is
+        // leaked, not freed, when its DevBuf drops.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<T>(base + lease.offset() as u64, len) };
+        Some(DevBuf::leased(slice, lease))
+    }
+
+    /// Whether the op was recorded (else the caller issues it now).
+    pub(crate) fn record_launch(
+        &self,
+        func: sys::CUfunction,
+        cfg: LaunchConfig,
+        args: &[*mut std::ffi::c_void],
+        sizes: &[usize],
+    ) -> bool {
+        if self.steps.rec.lock().expect("recording poisoned").is_none() {
+            return false;
+        }
+        let mut params = Vec::with_capacity(args.len() * 2);
+        let mut offsets = Vec::with_capacity(args.len());
+        for (&arg, &size) in args.iter().zip(sizes) {
+            offsets.push(params.len());
+            let words = size.div_ceil(8);
+            let at = params.len();
+            params.resize(at + words, 0);
+            // SAFETY: `arg` points at a live kernel argument of `size` bytes (the launch!
+            // macro passes each value's address and size); the destination holds
+            // `words * 8 >= size` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(arg as *const u8, params[at..].as_mut_ptr() as *mut u8, size) };
+        }
+        self.record(Op::Launch { func: func as usize, cfg, params, offsets })
+    }
+
+    pub(crate) fn record_memset(&self, dst: u64, bytes: usize) -> bool {
+        self.record(Op::Memset { dst, bytes })
+    }
+
+    pub(crate) fn record_copy(&self, dst: u64, src: u64, bytes: usize) -> bool {
+        self.record(Op::Copy { dst, src, bytes })
+    }
+
+    /// Keep `op`; a full segment is issued (the device starts on it while the host
+    /// records the next).
+    fn record(&self, op: Op) -> bool {
+        let mut rec = self.steps.rec.lock().expect("recording poisoned");
+        let Some(r) = rec.as_mut() else { return false };
+        r.ops.push(op);
+        if r.ops.len() >= segment_ops() {
+            let full = std::mem::take(r);
+            drop(rec);
+            self.issue_segment(full);
+        }
+        true
+    }
+
+    /// A persistent buffer the recorded ops use is being replaced: keep the old one until
+    /// they are issued, and drop every graph (they point at it).
+    pub(crate) fn retire_during_recording(&self, old: CudaSlice<u32>) {
+        let mut rec = self.steps.rec.lock().expect("recording poisoned");
+        if let Some(r) = rec.as_mut() {
+            r.spoiled = true;
+            self.steps.graveyard.lock().expect("graveyard poisoned").push(old);
+        }
+        self.steps.cache.lock().expect("graph cache poisoned").graphs.clear();
+    }
+
+    /// Issue the recorded ops (replaying or capturing a graph where the record allows)
+    /// and stop recording: what the step does from here on is issued as it comes.
+    pub(crate) fn flush_recording(&self) {
+        let Some(rec) = self.steps.rec.lock().expect("recording poisoned").take() else { return };
+        self.issue_segment(rec);
+    }
+
+    /// Replay, capture or issue one segment of a step's record.
+    fn issue_segment(&self, rec: Recording) {
+        let s = &self.steps;
+        if rec.ops.is_empty() {
+            return;
+        }
+        s.count(1);
+        let graphable = !rec.spoiled && !s.arena.overflowed();
+        if !graphable {
+            self.issue_all(&rec.ops);
+            s.count(4);
+        } else {
+            let key = record_key(&rec.ops);
+            let hash = {
+                use std::hash::{Hash, Hasher};
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                key.hash(&mut h);
+                h.finish()
+            };
+            let mut cache = s.cache.lock().expect("graph cache poisoned");
+            cache.clock += 1;
+            let now = cache.clock;
+            if let Some(r) = cache.graphs.get_mut(&hash).filter(|r| r.key == key) {
+                r.used = now;
+                r.graph.launch().unwrap_or_else(|e| fail("graph launch", e));
+                s.count(2);
+            } else if cache.seen.remove(&hash).is_some() {
+                match self.capture(&rec.ops) {
+                    Some(graph) => {
+                        graph.launch().unwrap_or_else(|e| fail("graph launch", e));
+                        if cache.graphs.len() >= GRAPH_CACHE
+                            && let Some(&old) = cache.graphs.iter().min_by_key(|(_, r)| r.used).map(|(h, _)| h)
+                        {
+                            cache.graphs.remove(&old);
+                        }
+                        cache.graphs.insert(hash, Replay { key, graph, used: now });
+                        s.count(3);
+                    }
+                    None => {
+                        self.issue_all(&rec.ops);
+                        s.count(4);
+                    }
+                }
+            } else {
+                if cache.seen.len() > 4 * GRAPH_CACHE {
+                    cache.seen.clear();
+                }
+                cache.seen.insert(hash, ());
+                self.issue_all(&rec.ops);
+                s.count(4);
+            }
+        }
+        s.graveyard.lock().expect("graveyard poisoned").clear();
+    }
+
+    /// Capture `ops` into a graph (None, with a warning and graphs switched off, if the
+    /// driver refuses: the caller then issues them).
+    fn capture(&self, ops: &[Op]) -> Option<CudaGraph> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        let result = self.stream.begin_capture(mode).and_then(|()| {
+            let issued = ops.iter().try_for_each(|op| self.issue(op));
+            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            issued.and(graph)
+        });
+        match result {
+            Ok(Some(graph)) => Some(graph),
+            other => {
+                tracing::warn!(result = ?other.err(), "capturing a decode step failed; CUDA graphs off");
+                self.steps.on.store(0, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    fn issue_all(&self, ops: &[Op]) {
+        for op in ops {
+            self.issue(op).unwrap_or_else(|e| fail("issuing a recorded op", e));
+        }
+    }
+
+    fn issue(&self, op: &Op) -> Result<(), cudarc::driver::DriverError> {
+        let stream = self.stream.cu_stream();
+        match op {
+            Op::Launch { func, cfg, params, offsets } => {
+                let mut args: Vec<*mut std::ffi::c_void> =
+                    offsets.iter().map(|&o| params[o..].as_ptr() as *mut std::ffi::c_void).collect();
+                // SAFETY: the function and arguments are those a launch of this step
+                // recorded (the values copied at record time, one pointer per parameter).
+                unsafe { self.launch_now(*func as sys::CUfunction, *cfg, &mut args) }
+            }
+            // SAFETY: the ranges are those the recording calls were given: live device
+            // memory of this context (arena pieces live as long as the arena).
+            Op::Memset { dst, bytes } => unsafe { cudarc::driver::result::memset_d8_async(*dst, 0, *bytes, stream) },
+            Op::Copy { dst, src, bytes } => unsafe {
+                cudarc::driver::result::memcpy_dtod_async(*dst, *src, *bytes, stream)
+            },
+        }
+    }
+}
+
+/// Every op's kind, function, shape and argument words, in order: two steps with equal
+/// keys issue the same device work.
+fn record_key(ops: &[Op]) -> Vec<u64> {
+    let mut key = Vec::with_capacity(ops.len() * 16);
+    for op in ops {
+        match op {
+            Op::Launch { func, cfg, params, offsets } => {
+                let (g, b) = (cfg.grid_dim, cfg.block_dim);
+                key.extend_from_slice(&[1, *func as u64, g.0 as u64, g.1 as u64, g.2 as u64]);
+                key.extend_from_slice(&[b.0 as u64, b.1 as u64, b.2 as u64, cfg.shared_mem_bytes as u64]);
+                key.push(offsets.len() as u64);
+                key.extend_from_slice(params);
+            }
+            Op::Memset { dst, bytes } => key.extend_from_slice(&[2, *dst, *bytes as u64]),
+            Op::Copy { dst, src, bytes } => key.extend_from_slice(&[3, *dst, *src, *bytes as u64]),
+        }
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn launch(func: usize, grid: u32, params: &[u64]) -> Op {
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        Op::Launch { func, cfg, params: params.to_vec(), offsets: (0..params.len()).collect() }
+    }
+
+    /// Keys differ when any launch's function, grid or argument differs, or an op is
+    /// added, and agree for equal records.
+    #[test]
+    fn record_keys_tell_steps_apart() {
+        let base = || vec![launch(1, 4, &[10, 20]), Op::Memset { dst: 99, bytes: 8 }, launch(2, 8, &[30])];
+        assert_eq!(record_key(&base()), record_key(&base()));
+        let mut other_arg = base();
+        other_arg[2] = launch(2, 8, &[31]);
+        let mut other_grid = base();
+        other_grid[0] = launch(1, 5, &[10, 20]);
+        let mut other_func = base();
+        other_func[0] = launch(3, 4, &[10, 20]);
+        let mut longer = base();
+        longer.push(Op::Copy { dst: 1, src: 2, bytes: 3 });
+        for (what, ops) in [("argument", other_arg), ("grid", other_grid), ("function", other_func), ("ops", longer)] {
+            assert_ne!(record_key(&base()), record_key(&ops), "a different {what}");
+        }
+    }
+}
