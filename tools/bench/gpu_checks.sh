@@ -7,7 +7,7 @@
 # Build and pack (CPU machine):
 #   cargo build --release --workspace --bins
 #   cargo test --release -p kernels --features cuda --no-run
-#   cargo test --release -p engine --features cuda --test cuda_conformance --test cuda_multi_gpu --no-run
+#   cargo test --release -p engine --features cuda --test cuda_conformance --test cuda_graphs --test cuda_multi_gpu --no-run
 #   cargo test --release -p sluice-e2e --test device_serving --no-run
 #   cargo test --release -p ucx-sys --test gpu_direct --test memory_types --no-run
 #   cargo test --release -p sluice-e2e --test gpu_direct_serving --no-run
@@ -58,7 +58,10 @@ for s in $steps; do
     run parity "$B/parity" cuda --test-threads 1
     run cuda_parity "$B/cuda_parity" --nocapture --test-threads 1
     ;;
-  conformance) run cuda_conformance "$B/cuda_conformance" --nocapture --test-threads 1 ;;
+  conformance)
+    run cuda_conformance "$B/cuda_conformance" --nocapture --test-threads 1
+    run cuda_graphs "$B/cuda_graphs" --nocapture --test-threads 1
+    ;;
   serving) run device_serving timeout 300 "$B/device_serving" --nocapture --test-threads 1 --skip flash_filling ;;
   ucx)
     # A CUDA-enabled UCX (the libucx-cu13 wheel, packed into .ucx by fetch_cuda_ucx.sh):
