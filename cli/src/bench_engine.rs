@@ -66,6 +66,32 @@ pub struct GpuBenchArgs {
     /// GPU benchmark: skip the stored-format product table (FP4/FP8/BF16 gemv and GEMM).
     #[arg(long)]
     pub skip_products: bool,
+    /// GPU benchmark: read every decode step's logits back and pick the greedy tokens on
+    /// the host (as a sampling request does), instead of the greedy read-out picked on
+    /// the device (what a decode worker does for greedy requests).
+    #[arg(long)]
+    pub full_logits: bool,
+}
+
+/// One greedy decode step and the seconds it took from `start`: the device's greedy
+/// read-out, or (`full_logits`) every sequence's logits read back, timed up to the read
+/// (the host's pick after it, as in the tables before the read-out existed).
+#[cfg(feature = "cuda")]
+fn decode_greedy<B: Backend>(
+    engine: &mut engine::Engine<B>,
+    seqs: &mut [&mut engine::kv::Sequence],
+    tokens: &[u32],
+    full_logits: bool,
+    start: Instant,
+) -> Result<(Vec<u32>, f64), engine::EngineError> {
+    if full_logits {
+        let out = engine.decode(seqs, tokens)?;
+        let dt = start.elapsed().as_secs_f64();
+        return Ok((out.iter().map(|l| engine::sampling::argmax(l)).collect(), dt));
+    }
+    let with_logits = vec![false; seqs.len()];
+    let out = engine.decode_readout(seqs, tokens, &with_logits)?;
+    Ok((out.into_iter().map(|r| r.token).collect(), start.elapsed().as_secs_f64()))
 }
 
 #[cfg(feature = "cuda")]
@@ -190,9 +216,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 engine.model.backend.traffic();
                 engine.model.backend.launches();
-                let t = Instant::now();
-                let out = engine.decode(&mut refs, &next)?;
-                let dt = t.elapsed().as_secs_f64();
+                let (out, dt) = decode_greedy(&mut engine, &mut refs, &next, a.full_logits, Instant::now())?;
                 let (w, kv) = engine.model.backend.traffic();
                 let n_launches = engine.model.backend.launches();
                 if i > 0 {
@@ -203,7 +227,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
                     // The first step of a shape loads kernels lazily: not in the profile.
                     engine.model.backend.profile();
                 }
-                next = out.iter().map(|l| engine::sampling::argmax(l)).collect();
+                next = out;
             }
             let step = median(steps);
             let bytes_per_step = traffic.iter().sum::<f64>() / traffic.len() as f64;
@@ -237,9 +261,9 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 let t = Instant::now();
                 engine.model.backend.hold((hold * 1e9) as u64);
-                let out = engine.decode(&mut refs, &next)?;
-                device_steps.push(t.elapsed().as_secs_f64() - hold);
-                next = out.iter().map(|l| engine::sampling::argmax(l)).collect();
+                let (out, dt) = decode_greedy(&mut engine, &mut refs, &next, a.full_logits, t)?;
+                next = out;
+                device_steps.push(dt - hold);
             }
             engine.model.backend.traffic();
             engine.model.backend.profile();
@@ -253,7 +277,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
                 "tokens_per_s": batch as f64 / step, "bytes_per_step": bytes_per_step,
                 "achieved_gb_s": gbs, "fraction_of_copy": gbs / copy_gbs, "launches_per_step": launches_per_step,
                 "graph_segments": graphs.segments, "graph_replays": graphs.replayed + graphs.captured,
-                "graph_captures": graphs.captured,
+                "graph_captures": graphs.captured, "full_logits": a.full_logits,
             }));
         }
     }

@@ -381,6 +381,10 @@ impl<B: Backend> State<B> {
             std::thread::sleep(self.cfg.step_delay);
         }
         let tokens: Vec<u32> = self.running.iter().map(|r| r.next).collect();
+        // Greedy requests without a grammar or top logprobs take the step's greedy
+        // read-out (picked on the device by a GPU engine); the rest read their logits.
+        let with_logits: Vec<bool> =
+            self.running.iter().map(|r| r.sampler.needs_logits() || r.constraint.is_some()).collect();
         let started = Instant::now();
         // The grammar masks for the tokens sampled after this step are computed on a
         // helper thread while the engine runs the step.
@@ -393,15 +397,15 @@ impl<B: Backend> State<B> {
                     scope
                         .spawn(move || constraints.iter_mut().map(|c| c.as_mut().map(|c| c.mask())).collect::<Vec<_>>())
                 });
-                let result = engine.decode(&mut seqs, &tokens);
+                let result = engine.decode_readout(&mut seqs, &tokens, &with_logits);
                 let masks = masker.map(|h| h.join().expect("the mask thread does not panic"));
                 (result, masks.unwrap_or_default())
             })
         };
         masks.resize_with(self.running.len(), || None);
         self.cfg.metrics.step_seconds.observe(started.elapsed().as_secs_f64());
-        let logits = match result {
-            Ok(l) => l,
+        let readouts = match result {
+            Ok(r) => r,
             Err(e) => {
                 tracing::error!(error = %e, "decode step failed; failing the batch");
                 for r in self.running.drain(..) {
@@ -413,8 +417,12 @@ impl<B: Backend> State<B> {
         };
         let mut keep = Vec::with_capacity(self.running.len());
         self.cfg.metrics.tokens.inc_by(self.running.len() as u64);
-        for ((mut r, l), mask) in self.running.drain(..).zip(logits).zip(masks) {
-            let Some(s) = sample(&mut r, &l, mask) else {
+        for ((mut r, out), mask) in self.running.drain(..).zip(readouts).zip(masks) {
+            let sampled = match &out.logits {
+                Some(l) => sample(&mut r, l, mask),
+                None => Some(r.sampler.greedy(out.token, out.logprob)),
+            };
+            let Some(s) = sampled else {
                 self.engine.release(r.seq);
                 continue;
             };

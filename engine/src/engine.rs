@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::fingerprint::Fingerprint;
 use crate::kv::{KvCache, PoolStats, Sequence};
-use crate::model::{Model, ModelWeights};
+use crate::model::{Model, ModelWeights, Readout};
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -149,6 +149,19 @@ impl<B: Backend> Engine<B> {
     /// Run one batched step. Returns, per input, its requested logits flattened
     /// (`[n, vocab]`). On error nothing has changed: no state, no pages.
     pub fn step(&mut self, inputs: &mut [StepInput<'_>]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (plan, logit_rows, counts) = self.plan_step(inputs)?;
+        let (model, state) = (&self.model, &mut self.cache.state);
+        let out = model.backend.enter(|| model.forward(state, &plan, &logit_rows, &counts));
+        for inp in inputs.iter_mut() {
+            inp.seq.len += inp.tokens.len();
+        }
+        Ok(out)
+    }
+
+    /// Validate a step's inputs, reserve their pages and lay out the batch: the plan,
+    /// the rows whose logits are wanted and how many belong to each input. On error
+    /// nothing has changed.
+    fn plan_step(&mut self, inputs: &mut [StepInput<'_>]) -> Result<(BatchPlan, Vec<usize>, Vec<usize>), EngineError> {
         for inp in inputs.iter() {
             self.validate(inp.seq.len(), inp.tokens)?;
         }
@@ -176,12 +189,7 @@ impl<B: Backend> Engine<B> {
             counts.push(rows.len());
             logit_rows.extend(rows);
         }
-        let (model, state) = (&self.model, &mut self.cache.state);
-        let out = model.backend.enter(|| model.forward(state, &plan, &logit_rows, &counts));
-        for inp in inputs.iter_mut() {
-            inp.seq.len += inp.tokens.len();
-        }
-        Ok(out)
+        Ok((plan, logit_rows, counts))
     }
 
     /// Prefill `tokens` into one sequence in chunks of at most `max_chunk_tokens`.
@@ -209,6 +217,32 @@ impl<B: Backend> Engine<B> {
             .map(|(s, t)| StepInput { seq: s, tokens: t, logits: Logits::Last })
             .collect();
         self.step(&mut inputs)
+    }
+
+    /// [`Engine::decode`] read out as each sequence's greedy token and its log-probability,
+    /// with the logits only where `with_logits[i]` (a sequence that samples, constrains or
+    /// reports top logprobs): a GPU engine picks the greedy tokens on the device, so a
+    /// greedy batch reads back 8 bytes a sequence instead of its logits.
+    pub fn decode_readout(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        tokens: &[u32],
+        with_logits: &[bool],
+    ) -> Result<Vec<Readout>, EngineError> {
+        assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
+        assert_eq!(seqs.len(), with_logits.len(), "one logits flag per sequence");
+        let mut inputs: Vec<StepInput<'_>> = seqs
+            .iter_mut()
+            .zip(tokens.chunks(1))
+            .map(|(s, t)| StepInput { seq: s, tokens: t, logits: Logits::Last })
+            .collect();
+        let (plan, logit_rows, _) = self.plan_step(&mut inputs)?;
+        let (model, state) = (&self.model, &mut self.cache.state);
+        let out = model.backend.enter(|| model.forward_readout(state, &plan, &logit_rows, with_logits));
+        for inp in inputs.iter_mut() {
+            inp.seq.len += inp.tokens.len();
+        }
+        Ok(out)
     }
 
     /// A sequence's KV state as bytes (see [`crate::kv::ExportHeader`]).

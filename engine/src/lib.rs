@@ -44,6 +44,7 @@ pub use error::EngineError;
 #[cfg(feature = "cuda")]
 pub use kernels::cuda::CudaBackend;
 pub use kernels::{CpuBackend, EntryDtype};
+pub use model::Readout;
 pub use model_spec::{Fingerprint, block_hash, config};
 
 /// Set how many threads CPU compute uses (once per process, before any model runs).

@@ -117,6 +117,20 @@ impl Sampler {
         self.rng.random::<f64>()
     }
 
+    /// Whether this sampler needs a step's logits: it draws (a temperature) or reports
+    /// top logprobs. A greedy sampler without them takes the step's greedy read-out
+    /// ([`Sampler::greedy`]), which a GPU engine picks on the device.
+    pub fn needs_logits(&self) -> bool {
+        !self.params.is_greedy() || self.params.top_logprobs > 0
+    }
+
+    /// The token of a step's greedy read-out (`engine::Readout`): for a sampler that does
+    /// not need logits, what [`Sampler::sample`] returns on the logits themselves.
+    pub fn greedy(&self, token: u32, logprob: f32) -> Sampled {
+        debug_assert!(!self.needs_logits(), "a sampler that draws or reports top logprobs needs the logits");
+        Sampled { token, logprob, top: Vec::new() }
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
         let token = if self.params.is_greedy() { argmax(logits) } else { self.draw(logits) };
         self.report(logits, token)

@@ -9,6 +9,9 @@
 //! the same, and three in four step segments must really have been replayed (a graph
 //! path that never replays would otherwise pass). FP8 KV and FP8/FP4 weights too.
 //!
+//! Also the greedy read-out picked on the device (`Engine::decode_readout`): the token and
+//! log-probability the host's greedy sampler gives on the same step's logits.
+//!
 //! Without a GPU every test prints that it is skipped and passes.
 #![cfg(feature = "cuda")]
 
@@ -121,4 +124,45 @@ fn cuda_graph_steps_match_eager_steps() {
 fn cuda_graph_steps_match_eager_steps_fp8() {
     let test = "cuda_graph_steps_match_eager_steps_fp8";
     graphs_match_eager(test, WeightDtype::Fp8, EntryDtype::Fp8);
+}
+
+/// Greedy tokens picked on the device are the host sampler's on the same logits, their
+/// log-probabilities agree to f32 rounding, and logits come back only where asked for.
+#[test]
+fn cuda_greedy_readout_matches_the_host_pick() {
+    let test = "cuda_greedy_readout_matches_the_host_pick";
+    let Some(b) = gpu(test) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, WeightDtype::Fp8)).unwrap();
+    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let mut e = Engine::load(&model, b, opts).unwrap();
+    let vocab = e.config().vocab_size;
+    let mut seqs: Vec<_> = (0..3).map(|_| e.open_sequence().unwrap()).collect();
+    let mut next = Vec::new();
+    for (i, s) in seqs.iter_mut().enumerate() {
+        let last = e.prefill(s, &prompt(40 + 90 * i, vocab, 7 + i as u64), Logits::Last).unwrap();
+        next.push(argmax(&last));
+    }
+    let mut worst = 0f32;
+    for step in 0..12 {
+        let flags = if step % 3 == 2 { vec![false, true, false] } else { vec![true; 3] };
+        let mut refs: Vec<_> = seqs.iter_mut().collect();
+        let out = e.decode_readout(&mut refs, &next, &flags).unwrap();
+        for (i, r) in out.iter().enumerate() {
+            assert_eq!(r.logits.is_some(), flags[i], "step {step} row {i}: logits only where asked");
+            if let Some(l) = &r.logits {
+                let (token, logprob) = kernels::backend::greedy_pick(l);
+                assert_eq!(r.token, token, "step {step} row {i}: device and host greedy tokens");
+                let err = (r.logprob - logprob).abs() / logprob.abs().max(1.0);
+                worst = worst.max(err);
+                assert!(err <= 1e-6, "step {step} row {i}: logprob {} against the host's {logprob}", r.logprob);
+            }
+        }
+        next = out.iter().map(|r| r.token).collect();
+    }
+    eprintln!("READOUT {test}: 12 steps of 3 rows, logprob within {worst:.2e} of the host's");
+    for s in seqs {
+        e.release(s);
+    }
 }

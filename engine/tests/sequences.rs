@@ -60,6 +60,40 @@ fn batched_decode_of_different_lengths_matches_one_at_a_time() {
     assert_eq!(bseqs.iter().map(Sequence::len).collect::<Vec<_>>(), vec![17, 142, 312]);
 }
 
+/// A decode step read out as greedy tokens gives what the greedy sampler picks from the
+/// same step's logits (token and logprob, bit for bit on the CPU), and logits exactly
+/// where asked for: the same rows `decode` returns.
+#[test]
+fn decode_readout_gives_the_greedy_samplers_tokens_and_the_logits_asked_for() {
+    use engine::sampling::{Sampler, SamplingParams};
+    let lengths = [5usize, 130, 300];
+    let mut a = engine_with(EntryDtype::F32, 32, 4);
+    let mut b = engine_with(EntryDtype::F32, 32, 4);
+    let (mut sa, mut sb) = (Vec::new(), Vec::new());
+    let mut next = Vec::new();
+    for (i, &n) in lengths.iter().enumerate() {
+        let (mut x, mut y) = (a.open_sequence().unwrap(), b.open_sequence().unwrap());
+        let l = a.prefill(&mut x, &prompt(n, i as u32), Logits::Last).unwrap();
+        b.prefill(&mut y, &prompt(n, i as u32), Logits::Last).unwrap();
+        next.push(argmax(&l));
+        sa.push(x);
+        sb.push(y);
+    }
+    let greedy = Sampler::new(SamplingParams::default());
+    assert!(!greedy.needs_logits());
+    for (step, flags) in [[false, false, false], [true, false, true], [true, true, true]].iter().enumerate() {
+        let logits = b.decode(&mut sb.iter_mut().collect::<Vec<_>>(), &next).unwrap();
+        let out = a.decode_readout(&mut sa.iter_mut().collect::<Vec<_>>(), &next, flags).unwrap();
+        assert_eq!(out.len(), lengths.len());
+        for (i, (r, l)) in out.iter().zip(&logits).enumerate() {
+            let want = Sampler::new(SamplingParams::default()).sample(l);
+            assert_eq!((r.token, r.logprob), (want.token, want.logprob), "step {step} row {i}");
+            assert_eq!(r.logits.as_ref(), flags[i].then_some(l), "step {step} row {i}: logits only where asked");
+        }
+        next = out.iter().map(|r| r.token).collect();
+    }
+}
+
 #[test]
 fn one_step_can_mix_a_prefill_chunk_and_a_decode_token() {
     let mut e = engine_with(EntryDtype::F32, 32, 4);

@@ -246,6 +246,15 @@ pub trait Backend: Send + Sync + 'static {
     fn download_parts(&self, buf: &Self::Buf, lens: &[usize]) -> Vec<Vec<f32>> {
         split_parts(&self.download(buf), lens)
     }
+    /// Per row of `logits` (`[rows, vocab]`), the greedy token and its log-probability
+    /// ([`greedy_pick`]): what a greedy sequence needs of a step, without reading its
+    /// logits back. By default the rows are downloaded and picked on the host; the CUDA
+    /// backend picks on the device and reads 8 bytes a row.
+    fn greedy_rows(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
+        let all = self.download(logits);
+        assert_eq!(all.len(), rows * vocab, "greedy rows of a buffer that is not [rows, vocab]");
+        all.chunks(vocab.max(1)).map(greedy_pick).collect()
+    }
     /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.
     fn gather_rows(&self, src: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
     /// A weight as the checkpoint stores it (validated by the caller): device backends
@@ -515,6 +524,22 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// `all` cut into consecutive parts of `lens` values (which must cover it exactly).
+/// The greedy token of a row of logits and its log-probability, exactly as the engine's
+/// sampler computes them (`engine::sampling`): the first index of the largest value (NaN
+/// values never win; a row starting with NaN keeps index 0), and `l - m - ln Σ exp(lⱼ -
+/// m)` with `m` the largest non-NaN value, in f64.
+pub fn greedy_pick(row: &[f32]) -> (u32, f32) {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let z = row.iter().map(|&l| (l as f64 - m).exp()).sum::<f64>().ln();
+    (best as u32, (row.get(best).map_or(f64::NAN, |&l| l as f64) - m - z) as f32)
+}
+
 pub fn split_parts(all: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
     assert_eq!(lens.iter().sum::<usize>(), all.len(), "download parts do not cover the buffer");
     let mut at = 0;

@@ -10,8 +10,8 @@
 use kernels::backend::{CompressorParams, Selection};
 use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
 
-use super::Model;
 use super::weights::{CompressorWeights, LayerWeights};
+use super::{Model, Readout};
 
 impl<B: Backend> Model<B> {
     /// Run `plan` through the model, updating the KV state, and return the logits of
@@ -25,12 +25,62 @@ impl<B: Backend> Model<B> {
         parts: &[usize],
     ) -> Vec<Vec<f32>> {
         self.backend.begin_step(plan);
-        let logits = self.step(kv, plan, logit_rows, parts);
+        let out = match self.step(kv, plan, logit_rows) {
+            Some(logits) => {
+                let lens: Vec<usize> = parts.iter().map(|&n| n * self.config.vocab_size).collect();
+                self.backend.download_parts(&logits, &lens)
+            }
+            None => parts.iter().map(|_| Vec::new()).collect(),
+        };
         self.backend.end_step();
-        logits
+        out
     }
 
-    fn step(&self, kv: &mut KvState<B>, plan: &BatchPlan, logit_rows: &[usize], parts: &[usize]) -> Vec<Vec<f32>> {
+    /// [`Model::forward`] with one logit row per entry of `logit_rows`, read out as its
+    /// greedy token and log-probability (picked where the logits are: on the device for
+    /// a GPU backend) and, where `with_logits[i]`, the row's logits too.
+    pub fn forward_readout(
+        &self,
+        kv: &mut KvState<B>,
+        plan: &BatchPlan,
+        logit_rows: &[usize],
+        with_logits: &[bool],
+    ) -> Vec<Readout> {
+        assert_eq!(logit_rows.len(), with_logits.len(), "one logits flag per read-out row");
+        let b = &self.backend;
+        let vocab = self.config.vocab_size;
+        b.begin_step(plan);
+        let out = match self.step(kv, plan, logit_rows) {
+            Some(logits) => {
+                let picks = b.greedy_rows(&logits, logit_rows.len(), vocab);
+                let wanted: Vec<usize> = (0..logit_rows.len()).filter(|&i| with_logits[i]).collect();
+                let mut rows = if wanted.is_empty() {
+                    Vec::new()
+                } else if wanted.len() == logit_rows.len() {
+                    b.download_parts(&logits, &vec![vocab; wanted.len()])
+                } else {
+                    b.download_parts(&b.gather_rows(&logits, vocab, &wanted), &vec![vocab; wanted.len()])
+                }
+                .into_iter();
+                picks
+                    .into_iter()
+                    .zip(with_logits)
+                    .map(|((token, logprob), &w)| Readout {
+                        token,
+                        logprob,
+                        logits: if w { rows.next() } else { None },
+                    })
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        b.end_step();
+        out
+    }
+
+    /// The layers over `plan`, then the logits of `logit_rows` (`[n, vocab]`, None when
+    /// no row wants them).
+    fn step(&self, kv: &mut KvState<B>, plan: &BatchPlan, logit_rows: &[usize]) -> Option<B::Buf> {
         let b = &self.backend;
         let c = &self.config;
         let rows = plan.rows();
@@ -46,7 +96,7 @@ impl<B: Backend> Model<B> {
         }
 
         if logit_rows.is_empty() {
-            return parts.iter().map(|_| Vec::new()).collect();
+            return None;
         }
         let picked = b.gather_rows(&streams, hc * d, logit_rows);
         let mut h = b.output(logit_rows.len() * d);
@@ -54,8 +104,7 @@ impl<B: Backend> Model<B> {
         b.rms_norm(&mut h, d, Some(&self.weights.norm), c.rms_norm_eps as f32);
         let mut logits = b.output(logit_rows.len() * c.vocab_size);
         b.matmul(&h, logit_rows.len(), &self.weights.head, &mut logits);
-        let lens: Vec<usize> = parts.iter().map(|&n| n * c.vocab_size).collect();
-        b.download_parts(&logits, &lens)
+        Some(logits)
     }
 
     pub(super) fn layer(

@@ -10,6 +10,16 @@ use kernels::{Backend, EntryDtype, KvLayout, RopeTable};
 use crate::config::ModelConfig;
 pub use weights::ModelWeights;
 
+/// What a step reads out of one logit row: its greedy token and that token's
+/// log-probability (what [`crate::sampling::Sampler`] gives a greedy sequence without
+/// top logprobs), and the logits themselves when the caller asked for them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Readout {
+    pub token: u32,
+    pub logprob: f32,
+    pub logits: Option<Vec<f32>>,
+}
+
 pub struct Model<B: Backend> {
     pub config: ModelConfig,
     pub weights: ModelWeights<B>,

@@ -396,6 +396,10 @@ impl Backend for CudaBackend {
         self.prof("gather_rows", || rows::gather_rows(self, src, width, rows))
     }
 
+    fn greedy_rows(&self, logits: &CudaBuf, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
+        self.prof("greedy_rows", || rows::greedy_rows(self, logits, rows, vocab))
+    }
+
     fn weight(&self, w: WeightView<'_>) -> CudaWeight {
         memory::upload_weight(&self.gpu, &self.staging, &w)
     }

@@ -33,6 +33,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("decode2.cu", include_str!("cu/decode2.cu")),
     ("decode2_segments.cu", include_str!("cu/decode2_segments.cu")),
     ("indexer_mma.cu", include_str!("cu/indexer_mma.cu")),
+    ("readout.cu", include_str!("cu/readout.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

@@ -61,6 +61,21 @@ pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &m
     }
 }
 
+/// Each row's greedy token and log-probability, picked on the device (cu/readout.cu):
+/// 8 bytes a row come back instead of the row.
+pub(crate) fn greedy_rows(b: &CudaBackend, logits: &CudaBuf, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
+    assert_eq!(logits.len, rows * vocab, "greedy rows of a buffer that is not [rows, vocab]");
+    if rows == 0 {
+        return Vec::new();
+    }
+    let g = &b.gpu;
+    let out = g.alloc::<u32>(2 * rows);
+    launch!(g, "greedy_rows", cfg((rows as u32, 1, 1), 1024, 0), g.ptr(&logits.mem), vocab as i32, g.ptr(&out));
+    let mut host = vec![0u32; 2 * rows];
+    g.read(&out, 0, &mut host);
+    host.chunks(2).map(|p| (p[0], f32::from_bits(p[1]))).collect()
+}
+
 pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {
     let g = &b.gpu;
     let out = b.alloc_buf(rows.len() * width);

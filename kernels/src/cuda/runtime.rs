@@ -46,6 +46,7 @@ const KERNELS: &[&str] = &[
     "rope",
     "head_norm_rope",
     "scale_f32",
+    "greedy_rows",
     "round_to_bf16",
     "round_to_fp8",
     "split_bf16",
