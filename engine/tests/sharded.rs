@@ -87,6 +87,40 @@ fn sharded_engines_compute_what_one_device_computes() {
     }
 }
 
+/// A sharded engine's greedy read-out (each device picks its own rows) gives the tokens
+/// and logprobs one device's gives, and the same logits where asked.
+#[test]
+fn sharded_greedy_readout_matches_one_device() {
+    let prompts = [prompt(140, 1), prompt(33, 2), prompt(260, 3)];
+    let mut one = single(EntryDtype::F32, 2);
+    let mut two = sharded(EntryDtype::F32, 2);
+    let mut seqs: Vec<(Sequence, Sequence)> = Vec::new();
+    let mut next = Vec::new();
+    for p in &prompts {
+        let (mut a, mut b) = (one.open_sequence().unwrap(), two.open_sequence().unwrap());
+        let l = one.prefill(&mut a, p, Logits::Last).unwrap();
+        two.prefill(&mut b, p, Logits::Last).unwrap();
+        next.push(engine::sampling::argmax(&l));
+        seqs.push((a, b));
+    }
+    let flags = [false, true, false];
+    for step in 0..4 {
+        let (mut sa, mut sb): (Vec<&mut Sequence>, Vec<&mut Sequence>) = seqs.iter_mut().map(|(a, b)| (a, b)).unzip();
+        let want = one.decode_readout(&mut sa, &next, &flags).unwrap();
+        let got = two.decode_readout(&mut sb, &next, &flags).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.token, w.token, "step {step} row {i}");
+            assert!((g.logprob - w.logprob).abs() <= TOL * w.logprob.abs().max(1.0), "step {step} row {i}");
+            match (&g.logits, &w.logits) {
+                (Some(g), Some(w)) => assert!(rel_err(g, w) <= TOL, "step {step} row {i}: logits"),
+                (None, None) => {}
+                _ => panic!("step {step} row {i}: logits returned where not asked, or missing"),
+            }
+        }
+        next = want.iter().map(|r| r.token).collect();
+    }
+}
+
 #[test]
 fn sequences_spread_over_the_devices() {
     let mut e = sharded(EntryDtype::F32, 2);

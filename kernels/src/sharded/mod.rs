@@ -137,6 +137,10 @@ impl<B: Backend> Backend for Sharded<B> {
         ops::gather_rows(self, src, width, rows)
     }
 
+    fn greedy_rows(&self, logits: &ShardBuf<B>, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
+        ops::greedy_rows(self, logits, rows, vocab)
+    }
+
     fn weight(&self, w: WeightView<'_>) -> ShardWeight<B> {
         ShardWeight::Replicated(self.ranks.iter().map(|b| b.weight(w.clone())).collect())
     }

@@ -106,6 +106,27 @@ pub(super) fn download_parts<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>, lens
     crate::backend::split_parts(&download(s, buf), lens)
 }
 
+/// Greedy read-out of a buffer of rows (a step's logits): each rank picks its own rows
+/// (on its device), so no logits cross to the host; other splits are downloaded.
+pub(super) fn greedy_rows<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
+    match buf {
+        ShardBuf::Rows { split, parts, .. } if split.rows() == rows => {
+            let mut out = vec![(0, 0f32); rows];
+            for (r, (b, part)) in s.ranks.iter().zip(parts).enumerate() {
+                if split.count(r) == 0 {
+                    continue;
+                }
+                for (&g, pick) in split.held[r].iter().zip(b.greedy_rows(part, split.count(r), vocab)) {
+                    out[g] = pick;
+                }
+            }
+            out
+        }
+        ShardBuf::Replicated { parts, .. } => s.ranks[0].greedy_rows(&parts[0], rows, vocab),
+        _ => download(s, buf).chunks(vocab.max(1)).map(crate::backend::greedy_pick).collect(),
+    }
+}
+
 pub(super) fn download<B: Backend>(s: &Sharded<B>, buf: &ShardBuf<B>) -> Vec<f32> {
     match buf {
         ShardBuf::Replicated { parts, .. } => s.ranks[0].download(&parts[0]),
