@@ -210,13 +210,7 @@ impl<B: Backend> Engine<B> {
 
     /// One decode token for each sequence, batched; returns each one's logits.
     pub fn decode(&mut self, seqs: &mut [&mut Sequence], tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
-        assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
-        let mut inputs: Vec<StepInput<'_>> = seqs
-            .iter_mut()
-            .zip(tokens.chunks(1))
-            .map(|(s, t)| StepInput { seq: s, tokens: t, logits: Logits::Last })
-            .collect();
-        self.step(&mut inputs)
+        self.step(&mut decode_inputs(seqs, tokens))
     }
 
     /// [`Engine::decode`] read out as each sequence's greedy token and its log-probability,
@@ -229,13 +223,8 @@ impl<B: Backend> Engine<B> {
         tokens: &[u32],
         with_logits: &[bool],
     ) -> Result<Vec<Readout>, EngineError> {
-        assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
         assert_eq!(seqs.len(), with_logits.len(), "one logits flag per sequence");
-        let mut inputs: Vec<StepInput<'_>> = seqs
-            .iter_mut()
-            .zip(tokens.chunks(1))
-            .map(|(s, t)| StepInput { seq: s, tokens: t, logits: Logits::Last })
-            .collect();
+        let mut inputs = decode_inputs(seqs, tokens);
         let (plan, logit_rows, _) = self.plan_step(&mut inputs)?;
         let (model, state) = (&self.model, &mut self.cache.state);
         let out = model.backend.enter(|| model.forward_readout(state, &plan, &logit_rows, with_logits));
@@ -254,4 +243,10 @@ impl<B: Backend> Engine<B> {
     pub fn import(&mut self, bytes: &[u8]) -> Result<Sequence, EngineError> {
         Ok(self.cache.import(&self.model.backend, bytes, &self.fingerprint)?)
     }
+}
+
+/// One decode input per sequence: its one token, its last (only) row's logits wanted.
+fn decode_inputs<'a>(seqs: &'a mut [&mut Sequence], tokens: &'a [u32]) -> Vec<StepInput<'a>> {
+    assert_eq!(seqs.len(), tokens.len(), "one token per sequence");
+    seqs.iter_mut().zip(tokens.chunks(1)).map(|(s, t)| StepInput { seq: s, tokens: t, logits: Logits::Last }).collect()
 }

@@ -17,8 +17,11 @@
 //! build's source path is absent (prebuilt test executables).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
+use common::{argmax, gpu, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::{CpuBackend, CudaBackend, Engine, EngineOptions, EntryDtype, Logits, StepInput};
 use safetensors::SafeTensors;
@@ -46,16 +49,6 @@ const FP8_ENGINE_TOL: f32 = 2e-2;
 /// `ROUTE_FLIP_TOL`; every other row holds the engine tolerance.
 const ROUTE_FLIP_ROWS: usize = 200;
 const ROUTE_FLIP_TOL: f32 = 0.5;
-
-fn gpu(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: no CUDA device ({e})");
-            None
-        }
-    }
-}
 
 fn golden_dir(name: &str) -> PathBuf {
     let built = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden");
@@ -100,10 +93,6 @@ fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
     got.iter().zip(want).map(|(g, w)| if g.is_nan() { f32::INFINITY } else { (g - w).abs() }).fold(0f32, f32::max)
         / scale
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
 }
 
 /// Worst error seen per check; asserted at the end so one run reports every number.
@@ -261,16 +250,6 @@ fn cuda_tiny_quantised_fp8_fp4_sharded() {
 #[test]
 fn cuda_tiny_preset_written_by_sluice_model_init() {
     run_fixture("tiny-init", "model");
-}
-
-fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ salt;
-    (0..len)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// Three sequences of different lengths prefilled in uneven chunks (two of them in one

@@ -15,36 +15,15 @@
 //! Without a GPU every test prints that it is skipped and passes.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::{argmax, gpu, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::{CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
 
 /// Graphs replay the kernels the eager step issues, with the same arguments: the only
 /// differences allowed are those of a kernel that sums in a run-dependent order.
 const GRAPH_TOL: f32 = 1e-5;
-
-fn gpu(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("SKIPPED {test}: no CUDA device ({e})");
-            None
-        }
-    }
-}
-
-fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ salt;
-    (0..len)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
-}
 
 /// Prefill `lens.len()` sequences, then decode them together greedily for `steps` steps;
 /// every step's logits.

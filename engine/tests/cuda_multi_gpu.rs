@@ -35,9 +35,12 @@
 //! one, which checks this harness where there is no GPU.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use common::{argmax, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, planned_bytes, write_checkpoint};
 use engine::kv::Sequence;
 use engine::prefix::PrefixState;
@@ -107,20 +110,6 @@ fn flash_model(test: &str) -> Option<Model> {
     write_checkpoint(&dir, &opts).expect("write the Flash checkpoint");
     eprintln!("{test}: wrote {:.2} GB to {} in {:.1} s", need as f64 / 1e9, dir.display(), t.elapsed().as_secs_f64());
     Some(Model { dir, _tmp: Some(tmp) })
-}
-
-fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ salt;
-    (0..len)
-        .map(|_| {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |best, (i, &v)| if v > best.1 { (i, v) } else { best }).0 as u32
 }
 
 /// What one engine produced: logits blocks by name, in order; every greedy choice (its
