@@ -52,6 +52,9 @@ fn copy(from: &CudaBackend, src: &CudaBuf, src_at: usize, to: &CudaBackend, dst:
     }
     assert!(src_at + len <= src.len && dst_at + len <= dst.len, "copy out of range");
     let (s, d) = (from.gpu(), to.gpu());
+    // Events and peer copies are not recorded: both ranks issue what they recorded first.
+    s.cut_segment();
+    d.cut_segment();
     let (sp, dp) = (s.ptr(&src.mem) + 4 * src_at as u64, d.ptr(&dst.mem) + 4 * dst_at as u64);
     let bytes = 4 * len;
     let no_timing = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
@@ -196,8 +199,10 @@ impl Nccl {
         Ok(Nccl { comms })
     }
 
-    /// Issue `f` for every rank inside one NCCL group.
-    fn group(&self, f: impl FnOnce()) {
+    /// Issue `f` for every rank inside one NCCL group, after what each rank has recorded
+    /// of a step (NCCL calls are not recorded; the recording goes on after them).
+    fn group(&self, ranks: &[CudaBackend], f: impl FnOnce()) {
+        ranks.iter().for_each(|b| b.gpu().cut_segment());
         cudarc::nccl::result::group_start().unwrap_or_else(|e| fail("ncclGroupStart", e));
         f();
         cudarc::nccl::result::group_end().unwrap_or_else(|e| fail("ncclGroupEnd", e));
@@ -243,7 +248,7 @@ impl Collective<CudaBackend> for Nccl {
         let total: usize = counts.iter().sum();
         let mut outs: Vec<CudaBuf> = ranks.iter().map(|b| b.output(total)).collect();
         CudaBackend::prof_all(ranks, "nccl: all-gather", || {
-            self.group(|| {
+            self.group(ranks, || {
                 for (d, out) in outs.iter_mut().enumerate() {
                     for (s, part) in parts.iter().enumerate() {
                         self.send_recv(ranks, s, part, 0, d, out, at[s], counts[s]);
@@ -259,7 +264,7 @@ impl Collective<CudaBackend> for Nccl {
         let mut blocks: Vec<Vec<CudaBuf>> =
             (0..ranks.len()).map(|d| ranks.iter().map(|_| ranks[d].output(counts[d])).collect()).collect();
         CudaBackend::prof_all(ranks, "nccl: reduce-scatter", || {
-            self.group(|| {
+            self.group(ranks, || {
                 for (d, mine) in blocks.iter_mut().enumerate() {
                     for (s, (p, block)) in partials.iter().zip(mine.iter_mut()).enumerate() {
                         self.send_recv(ranks, s, p, at[d], d, block, 0, counts[d]);
@@ -315,7 +320,7 @@ impl Nccl {
             assert!(sends[r].len >= out, "all_to_all: rank {r} sends {out} values from a buffer of {}", sends[r].len);
             assert!(recvs[r].len >= into, "all_to_all: rank {r} gets {into} values into a buffer of {}", recvs[r].len);
         }
-        self.group(|| {
+        self.group(ranks, || {
             for (s, recv) in recvs.iter_mut().enumerate() {
                 for r in 0..n {
                     self.send_recv(ranks, r, sends[r], send_at[r][s], s, recv, recv_at[s][r], counts[r][s]);

@@ -268,6 +268,17 @@ impl Gpu {
         self.steps.cache.lock().expect("graph cache poisoned").graphs.clear();
     }
 
+    /// Issue what is recorded as a segment and go on recording: for work that cannot be
+    /// recorded but keeps the step's memory as it is (NCCL exchanges, peer copies between
+    /// the ranks of a sharded step). Segments cut at the same ops in every step compare.
+    pub(crate) fn cut_segment(&self) {
+        let mut rec = self.steps.rec.lock().expect("recording poisoned");
+        let Some(r) = rec.as_mut() else { return };
+        let part = std::mem::take(r);
+        drop(rec);
+        self.issue_segment(part);
+    }
+
     /// Issue the recorded ops (replaying or capturing a graph where the record allows)
     /// and stop recording: what the step does from here on is issued as it comes.
     pub(crate) fn flush_recording(&self) {

@@ -181,6 +181,16 @@ impl<B: Backend> Backend for Sharded<B> {
         self.ranks.iter().for_each(|b| b.finish_load());
     }
 
+    /// Every device records the step (a CUDA rank replays its segments as graphs; the
+    /// exchanges between ranks end a segment on each: `cuda::collective`).
+    fn begin_step(&self, plan: &BatchPlan) {
+        self.ranks.iter().for_each(|b| b.begin_step(plan));
+    }
+
+    fn end_step(&self) {
+        self.ranks.iter().for_each(|b| b.end_step());
+    }
+
     fn weight_shape(&self, w: &ShardWeight<B>) -> (usize, usize) {
         self.ranks[0].weight_shape(w.any())
     }
