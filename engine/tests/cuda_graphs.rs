@@ -9,6 +9,9 @@
 //! the same, and three in four step segments must really have been replayed (a graph
 //! path that never replays would otherwise pass). FP8 KV and FP8/FP4 weights too.
 //!
+//! A sharded engine (two ranks: on both GPUs of a two-GPU machine, and on one GPU twice)
+//! the same way: every rank records, the exchanges end its segments.
+//!
 //! Also the greedy read-out picked on the device (`Engine::decode_readout`): the token and
 //! log-probability the host's greedy sampler gives on the same step's logits.
 //!
@@ -27,7 +30,7 @@ const GRAPH_TOL: f32 = 1e-5;
 
 /// Prefill `lens.len()` sequences, then decode them together greedily for `steps` steps;
 /// every step's logits.
-fn decode(e: &mut Engine<CudaBackend>, lens: &[usize], steps: usize) -> Vec<Vec<f32>> {
+fn decode<B: kernels::Backend>(e: &mut Engine<B>, lens: &[usize], steps: usize) -> Vec<Vec<f32>> {
     let vocab = e.config().vocab_size;
     let mut seqs: Vec<_> = lens.iter().map(|_| e.open_sequence().unwrap()).collect();
     let mut next = Vec::new();
@@ -143,5 +146,62 @@ fn cuda_greedy_readout_matches_the_host_pick() {
     eprintln!("READOUT {test}: 12 steps of 3 rows, logprob within {worst:.2e} of the host's");
     for s in seqs {
         e.release(s);
+    }
+}
+
+/// A sharded step (two ranks: on both GPUs of a two-GPU machine, and on one GPU twice)
+/// replays its segments between the exchanges as graphs on every rank, and gives what the
+/// same steps issued eagerly give.
+#[test]
+fn cuda_sharded_graph_steps_match_eager_steps() {
+    let test = "cuda_sharded_graph_steps_match_eager_steps";
+    let Some(one) = gpu(test) else { return };
+    drop(one);
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, WeightDtype::Fp8)).unwrap();
+    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let mut layouts = vec![vec![0usize, 0]];
+    if CudaBackend::device_count() >= 2 {
+        layouts.push(vec![0, 1]);
+    } else {
+        eprintln!("{test}: one GPU, so the two-GPU layout is SKIPPED");
+    }
+    for ordinals in layouts {
+        let with = engine::device::cuda_sharded(&ordinals).unwrap();
+        let without = engine::device::cuda_sharded(&ordinals).unwrap();
+        without.devices().iter().for_each(|d| d.set_graphs(false));
+        let mut g = Engine::load(&model, with, opts.clone()).unwrap();
+        let mut e = Engine::load(&model, without, opts.clone()).unwrap();
+        let lens = [300, 41, 130, 7];
+        let steps = 40;
+        for d in g.model.backend.devices() {
+            let _ = d.take_graph_stats();
+        }
+        let got = decode(&mut g, &lens, steps);
+        let stats: Vec<_> = g.model.backend.devices().iter().map(|d| d.take_graph_stats()).collect();
+        let want = decode(&mut e, &lens, steps);
+        let mut worst = 0f32;
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(argmax(a), argmax(b), "ranks on cuda {ordinals:?}: greedy token of row {i} differs");
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+            let err = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| if x.is_nan() { f32::INFINITY } else { (x - y).abs() })
+                .fold(0f32, f32::max);
+            worst = worst.max(err / scale);
+        }
+        for (r, s) in stats.iter().enumerate() {
+            let replayed = s.replayed + s.captured;
+            eprintln!(
+                "GRAPHS {test}, ranks on cuda {ordinals:?}, rank {r}: {replayed} of {} segments of {steps} steps \
+                 from graphs ({} captured, {} eager), max|Δ|/max|ref| = {worst:.2e}",
+                s.segments, s.captured, s.eager
+            );
+            assert_eq!(s.recorded as usize, steps, "rank {r}: every decode step is recorded");
+            assert!(2 * replayed >= s.segments, "rank {r}: only {replayed} of {} segments replayed", s.segments);
+        }
+        assert!(worst <= GRAPH_TOL, "ranks on cuda {ordinals:?}: logits {worst:.3e} off the eager steps");
     }
 }
