@@ -40,8 +40,8 @@ pub trait MeasuredGpus: Backend {
         n
     }
 
-    /// Decode steps replayed as CUDA graphs since the last call, on the first GPU (a
-    /// sharded engine issues its steps eagerly).
+    /// Decode step segments replayed as CUDA graphs since the last call, on the first GPU
+    /// (every GPU of a sharded engine records the same steps).
     fn graphs(&self) -> kernels::cuda::GraphStats {
         let s = self.first().take_graph_stats();
         self.gpus().iter().skip(1).for_each(|g| {
