@@ -3,6 +3,7 @@
 //! (log-softmax of the raw logits), whatever the sampling transform, so clients can
 //! compare them across sampling settings.
 
+use kernels::backend::log_normaliser;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use thiserror::Error;
@@ -75,21 +76,13 @@ pub struct Sampler {
 
 /// `log_softmax` in f64 for a stable normaliser.
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let z: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum::<f64>().ln();
+    let (m, z) = log_normaliser(logits);
     logits.iter().map(|&l| (l as f64 - m - z) as f32).collect()
 }
 
-/// Index of the largest value (the first one on ties).
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Index of the largest value (the first one on ties): the greedy token. The same
+/// function picks greedy read-outs on backends that pick on the host.
+pub use kernels::backend::argmax;
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
