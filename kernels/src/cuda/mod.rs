@@ -420,7 +420,7 @@ impl Backend for CudaBackend {
     }
 
     fn end_step(&self) {
-        if self.gpu.recording() || self.gpu.arena_active() {
+        if self.gpu.arena_active() {
             self.gpu.end_recording();
             // Its buffers are arena pieces the next step reuses.
             self.plans.clear();

@@ -413,9 +413,8 @@ impl Gpu {
     /// A device copy of `data`. While a step records, into the arena's top, copied now:
     /// the step's recorded kernels, issued later, read it after it has landed.
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> DevBuf<T> {
-        let mut dst = match self.arena_slice::<T>(data.len().max(1), true) {
-            Some(buf) => buf,
-            None => DevBuf::owned(self.alloc_owned(data.len())),
+        let Some(mut dst) = self.arena_slice::<T>(data.len().max(1), true) else {
+            return DevBuf::owned(self.upload_owned(data));
         };
         if !data.is_empty() {
             self.stream.memcpy_htod(data, &mut *dst).unwrap_or_else(|e| fail("host-to-device copy", e));

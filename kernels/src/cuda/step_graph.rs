@@ -184,15 +184,12 @@ impl Gpu {
         }
     }
 
-    pub(crate) fn recording(&self) -> bool {
-        self.steps.rec.lock().expect("recording poisoned").is_some()
-    }
-
     pub(crate) fn set_graphs(&self, on: bool) {
         self.steps.on.store(u64::from(on), Ordering::Relaxed);
     }
 
-    /// Whether a step is under way (recording, or flushed and running eagerly).
+    /// Whether a step is under way (recording, or flushed and running eagerly: recording
+    /// starts only with the arena's step, and ends no later).
     pub(crate) fn arena_active(&self) -> bool {
         self.steps.arena.active()
     }
@@ -217,7 +214,8 @@ impl Gpu {
         args: &[*mut std::ffi::c_void],
         sizes: &[usize],
     ) -> bool {
-        if self.steps.rec.lock().expect("recording poisoned").is_none() {
+        let rec = self.steps.rec.lock().expect("recording poisoned");
+        if rec.is_none() {
             return false;
         }
         let mut params = Vec::with_capacity(args.len() * 2);
@@ -232,7 +230,8 @@ impl Gpu {
             // `words * 8 >= size` bytes.
             unsafe { std::ptr::copy_nonoverlapping(arg as *const u8, params[at..].as_mut_ptr() as *mut u8, size) };
         }
-        self.record(Op::Launch { func: func as usize, cfg, params, offsets })
+        self.keep(rec, Op::Launch { func: func as usize, cfg, params, offsets });
+        true
     }
 
     pub(crate) fn record_memset(&self, dst: u64, bytes: usize) -> bool {
@@ -243,18 +242,25 @@ impl Gpu {
         self.record(Op::Copy { dst, src, bytes })
     }
 
-    /// Keep `op`; a full segment is issued (the device starts on it while the host
-    /// records the next).
     fn record(&self, op: Op) -> bool {
-        let mut rec = self.steps.rec.lock().expect("recording poisoned");
-        let Some(r) = rec.as_mut() else { return false };
+        let rec = self.steps.rec.lock().expect("recording poisoned");
+        if rec.is_none() {
+            return false;
+        }
+        self.keep(rec, op);
+        true
+    }
+
+    /// Keep `op` in the recording `rec` holds; a full segment is issued (the device starts
+    /// on it while the host records the next).
+    fn keep(&self, mut rec: std::sync::MutexGuard<'_, Option<Recording>>, op: Op) {
+        let Some(r) = rec.as_mut() else { return };
         r.ops.push(op);
         if r.ops.len() >= segment_ops() {
             let full = std::mem::take(r);
             drop(rec);
             self.issue_segment(full);
         }
-        true
     }
 
     /// A persistent buffer the recorded ops use is being replaced: keep the old one until
