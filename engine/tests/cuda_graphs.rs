@@ -51,6 +51,22 @@ fn decode<B: kernels::Backend>(e: &mut Engine<B>, lens: &[usize], steps: usize) 
     logits
 }
 
+/// The largest error of any row of `got` against the same row of `want`, relative to
+/// that row's largest magnitude (NaN counts as infinite); every row's greedy token must
+/// be the same.
+fn worst_row_error(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: as many logit rows");
+    let mut worst = 0f32;
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        assert_eq!(argmax(a), argmax(b), "{what}: greedy token of row {i} differs");
+        let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let err =
+            a.iter().zip(b).map(|(x, y)| if x.is_nan() { f32::INFINITY } else { (x - y).abs() }).fold(0f32, f32::max);
+        worst = worst.max(err / scale);
+    }
+    worst
+}
+
 fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
     let (Some(with), Some(without)) = (gpu(test), gpu(test)) else { return };
     without.set_graphs(false);
@@ -70,17 +86,7 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
         let want = decode(&mut e, &lens, steps);
         let eager = e.model.backend.take_graph_stats();
         assert_eq!(eager.recorded, 0, "{what}: graphs switched off still recorded steps");
-        let mut worst = 0f32;
-        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(argmax(a), argmax(b), "{what}, batch {lens:?}: greedy token of row {i} differs");
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-            let err = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| if x.is_nan() { f32::INFINITY } else { (x - y).abs() })
-                .fold(0f32, f32::max);
-            worst = worst.max(err / scale);
-        }
+        let worst = worst_row_error(&got, &want, &format!("{what}, batch {lens:?}"));
         let (replayed, segments) = (stats.replayed + stats.captured, stats.segments);
         eprintln!(
             "GRAPHS {what}, batch {lens:?}: {replayed} of {segments} segments of {steps} steps from graphs \
@@ -181,17 +187,7 @@ fn cuda_sharded_graph_steps_match_eager_steps() {
         let got = decode(&mut g, &lens, steps);
         let stats: Vec<_> = g.model.backend.devices().iter().map(|d| d.take_graph_stats()).collect();
         let want = decode(&mut e, &lens, steps);
-        let mut worst = 0f32;
-        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-            assert_eq!(argmax(a), argmax(b), "ranks on cuda {ordinals:?}: greedy token of row {i} differs");
-            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-            let err = a
-                .iter()
-                .zip(b)
-                .map(|(x, y)| if x.is_nan() { f32::INFINITY } else { (x - y).abs() })
-                .fold(0f32, f32::max);
-            worst = worst.max(err / scale);
-        }
+        let worst = worst_row_error(&got, &want, &format!("ranks on cuda {ordinals:?}"));
         for (r, s) in stats.iter().enumerate() {
             let replayed = s.replayed + s.captured;
             eprintln!(
