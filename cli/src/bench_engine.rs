@@ -132,6 +132,9 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
     let describe = backend.describe();
     eprintln!("{describe}; kernels: {}", backend.first().kernel_origin());
     let copy_gbs = backend.copy_gbs();
+    // The tensor-core ceiling prefill is read against, on the first GPU.
+    let peak_tflops = backend.first().bf16_peak_tflops(20);
+    eprintln!("cuBLAS BF16 GEMM 8192³: {peak_tflops:.0} TFLOP/s (the prefill's ceiling, per GPU)");
     let ranks = backend.ranks();
 
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
@@ -178,6 +181,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
     let prompt = bench_prompt(a.prefill_tokens, vocab, 1);
     let mut prefill_s = Vec::new();
     let mut prefill_traffic = (0, 0);
+    let mut prefill_flops = 0;
     for i in 0..c.repeat.max(1) {
         if i == 1 {
             // The first prefill of this length meets new GEMM shapes (library kernels
@@ -186,14 +190,27 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
         }
         let mut seq = engine.open_sequence()?;
         engine.model.backend.traffic();
+        engine.model.backend.flops();
         let t = Instant::now();
         engine.prefill(&mut seq, &prompt, Logits::Last)?;
         prefill_s.push(t.elapsed().as_secs_f64());
         prefill_traffic = engine.model.backend.traffic();
+        prefill_flops = engine.model.backend.flops();
         engine.release(seq);
     }
-    let prefill_tps = a.prefill_tokens as f64 / median(prefill_s.clone());
-    eprintln!("prefill {} tokens: {prefill_tps:.0} tokens/s", a.prefill_tokens);
+    let prefill_secs = median(prefill_s.clone());
+    let prefill_tps = a.prefill_tokens as f64 / prefill_secs;
+    // The products' FLOPs (attention's are not counted) over the time, against the peak
+    // of all the GPUs together.
+    let prefill_tflops = prefill_flops as f64 / prefill_secs / 1e12;
+    let prefill_of_peak = prefill_tflops / (peak_tflops * ranks as f64);
+    eprintln!(
+        "prefill {} tokens: {prefill_tps:.0} tokens/s, products {:.2} TFLOP at {prefill_tflops:.0} TFLOP/s \
+         ({:.0}% of the cuBLAS BF16 peak)",
+        a.prefill_tokens,
+        prefill_flops as f64 / 1e12,
+        100.0 * prefill_of_peak
+    );
     let profiled = if c.repeat > 1 { c.repeat - 1 } else { 1 };
     print_profile(&engine.model.backend, &format!("{profiled} prefills of {} tokens", a.prefill_tokens));
 
@@ -335,6 +352,10 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
         "products": products,
         "prefill_tokens": a.prefill_tokens,
         "prefill_tokens_per_s": prefill_tps,
+        "prefill_product_flops": prefill_flops,
+        "prefill_product_tflop_s": prefill_tflops,
+        "prefill_fraction_of_bf16_peak": prefill_of_peak,
+        "bf16_peak_tflop_s": peak_tflops,
         "prefill_bytes": prefill_traffic.0 + prefill_traffic.1,
         "decode": decode_rows,
         "topk": topk.map(|t| json!({
@@ -387,9 +408,12 @@ fn print_table(r: &Value) {
         l["peak_extra_host_bytes"].as_u64().map(|b| (b >> 20).to_string()).unwrap_or_else(|| "?".into())
     );
     println!(
-        "  prefill {:>6} tokens {:>10.0} tokens/s",
+        "  prefill {:>6} tokens {:>10.0} tokens/s, products at {:.0} TFLOP/s = {:.1}% of the cuBLAS BF16 peak ({:.0} TFLOP/s a GPU)",
         r["prefill_tokens"].as_u64().unwrap_or(0),
-        r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0)
+        r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
+        r["prefill_product_tflop_s"].as_f64().unwrap_or(0.0),
+        100.0 * r["prefill_fraction_of_bf16_peak"].as_f64().unwrap_or(0.0),
+        r["bf16_peak_tflop_s"].as_f64().unwrap_or(0.0)
     );
     println!(
         "  {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7}",

@@ -30,6 +30,11 @@ pub trait MeasuredGpus: Backend {
         self.gpus().iter().map(|g| g.take_traffic()).fold((0, 0), |(w, k), (a, b)| (w + a, k + b))
     }
 
+    /// Floating-point operations of the products issued since the last call, all GPUs.
+    fn flops(&self) -> u64 {
+        self.gpus().iter().map(|g| g.take_flops()).sum()
+    }
+
     /// Kernel launches and cuBLAS calls since the last call, on the first GPU (each GPU
     /// of a sharded engine issues the same sequence).
     fn launches(&self) -> u64 {

@@ -11,6 +11,7 @@
 
 use cudarc::cublas::sys::cudaDataType;
 
+use super::cublas_bf16::{self, Bf16Activations};
 use super::decode_v2::{D2_KERNELS, d2_plan};
 use super::matmul::{
     Decode, GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as,
@@ -295,6 +296,36 @@ impl CudaBackend {
         matmul_as(g, op, w, decode_variant(variant));
     }
 
+    /// `out = x · Wᵀ` over a BF16 weight on cuBLAS (the path of BF16 products of many
+    /// rows) with the activations `split` into bf16 hi + lo or rounded once (`bf16`), for
+    /// the parity suite; `groups` > 1 makes it the grouped product.
+    pub fn cublas_bf16_matmul(
+        &self,
+        activations: &str,
+        x: &CudaBuf,
+        rows: usize,
+        groups: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+    ) {
+        let mode = match activations {
+            "split" => Bf16Activations::Split,
+            "bf16" => Bf16Activations::Round,
+            other => panic!("activations {other:?}: split or bf16"),
+        };
+        assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "cublas_bf16_matmul shapes");
+        let g = &self.gpu;
+        let op = Operand {
+            x: g.ptr(&x.mem),
+            x_stride: groups * w.cols,
+            out: g.ptr(&out.mem),
+            out_stride: w.rows,
+            rows,
+            groups,
+        };
+        cublas_bf16::product_as(g, op, w, mode);
+    }
+
     /// `out = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)` for a decode batch with decode
     /// kernels `variant`, for the parity suite.
     #[allow(clippy::too_many_arguments)]
@@ -365,6 +396,14 @@ impl CudaBackend {
         gemm(g, "gemm_fp4", op, w, None);
         gemm_fp4_f8(g, Operand { out: g.ptr(&b.mem), ..op }, w, None);
         (self.download(&a), self.download(&b))
+    }
+
+    /// The BF16 tensor-core peak as cuBLAS reaches it: TFLOP/s of an 8192³ BF16 × BF16 →
+    /// f32 GEMM (`reps` calls back to back), the ceiling prefill is read against.
+    pub fn bf16_peak_tflops(&self, reps: usize) -> f64 {
+        const N: usize = 8192;
+        let us = self.time_cublas_bf16(N, N, N, 1, reps);
+        2.0 * (N * N * N) as f64 / (us * 1e-6) / 1e12
     }
 
     /// cuBLAS BF16 × BF16 → f32 GEMM, `batch` products of `rows × n × k`, microseconds.

@@ -30,6 +30,7 @@ use std::ffi::c_void;
 
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
 
+use super::cublas_bf16;
 use super::decode_v2::{d2_format, d2_gemv, d2_max_rows, d2_plan};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, cfg_elems, fail, launch};
@@ -502,6 +503,10 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
     // A step's bytes count each weight once, however often a product streams it.
     gpu.traffic.add_weights(w.device_bytes());
+    gpu.traffic.add_flops(2 * op.rows * w.rows * w.cols);
+    if cublas_bf16::takes(op.rows, w) {
+        return cublas_bf16::product(gpu, op, w);
+    }
     if gemv_loops(gpu, op.rows, w.rows) {
         // One launch up to 8 rows (the v2 kernels: up to 32); past that each launch
         // streams the weight again.
@@ -540,9 +545,11 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
         return;
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
-    let gemv_rows = op.rows <= SWIGLU_GEMV_MAX_ROWS || small_gemm_grid(gpu, op.rows, w1.rows);
+    let gemv_rows =
+        (op.rows <= SWIGLU_GEMV_MAX_ROWS || small_gemm_grid(gpu, op.rows, w1.rows)) && !cublas_bf16::takes(op.rows, w1);
     if gemv_rows && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
         gpu.traffic.add_weights(w1.device_bytes() + w3.device_bytes());
+        gpu.traffic.add_flops(4 * op.rows * w1.rows * w1.cols);
         // The v2 kernels take up to 8 rows in one launch; more go through the first version.
         let v = if op.rows <= GEMV_MAX_ROWS { variant } else { Decode::V1 };
         gemv(gpu, op, w1, Some(w3), limit, v);

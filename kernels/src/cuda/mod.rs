@@ -14,7 +14,8 @@
 //! - `upload`: host → device streaming of weights through bounded pinned buffers.
 //! - `download`: large device → host reads (logits) through two pinned buffers.
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
-//! - `matmul`: gemv kernels for decode, cuBLAS (split-bf16 tensor cores) for prefill.
+//! - `matmul`: gemv kernels for decode, tensor-core tiles for prefill over stored formats.
+//! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
@@ -33,6 +34,7 @@ mod bench;
 mod checksum;
 pub mod collective;
 mod compress;
+mod cublas_bf16;
 mod decode_v2;
 mod devplan;
 mod download;
@@ -239,6 +241,12 @@ impl CudaBackend {
         let t = &self.gpu.traffic;
         let device = self.gpu.take_device_traffic();
         (t.weights.swap(0, Ordering::Relaxed) + device, t.kv.swap(0, Ordering::Relaxed))
+    }
+
+    /// Floating-point operations of the products issued since the last call (2 per
+    /// multiply-add; the routed experts' counted from the pairs routed), and reset.
+    pub fn take_flops(&self) -> u64 {
+        self.gpu.traffic.flops.swap(0, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Decode steps recorded, replayed from a CUDA graph, captured and issued eagerly

@@ -261,6 +261,9 @@ pub(crate) fn experts_routed_on_device(
     let n = rows * k;
     let first = &w.experts[0];
     let inter = first.w1.rows;
+    // Only the device knows which experts its rows chose: a slice's share of the pairs is
+    // counted as its share of the experts (exact over one device, on average over several).
+    g.traffic.add_flops(n * n_exp / w.gate.rows * 2 * (3 * inter * d));
     // A slice of the experts (expert parallelism): ids renumbered to the slice, -1 for
     // experts held elsewhere, which the lists then leave out.
     let localized;
@@ -495,6 +498,8 @@ fn experts_routed_on_host(
     list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
     let list_dev = g.upload(&list);
     if grouped_experts(w) {
+        let e0 = &w.experts[0];
+        g.traffic.add_flops(total * 2 * (2 * e0.w1.rows * e0.w1.cols + e0.w2.rows * e0.w2.cols));
         return experts_grouped(b, x, rows, w, &per_expert, &list, &list_dev, weights, out);
     }
     let lp = g.ptr(&list_dev);

@@ -50,6 +50,8 @@ const KERNELS: &[&str] = &[
     "round_to_bf16",
     "round_to_fp8",
     "split_bf16",
+    "round_bf16",
+    "sum_split_halves",
     "gemv_f32_r1",
     "gemv_f32_r2",
     "gemv_f32_r4",
@@ -197,11 +199,18 @@ const DEVICE_TRAFFIC: &str = "traffic_device";
 pub(crate) struct Traffic {
     pub weights: AtomicU64,
     pub kv: AtomicU64,
+    /// Floating-point operations of the products (2 per multiply-add of every weight
+    /// with every row it multiplies; the routed experts' too), for prefill's TFLOP/s.
+    pub flops: AtomicU64,
 }
 
 impl Traffic {
     pub fn add_weights(&self, bytes: usize) {
         self.weights.fetch_add(bytes as u64, Ordering::Relaxed);
+    }
+
+    pub fn add_flops(&self, flops: usize) {
+        self.flops.fetch_add(flops as u64, Ordering::Relaxed);
     }
 
     pub fn add_kv(&self, bytes: usize) {

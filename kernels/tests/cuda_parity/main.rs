@@ -23,6 +23,8 @@ use kernels::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+/// BF16 products of many rows on cuBLAS, both activation precisions.
+mod cublas;
 #[path = "../common/cuda_gpu.rs"]
 mod cuda_gpu;
 /// The second-version decode kernels (`SLUICE_CUDA_DECODE_KERNELS=v2`).

@@ -44,6 +44,25 @@ extern "C" __global__ void split_bf16(u16* hi, u16* lo, const float* x, int rows
     lo[i] = f2bf(v - bf2f(h));
 }
 
+// x rounded once to bf16 (cuBLAS products with the reference model's bf16 activations).
+extern "C" __global__ void round_bf16(u16* out, const float* x, int rows, int cols, int x_stride) {
+    pdl_begin();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    const int r = (int)(i / cols), c = (int)(i % cols);
+    out[i] = f2bf(x[(long long)r * x_stride + c]);
+}
+
+// out[r] = halves[r] + halves[rows + r]: the hi and lo products of a stacked cuBLAS
+// product (split activations, the weight streamed once), `n` outputs a row.
+extern "C" __global__ void sum_split_halves(float* out, int out_stride, const float* halves, int rows, int n) {
+    pdl_begin();
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * n) return;
+    const int r = (int)(i / n), c = (int)(i % n);
+    out[(long long)r * out_stride + c] = halves[i] + halves[i + (long long)rows * n];
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
     u32 a = (u32)__cvta_generic_to_shared(p);
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
