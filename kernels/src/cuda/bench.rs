@@ -378,6 +378,12 @@ impl CudaBackend {
         D2_KERNELS.iter().copied().find(|&k| k == plan.name)
     }
 
+    /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
+    /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
+    pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
+        super::moe_cublas::slot_rows(rows, rows, w).is_some()
+    }
+
     /// Whether v2 runs the routed experts of a decode batch of `rows` rows (else v1 does).
     pub fn decode_v2_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
         experts_v2_plan(rows, w).is_some() || segments_plan(rows, w).is_some()

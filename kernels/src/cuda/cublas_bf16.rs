@@ -102,7 +102,16 @@ pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Bf16Activ
     match mode {
         Bf16Activations::Round => {
             let xb = gpu.alloc::<u16>(n);
-            launch!(gpu, "round_bf16", cfg_elems(n), gpu.ptr(&xb), op.x, rows as i32, cols as i32, op.x_stride as i32);
+            launch!(
+                gpu,
+                "round_bf16_rows",
+                cfg_elems(n),
+                gpu.ptr(&xb),
+                op.x,
+                rows as i32,
+                cols as i32,
+                op.x_stride as i32
+            );
             gemm(gpu.ptr(&xb), op.out, op.out_stride, rows, 0.0);
         }
         Bf16Activations::Split => {

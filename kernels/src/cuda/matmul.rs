@@ -12,6 +12,8 @@
 //!   where the v2 kernels take the weight ([`gemv_launch_rows`]: FP8, FP4 up to 16), else
 //!   8 — which beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too
 //!   when the GEMM would have few output tiles ([`gemv_loops`]).
+//! - BF16 weights from 9 rows (`cublas_bf16::takes`): cuBLAS, which multiplies the stored
+//!   weight as it is (cublas_bf16.rs); this comes before the two cases below.
 //! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles fed by a
 //!   cp.async pipeline, whose weight tiles are dequantised to bf16 in shared memory and
 //!   whose f32 activations are first split into two bf16 parts (~16 mantissa bits

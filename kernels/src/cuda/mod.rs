@@ -19,6 +19,7 @@
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
+//! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
@@ -43,6 +44,7 @@ mod kv_buffer;
 mod matmul;
 mod memory;
 mod moe;
+mod moe_cublas;
 mod moe_v2;
 mod nvrtc;
 pub mod peer;

@@ -23,6 +23,7 @@ use super::matmul::{
     outputs_per_block, split_x, swiglu_act, swiglu_pair, tc_family, tc_scratch, weight_ptrs,
 };
 use super::memory::CudaBuf;
+use super::moe_cublas;
 use super::moe_v2::{experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
@@ -334,6 +335,14 @@ pub(crate) fn experts_routed_on_device(
         let chosen_weights = (g.ptr(chosen), g.ptr(&weights.mem));
         return experts_v2(b, &plan, x, rows, w, active_list, n_active, chosen_weights, out);
     }
+    // Rows an expert can receive: one per row under top-k routing; under hash routing the
+    // table's rows say (an expert listed twice for a token counts twice).
+    let most = most_rows_per_expert(rows, tokens, w);
+    if let Some(r) = moe_cublas::slot_rows(rows, most, w) {
+        let lists = moe_cublas::Lists { counts: g.ptr(&counts), offsets: g.ptr(&offsets), rows: list_rows };
+        let y = moe_cublas::experts(b, x, w, r, &lists, n);
+        return combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+    }
     let xg = b.alloc_buf(n * d);
     launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
     // Rows per expert are at most `rows` unless a hash table repeats an expert for one
@@ -346,26 +355,16 @@ pub(crate) fn experts_routed_on_device(
         let wt = if swiglu { &first.w1 } else { &first.w2 };
         let table = expert_table(b, w, !swiglu);
         let (src, dst) = if swiglu { (g.ptr(&xg.mem), g.ptr(&h.mem)) } else { (g.ptr(&h.mem), g.ptr(&y.mem)) };
-        if let Some(fam) = tc_experts(w, swiglu, k_in) {
+        // BF16 experts of 1-2 rows stream faster through the SIMT kernels, as plain BF16
+        // products do (`matmul.rs::gemv`): flash-bench's step at batch 2 1.64-1.71 →
+        // 1.43 ms (H200, docs/perf.md).
+        let tc = tc_experts(w, swiglu, k_in).filter(|&fam| fam != "bf16" || rows > 2);
+        if let Some(fam) = tc {
             // Tensor cores over the experts that received rows only (blockIdx.z indexes
             // them); each expert's rows in parts of 8 (more than 8 only when a hash
             // table repeats an expert within a token).
             let slots = n_exp.min(n);
             let (bx, ks) = (n_out.div_ceil(64), k_in.div_ceil(512));
-            // Rows an expert can receive: one per row under top-k routing; under hash
-            // routing the table's rows say (an expert listed twice for a token counts twice).
-            let most = match &w.routing {
-                Routing::TopK { .. } => rows,
-                Routing::Hash { tid2eid } => {
-                    let mut count = std::collections::HashMap::new();
-                    for &t in &tokens[..rows] {
-                        for &e in &tid2eid[t as usize * k..(t as usize + 1) * k] {
-                            *count.entry(e).or_insert(0usize) += 1;
-                        }
-                    }
-                    count.into_values().max().unwrap_or(0)
-                }
-            };
             let parts = most.div_ceil(8);
             let (partials, tickets) = tc_scratch(g, slots * ks * 8 * n_out * if swiglu { 2 } else { 1 }, slots * bx);
             let name = format!("{}_{fam}", if swiglu { "tcmoe_swiglu" } else { "tcmoe_down" });
@@ -411,6 +410,40 @@ pub(crate) fn experts_routed_on_device(
             w.swiglu_limit,
         );
     }
+    combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+}
+
+/// The most rows one expert can receive from a batch of `rows` rows: one a row under
+/// top-k routing (its k experts differ); under hash routing what the table's rows of
+/// the batch's tokens say (an expert listed twice for a token counts twice).
+fn most_rows_per_expert(rows: usize, tokens: &[u32], w: &MoeWeights<CudaBackend>) -> usize {
+    let k = w.top_k;
+    match &w.routing {
+        Routing::TopK { .. } => rows,
+        Routing::Hash { tid2eid } => {
+            let mut count = std::collections::HashMap::new();
+            for &t in &tokens[..rows] {
+                for &e in &tid2eid[t as usize * k..(t as usize + 1) * k] {
+                    *count.entry(e).or_insert(0usize) += 1;
+                }
+            }
+            count.into_values().max().unwrap_or(0)
+        }
+    }
+}
+
+/// out[r] = Σ of row r's routed outputs (`y[n, d]` in list order) times their weights, in
+/// list order: one kernel up to 8 rows, through each row's positions above.
+fn combine(
+    b: &CudaBackend,
+    y: &CudaBuf,
+    (rows, k, d): (usize, usize, usize),
+    (list_rows, list_widx): (u64, u64),
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let n = rows * k;
     if rows <= GEMV_MAX_ROWS {
         launch!(
             g,
@@ -429,7 +462,7 @@ pub(crate) fn experts_routed_on_device(
     }
     let pos = g.alloc::<i32>(n);
     launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
-    combine_in_list_order(b, &y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out);
+    combine_in_list_order(b, y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out);
 }
 
 /// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches

@@ -25,6 +25,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("tcgemv.cu", include_str!("cu/tcgemv.cu")),
     ("hc.cu", include_str!("cu/hc.cu")),
     ("moe.cu", include_str!("cu/moe.cu")),
+    ("moe_slots.cu", include_str!("cu/moe_slots.cu")),
     ("compress.cu", include_str!("cu/compress.cu")),
     ("indexer.cu", include_str!("cu/indexer.cu")),
     ("attention.cu", include_str!("cu/attention.cu")),

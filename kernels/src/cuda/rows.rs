@@ -70,10 +70,25 @@ pub(crate) fn greedy_rows(b: &CudaBackend, logits: &CudaBuf, rows: usize, vocab:
     }
     let g = &b.gpu;
     let out = g.alloc::<u32>(2 * rows);
-    launch!(g, "greedy_rows", cfg((rows as u32, 1, 1), 1024, 0), g.ptr(&logits.mem), vocab as i32, g.ptr(&out));
+    let (parts, span) = greedy_parts(vocab);
+    // `GreedyPart` in readout.cu: f32 value, i32 index, f64 sum (16 bytes).
+    let part_results = g.alloc::<u64>(2 * rows * parts);
+    let (lp, pr) = (g.ptr(&logits.mem), g.ptr(&part_results));
+    launch!(g, "greedy_parts", cfg((parts as u32, rows as u32, 1), 256, 0), lp, vocab as i32, span as i32, pr);
+    launch!(g, "greedy_finish", cfg((rows as u32, 1, 1), 32, 0), lp, vocab as i32, pr, parts as i32, g.ptr(&out));
     let mut host = vec![0u32; 2 * rows];
     g.read(&out, 0, &mut host);
     host.chunks(2).map(|p| (p[0], f32::from_bits(p[1]))).collect()
+}
+
+/// Parts a row of `vocab` logits is read in by `greedy_parts`, and the values each
+/// covers: slices of at least 2,048 values (8 a thread) where the row has that many, at
+/// most 64 parts (16 for a 32K vocabulary, 63 for V4's 129K).
+fn greedy_parts(vocab: usize) -> (usize, usize) {
+    const MIN_SPAN: usize = 2048;
+    const MAX_PARTS: usize = 64;
+    let parts = (vocab / MIN_SPAN).clamp(1, MAX_PARTS);
+    (parts, vocab.div_ceil(parts))
 }
 
 pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {
@@ -278,5 +293,22 @@ pub(crate) fn round_to(b: &CudaBackend, x: &mut CudaBuf, fmt: &EntryFormat) {
                 fmt.tail as i32
             )
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::greedy_parts;
+
+    #[test]
+    fn greedy_parts_cover_the_row_in_slices_of_at_least_2048() {
+        for vocab in [1, 100, 2048, 2049, 32768, 129_280, 1 << 20] {
+            let (parts, span) = greedy_parts(vocab);
+            assert!((1..=64).contains(&parts), "{vocab}: {parts} parts");
+            assert!(parts * span >= vocab && (parts - 1) * span < vocab, "{vocab}: every part has values");
+            assert!(parts == 1 || span >= 2048 || parts == 64, "{vocab}: span {span}");
+        }
+        assert_eq!(greedy_parts(32768), (16, 2048));
+        assert_eq!(greedy_parts(129_280).0, 63);
     }
 }

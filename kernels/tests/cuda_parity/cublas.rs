@@ -49,3 +49,56 @@ fn cuda_bf16_products_on_cublas_match_cpu() {
         }
     }
 }
+
+/// Routed BF16 experts of decode batches as cuBLAS batched products (9-64 rows; fewer
+/// take the gemv kernels) at flash-bench's shapes (8 experts of 1024, top 2, a BF16
+/// shared expert), under top-k routing and hash routing whose table names an expert
+/// twice for even tokens, at two SwiGLU clamps, against the CPU.
+#[test]
+fn cuda_bf16_experts_on_cublas_match_cpu() {
+    let Some(g) = gpu("cuda_bf16_experts_on_cublas_match_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("cublas bf16 experts");
+    let (d, inter, n_exp, k) = (4096, 1024, 8, 2);
+    let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+    let experts: Vec<[TestWeight; 3]> = (0..n_exp)
+        .map(|_| {
+            let w = |rng: &mut ChaCha8Rng, r, c, s| weight(rng, r, c, s, "bf16");
+            [w(&mut rng, inter, d, 0.03), w(&mut rng, d, inter, 0.05), w(&mut rng, inter, d, 0.03)]
+        })
+        .collect();
+    let shared = [
+        weight(&mut rng, inter, d, 0.03, "bf16"),
+        weight(&mut rng, d, inter, 0.05, "bf16"),
+        weight(&mut rng, inter, d, 0.03, "bf16"),
+    ];
+    let bias = rand_vec(&mut rng, n_exp, 0.2);
+    let vocab: usize = 32;
+    let tid2eid: Vec<u32> = (0..vocab * k)
+        .map(|i| {
+            let (t, j) = (i / k, i % k);
+            let j = if t.is_multiple_of(2) && j == k - 1 { 0 } else { j };
+            ((t * 5 + j * 7) % n_exp) as u32
+        })
+        .collect();
+    for limit in [10.0f32, 2.0] {
+        for hash in [false, true] {
+            let routing =
+                || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
+            let gm = super::decode::experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
+            let cm = super::decode::experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
+            for rows in [9, 16, 33, 64] {
+                assert!(g.cublas_experts(rows, &gm), "the experts of {rows} rows do not take cuBLAS");
+                let x = rand_vec(&mut rng, rows * d, 1.0);
+                let tokens: Vec<u32> =
+                    (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
+                let mut want = vec![0f32; rows * d];
+                c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
+                let mut out = poisoned(g, rows * d);
+                g.moe(&g.upload(&x), rows, &tokens, &gm, 0..rows, &mut out);
+                check(&format!("cublas moe limit={limit} hash={hash} rows={rows}"), "bf16", &g.download(&out), &want);
+            }
+            assert!(!g.cublas_experts(8, &gm), "8 rows take the gemv kernels");
+        }
+    }
+}

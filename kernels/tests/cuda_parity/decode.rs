@@ -10,7 +10,7 @@
 use super::*;
 
 /// The same MoE layer on backend `b` with SwiGLU clamp `limit` (route scale 1.5).
-fn experts_layer<B: Backend>(
+pub(super) fn experts_layer<B: Backend>(
     b: &B,
     gate: &TestWeight,
     routing: Routing,

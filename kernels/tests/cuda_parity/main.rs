@@ -29,6 +29,8 @@ mod cublas;
 mod cuda_gpu;
 /// The second-version decode kernels (`SLUICE_CUDA_DECODE_KERNELS=v2`).
 mod decode;
+/// The greedy read-out picked on the device.
+mod readout;
 /// Attention, compressors, indexer and rings over scheduled batches.
 mod sequence;
 /// The indexer's top-k over long rows.

@@ -45,7 +45,7 @@ extern "C" __global__ void split_bf16(u16* hi, u16* lo, const float* x, int rows
 }
 
 // x rounded once to bf16 (cuBLAS products with the reference model's bf16 activations).
-extern "C" __global__ void round_bf16(u16* out, const float* x, int rows, int cols, int x_stride) {
+extern "C" __global__ void round_bf16_rows(u16* out, const float* x, int rows, int cols, int x_stride) {
     pdl_begin();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)rows * cols) return;
