@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use cluster::telemetry::DecodeMetrics;
 use engine::kv::Sequence;
 use engine::sampling::{Sampled, Sampler, SamplingParams};
-use engine::{Engine, EngineError};
+use engine::{Engine, EngineError, Readout};
 use kernels::Backend;
 use sluice_proto::v1 as pb;
 use tokio::sync::{mpsc, oneshot};
@@ -171,7 +171,7 @@ impl<B: Backend> State<B> {
             self.expire();
             self.admit();
             if !self.running.is_empty() {
-                self.step();
+                self.step(&rx);
             }
             self.publish();
         }
@@ -376,7 +376,13 @@ impl<B: Backend> State<B> {
         }
     }
 
-    fn step(&mut self) {
+    /// One decode step of the running batch. Without grammars the step is launched, the
+    /// commands that arrived meanwhile (reservations, commits, new requests, releases) and
+    /// lease expiry are served while the device computes, and then its tokens are
+    /// collected: the read of the picked tokens is the step's one wait on the device.
+    /// Requests under a grammar have their masks computed on a helper thread instead,
+    /// beside a step that returns when its logits are on the host.
+    fn step(&mut self, rx: &std_mpsc::Receiver<Command>) {
         if !self.cfg.step_delay.is_zero() {
             std::thread::sleep(self.cfg.step_delay);
         }
@@ -386,24 +392,55 @@ impl<B: Backend> State<B> {
         let with_logits: Vec<bool> =
             self.running.iter().map(|r| r.sampler.needs_logits() || r.constraint.is_some()).collect();
         let started = Instant::now();
-        // The grammar masks for the tokens sampled after this step are computed on a
-        // helper thread while the engine runs the step.
-        let (result, mut masks) = {
-            let (mut seqs, mut constraints): (Vec<&mut Sequence>, Vec<Option<&mut Constraint>>) =
-                self.running.iter_mut().map(|r| (&mut r.seq, r.constraint.as_mut())).unzip();
-            let engine = &mut self.engine;
-            std::thread::scope(|scope| {
-                let masker = constraints.iter().any(Option::is_some).then(|| {
-                    scope
-                        .spawn(move || constraints.iter_mut().map(|c| c.as_mut().map(|c| c.mask())).collect::<Vec<_>>())
-                });
-                let result = engine.decode_readout(&mut seqs, &tokens, &with_logits);
-                let masks = masker.map(|h| h.join().expect("the mask thread does not panic"));
-                (result, masks.unwrap_or_default())
-            })
+        let (result, masks) = if self.running.iter().any(|r| r.constraint.is_some()) {
+            self.step_with_masks(&tokens, &with_logits)
+        } else {
+            let launched = {
+                let mut seqs: Vec<&mut Sequence> = self.running.iter_mut().map(|r| &mut r.seq).collect();
+                self.engine.decode_launch(&mut seqs, &tokens, &with_logits)
+            };
+            match launched {
+                Ok(launched) => {
+                    while let Ok(cmd) = rx.try_recv() {
+                        self.handle(cmd);
+                    }
+                    self.expire();
+                    (Ok(self.engine.decode_collect(launched)), Vec::new())
+                }
+                Err(e) => (Err(e), Vec::new()),
+            }
         };
-        masks.resize_with(self.running.len(), || None);
         self.cfg.metrics.step_seconds.observe(started.elapsed().as_secs_f64());
+        self.finish_step(result, masks);
+    }
+
+    /// A step whose grammar masks (for the tokens sampled after it) are computed on a
+    /// helper thread while the engine runs it.
+    #[allow(clippy::type_complexity)]
+    fn step_with_masks(
+        &mut self,
+        tokens: &[u32],
+        with_logits: &[bool],
+    ) -> (Result<Vec<Readout>, EngineError>, Vec<Option<Result<Mask, crate::constraint::ConstraintError>>>) {
+        let (mut seqs, mut constraints): (Vec<&mut Sequence>, Vec<Option<&mut Constraint>>) =
+            self.running.iter_mut().map(|r| (&mut r.seq, r.constraint.as_mut())).unzip();
+        let engine = &mut self.engine;
+        std::thread::scope(|scope| {
+            let masker =
+                scope.spawn(move || constraints.iter_mut().map(|c| c.as_mut().map(|c| c.mask())).collect::<Vec<_>>());
+            let result = engine.decode_readout(&mut seqs, tokens, with_logits);
+            (result, masker.join().expect("the mask thread does not panic"))
+        })
+    }
+
+    /// Sample (or take the greedy pick of) every running request's token from the step's
+    /// read-out, emit it, and let finished requests leave.
+    fn finish_step(
+        &mut self,
+        result: Result<Vec<Readout>, EngineError>,
+        mut masks: Vec<Option<Result<Mask, crate::constraint::ConstraintError>>>,
+    ) {
+        masks.resize_with(self.running.len(), || None);
         let readouts = match result {
             Ok(r) => r,
             Err(e) => {

@@ -10,7 +10,7 @@ use crate::config::ModelConfig;
 use crate::error::EngineError;
 use crate::fingerprint::Fingerprint;
 use crate::kv::{KvCache, PoolStats, Sequence};
-use crate::model::{Model, ModelWeights, Readout};
+use crate::model::{LaunchedReadout, Model, ModelWeights, Readout};
 
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
@@ -69,7 +69,13 @@ pub struct Engine<B: Backend> {
     /// Set when transports reach the KV in device memory in place
     /// ([`crate::device_kv`]).
     pub(crate) direct: Option<crate::device_kv::DirectKv>,
+    /// Set from [`Engine::decode_launch`] to [`Engine::decode_collect`].
+    in_flight: bool,
 }
+
+/// A decode step [`Engine::decode_launch`] issued, for [`Engine::decode_collect`].
+#[must_use = "collect the step (Engine::decode_collect) before the engine runs another"]
+pub struct LaunchedDecode<B: Backend>(LaunchedReadout<B>);
 
 impl<B: Backend> Engine<B> {
     /// Load a model directory (config.json + safetensors) onto `backend`.
@@ -111,7 +117,17 @@ impl<B: Backend> Engine<B> {
             device = %model.backend.describe(),
             "model loaded"
         );
-        Ok(Engine { model, cache, fingerprint, options, load, mirror_pins: Vec::new(), mirror: None, direct: None })
+        Ok(Engine {
+            model,
+            cache,
+            fingerprint,
+            options,
+            load,
+            mirror_pins: Vec::new(),
+            mirror: None,
+            direct: None,
+            in_flight: false,
+        })
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -162,6 +178,8 @@ impl<B: Backend> Engine<B> {
     /// the rows whose logits are wanted and how many belong to each input. On error
     /// nothing has changed.
     fn plan_step(&mut self, inputs: &mut [StepInput<'_>]) -> Result<(BatchPlan, Vec<usize>, Vec<usize>), EngineError> {
+        // A launched step's device buffers are the next step's memory (the step arena).
+        assert!(!self.in_flight, "a decode step is in flight: Engine::decode_collect it before the next step");
         for inp in inputs.iter() {
             self.validate(inp.seq.len(), inp.tokens)?;
         }
@@ -223,15 +241,41 @@ impl<B: Backend> Engine<B> {
         tokens: &[u32],
         with_logits: &[bool],
     ) -> Result<Vec<Readout>, EngineError> {
+        let launched = self.decode_launch(seqs, tokens, with_logits)?;
+        Ok(self.decode_collect(launched))
+    }
+
+    /// [`Engine::decode_readout`] in two halves, so the caller can do its own work while
+    /// the device computes: this one issues the step (the sequences' lengths advance) and
+    /// returns without waiting for a GPU engine's device, unless some sequence wants its
+    /// logits; [`Engine::decode_collect`] waits and reads the picks (8 bytes a
+    /// sequence). Until then the engine runs no other step (each would panic), but its
+    /// pages, reservations and transports may be used.
+    pub fn decode_launch(
+        &mut self,
+        seqs: &mut [&mut Sequence],
+        tokens: &[u32],
+        with_logits: &[bool],
+    ) -> Result<LaunchedDecode<B>, EngineError> {
         assert_eq!(seqs.len(), with_logits.len(), "one logits flag per sequence");
         let mut inputs = decode_inputs(seqs, tokens);
         let (plan, logit_rows, _) = self.plan_step(&mut inputs)?;
         let (model, state) = (&self.model, &mut self.cache.state);
-        let out = model.backend.enter(|| model.forward_readout(state, &plan, &logit_rows, with_logits));
+        let launched = model.backend.enter(|| model.launch_readout(state, &plan, &logit_rows, with_logits));
         for inp in inputs.iter_mut() {
             inp.seq.len += inp.tokens.len();
         }
-        Ok(out)
+        self.in_flight = true;
+        Ok(LaunchedDecode(launched))
+    }
+
+    /// The read-out of the step [`Engine::decode_launch`] issued, one per sequence in its
+    /// order.
+    pub fn decode_collect(&mut self, launched: LaunchedDecode<B>) -> Vec<Readout> {
+        let model = &self.model;
+        let out = model.backend.enter(|| model.collect_readout(launched.0));
+        self.in_flight = false;
+        out
     }
 
     /// A sequence's KV state as bytes (see [`crate::kv::ExportHeader`]).

@@ -39,7 +39,7 @@ pub mod sampling;
 pub mod staging;
 
 pub use device::{AnyEngine, Device, DeviceError};
-pub use engine::{Engine, EngineOptions, Logits, ProvidedKv, StepInput};
+pub use engine::{Engine, EngineOptions, LaunchedDecode, Logits, ProvidedKv, StepInput};
 pub use error::EngineError;
 #[cfg(feature = "cuda")]
 pub use kernels::cuda::CudaBackend;

@@ -94,6 +94,40 @@ fn decode_readout_gives_the_greedy_samplers_tokens_and_the_logits_asked_for() {
     }
 }
 
+/// A decode step launched and collected later gives what `decode_readout` gives, while
+/// the engine serves other sequences' pages in between (what a decode worker does while
+/// the device computes); the engine refuses to run another step before the collect.
+#[test]
+fn a_launched_decode_step_collects_what_decode_readout_returns() {
+    let mut a = engine_with(EntryDtype::F32, 32, 4);
+    let mut b = engine_with(EntryDtype::F32, 32, 4);
+    let (mut sa, mut sb, mut next) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, n) in [7usize, 140].into_iter().enumerate() {
+        let (mut x, mut y) = (a.open_sequence().unwrap(), b.open_sequence().unwrap());
+        next.push(argmax(&a.prefill(&mut x, &prompt(n, i as u32), Logits::Last).unwrap()));
+        b.prefill(&mut y, &prompt(n, i as u32), Logits::Last).unwrap();
+        sa.push(x);
+        sb.push(y);
+    }
+    for flags in [[false, false], [true, false]] {
+        let want = b.decode_readout(&mut sb.iter_mut().collect::<Vec<_>>(), &next, &flags).unwrap();
+        let launched = a.decode_launch(&mut sa.iter_mut().collect::<Vec<_>>(), &next, &flags).unwrap();
+        assert_eq!(sa.iter().map(|s| s.len()).collect::<Vec<_>>(), sb.iter().map(|s| s.len()).collect::<Vec<_>>());
+        // Page bookkeeping of another request while the step is out.
+        let reserved = a.reserve(300).unwrap();
+        a.release(reserved);
+        let got = a.decode_collect(launched);
+        assert_eq!(got, want, "flags {flags:?}");
+        next = got.iter().map(|r| r.token).collect();
+    }
+    let launched = a.decode_launch(&mut sa.iter_mut().collect::<Vec<_>>(), &next, &[false, false]).unwrap();
+    let second = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = a.decode(&mut sa.iter_mut().collect::<Vec<_>>(), &next);
+    }));
+    assert!(second.is_err(), "a step before the launched one is collected must be refused");
+    assert_eq!(a.decode_collect(launched).len(), 2, "the launched step is still collected");
+}
+
 #[test]
 fn one_step_can_mix_a_prefill_chunk_and_a_decode_token() {
     let mut e = engine_with(EntryDtype::F32, 32, 4);

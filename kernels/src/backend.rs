@@ -255,6 +255,24 @@ pub trait Backend: Send + Sync + 'static {
         assert_eq!(all.len(), rows * vocab, "greedy rows of a buffer that is not [rows, vocab]");
         all.chunks(vocab.max(1)).map(greedy_pick).collect()
     }
+    /// [`Backend::greedy_rows`] without waiting for the device where the backend can
+    /// (the CUDA backend issues its kernels and returns): [`Backend::greedy_rows_finish`]
+    /// reads the picks. By default the picks are made at once.
+    fn greedy_rows_start(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> GreedyPicks<Self::Buf> {
+        GreedyPicks::Ready(self.greedy_rows(logits, rows, vocab))
+    }
+    /// The picks [`Backend::greedy_rows_start`] made, read back where they are still on
+    /// the device (the one wait of a greedy decode step).
+    fn greedy_rows_finish(&self, picks: GreedyPicks<Self::Buf>) -> Vec<(u32, f32)> {
+        match picks {
+            GreedyPicks::Ready(picks) => picks,
+            GreedyPicks::OnDevice { buf, rows } => {
+                let words = self.download(&buf);
+                assert_eq!(words.len(), 2 * rows, "greedy picks buffer is not 2 values a row");
+                words.chunks(2).map(|p| (p[0].to_bits(), p[1])).collect()
+            }
+        }
+    }
     /// New buffer holding rows `rows` (each `width` long) of `src`, in that order.
     fn gather_rows(&self, src: &Self::Buf, width: usize, rows: &[usize]) -> Self::Buf;
     /// A weight as the checkpoint stores it (validated by the caller): device backends
@@ -542,6 +560,14 @@ pub fn log_normaliser(logits: &[f32]) -> (f64, f64) {
     let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let z = logits.iter().map(|&l| (l as f64 - m).exp()).sum::<f64>().ln();
     (m, z)
+}
+
+/// Greedy picks of a step's rows ([`Backend::greedy_rows_start`]): made already, or in a
+/// device buffer of `2 · rows` values holding each row's token and log-probability as
+/// f32 bits, to be read by [`Backend::greedy_rows_finish`].
+pub enum GreedyPicks<Buf> {
+    Ready(Vec<(u32, f32)>),
+    OnDevice { buf: Buf, rows: usize },
 }
 
 /// The greedy token of a row of logits and its log-probability, exactly as the engine's

@@ -7,11 +7,19 @@
 //! the MoE block. After the last layer the `hc_head` collapse, final norm and LM head
 //! run only on the rows whose logits the caller wants.
 
-use kernels::backend::{CompressorParams, Selection};
+use kernels::backend::{CompressorParams, GreedyPicks, Selection};
 use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
 
 use super::weights::{CompressorWeights, LayerWeights};
 use super::{Model, Readout};
+
+/// A step's read-out as [`Model::launch_readout`] leaves it: read already, or greedy picks
+/// a GPU backend is still computing.
+#[must_use = "collect the read-out (Model::collect_readout) before the next step"]
+pub enum LaunchedReadout<B: Backend> {
+    Read(Vec<Readout>),
+    Picks(GreedyPicks<B::Buf>),
+}
 
 impl<B: Backend> Model<B> {
     /// Run `plan` through the model, updating the KV state, and return the logits of
@@ -46,23 +54,37 @@ impl<B: Backend> Model<B> {
         logit_rows: &[usize],
         with_logits: &[bool],
     ) -> Vec<Readout> {
+        let launched = self.launch_readout(kv, plan, logit_rows, with_logits);
+        self.collect_readout(launched)
+    }
+
+    /// [`Model::forward_readout`] up to the point where the host must wait for the
+    /// device: every op of the step is issued (a GPU backend's greedy picks included) and
+    /// the step ended, and [`Model::collect_readout`] reads the picks back. A step where
+    /// some row wants its logits reads them here, before the step ends (the host needs
+    /// them to sample, so there is nothing to overlap).
+    pub fn launch_readout(
+        &self,
+        kv: &mut KvState<B>,
+        plan: &BatchPlan,
+        logit_rows: &[usize],
+        with_logits: &[bool],
+    ) -> LaunchedReadout<B> {
         assert_eq!(logit_rows.len(), with_logits.len(), "one logits flag per read-out row");
         let b = &self.backend;
         let vocab = self.config.vocab_size;
         b.begin_step(plan);
         let out = match self.step(kv, plan, logit_rows) {
-            Some(logits) => {
+            Some(logits) if with_logits.iter().any(|&w| w) => {
                 let picks = b.greedy_rows(&logits, logit_rows.len(), vocab);
                 let wanted: Vec<usize> = (0..logit_rows.len()).filter(|&i| with_logits[i]).collect();
-                let mut rows = if wanted.is_empty() {
-                    Vec::new()
-                } else if wanted.len() == logit_rows.len() {
+                let mut rows = if wanted.len() == logit_rows.len() {
                     b.download_parts(&logits, &vec![vocab; wanted.len()])
                 } else {
                     b.download_parts(&b.gather_rows(&logits, vocab, &wanted), &vec![vocab; wanted.len()])
                 }
                 .into_iter();
-                picks
+                let read = picks
                     .into_iter()
                     .zip(with_logits)
                     .map(|((token, logprob), &w)| Readout {
@@ -70,12 +92,28 @@ impl<B: Backend> Model<B> {
                         logprob,
                         logits: if w { rows.next() } else { None },
                     })
-                    .collect()
+                    .collect();
+                LaunchedReadout::Read(read)
             }
-            None => Vec::new(),
+            Some(logits) => LaunchedReadout::Picks(b.greedy_rows_start(&logits, logit_rows.len(), vocab)),
+            None => LaunchedReadout::Read(Vec::new()),
         };
         b.end_step();
         out
+    }
+
+    /// The read-out of a step [`Model::launch_readout`] issued: waits for the device where
+    /// the picks are still there (8 bytes a row).
+    pub fn collect_readout(&self, launched: LaunchedReadout<B>) -> Vec<Readout> {
+        match launched {
+            LaunchedReadout::Read(out) => out,
+            LaunchedReadout::Picks(picks) => self
+                .backend
+                .greedy_rows_finish(picks)
+                .into_iter()
+                .map(|(token, logprob)| Readout { token, logprob, logits: None })
+                .collect(),
+        }
     }
 
     /// The layers over `plan`, then the logits of `logit_rows` (`[n, vocab]`, None when

@@ -8,6 +8,7 @@ pub mod weights;
 use kernels::{Backend, EntryDtype, KvLayout, RopeTable};
 
 use crate::config::ModelConfig;
+pub use forward::LaunchedReadout;
 pub use weights::ModelWeights;
 
 /// What a step reads out of one logit row: its greedy token and that token's

@@ -1,8 +1,8 @@
 //! mHC on the GPU: the mixing product runs on the raw streams (the unweighted RMSNorm
 //! is one scalar per row, applied by the finishing kernel), then one block per row does
 //! the sigmoids, the Sinkhorn projection and the collapse. The product runs in `mix_rows`
-//! (few outputs, long rows, K split over blocks when rows are few) from 2 rows, in the
-//! gemv at one row.
+//! (few outputs, long rows, K split over blocks when rows are few) from 2 to 64 rows, in
+//! the gemv at one row, and through `matmul` (cuBLAS) for prefill-sized batches.
 
 use cudarc::driver::DeviceRepr;
 
@@ -45,7 +45,7 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
         WeightData::Bf16(d) => Some(("mix_rows_bf16", g.ptr(d))),
         WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
     };
-    if rows >= mix_rows_from()
+    if (mix_rows_from()..=mix_rows_upto()).contains(&rows)
         && w.rows <= MIX_ROWS_MAX_N
         && let Some((name, wp)) = kernel
     {
@@ -84,6 +84,17 @@ fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -
 fn mix_rows_from() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_MIX_ROWS_FROM").unwrap_or(2).clamp(1, GEMV_MAX_ROWS + 1))
+}
+
+/// Most rows the mixing product takes `mix_rows` for (`SLUICE_CUDA_MIX_ROWS_UPTO`, read
+/// once; default 64, the largest decode batch a CUDA graph records). Each of its blocks
+/// reads the whole weight (1.5 MB for V4's 24 × 16,384) for 4 rows and keeps 96
+/// accumulators a thread, so a prefill's 8,192 rows took 1.26 ms a call on `flash-bench`
+/// (10 of a 175 ms prefill); more rows go to `matmul`, i.e. a cuBLAS GEMM (f32 weights,
+/// no TF32) or the BF16 path.
+fn mix_rows_upto() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_MIX_ROWS_UPTO").unwrap_or(64).max(1))
 }
 
 /// K parts of a `mix_rows` launch: enough blocks for about two an SM when the row blocks

@@ -55,7 +55,9 @@ mod step_graph;
 mod upload;
 
 use crate::EntryDtype;
-use crate::backend::{Backend, CompressorParams, HcHeadWeights, HcWeights, KvView, KvViewMut, MoeWeights, Selection};
+use crate::backend::{
+    Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, KvView, KvViewMut, MoeWeights, Selection,
+};
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -407,7 +409,16 @@ impl Backend for CudaBackend {
     }
 
     fn greedy_rows(&self, logits: &CudaBuf, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
-        self.prof("greedy_rows", || rows::greedy_rows(self, logits, rows, vocab))
+        let picks = self.greedy_rows_start(logits, rows, vocab);
+        self.greedy_rows_finish(picks)
+    }
+
+    fn greedy_rows_start(&self, logits: &CudaBuf, rows: usize, vocab: usize) -> GreedyPicks<CudaBuf> {
+        if rows == 0 {
+            return GreedyPicks::Ready(Vec::new());
+        }
+        let buf = self.prof("greedy_rows", || rows::greedy_rows_start(self, logits, rows, vocab));
+        GreedyPicks::OnDevice { buf, rows }
     }
 
     fn weight(&self, w: WeightView<'_>) -> CudaWeight {

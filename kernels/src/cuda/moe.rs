@@ -530,7 +530,7 @@ fn experts_routed_on_host(
     list.extend(per_expert.iter().flatten().map(|&(r, _)| r));
     list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
     let list_dev = g.upload(&list);
-    if grouped_experts(w) {
+    if grouped_experts(w) && !per_expert_on_cublas(w, total) {
         let e0 = &w.experts[0];
         g.traffic.add_flops(total * 2 * (2 * e0.w1.rows * e0.w1.cols + e0.w2.rows * e0.w2.cols));
         return experts_grouped(b, x, rows, w, &per_expert, &list, &list_dev, weights, out);
@@ -580,6 +580,21 @@ fn experts_routed_on_host(
         at += n;
     }
 }
+
+/// Whether the routed rows of BF16 experts run expert by expert through `matmul` (cuBLAS,
+/// `cublas_bf16.rs`) rather than as grouped `gemm_bf16` tiles: when the experts this
+/// device holds get at least [`PER_EXPERT_MIN_ROWS`] rows each on average (a prefill),
+/// where cuBLAS's several times higher rate outweighs a few launches an expert.
+/// `SLUICE_CUDA_CUBLAS_EXPERTS=0` keeps the tiles.
+fn per_expert_on_cublas(w: &MoeWeights<CudaBackend>, routed_rows: usize) -> bool {
+    let bf16 = |m: &super::CudaWeight| matches!(m.data, super::memory::WeightData::Bf16(_));
+    moe_cublas::enabled()
+        && routed_rows >= PER_EXPERT_MIN_ROWS * w.experts.len()
+        && w.experts.iter().all(|e| bf16(&e.w1) && bf16(&e.w3) && bf16(&e.w2))
+}
+
+/// Average routed rows an expert needs for [`per_expert_on_cublas`].
+const PER_EXPERT_MIN_ROWS: usize = 64;
 
 /// Whether every expert has the first one's format and shapes and the tensor-core kernel
 /// tiles their products.

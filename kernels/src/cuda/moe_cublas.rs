@@ -12,7 +12,9 @@
 //! (their slots are zero), so this path is for batches whose top-k choices can cover
 //! every expert ([`slot_rows`]).
 //!
-//! `SLUICE_CUDA_CUBLAS_EXPERTS=0` (read once) keeps the tensor-core gemv launches.
+//! `SLUICE_CUDA_CUBLAS_EXPERTS=0` (read once) keeps the tensor-core gemv launches (and,
+//! for prefill-sized batches, the grouped `gemm_bf16` tiles instead of one cuBLAS product
+//! an expert: `moe.rs::per_expert_on_cublas`).
 
 use std::ffi::c_void;
 
@@ -27,7 +29,7 @@ use crate::backend::MoeWeights;
 /// spent on padding.
 const MAX_SLOT_ROWS: usize = 8192;
 
-fn enabled() -> bool {
+pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_CUBLAS_EXPERTS").map(|v| v != "0").unwrap_or(true))
 }

@@ -61,24 +61,21 @@ pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &m
     }
 }
 
-/// Each row's greedy token and log-probability, picked on the device (cu/readout.cu):
-/// 8 bytes a row come back instead of the row.
-pub(crate) fn greedy_rows(b: &CudaBackend, logits: &CudaBuf, rows: usize, vocab: usize) -> Vec<(u32, f32)> {
+/// Each row's greedy token and log-probability, picked on the device (cu/readout.cu) into
+/// a buffer of 2 values a row (token and log-probability as f32 bits), without waiting:
+/// `Backend::greedy_rows_finish` reads 8 bytes a row back instead of the row.
+pub(crate) fn greedy_rows_start(b: &CudaBackend, logits: &CudaBuf, rows: usize, vocab: usize) -> CudaBuf {
     assert_eq!(logits.len, rows * vocab, "greedy rows of a buffer that is not [rows, vocab]");
-    if rows == 0 {
-        return Vec::new();
-    }
+    assert!(rows > 0, "greedy picks of no rows");
+    let out = b.alloc_buf(2 * rows);
     let g = &b.gpu;
-    let out = g.alloc::<u32>(2 * rows);
     let (parts, span) = greedy_parts(vocab);
     // `GreedyPart` in readout.cu: f32 value, i32 index, f64 sum (16 bytes).
     let part_results = g.alloc::<u64>(2 * rows * parts);
     let (lp, pr) = (g.ptr(&logits.mem), g.ptr(&part_results));
     launch!(g, "greedy_parts", cfg((parts as u32, rows as u32, 1), 256, 0), lp, vocab as i32, span as i32, pr);
-    launch!(g, "greedy_finish", cfg((rows as u32, 1, 1), 32, 0), lp, vocab as i32, pr, parts as i32, g.ptr(&out));
-    let mut host = vec![0u32; 2 * rows];
-    g.read(&out, 0, &mut host);
-    host.chunks(2).map(|p| (p[0], f32::from_bits(p[1]))).collect()
+    launch!(g, "greedy_finish", cfg((rows as u32, 1, 1), 32, 0), lp, vocab as i32, pr, parts as i32, g.ptr(&out.mem));
+    out
 }
 
 /// Parts a row of `vocab` logits is read in by `greedy_parts`, and the values each

@@ -50,8 +50,8 @@ fn cuda_bf16_products_on_cublas_match_cpu() {
     }
 }
 
-/// Routed BF16 experts of decode batches as cuBLAS batched products (9-64 rows; fewer
-/// take the gemv kernels) at flash-bench's shapes (8 experts of 1024, top 2, a BF16
+/// Routed BF16 experts on cuBLAS: decode batches as batched products (9-64 rows; fewer
+/// take the gemv kernels), a prefill-sized batch one product an expert at flash-bench's shapes (8 experts of 1024, top 2, a BF16
 /// shared expert), under top-k routing and hash routing whose table names an expert
 /// twice for even tokens, at two SwiGLU clamps, against the CPU.
 #[test]
@@ -87,8 +87,10 @@ fn cuda_bf16_experts_on_cublas_match_cpu() {
                 || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
             let gm = super::decode::experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
             let cm = super::decode::experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
-            for rows in [9, 16, 33, 64] {
-                assert!(g.cublas_experts(rows, &gm), "the experts of {rows} rows do not take cuBLAS");
+            // 9-64 rows: batched products over slots; 600: the routing read back and one
+            // product an expert (a prefill's path).
+            for rows in [9, 16, 33, 64, 600] {
+                assert!(rows > 64 || g.cublas_experts(rows, &gm), "the experts of {rows} rows do not take cuBLAS");
                 let x = rand_vec(&mut rng, rows * d, 1.0);
                 let tokens: Vec<u32> =
                     (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();

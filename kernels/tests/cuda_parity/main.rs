@@ -243,12 +243,20 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
     let d = 4096;
-    // Decode (gemv) and prefill-sized (mix_rows) mixing products; the mixing weight as
-    // stored in the checkpoints (f32) and in bf16; V4's 4 streams, and 6 (36 logits: the
-    // Sinkhorn rounds of a block, not a warp).
-    for (hc, mix_dtype, rows) in
-        [(4, "f32", 1), (4, "f32", 8), (4, "f32", 29), (4, "f32", 40), (4, "bf16", 1), (4, "bf16", 5), (6, "f32", 3)]
-    {
+    // Decode (gemv at one row, mix_rows up to 64) and prefill-sized (cuBLAS past 64 rows)
+    // mixing products; the mixing weight as stored in the checkpoints (f32) and in bf16;
+    // V4's 4 streams, and 6 (36 logits: the Sinkhorn rounds of a block, not a warp).
+    for (hc, mix_dtype, rows) in [
+        (4, "f32", 1),
+        (4, "f32", 8),
+        (4, "f32", 29),
+        (4, "f32", 40),
+        (4, "f32", 300),
+        (4, "bf16", 1),
+        (4, "bf16", 5),
+        (4, "bf16", 100),
+        (6, "f32", 3),
+    ] {
         let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, mix_dtype);
         let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
         // The same mHC weights on either backend.
