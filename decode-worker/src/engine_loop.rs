@@ -101,6 +101,10 @@ struct Running {
     constraint: Option<Constraint>,
 }
 
+/// Each running request's grammar mask for the token sampled after a step (`None`
+/// without a grammar).
+type Masks = Vec<Option<Result<Mask, crate::constraint::ConstraintError>>>;
+
 /// Send a failure to a request's client and mark its span failed.
 fn fail(events: &EventTx, span: &Span, status: Status) {
     span.record("otel.status_code", "ERROR");
@@ -416,12 +420,7 @@ impl<B: Backend> State<B> {
 
     /// A step whose grammar masks (for the tokens sampled after it) are computed on a
     /// helper thread while the engine runs it.
-    #[allow(clippy::type_complexity)]
-    fn step_with_masks(
-        &mut self,
-        tokens: &[u32],
-        with_logits: &[bool],
-    ) -> (Result<Vec<Readout>, EngineError>, Vec<Option<Result<Mask, crate::constraint::ConstraintError>>>) {
+    fn step_with_masks(&mut self, tokens: &[u32], with_logits: &[bool]) -> (Result<Vec<Readout>, EngineError>, Masks) {
         let (mut seqs, mut constraints): (Vec<&mut Sequence>, Vec<Option<&mut Constraint>>) =
             self.running.iter_mut().map(|r| (&mut r.seq, r.constraint.as_mut())).unzip();
         let engine = &mut self.engine;
@@ -435,11 +434,7 @@ impl<B: Backend> State<B> {
 
     /// Sample (or take the greedy pick of) every running request's token from the step's
     /// read-out, emit it, and let finished requests leave.
-    fn finish_step(
-        &mut self,
-        result: Result<Vec<Readout>, EngineError>,
-        mut masks: Vec<Option<Result<Mask, crate::constraint::ConstraintError>>>,
-    ) {
+    fn finish_step(&mut self, result: Result<Vec<Readout>, EngineError>, mut masks: Masks) {
         masks.resize_with(self.running.len(), || None);
         let readouts = match result {
             Ok(r) => r,
