@@ -291,8 +291,7 @@ impl CudaBackend {
         assert!(rows <= 32, "decode_matmul takes at most 32 rows");
         assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "decode_matmul shapes");
         let g = &self.gpu;
-        let x_stride = groups * w.cols;
-        let op = Operand { x: g.ptr(&x.mem), x_stride, out: g.ptr(&out.mem), out_stride: w.rows, rows, groups };
+        let op = Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
         matmul_as(g, op, w, decode_variant(variant));
     }
 
@@ -315,14 +314,7 @@ impl CudaBackend {
         };
         assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "cublas_bf16_matmul shapes");
         let g = &self.gpu;
-        let op = Operand {
-            x: g.ptr(&x.mem),
-            x_stride: groups * w.cols,
-            out: g.ptr(&out.mem),
-            out_stride: w.rows,
-            rows,
-            groups,
-        };
+        let op = Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
         cublas_bf16::product_as(g, op, w, mode);
     }
 

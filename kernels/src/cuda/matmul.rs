@@ -181,6 +181,14 @@ fn gemv_vectorised(op: &Operand, w: &CudaWeight) -> bool {
 const TC_KB: usize = 512;
 const TC_OUT: usize = 64;
 
+impl Operand {
+    /// `x[rows, groups · K]` times `w` (block-diagonal over `groups`) into `out[rows, N]`,
+    /// both contiguous.
+    pub(crate) fn contiguous(x: u64, out: u64, rows: usize, groups: usize, w: &CudaWeight) -> Operand {
+        Operand { x, x_stride: groups * w.cols, out, out_stride: w.rows, rows, groups }
+    }
+}
+
 /// Whether decode products may use the tensor-core gemv (`SLUICE_CUDA_TC_GEMV=0` keeps
 /// them on the SIMT kernels, for comparisons).
 fn tc_enabled() -> bool {
@@ -454,10 +462,7 @@ pub(crate) fn cublas_gemm(
     beta: f32,
 ) {
     let alpha = 1f32;
-    // cuBLAS issues its own launches: a recorded step's ops go first (`step_graph`).
-    gpu.flush_recording();
-    gpu.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let blas = gpu.blas.lock().expect("cuBLAS handle poisoned");
+    let blas = gpu.blas_call();
     // SAFETY: A is groups × (m × k) weights, B holds n rows of ldb values whose group g
     // starts at column g·k, C holds n rows of ldc values whose group g starts at g·m; all
     // are live device allocations of at least those sizes (the callers size them).

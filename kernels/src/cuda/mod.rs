@@ -547,17 +547,9 @@ impl Backend for CudaBackend {
         assert_eq!(x.len, rows * w.cols, "matmul input is not [rows, {}]", w.cols);
         assert_eq!(out.len, rows * w.rows, "matmul output is not [rows, {}]", w.rows);
         let g = &self.gpu;
-        let op = matmul::Operand {
-            x: g.ptr(&x.mem),
-            x_stride: w.cols,
-            out: g.ptr(&out.mem),
-            out_stride: w.rows,
-            rows,
-            groups: 1,
-        };
-        self.prof(if matmul::gemv_loops(g, rows, w.rows) { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || {
-            matmul::matmul(g, op, w)
-        });
+        let op = matmul::Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, 1, w);
+        let gemv = matmul::gemv_loops(g, rows, w.rows) && !cublas_bf16::takes(rows, w);
+        self.prof(if gemv { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || matmul::matmul(g, op, w));
     }
 
     fn grouped_matmul(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight, out: &mut CudaBuf) {
@@ -565,14 +557,7 @@ impl Backend for CudaBackend {
         assert_eq!(x.len, rows * groups * w.cols, "grouped_matmul input shape");
         assert_eq!(out.len, rows * w.rows, "grouped_matmul output shape");
         let g = &self.gpu;
-        let op = matmul::Operand {
-            x: g.ptr(&x.mem),
-            x_stride: groups * w.cols,
-            out: g.ptr(&out.mem),
-            out_stride: w.rows,
-            rows,
-            groups,
-        };
+        let op = matmul::Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
         self.prof("grouped_matmul", || matmul::matmul(g, op, w));
     }
 

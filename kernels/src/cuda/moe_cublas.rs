@@ -146,10 +146,7 @@ pub(crate) fn experts(
 /// `m` f32 outputs; `arrays` holds the device addresses of the A, B and C pointer arrays.
 fn batched(g: &Gpu, arrays: [u64; 3], (m, n, k): (usize, usize, usize), batch: usize) {
     let (alpha, beta) = (1f32, 0f32);
-    // cuBLAS issues its own launches: a recorded step's ops go first (`step_graph`).
-    g.flush_recording();
-    g.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let blas = g.blas.lock().expect("cuBLAS handle poisoned");
+    let blas = g.blas_call();
     // SAFETY: each pointer array holds `batch` device addresses of live allocations of
     // at least m·k (A), n·k (B) and n·m (C) elements, written by the caller's upload,
     // which is ordered before this call on the handle's stream.

@@ -285,6 +285,15 @@ impl Gpu {
         self.issue_segment(part);
     }
 
+    /// The cuBLAS handle for one library call, counted as a launch: cuBLAS issues its own
+    /// kernels, which a recording cannot hold, so a recorded step's ops are issued first
+    /// (and the rest of the step runs eagerly).
+    pub(crate) fn blas_call(&self) -> std::sync::MutexGuard<'_, cudarc::cublas::CudaBlas> {
+        self.flush_recording();
+        self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.blas.lock().expect("cuBLAS handle poisoned")
+    }
+
     /// Issue the recorded ops (replaying or capturing a graph where the record allows)
     /// and stop recording: what the step does from here on is issued as it comes.
     pub(crate) fn flush_recording(&self) {

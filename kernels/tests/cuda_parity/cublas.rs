@@ -73,14 +73,7 @@ fn cuda_bf16_experts_on_cublas_match_cpu() {
         weight(&mut rng, inter, d, 0.03, "bf16"),
     ];
     let bias = rand_vec(&mut rng, n_exp, 0.2);
-    let vocab: usize = 32;
-    let tid2eid: Vec<u32> = (0..vocab * k)
-        .map(|i| {
-            let (t, j) = (i / k, i % k);
-            let j = if t.is_multiple_of(2) && j == k - 1 { 0 } else { j };
-            ((t * 5 + j * 7) % n_exp) as u32
-        })
-        .collect();
+    let (vocab, tid2eid) = super::decode::hash_table_with_repeats(k, n_exp);
     for limit in [10.0f32, 2.0] {
         for hash in [false, true] {
             let routing =

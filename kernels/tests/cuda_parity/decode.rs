@@ -146,6 +146,20 @@ fn cuda_decode_v2_experts_match_cpu() {
     check_experts(g, &mut rng, (1024, 256, 64, 6), &[9, 21, 64]);
 }
 
+/// A hash-routing table over a 32-token vocabulary whose even tokens name their first
+/// expert twice (an expert list with repeats; row 0 of every test batch is token 0).
+pub(super) fn hash_table_with_repeats(k: usize, n_exp: usize) -> (usize, Vec<u32>) {
+    let vocab: usize = 32;
+    let tid2eid = (0..vocab * k)
+        .map(|i| {
+            let (t, j) = (i / k, i % k);
+            let j = if t.is_multiple_of(2) && j == k - 1 { 0 } else { j };
+            ((t * 5 + j * 7) % n_exp) as u32
+        })
+        .collect();
+    (vocab, tid2eid)
+}
+
 /// One MoE layer of (hidden, expert width, experts, top-k) under top-k and hash routing
 /// at two SwiGLU clamps, each batch size of `batches` both decode versions vs the CPU.
 fn check_experts(
@@ -164,16 +178,7 @@ fn check_experts(
     let shared =
         [weight(rng, inter, d, 0.03, "fp8"), weight(rng, d, inter, 0.05, "fp8"), weight(rng, inter, d, 0.03, "fp8")];
     let bias = rand_vec(rng, n_exp, 0.2);
-    // Hash rows: even tokens name their first expert twice (an expert list with repeats;
-    // row 0 of every batch is token 0).
-    let vocab: usize = 32;
-    let tid2eid: Vec<u32> = (0..vocab * k)
-        .map(|i| {
-            let (t, j) = (i / k, i % k);
-            let j = if t.is_multiple_of(2) && j == k - 1 { 0 } else { j };
-            ((t * 5 + j * 7) % n_exp) as u32
-        })
-        .collect();
+    let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
     for limit in [10.0f32, 2.0] {
         for hash in [false, true] {
             let routing =

@@ -5,15 +5,21 @@
 // are [n_exp, 2R, width]; `counts` and `offsets` are moe_lists' (rows per expert, first
 // list position), `list_rows` the row of each list position.
 
+// Element i of n_exp slots of R rows × width: its expert e, slot row s and column c.
+struct SlotAt {
+    int e, s, c;
+};
+__device__ __forceinline__ SlotAt slot_at(long long i, int slot_rows, int width) {
+    return SlotAt{(int)(i / ((long long)width * slot_rows)), (int)((i / width) % slot_rows), (int)(i % width)};
+}
+
 // x[rows, d] f32 → xs[n_exp, 2R, d] bf16 hi / lo halves of each expert's rows.
 extern "C" __global__ void moe_slots_split(u16* xs, const float* x, const int* counts, const int* offsets,
                                            const int* list_rows, int n_exp, int slot_rows, int d) {
     pdl_begin();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_exp * slot_rows * d) return;
-    const int c = (int)(i % d);
-    const int s = (int)((i / d) % slot_rows);
-    const int e = (int)(i / ((long long)d * slot_rows));
+    const auto [e, s, c] = slot_at(i, slot_rows, d);
     float v = 0.0f;
     if (s < counts[e]) v = x[(long long)list_rows[offsets[e] + s] * d + c];
     const u16 h = f2bf(v);
@@ -31,9 +37,7 @@ extern "C" __global__ void moe_slots_swiglu(u16* hs, const float* gu, const int*
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long per_expert = (long long)slot_rows * inter;
     if (i >= n_exp * per_expert) return;
-    const int c = (int)(i % inter);
-    const int s = (int)((i / inter) % slot_rows);
-    const int e = (int)(i / per_expert);
+    const auto [e, s, c] = slot_at(i, slot_rows, inter);
     const long long at = ((long long)e * 2 * slot_rows + s) * inter + c;
     const long long lo = (long long)slot_rows * inter;
     float h = 0.0f;
@@ -54,9 +58,7 @@ extern "C" __global__ void moe_slots_out(float* y, const float* ys, const int* c
     pdl_begin();
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)n_exp * slot_rows * d) return;
-    const int c = (int)(i % d);
-    const int s = (int)((i / d) % slot_rows);
-    const int e = (int)(i / ((long long)d * slot_rows));
+    const auto [e, s, c] = slot_at(i, slot_rows, d);
     if (s >= counts[e]) return;
     const long long at = ((long long)e * 2 * slot_rows + s) * d + c;
     y[(long long)(offsets[e] + s) * d + c] = ys[at] + ys[at + (long long)slot_rows * d];
