@@ -587,10 +587,7 @@ fn experts_routed_on_host(
 /// where cuBLAS's several times higher rate outweighs a few launches an expert.
 /// `SLUICE_CUDA_CUBLAS_EXPERTS=0` keeps the tiles.
 fn per_expert_on_cublas(w: &MoeWeights<CudaBackend>, routed_rows: usize) -> bool {
-    let bf16 = |m: &super::CudaWeight| matches!(m.data, super::memory::WeightData::Bf16(_));
-    moe_cublas::enabled()
-        && routed_rows >= PER_EXPERT_MIN_ROWS * w.experts.len()
-        && w.experts.iter().all(|e| bf16(&e.w1) && bf16(&e.w3) && bf16(&e.w2))
+    moe_cublas::enabled() && routed_rows >= PER_EXPERT_MIN_ROWS * w.experts.len() && moe_cublas::bf16_experts(w)
 }
 
 /// Average routed rows an expert needs for [`per_expert_on_cublas`].

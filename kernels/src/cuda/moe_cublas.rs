@@ -47,10 +47,14 @@ const MIN_ROWS: usize = 9;
 /// no waste on average) and at most [`MAX_SLOT_ROWS`] slot rows.
 pub(crate) fn slot_rows(rows: usize, most: usize, w: &MoeWeights<CudaBackend>) -> Option<usize> {
     let n_exp = w.experts.len();
-    let bf16 = |m: &super::CudaWeight| matches!(m.data, WeightData::Bf16(_));
-    let all_bf16 = w.experts.iter().all(|e| bf16(&e.w1) && bf16(&e.w3) && bf16(&e.w2));
     let fits = rows >= MIN_ROWS && rows * w.top_k >= n_exp && n_exp * most <= MAX_SLOT_ROWS && most > 0;
-    (enabled() && all_bf16 && fits).then_some(most)
+    (enabled() && bf16_experts(w) && fits).then_some(most)
+}
+
+/// Whether every routed expert this device holds is stored in BF16 (all three projections).
+pub(crate) fn bf16_experts(w: &MoeWeights<CudaBackend>) -> bool {
+    let bf16 = |m: &super::CudaWeight| matches!(m.data, WeightData::Bf16(_));
+    w.experts.iter().all(|e| bf16(&e.w1) && bf16(&e.w3) && bf16(&e.w2))
 }
 
 /// The routing lists `moe_lists` wrote: rows per expert, first list position of each,
