@@ -377,6 +377,19 @@ pub trait Backend: Send + Sync + 'static {
     fn buf_write(&self, buf: &mut Self::Buf, offset: usize, data: &[f32]);
     fn idx_download(&self, idx: &Self::Idx) -> Vec<i32>;
 
+    // ---- branches ------------------------------------------------------------------
+
+    /// Open a branch: the ops issued from here until [`Backend::to_main`] do not depend on
+    /// those issued from there until [`Backend::join`], so a backend may run the two runs
+    /// of ops at once (the CUDA backend does in the decode steps it replays as graphs: at
+    /// small batches both are chains of latency-bound kernels). Neither run may read what
+    /// the other writes. By default everything runs in order.
+    fn fork(&self) {}
+    /// The ops issued next form the branch's second run (see [`Backend::fork`]).
+    fn to_main(&self) {}
+    /// Close the branch: the ops issued next see both runs' results.
+    fn join(&self) {}
+
     // ---- row-wise ops ----------------------------------------------------------------
 
     /// `out[r, :] = table[plan.tokens[r], :]`: the first op of a step, which lays the
@@ -384,6 +397,16 @@ pub trait Backend: Send + Sync + 'static {
     fn embed(&self, table: &Self::Weight, plan: &BatchPlan, out: &mut Self::Buf);
     /// `out[rows, w.rows] = x[rows, w.cols] · wᵀ`.
     fn matmul(&self, x: &Self::Buf, rows: usize, w: &Self::Weight, out: &mut Self::Buf);
+    /// `outs[i][rows, ws[i].rows] = x[rows, K] · ws[i]ᵀ`: products of the same
+    /// activations (a layer's projections of its hidden state). One by one by default;
+    /// the CUDA backend issues few-row BF16 ones as one launch and splits x once for its
+    /// cuBLAS products.
+    fn matmul_many(&self, x: &Self::Buf, rows: usize, ws: &[&Self::Weight], outs: &mut [&mut Self::Buf]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_many needs one output per weight");
+        for (w, out) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul(x, rows, w, out);
+        }
+    }
     /// Block-diagonal product: `x[rows, groups * w.cols]`, `w[groups * g_out, w.cols]`;
     /// group `g` of the output is `x_g · w_gᵀ`.
     fn grouped_matmul(&self, x: &Self::Buf, rows: usize, groups: usize, w: &Self::Weight, out: &mut Self::Buf);

@@ -6,7 +6,8 @@
 #   BENCHES="old:SLUICE_CUDA_ATT_MMA_FROM=64,SLUICE_CUDA_MIX_ROWS_FROM=9 new:X=1 old2:... new2:X=1" \
 #   TESTS="cuda_parity parity:cuda cuda_conformance" tools/bench/knob_ab.sh   (device machine, repo root)
 #
-# BENCHES: label:VAR=value[,VAR=value…] (X=1 sets nothing that matters). TESTS: executable
+# BENCHES: label:VAR=value[,VAR=value…] (X=1 sets nothing that matters; BIN=DIR runs that
+# bench with the executables packed in DIR, e.g. an older build, instead). TESTS: executable
 # names from tools/bench/pack_device.sh, `exe:filter` to pass a filter. Env: B (executables,
 # default .device), MODEL (default /dev/shm/f8, written with the 8-layer Flash preset when
 # missing), KV (fp8), CTX (8192), BATCHES (1,8,16,64), STEPS (decode steps a point, 8),
@@ -23,8 +24,13 @@ t0=$SECONDS
 for spec in ${BENCHES:-}; do
   label=${spec%%:*}
   echo "=== bench $label (${spec#*:})" | tee -a "$L"
-  # shellcheck disable=SC2046 # the knobs are words on purpose
-  env $(echo "${spec#*:}" | tr ',' ' ') timeout 150 "$B/sluice" bench engine --device cuda:0 --model "$MODEL" \
+  knobs=$(echo "${spec#*:}" | tr ',' ' ')
+  exe=$B
+  for kv in $knobs; do
+    case $kv in BIN=*) exe=$(tools/bench/unpack_device.sh "${kv#BIN=}" "/tmp/b-$(basename "${kv#BIN=}")") ;; esac
+  done
+  # shellcheck disable=SC2046,SC2086 # the knobs are words on purpose
+  env $knobs timeout 150 "$exe/sluice" bench engine --device cuda:0 --model "$MODEL" \
     --kv-dtype "${KV:-fp8}" --prefill-tokens 8192 --contexts "${CTX:-8192}" --batches "${BATCHES:-1,8,16,64}" \
     --decode-steps "${STEPS:-8}" --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0 2>&1 |
     grep -E "^ +(prefill|context|[0-9])|CUDA graphs|error|panicked" | tee -a "$L"

@@ -177,18 +177,25 @@ impl<B: Backend> Model<B> {
         out
     }
 
+    /// Products of the same activations, in the order of `ws` (one launch on a GPU for
+    /// few rows: `Backend::matmul_many`).
+    fn project_many(&self, x: &B::Buf, rows: usize, ws: &[&B::Weight]) -> Vec<B::Buf> {
+        let mut outs: Vec<B::Buf> =
+            ws.iter().map(|w| self.backend.output(rows * self.backend.weight_shape(w).0)).collect();
+        self.backend.matmul_many(x, rows, ws, &mut outs.iter_mut().collect::<Vec<_>>());
+        outs
+    }
+
+    /// The compressor's step on its two projections of the layer input (`wkv`, `wgate`).
     fn run_compressor(
         &self,
         l: usize,
         branch: Branch,
         cw: &CompressorWeights<B>,
-        x: &B::Buf,
+        (proj_kv, proj_score): (B::Buf, B::Buf),
         kv: &mut KvState<B>,
         plan: &BatchPlan,
     ) {
-        let rows = plan.rows();
-        let proj_kv = self.project(x, rows, &cw.wkv);
-        let proj_score = self.project(x, rows, &cw.wgate);
         let p = CompressorParams {
             ape: &cw.ape,
             norm: &cw.norm,
@@ -208,29 +215,53 @@ impl<B: Backend> Model<B> {
         let rope = if kind == AttnKind::Window { &self.main_rope } else { &self.compress_rope };
         let pos = &plan.positions;
 
-        let mut qr = self.project(x, rows, &a.wq_a);
-        b.rms_norm(&mut qr, c.q_lora_rank, Some(&a.q_norm), eps);
-        let mut q = self.project(&qr, rows, &a.wq_b);
-        b.head_norm_rope(&mut q, h, hd, None, eps, pos, rope, None);
+        // Every projection of the layer input at once: wq_a, wkv, then the compressors'
+        // wkv and wgate and the indexer's weights_proj where the layer has them.
+        let mut ws = vec![&a.wq_a, &a.wkv];
+        if let Some(cw) = &a.compressor {
+            ws.extend([&cw.wkv, &cw.wgate]);
+        }
+        if let Some(ix) = &a.indexer {
+            ws.extend([&ix.compressor.wkv, &ix.compressor.wgate, &ix.weights_proj]);
+        }
+        let mut projections = self.project_many(x, rows, &ws).into_iter();
+        let mut next = || projections.next().expect("one projection per weight");
+        let (mut qr, mut new_kv) = (next(), next());
+        let main_compressed = a.compressor.as_ref().map(|_| (next(), next()));
+        let indexer_projections = a.indexer.as_ref().map(|_| ((next(), next()), next()));
 
+        b.rms_norm(&mut qr, c.q_lora_rank, Some(&a.q_norm), eps);
+        // The query and (CSA layers) the indexer's query, both from the normed q_lora.
+        let (mut q, indexer_q) = match &a.indexer {
+            Some(ix) => {
+                let [q, iq] = <[B::Buf; 2]>::try_from(self.project_many(&qr, rows, &[&a.wq_b, &ix.wq_b]))
+                    .unwrap_or_else(|_| unreachable!("two weights, two products"));
+                (q, Some(iq))
+            }
+            None => (self.project(&qr, rows, &a.wq_b), None),
+        };
+        // The compressors and the indexer (which read the projections and write the
+        // compressed pages) do not touch the query or the new entry: a branch, so a GPU
+        // may run the two chains of small kernels at once.
+        b.fork();
+        if let (Some(cw), Some(projs)) = (&a.compressor, main_compressed) {
+            self.run_compressor(l, Branch::Main, cw, projs, kv, plan);
+        }
+        let indexer = a.indexer.as_ref().zip(indexer_projections).zip(indexer_q);
+        let selection: Option<Selection<B>> = indexer.map(|((ix, (projs, mut iw)), mut iq)| {
+            self.run_compressor(l, Branch::Indexer, &ix.compressor, projs, kv, plan);
+            b.rope(&mut iq, c.index_heads, c.index_head_dim, pos, &self.compress_rope, false);
+            b.scale(&mut iw, c.index_weight_scale());
+            b.index_topk(&kv.view(), &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
+        });
+        b.to_main();
+        b.head_norm_rope(&mut q, h, hd, None, eps, pos, rope, None);
         // Normed, rotated, then rounded to exactly what the window ring will hold, so a
         // token attends to the same values whether it is in this chunk or a later one
         // (for fp8 that is each entry quantised with its own block scales, RoPE tail in
         // BF16).
-        let mut new_kv = self.project(x, rows, &a.wkv);
         b.head_norm_rope(&mut new_kv, 1, hd, Some(&a.kv_norm), eps, pos, rope, Some(&self.layout.layers[l].main));
-
-        if let Some(cw) = &a.compressor {
-            self.run_compressor(l, Branch::Main, cw, x, kv, plan);
-        }
-        let selection: Option<Selection<B>> = a.indexer.as_ref().map(|ix| {
-            self.run_compressor(l, Branch::Indexer, &ix.compressor, x, kv, plan);
-            let mut iq = self.project(&qr, rows, &ix.wq_b);
-            b.rope(&mut iq, c.index_heads, c.index_head_dim, pos, &self.compress_rope, false);
-            let mut iw = self.project(x, rows, &ix.weights_proj);
-            b.scale(&mut iw, c.index_weight_scale());
-            b.index_topk(&kv.view(), &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
-        });
+        b.join();
 
         let mut out = b.output(rows * h * hd);
         b.attention(

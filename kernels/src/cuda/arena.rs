@@ -99,6 +99,10 @@ struct Pieces {
     overflow: usize,
     /// The step's highest use of the region (temporaries + copies).
     peak: usize,
+    /// A recorded branch is open (`Gpu::fork`): temporaries freed now wait in `held`
+    /// until it joins, since the other stream of the branch may still be using them.
+    hold: bool,
+    held: Vec<(usize, usize)>,
 }
 
 impl ArenaState {
@@ -121,6 +125,20 @@ impl ArenaState {
         p.free.clear();
         p.overflow = 0;
         p.peak = 0;
+        p.hold = false;
+        p.held.clear();
+    }
+
+    /// Hold freed temporaries back from reuse (`true`, a branch opens) or hand the held
+    /// ones back (`false`, it joins).
+    pub(crate) fn hold(&self, on: bool) {
+        let mut p = self.lock();
+        p.hold = on;
+        if !on {
+            for (bytes, offset) in std::mem::take(&mut p.held) {
+                p.free.entry(bytes).or_default().push(offset);
+            }
+        }
     }
 
     /// Stop handing out pieces; returns (peak bytes used, bytes that did not fit).
@@ -180,6 +198,10 @@ impl ArenaState {
     fn give_back(&self, lease: &Lease) {
         let mut p = self.lock();
         if lease.upload || lease.generation != p.generation || !p.active {
+            return;
+        }
+        if p.hold {
+            p.held.push((lease.bytes, lease.offset));
             return;
         }
         p.free.entry(lease.bytes).or_default().push(lease.offset);
@@ -242,5 +264,22 @@ mod tests {
         assert!(arena.take(1, false).is_none(), "full");
         arena.end();
         assert!(arena.take(1, false).is_none(), "no step recording");
+    }
+
+    /// While a branch is open, a freed temporary is not handed out again (the branch's
+    /// other stream may still read it); at the join it is.
+    #[test]
+    fn pieces_freed_inside_a_branch_wait_for_its_join() {
+        let arena = ArenaState::new();
+        arena.begin(1 << 20);
+        let a = arena.take(1024, false).unwrap();
+        arena.hold(true);
+        arena.give_back(&a);
+        let b = arena.take(1024, false).unwrap();
+        assert_ne!(b.offset(), a.offset(), "reused inside the branch");
+        arena.hold(false);
+        let c = arena.take(1024, false).unwrap();
+        assert_eq!(c.offset(), a.offset(), "handed out again after the join");
+        arena.end();
     }
 }

@@ -25,7 +25,7 @@ use cudarc::cublas::sys::cudaDataType;
 
 use super::matmul::{Operand, cublas_gemm};
 use super::memory::{CudaWeight, WeightData};
-use super::runtime::{Gpu, cfg_elems, launch};
+use super::runtime::{DevBuf, Gpu, cfg_elems, launch};
 
 /// Most rows whose split activations are stacked into one product (the weight streamed
 /// once); more rows take two products (compute-bound: no double-height temporary).
@@ -76,28 +76,8 @@ pub(crate) fn product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
 
 /// [`product`] with the activations' precision given (the parity suite runs both).
 pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Bf16Activations) {
-    let WeightData::Bf16(weights) = &w.data else { panic!("cuBLAS BF16 products take BF16 weights") };
-    let (k, rows) = (w.cols, op.rows);
-    let cols = op.groups * k;
-    let g_out = w.rows / op.groups;
-    let a = gpu.ptr(weights);
-    let gemm = |b: u64, c: u64, ldc: usize, n: usize, beta: f32| {
-        cublas_gemm(
-            gpu,
-            a,
-            cudaDataType::CUDA_R_16BF,
-            b,
-            cudaDataType::CUDA_R_16BF,
-            cols,
-            c,
-            ldc,
-            g_out,
-            n,
-            k,
-            op.groups,
-            beta,
-        )
-    };
+    let rows = op.rows;
+    let cols = op.groups * w.cols;
     let n = rows * cols;
     match mode {
         Bf16Activations::Round => {
@@ -112,32 +92,77 @@ pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Bf16Activ
                 cols as i32,
                 op.x_stride as i32
             );
-            gemm(gpu.ptr(&xb), op.out, op.out_stride, rows, 0.0);
+            bf16_gemm(gpu, op, w, gpu.ptr(&xb), op.out, op.out_stride, rows, 0.0);
         }
         Bf16Activations::Split => {
-            // hi rows, then lo rows, in one buffer: the stacked product reads them as
-            // one operand of 2·rows rows.
-            let xs = gpu.alloc::<u16>(2 * n);
-            let (hi, lo) = (gpu.ptr(&xs), gpu.ptr(&xs) + 2 * n as u64);
-            launch!(gpu, "split_bf16", cfg_elems(n), hi, lo, op.x, rows as i32, cols as i32, op.x_stride as i32);
-            if rows <= STACKED_MAX_ROWS {
-                let halves = gpu.alloc::<f32>(2 * rows * w.rows);
-                gemm(hi, gpu.ptr(&halves), w.rows, 2 * rows, 0.0);
-                let outputs = rows * w.rows;
-                launch!(
-                    gpu,
-                    "sum_split_halves",
-                    cfg_elems(outputs),
-                    op.out,
-                    op.out_stride as i32,
-                    gpu.ptr(&halves),
-                    rows as i32,
-                    w.rows as i32
-                );
-            } else {
-                gemm(hi, op.out, op.out_stride, rows, 0.0);
-                gemm(lo, op.out, op.out_stride, rows, 1.0);
-            }
+            let xs = SplitRows::new(gpu, op.x, op.x_stride, rows, cols);
+            product_of_split(gpu, &xs, op, w);
         }
     }
+}
+
+/// f32 activation rows split into bf16 hi rows followed by lo rows in one buffer (the
+/// stacked product reads them as one operand of 2·rows rows).
+pub(crate) struct SplitRows {
+    buf: DevBuf<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl SplitRows {
+    pub(crate) fn new(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, cols: usize) -> SplitRows {
+        let n = rows * cols;
+        let buf = gpu.alloc::<u16>(2 * n);
+        let hi = gpu.ptr(&buf);
+        launch!(gpu, "split_bf16", cfg_elems(n), hi, hi + 2 * n as u64, x, rows as i32, cols as i32, x_stride as i32);
+        SplitRows { buf, rows, cols }
+    }
+}
+
+/// `out = x · Wᵀ` from x already split (`op.x` is not read).
+pub(crate) fn product_of_split(gpu: &Gpu, xs: &SplitRows, op: Operand, w: &CudaWeight) {
+    let (rows, cols) = (xs.rows, xs.cols);
+    assert_eq!((rows, cols), (op.rows, op.groups * w.cols), "split activations do not match the product");
+    let gemm = |b: u64, c: u64, ldc: usize, n: usize, beta: f32| bf16_gemm(gpu, op, w, b, c, ldc, n, beta);
+    let (hi, lo) = (gpu.ptr(&xs.buf), gpu.ptr(&xs.buf) + 2 * (rows * cols) as u64);
+    if rows <= STACKED_MAX_ROWS {
+        let halves = gpu.alloc::<f32>(2 * rows * w.rows);
+        gemm(hi, gpu.ptr(&halves), w.rows, 2 * rows, 0.0);
+        let outputs = rows * w.rows;
+        launch!(
+            gpu,
+            "sum_split_halves",
+            cfg_elems(outputs),
+            op.out,
+            op.out_stride as i32,
+            gpu.ptr(&halves),
+            rows as i32,
+            w.rows as i32
+        );
+    } else {
+        gemm(hi, op.out, op.out_stride, rows, 0.0);
+        gemm(lo, op.out, op.out_stride, rows, 1.0);
+    }
+}
+
+/// One cuBLAS product of `n` bf16 activation rows at `b` (rows `op.groups · K` apart) with
+/// the BF16 weight `w` into f32 rows at `c`, `ldc` apart: `c = b · Wᵀ + beta · c`.
+#[allow(clippy::too_many_arguments)]
+fn bf16_gemm(gpu: &Gpu, op: Operand, w: &CudaWeight, b: u64, c: u64, ldc: usize, n: usize, beta: f32) {
+    let WeightData::Bf16(weights) = &w.data else { panic!("cuBLAS BF16 products take BF16 weights") };
+    cublas_gemm(
+        gpu,
+        gpu.ptr(weights),
+        cudaDataType::CUDA_R_16BF,
+        b,
+        cudaDataType::CUDA_R_16BF,
+        op.groups * w.cols,
+        c,
+        ldc,
+        w.rows / op.groups,
+        n,
+        w.cols,
+        op.groups,
+        beta,
+    )
 }

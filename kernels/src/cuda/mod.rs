@@ -15,6 +15,7 @@
 //! - `download`: large device → host reads (logits) through two pinned buffers.
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, tensor-core tiles for prefill over stored formats.
+//! - `matmul_many`: products of the same activations in one launch (few rows) or one split.
 //! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
@@ -42,6 +43,7 @@ mod download;
 mod hc;
 mod kv_buffer;
 mod matmul;
+mod matmul_many;
 mod memory;
 mod moe;
 mod moe_cublas;
@@ -550,6 +552,29 @@ impl Backend for CudaBackend {
         let op = matmul::Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, 1, w);
         let gemv = matmul::gemv_loops(g, rows, w.rows) && !cublas_bf16::takes(rows, w);
         self.prof(if gemv { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || matmul::matmul(g, op, w));
+    }
+
+    fn fork(&self) {
+        self.gpu.fork()
+    }
+
+    fn to_main(&self) {
+        self.gpu.to_main()
+    }
+
+    fn join(&self) {
+        self.gpu.join()
+    }
+
+    fn matmul_many(&self, x: &CudaBuf, rows: usize, ws: &[&CudaWeight], outs: &mut [&mut CudaBuf]) {
+        assert_eq!(ws.len(), outs.len(), "matmul_many needs one output per weight");
+        let g = &self.gpu;
+        for (w, out) in ws.iter().zip(outs.iter()) {
+            assert_eq!(x.len, rows * w.cols, "matmul input is not [rows, {}]", w.cols);
+            assert_eq!(out.len, rows * w.rows, "matmul output is not [rows, {}]", w.rows);
+        }
+        let products: Vec<(&CudaWeight, u64)> = ws.iter().zip(outs.iter()).map(|(w, o)| (*w, g.ptr(&o.mem))).collect();
+        self.prof("matmul (many)", || matmul_many::matmul_many(g, g.ptr(&x.mem), rows, &products));
     }
 
     fn grouped_matmul(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight, out: &mut CudaBuf) {

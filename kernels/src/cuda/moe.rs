@@ -94,6 +94,24 @@ pub(crate) fn moe_as(
     if rows == 0 {
         return;
     }
+    // The shared expert first, as a branch beside the routed ones where both are chains
+    // of latency-bound kernels (a recorded step then runs them at once; otherwise this
+    // is just its place in the order).
+    let branch = rows <= moe_branch_rows();
+    let shared = w.shared.as_ref().filter(|_| !shared_rows.is_empty()).map(|shared| {
+        assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
+        if branch {
+            g.fork();
+        }
+        let y = b.prof("moe: shared", || {
+            let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
+            expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant)
+        });
+        if branch {
+            g.to_main();
+        }
+        y
+    });
     let (chosen, weights) = b.prof("moe: router", || {
         let logits = b.alloc_buf(rows * n_exp);
         let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
@@ -141,16 +159,22 @@ pub(crate) fn moe_as(
         g.read(&chosen, 0, &mut host);
         b.prof("moe: experts", || experts_routed_on_host(b, x, rows, w, &host, &weights, out, variant));
     }
-    if let Some(shared) = &w.shared
-        && !shared_rows.is_empty()
-    {
-        assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
-        b.prof("moe: shared", || {
-            let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
-            let y = expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant);
-            launch!(g, "add_into", cfg_elems(n * d), g.ptr(&out.mem) + at, g.ptr(&y.mem), (n * d) as i64);
-        });
+    if let Some(y) = shared {
+        if branch {
+            g.join();
+        }
+        let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
+        launch!(g, "add_into", cfg_elems(n * d), g.ptr(&out.mem) + at, g.ptr(&y.mem), (n * d) as i64);
     }
+}
+
+/// Most rows whose shared expert runs as a branch beside the routed experts
+/// (`SLUICE_CUDA_MOE_BRANCH_ROWS`, read once; default 1). At 8 rows on 20 Flash layers
+/// (FP8 shared expert, FP4 routed experts on the v2 kernels, each sized to fill the
+/// GPU once) running both at once made the step 4% slower; at one row it was faster.
+fn moe_branch_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_MOE_BRANCH_ROWS").unwrap_or(1))
 }
 
 /// Whether the batch's experts can run routed on the device: a decode batch (the gemv

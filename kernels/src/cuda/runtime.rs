@@ -61,6 +61,8 @@ const KERNELS: &[&str] = &[
     "gemv_bf16_r2",
     "gemv_bf16_r4",
     "gemv_bf16_r8",
+    "gemv_many_bf16_r1",
+    "gemv_many_bf16_r2",
     "gemv_fp8_r1",
     "gemv_fp8_r2",
     "gemv_fp8_r4",
@@ -241,7 +243,9 @@ pub(crate) struct Gpu {
     /// Kernel launches and library calls (cuBLAS, NCCL) issued, for the benchmark's
     /// launches per step.
     pub launches: AtomicU64,
-    scratch: Mutex<HashMap<&'static str, CudaSlice<u32>>>,
+    /// Persistent scratch by name, and whether it serves a recorded branch's side lane
+    /// (the two lanes may run at once, so each has its own).
+    scratch: Mutex<HashMap<(&'static str, bool), CudaSlice<u32>>>,
     /// Resident blocks per SM by (kernel, threads, dynamic shared memory).
     occupancy: Mutex<HashMap<(&'static str, u32, u32), usize>>,
     /// Device copies of small constant tables (per-expert weight pointers), by content.
@@ -338,7 +342,8 @@ impl Gpu {
     /// Device address of a u64 the kernels add weight bytes to where only the device
     /// knows what they read (experts routed on the device); see [`Gpu::take_device_traffic`].
     pub fn traffic_counter(&self) -> u64 {
-        self.scratch(DEVICE_TRAFFIC, 2)
+        // One counter for both lanes of a branch: the kernels add to it atomically.
+        self.scratch_of(DEVICE_TRAFFIC, 2, false)
     }
 
     /// The bytes added to [`Gpu::traffic_counter`] since the last call (waits for the
@@ -346,7 +351,7 @@ impl Gpu {
     pub fn take_device_traffic(&self) -> u64 {
         self.traffic_counter();
         let mut map = self.scratch.lock().expect("scratch map poisoned");
-        let buf = map.get_mut(DEVICE_TRAFFIC).expect("traffic counter allocated above");
+        let buf = map.get_mut(&(DEVICE_TRAFFIC, false)).expect("traffic counter allocated above");
         let mut words = [0u32; 2];
         self.read(buf, 0, &mut words);
         self.memset_zero(buf);
@@ -360,8 +365,13 @@ impl Gpu {
     /// and no allocations for them. One stream orders every use, so a regrown buffer's
     /// predecessor is freed only after the kernels that used it.
     pub fn scratch(&self, name: &'static str, len: usize) -> u64 {
+        self.scratch_of(name, len, self.on_side_lane())
+    }
+
+    /// [`Gpu::scratch`] of one lane of a recorded branch (`side`), or the main lane's.
+    fn scratch_of(&self, name: &'static str, len: usize, side: bool) -> u64 {
         let mut map = self.scratch.lock().expect("scratch map poisoned");
-        let buf = map.entry(name).or_insert_with(|| self.zeros_owned::<u32>(len));
+        let buf = map.entry((name, side)).or_insert_with(|| self.zeros_owned::<u32>(len));
         if buf.len() < len {
             let old = std::mem::replace(buf, self.zeros_owned::<u32>(len.next_power_of_two()));
             // Recorded ops may still name the old buffer.
@@ -681,10 +691,12 @@ impl Gpu {
         // per kernel parameter to a live value of the parameter's C type (the call site
         // establishes this, and the parity suite checks it on a GPU); buffers passed are
         // live device allocations of the sizes the kernel indexes; the stream is ours.
-        unsafe { self.launch_now(func, cfg, args) }.unwrap_or_else(|e| fail(&format!("launch of {name}"), e));
+        unsafe { self.launch_now(func, cfg, args, self.stream.cu_stream()) }
+            .unwrap_or_else(|e| fail(&format!("launch of {name}"), e));
     }
 
-    /// Launch `func` on the stream now, with programmatic dependent launch where on.
+    /// Launch `func` on `stream` (the backend's, or a recorded branch's side stream) now,
+    /// with programmatic dependent launch where on.
     ///
     /// # Safety
     /// `func` is a kernel of this context and `args` one pointer per parameter to a live
@@ -694,6 +706,7 @@ impl Gpu {
         func: cudarc::driver::sys::CUfunction,
         cfg: cudarc::driver::LaunchConfig,
         args: &mut [*mut std::ffi::c_void],
+        stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), cudarc::driver::DriverError> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread()?;
@@ -710,7 +723,7 @@ impl Gpu {
             blockDimY: cfg.block_dim.1,
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: stream,
             attrs: &mut attr,
             numAttrs: u32::from(self.pdl),
         };

@@ -15,6 +15,16 @@
 //! are exactly those this step computed, and everything else the kernels read comes
 //! from device memory (the plan's positions and pages, the KV state, the weights).
 //!
+//! Branches: between [`Gpu::fork`] and [`Gpu::join`] a step's ops are recorded on two
+//! lanes — the side lane from the fork, the main lane again from [`Gpu::to_main`] — for
+//! work that does not depend on each other (a layer's compressors and indexer beside its
+//! query's norms, the shared expert beside the routed ones). A captured graph runs the
+//! lanes on two streams joined by the graph's edges, so at small batches two chains of
+//! latency-bound kernels overlap; a segment issued as recorded runs every op on the one
+//! stream in recorded order (a valid order of the same work). Temporaries freed inside a
+//! branch are not reused before its join (`ArenaState::hold`), and a segment never ends
+//! inside one (a flush joins it first).
+//!
 //! A step is not replayed when something in it cannot be recorded (a read back, a
 //! cuBLAS call, a copy from the host into an existing buffer: the record is issued at
 //! that point and the rest of the step runs eagerly), when the arena overflowed (the
@@ -56,11 +66,36 @@ pub(crate) fn graphs_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GRAPHS").map_or(true, |v| v != "0"))
 }
 
+/// Whether recorded steps keep the model's branches (`SLUICE_CUDA_BRANCHES`, on unless
+/// `0`; read once): off, every op is recorded on the main lane.
+fn branches_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_BRANCHES").map_or(true, |v| v != "0"))
+}
+
 /// One recorded device op.
 enum Op {
-    Launch { func: usize, cfg: LaunchConfig, params: Vec<u64>, offsets: Vec<usize> },
-    Memset { dst: u64, bytes: usize },
-    Copy { dst: u64, src: u64, bytes: usize },
+    Launch {
+        func: usize,
+        cfg: LaunchConfig,
+        params: Vec<u64>,
+        offsets: Vec<usize>,
+    },
+    Memset {
+        dst: u64,
+        bytes: usize,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+    },
+    /// The ops that follow go on the side lane, after everything before.
+    Fork,
+    /// The ops that follow go on the main lane again (the side lane runs on).
+    Main,
+    /// The main lane waits for the side lane.
+    Join,
 }
 
 #[derive(Default)]
@@ -68,6 +103,22 @@ struct Recording {
     ops: Vec<Op>,
     /// Something in the step makes its record unfit for a graph.
     spoiled: bool,
+    /// A branch is open (a Fork without its Join).
+    forked: bool,
+    /// Ops recorded now go on the side lane (after a Fork, before its Main or Join).
+    on_side: bool,
+}
+
+impl Recording {
+    /// Close an open branch (before the record is issued: a segment holds whole ones).
+    fn join(&mut self, arena: &ArenaState) {
+        if self.forked {
+            self.ops.push(Op::Join);
+            self.forked = false;
+            self.on_side = false;
+            arena.hold(false);
+        }
+    }
 }
 
 /// A captured step.
@@ -110,6 +161,8 @@ pub(crate) struct Steps {
     cache: Mutex<Cache>,
     /// Scratch buffers replaced while a step was recorded, kept until its ops are issued.
     graveyard: Mutex<Vec<CudaSlice<u32>>>,
+    /// The second stream a captured branch's side lane runs on (made at the first).
+    side: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
     stats: [AtomicU64; 5],
 }
 
@@ -123,6 +176,7 @@ impl Steps {
             rec: Mutex::new(None),
             cache: Mutex::new(Cache::default()),
             graveyard: Mutex::new(Vec::new()),
+            side: std::sync::OnceLock::new(),
             stats: Default::default(),
         }
     }
@@ -251,12 +305,53 @@ impl Gpu {
         true
     }
 
+    /// Open a branch: the ops recorded next go on the side lane. Nothing happens when no
+    /// step is recording (eager ops run on the one stream in order).
+    pub(crate) fn fork(&self) {
+        if !branches_enabled() {
+            return;
+        }
+        let mut rec = self.steps.rec.lock().expect("recording poisoned");
+        let Some(r) = rec.as_mut() else { return };
+        assert!(!r.forked, "a branch opened inside another");
+        r.ops.push(Op::Fork);
+        r.forked = true;
+        r.on_side = true;
+        self.steps.arena.hold(true);
+    }
+
+    /// Whether the op being recorded goes on a branch's side lane.
+    pub(crate) fn on_side_lane(&self) -> bool {
+        self.steps.rec.lock().expect("recording poisoned").as_ref().is_some_and(|r| r.on_side)
+    }
+
+    /// The ops recorded next go on the main lane again, beside the side lane's.
+    pub(crate) fn to_main(&self) {
+        let mut rec = self.steps.rec.lock().expect("recording poisoned");
+        if let Some(r) = rec.as_mut().filter(|r| r.forked) {
+            r.ops.push(Op::Main);
+            r.on_side = false;
+        }
+    }
+
+    /// Close the branch: what follows waits for both lanes.
+    pub(crate) fn join(&self) {
+        let mut rec = self.steps.rec.lock().expect("recording poisoned");
+        let Some(r) = rec.as_mut().filter(|r| r.forked) else { return };
+        r.join(&self.steps.arena);
+        if r.ops.len() >= segment_ops() {
+            let full = std::mem::take(r);
+            drop(rec);
+            self.issue_segment(full);
+        }
+    }
+
     /// Keep `op` in the recording `rec` holds; a full segment is issued (the device starts
     /// on it while the host records the next).
     fn keep(&self, mut rec: std::sync::MutexGuard<'_, Option<Recording>>, op: Op) {
         let Some(r) = rec.as_mut() else { return };
         r.ops.push(op);
-        if r.ops.len() >= segment_ops() {
+        if r.ops.len() >= segment_ops() && !r.forked {
             let full = std::mem::take(r);
             drop(rec);
             self.issue_segment(full);
@@ -280,6 +375,7 @@ impl Gpu {
     pub(crate) fn cut_segment(&self) {
         let mut rec = self.steps.rec.lock().expect("recording poisoned");
         let Some(r) = rec.as_mut() else { return };
+        r.join(&self.steps.arena);
         let part = std::mem::take(r);
         drop(rec);
         self.issue_segment(part);
@@ -297,7 +393,8 @@ impl Gpu {
     /// Issue the recorded ops (replaying or capturing a graph where the record allows)
     /// and stop recording: what the step does from here on is issued as it comes.
     pub(crate) fn flush_recording(&self) {
-        let Some(rec) = self.steps.rec.lock().expect("recording poisoned").take() else { return };
+        let Some(mut rec) = self.steps.rec.lock().expect("recording poisoned").take() else { return };
+        rec.join(&self.steps.arena);
         self.issue_segment(rec);
     }
 
@@ -360,8 +457,24 @@ impl Gpu {
     /// driver refuses: the caller then issues them).
     fn capture(&self, ops: &[Op]) -> Option<CudaGraph> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        let side = self.side_stream();
         let result = self.stream.begin_capture(mode).and_then(|()| {
-            let issued = ops.iter().try_for_each(|op| self.issue(op));
+            let mut on_side = false;
+            let issued = ops.iter().try_for_each(|op| match op {
+                Op::Fork => {
+                    on_side = true;
+                    side.as_ref().map_or(Ok(()), |s| s.join(&self.stream))
+                }
+                Op::Main => {
+                    on_side = false;
+                    Ok(())
+                }
+                Op::Join => {
+                    on_side = false;
+                    side.as_ref().map_or(Ok(()), |s| self.stream.join(s))
+                }
+                _ => self.issue(op, if on_side { side.as_deref() } else { None }),
+            });
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             issued.and(graph)
         });
@@ -375,21 +488,37 @@ impl Gpu {
         }
     }
 
-    fn issue_all(&self, ops: &[Op]) {
-        for op in ops {
-            self.issue(op).unwrap_or_else(|e| fail("issuing a recorded op", e));
+    /// The side lane's stream (None, and branches run on one stream, if it cannot be made).
+    fn side_stream(&self) -> Option<Arc<cudarc::driver::CudaStream>> {
+        if let Some(s) = self.steps.side.get() {
+            return Some(s.clone());
+        }
+        match self.stream.fork() {
+            Ok(s) => Some(self.steps.side.get_or_init(|| s).clone()),
+            Err(e) => {
+                tracing::warn!(error = ?e, "no second stream for recorded branches; they run in order");
+                None
+            }
         }
     }
 
-    fn issue(&self, op: &Op) -> Result<(), cudarc::driver::DriverError> {
-        let stream = self.stream.cu_stream();
+    /// Every op on the main stream in recorded order (branch markers need nothing there).
+    fn issue_all(&self, ops: &[Op]) {
+        for op in ops {
+            self.issue(op, None).unwrap_or_else(|e| fail("issuing a recorded op", e));
+        }
+    }
+
+    /// One op on `side`, or on the main stream.
+    fn issue(&self, op: &Op, side: Option<&cudarc::driver::CudaStream>) -> Result<(), cudarc::driver::DriverError> {
+        let stream = side.unwrap_or(&self.stream).cu_stream();
         match op {
             Op::Launch { func, cfg, params, offsets } => {
                 let mut args: Vec<*mut std::ffi::c_void> =
                     offsets.iter().map(|&o| params[o..].as_ptr() as *mut std::ffi::c_void).collect();
                 // SAFETY: the function and arguments are those a launch of this step
                 // recorded (the values copied at record time, one pointer per parameter).
-                unsafe { self.launch_now(*func as sys::CUfunction, *cfg, &mut args) }
+                unsafe { self.launch_now(*func as sys::CUfunction, *cfg, &mut args, stream) }
             }
             // SAFETY: the ranges are those the recording calls were given: live device
             // memory of this context (arena pieces live as long as the arena).
@@ -397,6 +526,7 @@ impl Gpu {
             Op::Copy { dst, src, bytes } => unsafe {
                 cudarc::driver::result::memcpy_dtod_async(*dst, *src, *bytes, stream)
             },
+            Op::Fork | Op::Main | Op::Join => Ok(()),
         }
     }
 }
@@ -416,6 +546,9 @@ fn record_key(ops: &[Op]) -> Vec<u64> {
             }
             Op::Memset { dst, bytes } => key.extend_from_slice(&[2, *dst, *bytes as u64]),
             Op::Copy { dst, src, bytes } => key.extend_from_slice(&[3, *dst, *src, *bytes as u64]),
+            Op::Fork => key.push(4),
+            Op::Main => key.push(5),
+            Op::Join => key.push(6),
         }
     }
     key
@@ -444,7 +577,24 @@ mod tests {
         other_func[0] = launch(3, 4, &[10, 20]);
         let mut longer = base();
         longer.push(Op::Copy { dst: 1, src: 2, bytes: 3 });
-        for (what, ops) in [("argument", other_arg), ("grid", other_grid), ("function", other_func), ("ops", longer)] {
+        let branch = || {
+            let mut ops = base();
+            ops.insert(1, Op::Fork);
+            ops.insert(3, Op::Join);
+            ops
+        };
+        let branched = branch();
+        let mut on_main = branch();
+        on_main.insert(2, Op::Main);
+        assert_ne!(record_key(&branched), record_key(&base()));
+        for (what, ops) in [
+            ("argument", other_arg),
+            ("grid", other_grid),
+            ("function", other_func),
+            ("ops", longer),
+            ("branch", branched),
+            ("lane", on_main),
+        ] {
             assert_ne!(record_key(&base()), record_key(&ops), "a different {what}");
         }
     }

@@ -299,6 +299,24 @@ impl<B: Backend> Backend for Sharded<B> {
         ops::each_rows(self, x, rows, out, |r, b, xr, n, o| b.matmul(xr, n, w.on(r), o))
     }
 
+    fn fork(&self) {
+        self.ranks.iter().for_each(B::fork)
+    }
+
+    fn to_main(&self) {
+        self.ranks.iter().for_each(B::to_main)
+    }
+
+    fn join(&self) {
+        self.ranks.iter().for_each(B::join)
+    }
+
+    fn matmul_many(&self, x: &ShardBuf<B>, rows: usize, ws: &[&ShardWeight<B>], outs: &mut [&mut ShardBuf<B>]) {
+        ops::each_rows_many(self, x, rows, outs, |r, b, xr, n, os| {
+            b.matmul_many(xr, n, &ws.iter().map(|w| w.on(r)).collect::<Vec<_>>(), os)
+        })
+    }
+
     fn grouped_matmul(&self, x: &ShardBuf<B>, rows: usize, groups: usize, w: &ShardWeight<B>, out: &mut ShardBuf<B>) {
         ops::each_rows(self, x, rows, out, |r, b, xr, n, o| b.grouped_matmul(xr, n, groups, w.on(r), o))
     }

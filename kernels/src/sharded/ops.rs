@@ -44,6 +44,33 @@ pub(super) fn each_rows<B: Backend>(
     }
 }
 
+/// [`each_rows`] with several outputs, each getting `x`'s rows: `f(rank, device, x part,
+/// rows there, the outputs' parts)`.
+pub(super) fn each_rows_many<B: Backend>(
+    s: &Sharded<B>,
+    x: &ShardBuf<B>,
+    rows: usize,
+    outs: &mut [&mut ShardBuf<B>],
+    mut f: impl FnMut(usize, &B, &B::Buf, usize, &mut [&mut B::Buf]),
+) {
+    let (split, parts) = x.rows_at(rows);
+    for out in outs.iter_mut() {
+        prepare(s, out, &split);
+    }
+    let mut per_rank: Vec<Vec<&mut B::Buf>> = s.ranks.iter().map(|_| Vec::with_capacity(outs.len())).collect();
+    for out in outs.iter_mut() {
+        for (r, part) in out.rows_mut().1.iter_mut().enumerate() {
+            per_rank[r].push(part);
+        }
+    }
+    for (r, (b, (xr, os))) in s.ranks.iter().zip(parts.iter().zip(per_rank.iter_mut())).enumerate() {
+        let n = split.count(r);
+        if n > 0 {
+            f(r, b, xr, n, os);
+        }
+    }
+}
+
 /// `f(rank, device, part)` on every device holding rows of `x`.
 pub(super) fn each_in_place<B: Backend>(
     s: &Sharded<B>,

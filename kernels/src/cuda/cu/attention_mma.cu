@@ -31,25 +31,97 @@
 
 __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
-// Dims d0 .. d0+7 of the fp8 entry record at `e` as 8 bf16, exactly (a code times a
-// power of two needs 4 significant bits). d0, n8 = dim - tail and the tail are
-// multiples of 8 (use_mma checks), so a piece is all codes or all BF16 tail, and every
-// load is 8-byte aligned (records are).
-__device__ __forceinline__ uint4 fp8_piece_bf16(const u8* e, int n8, int tail, int d0) {
-    if (d0 >= n8) {
-        const u8* t = e + n8 + 2 * (d0 - n8);
-        const uint2 a = *(const uint2*)t, b = *(const uint2*)(t + 8);
-        return make_uint4(a.x, a.y, b.x, b.y);
-    }
-    const uint2 q = *(const uint2*)(e + d0);
-    const float s = ue8m0_scale(e[n8 + 2 * tail + d0 / FP8_BLOCK]);
-    u32 w[4];
+// A thread's share of one tile's keys: TC_KEYS × head_dim / 8 pieces of 16 bytes over
+// 256 threads is at most 4 each (head_dim ≤ 512).
+#define TC_PIECES 4
+
+// One 16-byte piece of a key tile as fetched from global memory, before its conversion
+// to bf16. A tile's pieces are fetched while the tile before it is multiplied: a piece's
+// place is a chain of dependent loads (the selection, the page table, then the entry),
+// and with one block an SM nothing else hides that chain if it runs between two barriers.
+struct KeyPiece {
+    uint4 a;  // bf16 entry: 8 values; fp8 entry: codes in a.x, a.y (or 8 BF16 tail values); new_kv: 4 f32
+    uint4 b;  // new_kv: the next 4 f32
+    int how;  // PIECE_*; for PIECE_FP8 the ue8m0 scale code in bits 8..15
+};
+#define PIECE_NONE 0
+#define PIECE_F32 1
+#define PIECE_BF16 2
+#define PIECE_FP8 3
+
+// Issue the loads of this thread's pieces of the tile of keys jt .. jt+nt-1.
+__device__ __forceinline__ void fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnGeom& g, int jt, int nt, int t,
+                                           int n_win, const int* seq, const u32* pages, const int* sel_row,
+                                           const float* new_kv, const u8* rings, const u8* page_base) {
+    const int chunks = g.hd >> 3;
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const u32 word = (j < 2 ? q.x : q.y) >> (16 * (j & 1));
-        w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
+    for (int u = 0; u < TC_PIECES; u++) {
+        const int i = threadIdx.x + u * 256, kk = i / chunks, c = i - kk * chunks;
+        p[u].how = PIECE_NONE;
+        if (kk >= nt) continue;  // also every i past the tile
+        long long off = 0;
+        const int kind = key_source(g, jt + kk, t, n_win, seq, pages, sel_row, &off);
+        if (kind == 0) {
+            p[u].a = *(const uint4*)(new_kv + off + c * 8);
+            p[u].b = *(const uint4*)(new_kv + off + c * 8 + 4);
+            p[u].how = PIECE_F32;
+        } else if (kind == 1 || kind == 2) {
+            const u8* base = kind == 1 ? rings : page_base;
+            if (g.dtype == DTYPE_BF16) {
+                p[u].a = *(const uint4*)((const u16*)base + off + c * 8);
+                p[u].how = PIECE_BF16;
+                continue;
+            }
+            // FP8 record: n8 codes, then the BF16 tail, then one scale code per FP8_BLOCK.
+            // d0, n8 and the tail are multiples of 8 (use_mma checks), so a piece is all
+            // codes or all tail, and every load is 8-byte aligned (records are).
+            const u8* e = base + off;
+            const int n8 = g.hd - g.tail, d0 = c * 8;
+            if (d0 >= n8) {
+                const u8* tl = e + n8 + 2 * (d0 - n8);
+                const uint2 x = *(const uint2*)tl, y = *(const uint2*)(tl + 8);
+                p[u].a = make_uint4(x.x, x.y, y.x, y.y);
+                p[u].how = PIECE_BF16;
+            } else {
+                const uint2 x = *(const uint2*)(e + d0);
+                p[u].a = make_uint4(x.x, x.y, 0u, 0u);
+                p[u].how = PIECE_FP8 | ((int)e[n8 + 2 * g.tail + d0 / FP8_BLOCK] << 8);
+            }
+        }
     }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Convert this thread's fetched pieces to bf16 (exactly: an fp8 code times a power of two
+// needs 4 significant bits) into the tile buffer; missing keys (past the end, unselected)
+// become 0.
+__device__ __forceinline__ void store_tile(const KeyPiece (&p)[TC_PIECES], u16* kb, int hd) {
+    const int chunks = hd >> 3;
+#pragma unroll
+    for (int u = 0; u < TC_PIECES; u++) {
+        const int i = threadIdx.x + u * 256, kk = i / chunks, c = i - kk * chunks;
+        if (kk >= TC_KEYS) continue;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        const int how = p[u].how & 0xff;
+        if (how == PIECE_BF16) {
+            v = p[u].a;
+        } else if (how == PIECE_F32) {
+            const uint4 a = p[u].a, b = p[u].b;
+            v = make_uint4(pack_bf16x2(f2bf(__uint_as_float(a.x)), f2bf(__uint_as_float(a.y))),
+                           pack_bf16x2(f2bf(__uint_as_float(a.z)), f2bf(__uint_as_float(a.w))),
+                           pack_bf16x2(f2bf(__uint_as_float(b.x)), f2bf(__uint_as_float(b.y))),
+                           pack_bf16x2(f2bf(__uint_as_float(b.z)), f2bf(__uint_as_float(b.w))));
+        } else if (how == PIECE_FP8) {
+            const float s = ue8m0_scale((u32)(p[u].how >> 8) & 0xffu);
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const u32 word = (j < 2 ? p[u].a.x : p[u].a.y) >> (16 * (j & 1));
+                w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
+            }
+            v = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        *(uint4*)(kb + kk * TC_KSTRIDE + c * 8) = v;
+    }
 }
 
 // (a, b) ≈ (hi + lo) per element, both halves packed as bf16 pairs.
@@ -99,6 +171,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
     const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
 
+    KeyPiece pc[TC_PIECES];
+    if (j0 < j1) fetch_tile(pc, g, j0, min(TC_KEYS, j1 - j0), t, n_win, seq, pages, sel_row, new_kv, rings, page_base);
+
     // This warp's q fragments (rows: heads gid and gid + 8 of its group; columns: its dims).
     u32 qh[TC_KSTEPS_MAX][4], ql[TC_KSTEPS_MAX][4];
     {
@@ -127,33 +202,18 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     // Softmax state: 8 threads per head, two keys of each tile per thread.
     const int sh = threadIdx.x >> 3, sk = (threadIdx.x & 7) * 2;
     float m_run = NEG_INF, s_run = 0.0f;
-    const int chunks = g.hd >> 3;  // 16-byte pieces of one key
 
     int buf = 0;
     for (int jt = j0; jt < j1; jt += TC_KEYS, buf ^= 1) {
         const int nt = min(TC_KEYS, j1 - jt);
         u16* kb = kt[buf];
-        // 1. Keys into shared memory as bf16; missing keys (past the end, unselected) as 0.
-        for (int i = threadIdx.x; i < TC_KEYS * chunks; i += blockDim.x) {
-            const int kk = i / chunks, c = i - kk * chunks;
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (kk < nt) {
-                long long off = 0;
-                const int kind = key_source(g, jt + kk, t, n_win, seq, pages, sel_row, &off);
-                if (kind == 0) {
-                    const float4 a = *(const float4*)(new_kv + off + c * 8);
-                    const float4 b = *(const float4*)(new_kv + off + c * 8 + 4);
-                    v = make_uint4(pack_bf16x2(f2bf(a.x), f2bf(a.y)), pack_bf16x2(f2bf(a.z), f2bf(a.w)),
-                                   pack_bf16x2(f2bf(b.x), f2bf(b.y)), pack_bf16x2(f2bf(b.z), f2bf(b.w)));
-                } else if (kind == 1 || kind == 2) {
-                    const u8* base = kind == 1 ? rings : page_base;
-                    if (g.dtype == DTYPE_BF16) v = *(const uint4*)((const u16*)base + off + c * 8);
-                    else v = fp8_piece_bf16(base + off, g.hd - g.tail, g.tail, c * 8);
-                }
-            }
-            *(uint4*)(kb + kk * TC_KSTRIDE + c * 8) = v;
-        }
+        // 1. The fetched keys into shared memory as bf16, then the next tile's fetch, whose
+        //    loads are in flight while this tile is multiplied.
+        store_tile(pc, kb, g.hd);
         __syncthreads();
+        if (jt + TC_KEYS < j1)
+            fetch_tile(pc, g, jt + TC_KEYS, min(TC_KEYS, j1 - jt - TC_KEYS), t, n_win, seq, pages, sel_row, new_kv,
+                       rings, page_base);
 
         // 2. Partial logits over this warp's dims: [16 heads × 16 keys].
         {

@@ -65,10 +65,10 @@ __device__ __forceinline__ float load_one(const void* w, const void* scales, int
 template <int R, int WT, bool DUAL>
 __device__ void gemv_body(float* out, const float* x, const void* w, const void* w3, const void* scales,
                           const void* scales3, int rows, int N, int K, int x_stride, int out_stride, int g_out,
-                          int opb, int vec, float limit) {
+                          int opb, int vec, float limit, int blk) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int wpo = 8 / opb;
-    const int o = blockIdx.x * opb + warp / wpo;
+    const int o = blk * opb + warp / wpo;
     const int gl = (warp % wpo) * 32 + lane, stride = wpo * 32;
     float acc[R], acc3[R];
 #pragma unroll
@@ -129,7 +129,7 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
     __syncthreads();
     if (threadIdx.x < opb * R) {
         int ob = threadIdx.x / R, r = threadIdx.x % R;
-        int o2 = blockIdx.x * opb + ob;
+        int o2 = blk * opb + ob;
         if (o2 < N && r < rows) {
             float s = 0.0f, s3 = 0.0f;
             for (int sl = 0; sl < wpo; sl++) {
@@ -152,7 +152,7 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
         int rows, int N, int K, int x_stride, int out_stride, int g_out, int opb, int vec, float limit) {           \
         pdl_begin();                                                                                                \
         gemv_body<R, WT, DUAL>(out, x, w, w3, scales, scales3, rows, N, K, x_stride, out_stride, g_out, opb, vec,  \
-                               limit);                                                                              \
+                               limit, blockIdx.x);                                                                  \
     }
 
 // KERNEL for 1, 2, 4 and 8 rows, named BASE_r1 … BASE_r8.
@@ -176,6 +176,44 @@ __device__ void gemv_body(float* out, const float* x, const void* w, const void*
 
 FOR_EACH_FORMAT(GEMV_KERNEL, gemv, swiglu)
 
+// Several BF16 products of the same activations x[rows, K] in one launch: a layer's
+// projections of its hidden state (wq_a, wkv, the compressors', the indexer's weights)
+// are 0.3-8 MB each, and at one or two rows each launch alone is mostly its ramp and
+// tail. Product i owns blocks first[i] .. first[i+1]-1 and writes its own contiguous
+// output; every output is computed exactly as the one-product kernel computes it with
+// the same `opb`.
+#define GEMV_MANY_MAX 8
+struct GemvMany {
+    const void* w[GEMV_MANY_MAX];
+    float* out[GEMV_MANY_MAX];
+    int n[GEMV_MANY_MAX];
+    int first[GEMV_MANY_MAX];
+    int count;
+};
+
+#define GEMV_MANY_KERNEL(R)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                                             \
+        gemv_many_bf16_r##R(GemvMany t, const float* x, int rows, int K, int opb, int vec) {                      \
+        pdl_begin();                                                                                              \
+        /* The product this block belongs to, with constant indices (no local copy of t). */                    \
+        const void* w = t.w[0];                                                                                   \
+        float* out = t.out[0];                                                                                    \
+        int n = t.n[0], first = 0;                                                                                \
+        _Pragma("unroll") for (int i = 1; i < GEMV_MANY_MAX; i++) {                                               \
+            if (i < t.count && (int)blockIdx.x >= t.first[i]) {                                                   \
+                w = t.w[i];                                                                                       \
+                out = t.out[i];                                                                                   \
+                n = t.n[i];                                                                                       \
+                first = t.first[i];                                                                               \
+            }                                                                                                     \
+        }                                                                                                         \
+        gemv_body<R, 1, false>(out, x, w, nullptr, nullptr, nullptr, rows, n, K, K, n, n, opb, vec, 0.0f,          \
+                               (int)blockIdx.x - first);                                                          \
+    }
+
+GEMV_MANY_KERNEL(1)
+GEMV_MANY_KERNEL(2)
+
 // Grouped expert products for a decode batch routed on the device: blockIdx.y is the
 // expert, whose rows are x[offsets[e] .. + counts[e]] (gathered in expert order) and
 // whose weights `wtab[4e..4e+4]` point to (w, w3, scales, scales3). Experts nothing was
@@ -190,7 +228,7 @@ __device__ void moe_gemv_body(float* out, const float* x, const u64* wtab, const
     for (int r0 = 0; r0 < cnt; r0 += R) {
         gemv_body<R, WT, DUAL>(out + (long long)(off + r0) * N, x + (long long)(off + r0) * K, (const void*)t[0],
                                (const void*)t[1], (const void*)t[2], (const void*)t[3], min(R, cnt - r0), N, K, K, N,
-                               N, opb, vec, limit);
+                               N, opb, vec, limit, blockIdx.x);
         __syncthreads();
     }
 }

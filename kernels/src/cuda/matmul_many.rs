@@ -1,0 +1,108 @@
+//! Several products of the same activations (`Backend::matmul_many`): a layer's
+//! projections of its hidden state — `wq_a`, `wkv`, the two compressors' `wkv` and
+//! `wgate`, the indexer's `weights_proj` — are 0.3–8 MB each on V4 widths. Issued one by
+//! one, each is a launch whose ramp and tail cost more than its bytes at one or two rows
+//! (4–6 µs for 1–8 MB on the H200, docs/perf.md), and on cuBLAS each splits the same
+//! activations again.
+//!
+//! - The BF16 weights at one or two rows (the SIMT gemv's case, [`matmul`]'s choice
+//!   there): one `gemv_many_bf16_r*` launch for up to [`GEMV_MANY_MAX`] products, every
+//!   output computed as the one-product kernel computes it with the same block shape.
+//! - The BF16 weights on cuBLAS with split activations: x split once, one product each.
+//! - Other weights (FP8 `wq_a` and `wkv` of a real checkpoint) and other row counts:
+//!   product by product through [`matmul`].
+//!
+//! `SLUICE_CUDA_FUSED_PRODUCTS=0` (read once) runs every product on its own, to compare.
+
+use cudarc::driver::DeviceRepr;
+
+use super::cublas_bf16::{self, Bf16Activations, SplitRows};
+use super::matmul::{Operand, matmul, outputs_per_block};
+use super::memory::{CudaWeight, WeightData};
+use super::runtime::{Gpu, cfg, launch};
+
+/// Products one `gemv_many_bf16_r*` launch takes (`GEMV_MANY_MAX` in cu/gemv.cu).
+pub(crate) const GEMV_MANY_MAX: usize = 8;
+
+/// `struct GemvMany` in cu/gemv.cu: each product's weight, output, outputs and first block.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct GemvMany {
+    w: [u64; GEMV_MANY_MAX],
+    out: [u64; GEMV_MANY_MAX],
+    n: [i32; GEMV_MANY_MAX],
+    first: [i32; GEMV_MANY_MAX],
+    count: i32,
+}
+
+// SAFETY: #[repr(C)] u64 and i32 arrays and an i32, laid out as the C struct.
+unsafe impl DeviceRepr for GemvMany {}
+
+fn fused_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FUSED_PRODUCTS").map(|v| v != "0").unwrap_or(true))
+}
+
+/// `outs[i] = x · ws[i]ᵀ` for contiguous `x[rows, K]` and outputs `[rows, ws[i].rows]`.
+pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u64)]) {
+    if rows == 0 || ws.is_empty() {
+        return;
+    }
+    // The BF16 weights share a launch or a split (a real checkpoint mixes FP8 `wq_a` and
+    // `wkv` with BF16 compressors and indexer weights); the others go one by one.
+    let (bf16, others): (Vec<_>, Vec<_>) =
+        ws.iter().partition(|(w, _)| fused_enabled() && matches!(w.data, WeightData::Bf16(_)) && w.rows > 0);
+    let k = ws[0].0.cols;
+    let mut alone = others;
+    if bf16.len() > 1 && rows <= 2 && k.is_multiple_of(8) {
+        for chunk in bf16.chunks(GEMV_MANY_MAX) {
+            gemv_many(gpu, x, rows, chunk);
+        }
+    } else if bf16.len() > 1
+        && cublas_bf16::takes(rows, bf16[0].0)
+        && Bf16Activations::from_env() == Bf16Activations::Split
+    {
+        let xs = SplitRows::new(gpu, x, k, rows, k);
+        for &&(w, out) in &bf16 {
+            count(gpu, rows, w);
+            cublas_bf16::product_of_split(gpu, &xs, Operand::contiguous(x, out, rows, 1, w), w);
+        }
+    } else {
+        alone.extend(bf16);
+    }
+    for &(w, out) in alone {
+        matmul(gpu, Operand::contiguous(x, out, rows, 1, w), w);
+    }
+}
+
+/// The step's byte and FLOP counts for one product (as `matmul` counts them).
+fn count(gpu: &Gpu, rows: usize, w: &CudaWeight) {
+    gpu.traffic.add_weights(w.device_bytes());
+    gpu.traffic.add_flops(2 * rows * w.rows * w.cols);
+}
+
+/// One launch of the SIMT BF16 gemv over up to [`GEMV_MANY_MAX`] products of one K.
+fn gemv_many(gpu: &Gpu, x: u64, rows: usize, ws: &[&(&CudaWeight, u64)]) {
+    let total: usize = ws.iter().map(|(w, _)| w.rows).sum();
+    let opb = outputs_per_block(gpu, total);
+    let mut t = GemvMany {
+        w: [0; GEMV_MANY_MAX],
+        out: [0; GEMV_MANY_MAX],
+        n: [0; GEMV_MANY_MAX],
+        first: [0; GEMV_MANY_MAX],
+        count: ws.len() as i32,
+    };
+    let mut blocks = 0;
+    for (i, &&(w, out)) in ws.iter().enumerate() {
+        let WeightData::Bf16(d) = &w.data else { unreachable!("checked by matmul_many") };
+        count(gpu, rows, w);
+        t.w[i] = gpu.ptr(d);
+        t.out[i] = out;
+        t.n[i] = w.rows as i32;
+        t.first[i] = blocks as i32;
+        blocks += w.rows.div_ceil(opb);
+    }
+    let k = ws[0].0.cols;
+    let name = if rows == 1 { "gemv_many_bf16_r1" } else { "gemv_many_bf16_r2" };
+    launch!(gpu, name, cfg((blocks as u32, 1, 1), 256, 0), t, x, rows as i32, k as i32, opb as i32, 1i32);
+}

@@ -1,0 +1,45 @@
+//! Products of the same activations (`Backend::matmul_many`) against the CPU, one by
+//! one, on poisoned outputs: a CSA layer's input projections at Flash widths (wq_a,
+//! wkv, two compressors' wkv and wgate, the indexer's weights_proj: seven BF16 weights
+//! of K = 4096), at one and two rows (one `gemv_many_bf16` launch), 3-8 rows (each on
+//! its own), 9-300 rows (cuBLAS on one split of x), more products than one launch
+//! takes, and a list with an FP8 weight in it (each on its own).
+
+use super::*;
+
+#[test]
+fn cuda_products_of_one_input_match_cpu() {
+    let Some(g) = gpu("cuda_products_of_one_input_match_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("matmul_many");
+    let k = 4096;
+    let csa = [1024, 512, 1024, 1024, 256, 256, 64];
+    let nine = [1024, 512, 1024, 1024, 256, 256, 64, 512, 8];
+    let cases: [(&str, &[usize], &[&str]); 3] = [
+        ("csa", &csa, &["bf16"; 7]),
+        ("nine", &nine, &["bf16"; 9]),
+        ("mixed", &[1024, 512, 64], &["bf16", "fp8", "bf16"]),
+    ];
+    for (what, outputs, dtypes) in cases {
+        let ws: Vec<TestWeight> = outputs.iter().zip(dtypes).map(|(&n, d)| weight(&mut rng, n, k, 0.02, d)).collect();
+        let gws: Vec<_> = ws.iter().map(|w| g.weight(w.view())).collect();
+        let cws: Vec<_> = ws.iter().map(|w| c.weight(w.view())).collect();
+        for rows in [1, 2, 3, 8, 9, 33, 300] {
+            let x = rand_vec(&mut rng, rows * k, 1.0);
+            let gx = g.upload(&x);
+            let mut outs: Vec<_> = outputs.iter().map(|n| poisoned(g, rows * n)).collect();
+            g.matmul_many(&gx, rows, &gws.iter().collect::<Vec<_>>(), &mut outs.iter_mut().collect::<Vec<_>>());
+            for (i, out) in outs.iter().enumerate() {
+                let mut want = vec![0f32; rows * outputs[i]];
+                c.matmul(&x, rows, &cws[i], &mut want);
+                let got = g.download(out);
+                check(&format!("matmul_many {what}[{i}] {}x{k} rows={rows}", outputs[i]), dtypes[i], &got, &want);
+                // BF16 ones held as tightly as one product alone (f32 activations, or
+                // split activations on cuBLAS): sharing a launch must not cost precision.
+                let e = rel_err(&got, &want);
+                let bound = if dtypes[i] == "bf16" { tol("f32") } else { tol(dtypes[i]) };
+                assert!(e <= bound, "matmul_many {what}[{i}] rows={rows}: {e:.3e} above {bound:.0e}");
+            }
+        }
+    }
+}
