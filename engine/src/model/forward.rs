@@ -242,9 +242,15 @@ impl<B: Backend> Model<B> {
         };
         // The compressors and the indexer (which read the projections and write the
         // compressed pages) do not touch the query or the new entry: a branch, so a GPU
-        // may run the two chains of small kernels at once.
+        // may run the two chains of small kernels at once. The indexer's chain (its
+        // compressor, query, scores, top-k) is the longest, so a CSA layer's main
+        // compressor goes beside it with the norms; an HCA layer's compressor is the
+        // branch.
+        let main_compressor = a.compressor.as_ref().zip(main_compressed);
+        let (main_beside, main_on_branch) =
+            if a.indexer.is_some() { (main_compressor, None) } else { (None, main_compressor) };
         b.fork();
-        if let (Some(cw), Some(projs)) = (&a.compressor, main_compressed) {
+        if let Some((cw, projs)) = main_on_branch {
             self.run_compressor(l, Branch::Main, cw, projs, kv, plan);
         }
         let indexer = a.indexer.as_ref().zip(indexer_projections).zip(indexer_q);
@@ -255,6 +261,9 @@ impl<B: Backend> Model<B> {
             b.index_topk(&kv.view(), &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
         });
         b.to_main();
+        if let Some((cw, projs)) = main_beside {
+            self.run_compressor(l, Branch::Main, cw, projs, kv, plan);
+        }
         b.head_norm_rope(&mut q, h, hd, None, eps, pos, rope, None);
         // Normed, rotated, then rounded to exactly what the window ring will hold, so a
         // token attends to the same values whether it is in this chunk or a later one

@@ -20,6 +20,7 @@
 // the SIMT kernel took 365 µs a CSA layer (flash-bench, 13% of the step).
 
 #define IDX_MMA_NT 16  // n-tiles of 4 heads: at most 64 heads
+#define IDX_Q_STAGE 8192  // floats of a row's q index_q_frags stages in shared memory
 
 // Row r's q as B fragments: frags[r][ks][nt][lane] = two f16x2 words for k-step ks, heads
 // 4·nt .. 4·nt + 3 (column g = lane / 4 is head 4·nt + g / 2, half g % 2: hi, lo), q
@@ -31,10 +32,20 @@ extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q,
                                                                  int dim, int bf16) {
     pdl_begin();
     __shared__ float red[32];
+    // The row staged once (V4: 64 heads × 128 dims): the fragments below read it in
+    // another order, and from global memory each of their passes waited on its loads.
+    __shared__ float q_sh[IDX_Q_STAGE];
     const int r = blockIdx.x, tid = threadIdx.x;
-    const float* qr = q + (long long)r * heads * dim;
+    const bool staged = heads * dim <= IDX_Q_STAGE;
+    const float* qg = q + (long long)r * heads * dim;
     float m = 0.0f;
-    for (int i = tid; i < heads * dim; i += blockDim.x) m = fmaxf(m, fabsf(qr[i]));
+#pragma unroll 8
+    for (int i = tid; i < heads * dim; i += blockDim.x) {
+        const float v = qg[i];
+        if (staged) q_sh[i] = v;
+        m = fmaxf(m, fabsf(v));
+    }
+    const float* qr = staged ? q_sh : qg;
     m = warp_max(m);
     if ((tid & 31) == 0) red[tid >> 5] = m;
     __syncthreads();
