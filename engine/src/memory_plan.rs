@@ -214,9 +214,14 @@ pub fn pools_from_config(cfg: &ModelConfig, at: Residence, devices: usize) -> We
 /// whose temporaries stay at fixed addresses instead of returning to the pool): twice
 /// the same terms for that many rows.
 pub fn workspace_bytes(cfg: &ModelConfig, shape: &StepShape) -> u64 {
+    // A layer's projections of its input are made at once (`Backend::matmul_many`) and
+    // live together: the new entry, both compressors' kv and gate (overlapping: twice
+    // the dim), the indexer's weights and query.
+    let projections = 5 * cfg.head_dim + 4 * cfg.index_head_dim + cfg.index_heads * (1 + cfg.index_head_dim);
     let per_row = 2 * cfg.hc_mult * cfg.hidden_size
         + 3 * cfg.num_heads * cfg.head_dim
         + cfg.q_lora_rank
+        + projections
         + cfg.o_groups * cfg.o_lora_rank
         + cfg.experts_per_token * (2 * cfg.hidden_size + 2 * cfg.moe_intermediate_size);
     let step = |rows: usize, sequences: usize| {
