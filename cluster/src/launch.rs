@@ -29,10 +29,50 @@ pub enum LaunchError {
     NoBinary(String),
 }
 
-/// A free loopback TCP port (bound and released; another process could take it, but
-/// only in the short window before the child binds it).
+/// A free loopback TCP port for a child to listen on (bound and released). It comes from
+/// below the kernel's ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), at
+/// random: a port `bind(0)` hands out is an ephemeral one, which any outbound connection
+/// of any process may take as its local port in the seconds before the child binds it
+/// (CI saw a router fail with "Address already in use" that way). A port is handed out
+/// once per process (`sluice up` picks several before its children bind any). Falls back
+/// to `bind(0)` where no such range is free.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    const LOWEST: u32 = 10_000;
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let below = u32::from(ephemeral_ports().0);
+    if below > LOWEST + 1_000 {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let mut x =
+            now.as_nanos() as u64 ^ (u64::from(std::process::id()) << 32) ^ CALLS.fetch_add(1, Ordering::Relaxed);
+        for _ in 0..64 {
+            // splitmix64: a well-spread candidate from each state.
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let port = (LOWEST + (z % u64::from(below - LOWEST)) as u32) as u16;
+            if !handed_out.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                handed_out.push(port);
+                return port;
+            }
+        }
+    }
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+}
+
+/// The kernel's ephemeral port range (Linux's default where it cannot be read).
+fn ephemeral_ports() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| {
+            let mut it = s.split_whitespace().map(|v| v.parse::<u16>().ok());
+            Some((it.next()??, it.next()??))
+        })
+        .unwrap_or((32_768, 60_999))
 }
 
 /// Path of a sibling binary: `$SLUICE_BIN_DIR/<name>`, else next to the running
@@ -190,4 +230,24 @@ pub async fn serving_with(url: &str, dialer: &crate::tls::Dialer) -> bool {
         tokio::time::timeout(Duration::from_secs(1), check).await,
         Ok(Ok(r)) if r.get_ref().status == ServingStatus::Serving as i32
     )
+}
+
+#[cfg(test)]
+mod port_tests {
+    /// Ports come from below the ephemeral range, none twice, and each can be bound.
+    #[test]
+    fn free_ports_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let below = super::ephemeral_ports().0;
+        let ports: Vec<u16> = (0..50).map(|_| super::free_port()).collect();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "a port handed out twice: {ports:?}");
+        for &p in &ports {
+            if below > 11_000 {
+                assert!((10_000..below).contains(&p), "port {p} is not below the ephemeral range ({below}..)");
+            }
+            std::net::TcpListener::bind(("127.0.0.1", p)).unwrap_or_else(|e| panic!("port {p}: {e}"));
+        }
+    }
 }

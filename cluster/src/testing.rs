@@ -6,7 +6,7 @@
 use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -216,10 +216,8 @@ pub fn free_port() -> u16 {
     let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let handed_out = handed_out.get_or_insert_with(HashSet::new);
     loop {
-        let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .and_then(|listener| listener.local_addr())
-            .expect("binding a loopback port")
-            .port();
+        // Outside the ephemeral range, so no outbound connection takes it meanwhile.
+        let port = crate::launch::free_port();
         if handed_out.insert(port) {
             return port;
         }
