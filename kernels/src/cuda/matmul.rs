@@ -496,6 +496,13 @@ pub(crate) fn cublas_gemm(
     r.unwrap_or_else(|e| fail("cuBLAS GEMM", e));
 }
 
+/// A product of `rows` rows over `w` in the step's byte and FLOP counts: a step's bytes
+/// count each weight once, however often a product streams it.
+pub(crate) fn count_product(gpu: &Gpu, rows: usize, w: &CudaWeight) {
+    gpu.traffic.add_weights(w.device_bytes());
+    gpu.traffic.add_flops(2 * rows * w.rows * w.cols);
+}
+
 /// `out = x · Wᵀ` (grouped when `op.groups > 1`), with the decode kernels
 /// `SLUICE_CUDA_DECODE_KERNELS` selects.
 pub(crate) fn matmul(gpu: &Gpu, op: Operand, w: &CudaWeight) {
@@ -508,9 +515,7 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
         return;
     }
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
-    // A step's bytes count each weight once, however often a product streams it.
-    gpu.traffic.add_weights(w.device_bytes());
-    gpu.traffic.add_flops(2 * op.rows * w.rows * w.cols);
+    count_product(gpu, op.rows, w);
     if cublas_bf16::takes(op.rows, w) {
         return cublas_bf16::product(gpu, op, w);
     }

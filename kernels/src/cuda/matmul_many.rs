@@ -17,7 +17,7 @@
 use cudarc::driver::DeviceRepr;
 
 use super::cublas_bf16::{self, Bf16Activations, SplitRows};
-use super::matmul::{Operand, matmul, outputs_per_block};
+use super::matmul::{Operand, count_product, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -50,22 +50,21 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
     }
     // The BF16 weights share a launch or a split (a real checkpoint mixes FP8 `wq_a` and
     // `wkv` with BF16 compressors and indexer weights); the others go one by one.
-    let (bf16, others): (Vec<_>, Vec<_>) =
+    let (bf16, others): (Vec<&(&CudaWeight, u64)>, Vec<_>) =
         ws.iter().partition(|(w, _)| fused_enabled() && matches!(w.data, WeightData::Bf16(_)) && w.rows > 0);
     let k = ws[0].0.cols;
     let mut alone = others;
-    if bf16.len() > 1 && rows <= 2 && k.is_multiple_of(8) {
-        for chunk in bf16.chunks(GEMV_MANY_MAX) {
-            gemv_many(gpu, x, rows, chunk);
-        }
-    } else if bf16.len() > 1
-        && cublas_bf16::takes(rows, bf16[0].0)
-        && Bf16Activations::from_env() == Bf16Activations::Split
-    {
+    // In `matmul`'s order: cuBLAS where it takes the rows, else the SIMT gemv at 1-2 rows.
+    let on_cublas = bf16.len() > 1 && cublas_bf16::takes(rows, bf16[0].0);
+    if on_cublas && Bf16Activations::from_env() == Bf16Activations::Split {
         let xs = SplitRows::new(gpu, x, k, rows, k);
         for &&(w, out) in &bf16 {
-            count(gpu, rows, w);
+            count_product(gpu, rows, w);
             cublas_bf16::product_of_split(gpu, &xs, Operand::contiguous(x, out, rows, 1, w), w);
+        }
+    } else if !on_cublas && bf16.len() > 1 && rows <= 2 && k.is_multiple_of(8) {
+        for chunk in bf16.chunks(GEMV_MANY_MAX) {
+            gemv_many(gpu, x, rows, chunk);
         }
     } else {
         alone.extend(bf16);
@@ -73,12 +72,6 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
     for &(w, out) in alone {
         matmul(gpu, Operand::contiguous(x, out, rows, 1, w), w);
     }
-}
-
-/// The step's byte and FLOP counts for one product (as `matmul` counts them).
-fn count(gpu: &Gpu, rows: usize, w: &CudaWeight) {
-    gpu.traffic.add_weights(w.device_bytes());
-    gpu.traffic.add_flops(2 * rows * w.rows * w.cols);
 }
 
 /// One launch of the SIMT BF16 gemv over up to [`GEMV_MANY_MAX`] products of one K.
@@ -95,7 +88,7 @@ fn gemv_many(gpu: &Gpu, x: u64, rows: usize, ws: &[&(&CudaWeight, u64)]) {
     let mut blocks = 0;
     for (i, &&(w, out)) in ws.iter().enumerate() {
         let WeightData::Bf16(d) = &w.data else { unreachable!("checked by matmul_many") };
-        count(gpu, rows, w);
+        count_product(gpu, rows, w);
         t.w[i] = gpu.ptr(d);
         t.out[i] = out;
         t.n[i] = w.rows as i32;

@@ -17,8 +17,8 @@
 //!
 //! Branches: between [`Gpu::fork`] and [`Gpu::join`] a step's ops are recorded on two
 //! lanes — the side lane from the fork, the main lane again from [`Gpu::to_main`] — for
-//! work that does not depend on each other (a layer's compressors and indexer beside its
-//! query's norms, the shared expert beside the routed ones). A captured graph runs the
+//! work that does not depend on each other (a CSA layer's indexer beside its main
+//! compressor and query norms, the shared expert beside the routed ones). A captured graph runs the
 //! lanes on two streams joined by the graph's edges, so at small batches two chains of
 //! latency-bound kernels overlap; a segment issued as recorded runs every op on the one
 //! stream in recorded order (a valid order of the same work). Temporaries freed inside a
@@ -103,19 +103,22 @@ struct Recording {
     ops: Vec<Op>,
     /// Something in the step makes its record unfit for a graph.
     spoiled: bool,
-    /// A branch is open (a Fork without its Join).
-    forked: bool,
-    /// Ops recorded now go on the side lane (after a Fork, before its Main or Join).
-    on_side: bool,
+    /// The lane ops recorded now go on while a branch is open (a Fork without its Join).
+    branch: Option<Lane>,
+}
+
+/// A lane of an open branch: the side one from its Fork, the main one again from its Main.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lane {
+    Side,
+    Main,
 }
 
 impl Recording {
     /// Close an open branch (before the record is issued: a segment holds whole ones).
     fn join(&mut self, arena: &ArenaState) {
-        if self.forked {
+        if self.branch.take().is_some() {
             self.ops.push(Op::Join);
-            self.forked = false;
-            self.on_side = false;
             arena.hold(false);
         }
     }
@@ -313,31 +316,30 @@ impl Gpu {
         }
         let mut rec = self.steps.rec.lock().expect("recording poisoned");
         let Some(r) = rec.as_mut() else { return };
-        assert!(!r.forked, "a branch opened inside another");
+        assert!(r.branch.is_none(), "a branch opened inside another");
         r.ops.push(Op::Fork);
-        r.forked = true;
-        r.on_side = true;
+        r.branch = Some(Lane::Side);
         self.steps.arena.hold(true);
     }
 
     /// Whether the op being recorded goes on a branch's side lane.
     pub(crate) fn on_side_lane(&self) -> bool {
-        self.steps.rec.lock().expect("recording poisoned").as_ref().is_some_and(|r| r.on_side)
+        self.steps.rec.lock().expect("recording poisoned").as_ref().is_some_and(|r| r.branch == Some(Lane::Side))
     }
 
     /// The ops recorded next go on the main lane again, beside the side lane's.
     pub(crate) fn to_main(&self) {
         let mut rec = self.steps.rec.lock().expect("recording poisoned");
-        if let Some(r) = rec.as_mut().filter(|r| r.forked) {
+        if let Some(r) = rec.as_mut().filter(|r| r.branch.is_some()) {
             r.ops.push(Op::Main);
-            r.on_side = false;
+            r.branch = Some(Lane::Main);
         }
     }
 
     /// Close the branch: what follows waits for both lanes.
     pub(crate) fn join(&self) {
         let mut rec = self.steps.rec.lock().expect("recording poisoned");
-        let Some(r) = rec.as_mut().filter(|r| r.forked) else { return };
+        let Some(r) = rec.as_mut().filter(|r| r.branch.is_some()) else { return };
         r.join(&self.steps.arena);
         if r.ops.len() >= segment_ops() {
             let full = std::mem::take(r);
@@ -351,7 +353,7 @@ impl Gpu {
     fn keep(&self, mut rec: std::sync::MutexGuard<'_, Option<Recording>>, op: Op) {
         let Some(r) = rec.as_mut() else { return };
         r.ops.push(op);
-        if r.ops.len() >= segment_ops() && !r.forked {
+        if r.ops.len() >= segment_ops() && r.branch.is_none() {
             let full = std::mem::take(r);
             drop(rec);
             self.issue_segment(full);
