@@ -31,9 +31,12 @@
 
 __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
-// A thread's share of one tile's keys: TC_KEYS × head_dim / 8 pieces of 16 bytes over
-// 256 threads is at most 4 each (head_dim ≤ 512).
+// A thread's share of one tile's keys: 16 threads a key (thread t takes key t / 16), each
+// its 16-byte pieces t % 16, t % 16 + 16, … of the key's head_dim / 8 (head_dim ≤ 512: at
+// most 4). One key a thread means one key_source (the selection, page-table and ring
+// arithmetic) a thread and tile, and no division by the run-time piece count.
 #define TC_PIECES 4
+#define TC_KEY_THREADS 16
 
 // One 16-byte piece of a key tile as fetched from global memory, before its conversion
 // to bf16. A tile's pieces are fetched while the tile before it is multiplied: a piece's
@@ -49,57 +52,72 @@ struct KeyPiece {
 #define PIECE_BF16 2
 #define PIECE_FP8 3
 
-// Issue the loads of this thread's pieces of the tile of keys jt .. jt+nt-1.
-__device__ __forceinline__ void fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnGeom& g, int jt, int nt, int t,
+// Issue the loads of this thread's pieces of the tile of keys jt .. jt+nt-1; returns
+// whether the thread's key exists (in the tile and, for CSA, selected).
+__device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnGeom& g, int jt, int nt, int t,
                                            int n_win, const int* seq, const u32* pages, const int* sel_row,
                                            const float* new_kv, const u8* rings, const u8* page_base) {
-    const int chunks = g.hd >> 3;
+    const int chunks = g.hd >> 3, kk = threadIdx.x / TC_KEY_THREADS, c0 = threadIdx.x % TC_KEY_THREADS;
 #pragma unroll
-    for (int u = 0; u < TC_PIECES; u++) {
-        const int i = threadIdx.x + u * 256, kk = i / chunks, c = i - kk * chunks;
-        p[u].how = PIECE_NONE;
-        if (kk >= nt) continue;  // also every i past the tile
-        long long off = 0;
-        const int kind = key_source(g, jt + kk, t, n_win, seq, pages, sel_row, &off);
-        if (kind == 0) {
+    for (int u = 0; u < TC_PIECES; u++) p[u].how = PIECE_NONE;
+    if (kk >= nt) return false;
+    long long off = 0;
+    const int kind = key_source(g, jt + kk, t, n_win, seq, pages, sel_row, &off);
+    if (kind < 0) return false;
+    if (kind == 0) {
+#pragma unroll
+        for (int u = 0; u < TC_PIECES; u++) {
+            const int c = c0 + TC_KEY_THREADS * u;
+            if (c >= chunks) continue;
             p[u].a = *(const uint4*)(new_kv + off + c * 8);
             p[u].b = *(const uint4*)(new_kv + off + c * 8 + 4);
             p[u].how = PIECE_F32;
-        } else if (kind == 1 || kind == 2) {
-            const u8* base = kind == 1 ? rings : page_base;
-            if (g.dtype == DTYPE_BF16) {
-                p[u].a = *(const uint4*)((const u16*)base + off + c * 8);
-                p[u].how = PIECE_BF16;
-                continue;
-            }
-            // FP8 record: n8 codes, then the BF16 tail, then one scale code per FP8_BLOCK.
-            // d0, n8 and the tail are multiples of 8 (use_mma checks), so a piece is all
-            // codes or all tail, and every load is 8-byte aligned (records are).
-            const u8* e = base + off;
-            const int n8 = g.hd - g.tail, d0 = c * 8;
-            if (d0 >= n8) {
-                const u8* tl = e + n8 + 2 * (d0 - n8);
-                const uint2 x = *(const uint2*)tl, y = *(const uint2*)(tl + 8);
-                p[u].a = make_uint4(x.x, x.y, y.x, y.y);
-                p[u].how = PIECE_BF16;
-            } else {
-                const uint2 x = *(const uint2*)(e + d0);
-                p[u].a = make_uint4(x.x, x.y, 0u, 0u);
-                p[u].how = PIECE_FP8 | ((int)e[n8 + 2 * g.tail + d0 / FP8_BLOCK] << 8);
-            }
+        }
+        return true;
+    }
+    const u8* base = kind == 1 ? rings : page_base;
+    if (g.dtype == DTYPE_BF16) {
+#pragma unroll
+        for (int u = 0; u < TC_PIECES; u++) {
+            const int c = c0 + TC_KEY_THREADS * u;
+            if (c >= chunks) continue;
+            p[u].a = *(const uint4*)((const u16*)base + off + c * 8);
+            p[u].how = PIECE_BF16;
+        }
+        return true;
+    }
+    // FP8 record: n8 codes, then the BF16 tail, then one scale code per FP8_BLOCK. d0, n8
+    // and the tail are multiples of 8 (use_mma checks), so a piece is all codes or all
+    // tail, and every load is 8-byte aligned (records are).
+    const u8* e = base + off;
+    const int n8 = g.hd - g.tail;
+#pragma unroll
+    for (int u = 0; u < TC_PIECES; u++) {
+        const int c = c0 + TC_KEY_THREADS * u, d0 = c * 8;
+        if (c >= chunks) continue;
+        if (d0 >= n8) {
+            const u8* tl = e + n8 + 2 * (d0 - n8);
+            const uint2 x = *(const uint2*)tl, y = *(const uint2*)(tl + 8);
+            p[u].a = make_uint4(x.x, x.y, y.x, y.y);
+            p[u].how = PIECE_BF16;
+        } else {
+            const uint2 x = *(const uint2*)(e + d0);
+            p[u].a = make_uint4(x.x, x.y, 0u, 0u);
+            p[u].how = PIECE_FP8 | ((int)e[n8 + 2 * g.tail + d0 / FP8_BLOCK] << 8);
         }
     }
+    return true;
 }
 
 // Convert this thread's fetched pieces to bf16 (exactly: an fp8 code times a power of two
 // needs 4 significant bits) into the tile buffer; missing keys (past the end, unselected)
 // become 0.
 __device__ __forceinline__ void store_tile(const KeyPiece (&p)[TC_PIECES], u16* kb, int hd) {
-    const int chunks = hd >> 3;
+    const int chunks = hd >> 3, kk = threadIdx.x / TC_KEY_THREADS, c0 = threadIdx.x % TC_KEY_THREADS;
 #pragma unroll
     for (int u = 0; u < TC_PIECES; u++) {
-        const int i = threadIdx.x + u * 256, kk = i / chunks, c = i - kk * chunks;
-        if (kk >= TC_KEYS) continue;
+        const int c = c0 + TC_KEY_THREADS * u;
+        if (c >= chunks) continue;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         const int how = p[u].how & 0xff;
         if (how == PIECE_BF16) {
@@ -122,6 +140,16 @@ __device__ __forceinline__ void store_tile(const KeyPiece (&p)[TC_PIECES], u16* 
         }
         *(uint4*)(kb + kk * TC_KSTRIDE + c * 8) = v;
     }
+}
+
+// Four 8×8 bf16 matrices from shared memory, transposed: lane l names row l % 8 of
+// matrix l / 8 and receives, per matrix, (row 2·(l % 4), column l / 4) and the row after —
+// the B fragment of an m16n8k16 product whose k runs along the rows (keys).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* p) {
+    const u32 a = (u32)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
 }
 
 // (a, b) ≈ (hi + lo) per element, both halves packed as bf16 pairs.
@@ -155,6 +183,7 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     __shared__ float sp[TC_DGROUPS][TC_HEADS][TC_KEYS];
     __shared__ __align__(16) u16 ph[2][TC_HEADS * TC_PSTRIDE];
     __shared__ float corr_s[TC_HEADS], m_s[TC_HEADS], s_s[TC_HEADS];
+    __shared__ int key_ok[TC_KEYS];  // the tile's keys that exist (read by the softmax)
 
     const int r = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -172,7 +201,8 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
 
     KeyPiece pc[TC_PIECES];
-    if (j0 < j1) fetch_tile(pc, g, j0, min(TC_KEYS, j1 - j0), t, n_win, seq, pages, sel_row, new_kv, rings, page_base);
+    bool ok = false;
+    if (j0 < j1) ok = fetch_tile(pc, g, j0, min(TC_KEYS, j1 - j0), t, n_win, seq, pages, sel_row, new_kv, rings, page_base);
 
     // This warp's q fragments (rows: heads gid and gid + 8 of its group; columns: its dims).
     u32 qh[TC_KSTEPS_MAX][4], ql[TC_KSTEPS_MAX][4];
@@ -205,32 +235,39 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 
     int buf = 0;
     for (int jt = j0; jt < j1; jt += TC_KEYS, buf ^= 1) {
-        const int nt = min(TC_KEYS, j1 - jt);
         u16* kb = kt[buf];
         // 1. The fetched keys into shared memory as bf16, then the next tile's fetch, whose
         //    loads are in flight while this tile is multiplied.
         store_tile(pc, kb, g.hd);
+        if (threadIdx.x % TC_KEY_THREADS == 0) key_ok[threadIdx.x / TC_KEY_THREADS] = ok;
         __syncthreads();
         if (jt + TC_KEYS < j1)
-            fetch_tile(pc, g, jt + TC_KEYS, min(TC_KEYS, j1 - jt - TC_KEYS), t, n_win, seq, pages, sel_row, new_kv,
-                       rings, page_base);
+            ok = fetch_tile(pc, g, jt + TC_KEYS, min(TC_KEYS, j1 - jt - TC_KEYS), t, n_win, seq, pages, sel_row,
+                            new_kv, rings, page_base);
 
-        // 2. Partial logits over this warp's dims: [16 heads × 16 keys].
+        // 2. Partial logits over this warp's dims: [16 heads × 16 keys]. One ldmatrix gives
+        //    a k-step's B fragments for both 8-key halves (lane l names key l % 8 + 8·(l / 16),
+        //    dims +8·((l / 8) % 2)); the hi and lo halves of q accumulate apart (two chains
+        //    of dependent mmas instead of one twice as long) and are added at the end.
         {
             float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            float sl[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            const u16* kl = kb + ((lane & 7) + 8 * (lane >> 4)) * TC_KSTRIDE + d_base + 8 * ((lane >> 3) & 1);
 #pragma unroll
             for (int k = 0; k < TC_KSTEPS_MAX; k++) {
                 if (k < nk) {
-                    const int d = d_base + 16 * k + 2 * tig;
-#pragma unroll
-                    for (int n8 = 0; n8 < 2; n8++) {
-                        const u16* kr = kb + (n8 * 8 + gid) * TC_KSTRIDE + d;
-                        const u32 b0 = *(const u32*)kr, b1 = *(const u32*)(kr + 8);
-                        mma_bf16_16816(sc[n8], qh[k], b0, b1);
-                        mma_bf16_16816(sc[n8], ql[k], b0, b1);
-                    }
+                    u32 b[4];
+                    ldmatrix_x4(b, kl + 16 * k);
+                    mma_bf16_16816(sc[0], qh[k], b[0], b[1]);
+                    mma_bf16_16816(sc[1], qh[k], b[2], b[3]);
+                    mma_bf16_16816(sl[0], ql[k], b[0], b[1]);
+                    mma_bf16_16816(sl[1], ql[k], b[2], b[3]);
                 }
             }
+#pragma unroll
+            for (int n8 = 0; n8 < 2; n8++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sc[n8][e] += sl[n8][e];
             const int ha = hg * 16 + gid;
 #pragma unroll
             for (int n8 = 0; n8 < 2; n8++) {
@@ -248,10 +285,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             float l[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int kk = sk + e, j = jt + kk;
-                const bool valid = kk < nt && (j < n_win || g.kind != 1 || sel_row[j - n_win] >= 0);
+                const int kk = sk + e;
                 const float v = ((sp[0][sh][kk] + sp[1][sh][kk]) + sp[2][sh][kk]) + sp[3][sh][kk];
-                l[e] = valid ? v * g.scale : NEG_INF;
+                l[e] = key_ok[kk] ? v * g.scale : NEG_INF;
             }
             float mt = fmaxf(l[0], l[1]);
             mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
@@ -278,6 +314,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
         {
             const int ha = hg * 16 + gid;
             const float ca = corr_s[ha], cb = corr_s[ha + 8];
+            // Once a head's running maximum settles its correction is exactly 1: the
+            // rescale is skipped when no head of the warp's 16 needs it.
+            const bool rescale = __any_sync(0xffffffffu, ca != 1.0f || cb != 1.0f);
             u32 pah[4], pal[4];
             const u16* p0 = ph[0] + ha * TC_PSTRIDE + 2 * tig;
             const u16* p1 = ph[1] + ha * TC_PSTRIDE + 2 * tig;
@@ -289,19 +328,26 @@ extern "C" __global__ void __launch_bounds__(256, 1)
             pal[1] = *(const u32*)(p1 + 8 * TC_PSTRIDE);
             pal[2] = *(const u32*)(p1 + 8);
             pal[3] = *(const u32*)(p1 + 8 * TC_PSTRIDE + 8);
-            const u16* vk = kb + (2 * tig) * TC_KSTRIDE + d_base + gid;
+            // One ldmatrix.trans gives the B fragments of two 8-dim tiles: lane l names key
+            // l % 8 + 8·((l / 8) % 2), dims 8·(l / 16) on from the tile pair's first.
+            const u16* vl = kb + ((lane & 7) + 8 * ((lane >> 3) & 1)) * TC_KSTRIDE + d_base + 8 * (lane >> 4);
 #pragma unroll
-            for (int n8 = 0; n8 < TC_NTILES_MAX; n8++) {
+            for (int n8 = 0; n8 < TC_NTILES_MAX; n8 += 2) {
                 if (n8 < nn) {
-                    acc[n8][0] *= ca;
-                    acc[n8][1] *= ca;
-                    acc[n8][2] *= cb;
-                    acc[n8][3] *= cb;
-                    const u16* v = vk + 8 * n8;
-                    const u32 b0 = pack_bf16x2(v[0], v[TC_KSTRIDE]);
-                    const u32 b1 = pack_bf16x2(v[8 * TC_KSTRIDE], v[9 * TC_KSTRIDE]);
-                    mma_bf16_16816(acc[n8], pah, b0, b1);
-                    mma_bf16_16816(acc[n8], pal, b0, b1);
+                    u32 b[4];
+                    ldmatrix_x4_trans(b, vl + 8 * n8);
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        float* a = acc[n8 + h];
+                        if (rescale) {
+                            a[0] *= ca;
+                            a[1] *= ca;
+                            a[2] *= cb;
+                            a[3] *= cb;
+                        }
+                        mma_bf16_16816(a, pah, b[2 * h], b[2 * h + 1]);
+                        mma_bf16_16816(a, pal, b[2 * h], b[2 * h + 1]);
+                    }
                 }
             }
         }
