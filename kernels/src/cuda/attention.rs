@@ -18,6 +18,12 @@ const ATT_T: usize = 16;
 const ATT_HEADS_PER_BLOCK: usize = 16;
 /// Heads per block of the tensor-core kernel (`TC_HEADS` in attention_mma.cu).
 const MMA_HEADS_PER_BLOCK: usize = 32;
+/// Threads of a tensor-core block (`TC_THREADS`): 2 head groups × 8 dim groups of a warp.
+const MMA_THREADS: u32 = 512;
+/// Dynamic shared memory of a tensor-core block (`TC_DYN_SMEM`): two tiles of 16 keys,
+/// rows of `ATT_HD_MAX + 8` bf16. With the kernel's static arrays it is past the 48 KiB a
+/// block gets without asking, so the backend opts in at load (`runtime::big_shared`).
+pub(crate) const MMA_DYN_SMEM: usize = 2 * 16 * (ATT_HD_MAX + 8) * 2;
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -58,6 +64,15 @@ struct AttnGeom {
     splits: i32,
     keys_per_split: i32,
     scale: f32,
+    /// `window - 1` when the window is a power of two, else -1: a ring slot by mask.
+    win_mask: i32,
+    /// log2(`per_page`) when it is a power of two, else -1: a page by shift.
+    page_shift: i32,
+}
+
+/// `v - 1` when `v` is a power of two, else -1.
+fn pow2_mask(v: usize) -> i32 {
+    if v.is_power_of_two() { (v - 1) as i32 } else { -1 }
 }
 
 // SAFETY: #[repr(C)] ints and a float, laid out as the C struct.
@@ -380,12 +395,18 @@ pub(crate) fn attention(
         splits: splits as i32,
         keys_per_split: per as i32,
         scale,
+        win_mask: pow2_mask(window),
+        page_shift: {
+            let per_page = lk.entries_per_page(layout.block).max(1);
+            if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 }
+        },
     };
-    let (kernel, threads) = if mma { ("attention_mma", 256) } else { ("attention", 32 * hpb) };
+    let (kernel, threads, smem) =
+        if mma { ("attention_mma", MMA_THREADS, MMA_DYN_SMEM as u32) } else { ("attention", 32 * hpb as u32, 0) };
     launch!(
         g,
         kernel,
-        cfg((hgroups as u32, splits as u32, rows as u32), threads as u32, 0),
+        cfg((hgroups as u32, splits as u32, rows as u32), threads, smem),
         g.ptr(&q.mem),
         g.ptr(&new_kv.mem),
         g.ptr(&kv.rings.mem),
@@ -420,9 +441,9 @@ pub(crate) fn attention(
 /// Whether this layer's attention runs on the tensor cores: any batch (decode rows with
 /// key splits) over bf16 or fp8 entries (both exact as bf16 operands: fp8 codes times a
 /// power-of-two scale need 4 significant bits) whose geometry the kernel handles
-/// (head_dim a multiple of 64, every entry 16-byte aligned for bf16, 8-byte for fp8
-/// records, whose FP8 and BF16 parts then come in whole 8-dim pieces); f32 entries take
-/// the SIMT kernel. `SLUICE_CUDA_ATTENTION=simt` keeps the SIMT kernel everywhere, and
+/// (head_dim a multiple of 128, so each of the 8 dim groups is whole 16-dim mma steps;
+/// every entry 16-byte aligned for bf16, 8-byte for fp8 records, whose FP8 and BF16 parts
+/// then come in whole 8-dim pieces); f32 entries take the SIMT kernel. `SLUICE_CUDA_ATTENTION=simt` keeps the SIMT kernel everywhere, and
 /// `SLUICE_CUDA_ATT_MMA_FROM=N` below N rows (64 was the rule before decode batches took
 /// the tensor cores), for comparisons.
 fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
@@ -441,7 +462,7 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
         crate::EntryDtype::Fp8 => lk.main.tail.is_multiple_of(8),
         crate::EntryDtype::F32 => false,
     };
-    !simt_only && rows >= min_rows && dtype_ok && hd.is_multiple_of(64) && hd <= ATT_HD_MAX && aligned
+    !simt_only && rows >= min_rows && dtype_ok && hd.is_multiple_of(128) && hd <= ATT_HD_MAX && aligned
 }
 
 pub(crate) fn store_window(

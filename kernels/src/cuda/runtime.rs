@@ -184,7 +184,8 @@ const KERNELS: &[&str] = &[
 /// they are launched with (opted in at load; the shared-memory carveout set to its
 /// maximum so several blocks of them fit an SM).
 fn big_shared() -> Vec<(&'static str, usize)> {
-    let mut v = vec![("compress_stream", super::compress::STREAM_MAX_SMEM)];
+    let mut v =
+        vec![("compress_stream", super::compress::STREAM_MAX_SMEM), ("attention_mma", super::attention::MMA_DYN_SMEM)];
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));
     v

@@ -19,6 +19,8 @@ struct AttnGeom {
     int page_elems, page_off, per_page;
     int splits, keys_per_split;
     float scale;
+    int win_mask;    // window - 1 if the window is a power of two, else -1
+    int page_shift;  // log2(per_page) if that is a power of two, else -1
 };
 
 // Where key j of row r lives: 0 = new_kv (f32), 1 = ring, 2 = page, -1 = no key.
@@ -32,14 +34,17 @@ __device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n
             *off = (long long)(seq[SEQ_FIRST_ROW] + p - start) * g.hd;
             return 0;
         }
-        *off = (long long)seq[SEQ_SLOT] * g.ring_elems + g.ring_off + (long long)(p % g.window) * g.stride;
+        // A run-time division is ~20 instructions, and every key of every tile pays it.
+        const int slot = g.win_mask >= 0 ? (p & g.win_mask) : p % g.window;
+        *off = (long long)seq[SEQ_SLOT] * g.ring_elems + g.ring_off + (long long)slot * g.stride;
         return 1;
     }
     const int c = j - n_win;
     const int i = g.kind == 1 ? sel_row[c] : c;
     if (i < 0) return -1;
-    const u32 page = pages[seq[SEQ_PAGE_OFF] + i / g.per_page];
-    *off = (long long)page * g.page_elems + g.page_off + (long long)(i % g.per_page) * g.stride;
+    const int pi = g.page_shift >= 0 ? i >> g.page_shift : i / g.per_page;
+    const u32 page = pages[seq[SEQ_PAGE_OFF] + pi];
+    *off = (long long)page * g.page_elems + g.page_off + (long long)(i - pi * g.per_page) * g.stride;
     return 2;
 }
 

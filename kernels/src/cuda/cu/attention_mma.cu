@@ -4,8 +4,11 @@
 //
 // The SIMT kernel spends ~90% of an 8K prefill's attention time on one-warp-per-head dot
 // products in f32. Here both products run on the tensor cores (mma.sync m16n8k16, bf16
-// in, f32 accumulate): a block takes one row and 32 heads; its 8 warps are 2 head groups
-// (the mma's 16 rows) × 4 dim groups (head_dim / 4 dims each). Keys are exact in bf16
+// in, f32 accumulate): a block takes one row and 32 heads; its 16 warps are 2 head groups
+// (the mma's 16 rows) × 8 dim groups (head_dim / 8 dims each). Sixteen warps of ~128
+// registers rather than eight of ~240: the work between a tile's barriers is short chains
+// of dependent mmas, shared-memory loads and exps, and twice the warps hide twice the
+// latency (with 8 the kernel issued an instruction a warp every ~10 cycles). Keys are exact in bf16
 // (pages and rings store bf16, or fp8 codes times a power-of-two scale, which bf16 holds
 // exactly and which the tile load converts; this step's new_kv was rounded to the entry
 // dtype before attention), and the f32 operands (q and the softmax weights) are split into two bf16
@@ -14,8 +17,8 @@
 //
 // Per tile of 16 keys: load keys to shared memory (double-buffered), each warp computes
 // its dim group's partial logits [16 heads × 16 keys], the partials are summed in a fixed
-// order and the online softmax runs with 8 threads per head, then each warp rescales its
-// output accumulator [16 heads × head_dim/4] and adds P·V. Prefill-sized batches take
+// order and the online softmax runs with 16 threads per head (a key each), then each warp
+// rescales its output accumulator [16 heads × head_dim/8] and adds P·V. Prefill-sized batches take
 // one block per (row, 32 heads); decode batches also split the key axis over blockIdx.y
 // (a row's 64 heads are only 2 blocks) and leave (unnormalised output, max, sum) per
 // split in `part`, in the SIMT kernel's layout, for `attention_merge`, which adds them
@@ -25,18 +28,19 @@
 #define TC_KSTRIDE (ATT_HD_MAX + 8)  // bf16 per key row: the pad spreads rows over banks
 #define TC_HEADS 32
 #define TC_PSTRIDE (TC_KEYS + 8)
-#define TC_DGROUPS 4
+#define TC_DGROUPS 8
+#define TC_THREADS (32 * 2 * TC_DGROUPS)
 #define TC_KSTEPS_MAX (ATT_HD_MAX / TC_DGROUPS / 16)
 #define TC_NTILES_MAX (ATT_HD_MAX / TC_DGROUPS / 8)
 
 __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
-// A thread's share of one tile's keys: 16 threads a key (thread t takes key t / 16), each
-// its 16-byte pieces t % 16, t % 16 + 16, … of the key's head_dim / 8 (head_dim ≤ 512: at
-// most 4). One key a thread means one key_source (the selection, page-table and ring
-// arithmetic) a thread and tile, and no division by the run-time piece count.
-#define TC_PIECES 4
-#define TC_KEY_THREADS 16
+// A thread's share of one tile's keys: a warp a key (thread t takes key t / 32), each
+// lane its 16-byte pieces l and l + 32 of the key's head_dim / 8 (head_dim ≤ 512). One
+// key a thread means one key_source (the selection, page-table and ring arithmetic) a
+// thread and tile, and no division by the run-time piece count.
+#define TC_KEY_THREADS (TC_THREADS / TC_KEYS)
+#define TC_PIECES (ATT_HD_MAX / 8 / TC_KEY_THREADS)
 
 // One 16-byte piece of a key tile as fetched from global memory, before its conversion
 // to bf16. A tile's pieces are fetched while the tile before it is multiplied: a piece's
@@ -52,17 +56,20 @@ struct KeyPiece {
 #define PIECE_BF16 2
 #define PIECE_FP8 3
 
-// Issue the loads of this thread's pieces of the tile of keys jt .. jt+nt-1; returns
-// whether the thread's key exists (in the tile and, for CSA, selected).
-__device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnGeom& g, int jt, int nt, int t,
-                                           int n_win, const int* seq, const u32* pages, const int* sel_row,
+// Where keys live is worked out for TC_GROUP_TILES tiles at a time, a thread a key
+// (`key_source`: the selection, the page table, the ring slot), one group ahead of the
+// tiles that fetch them; a tile's fetch then reads its key's place from shared memory.
+// Per tile and warp that is a shared-memory load instead of the whole chain.
+#define TC_GROUP_TILES 16
+#define TC_GROUP_KEYS (TC_GROUP_TILES * TC_KEYS)
+
+// Issue the loads of this thread's pieces of its key (kind and offset from key_source;
+// kind < 0: no key); returns whether the key exists.
+__device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnGeom& g, int kind, long long off,
                                            const float* new_kv, const u8* rings, const u8* page_base) {
-    const int chunks = g.hd >> 3, kk = threadIdx.x / TC_KEY_THREADS, c0 = threadIdx.x % TC_KEY_THREADS;
+    const int chunks = g.hd >> 3, c0 = threadIdx.x % TC_KEY_THREADS;
 #pragma unroll
     for (int u = 0; u < TC_PIECES; u++) p[u].how = PIECE_NONE;
-    if (kk >= nt) return false;
-    long long off = 0;
-    const int kind = key_source(g, jt + kk, t, n_win, seq, pages, sel_row, &off);
     if (kind < 0) return false;
     if (kind == 0) {
 #pragma unroll
@@ -172,18 +179,24 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u
 #endif
 }
 
-// grid (ceil(heads / 32), splits, rows), 256 threads. Requires bf16 entries, head_dim a
-// multiple of 64 (≤ 512) and 16-byte-aligned entry offsets (checked by the launcher).
-extern "C" __global__ void __launch_bounds__(256, 1)
+// Dynamic shared memory: the two key tiles.
+#define TC_DYN_SMEM (2 * TC_KEYS * TC_KSTRIDE * 2)
+
+// grid (ceil(heads / 32), splits, rows), TC_THREADS threads, TC_DYN_SMEM bytes of dynamic
+// shared memory. Requires bf16 or fp8 entries, head_dim a multiple of 128 (≤ 512) and
+// aligned entry offsets (checked by the launcher).
+extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
     attention_mma(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
                   const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
                   float* out, float* part, AttnGeom g) {
     pdl_begin();
-    __shared__ __align__(16) u16 kt[2][TC_KEYS * TC_KSTRIDE];
+    extern __shared__ __align__(16) u16 tc_keys[];  // [2][TC_KEYS * TC_KSTRIDE]
     __shared__ float sp[TC_DGROUPS][TC_HEADS][TC_KEYS];
     __shared__ __align__(16) u16 ph[2][TC_HEADS * TC_PSTRIDE];
     __shared__ float corr_s[TC_HEADS], m_s[TC_HEADS], s_s[TC_HEADS];
     __shared__ int key_ok[TC_KEYS];  // the tile's keys that exist (read by the softmax)
+    __shared__ long long src_off[2][TC_GROUP_KEYS];  // key places of two tile groups
+    __shared__ int src_kind[2][TC_GROUP_KEYS];
 
     const int r = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -200,9 +213,20 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
     const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
 
+    // The first group's key places, then the first tile's fetch.
+    int next_kind = -1;  // a key of the next group (threads < TC_GROUP_KEYS), stored a tile later
+    long long next_off = 0;
+    if (threadIdx.x < TC_GROUP_KEYS) {
+        const int j = j0 + threadIdx.x;
+        long long off = 0;
+        src_kind[0][threadIdx.x] = j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, &off) : -1;
+        src_off[0][threadIdx.x] = off;
+    }
+    __syncthreads();
     KeyPiece pc[TC_PIECES];
+    const int kk = threadIdx.x / TC_KEY_THREADS;
     bool ok = false;
-    if (j0 < j1) ok = fetch_tile(pc, g, j0, min(TC_KEYS, j1 - j0), t, n_win, seq, pages, sel_row, new_kv, rings, page_base);
+    if (j0 < j1) ok = fetch_tile(pc, g, src_kind[0][kk], src_off[0][kk], new_kv, rings, page_base);
 
     // This warp's q fragments (rows: heads gid and gid + 8 of its group; columns: its dims).
     u32 qh[TC_KSTEPS_MAX][4], ql[TC_KSTEPS_MAX][4];
@@ -229,21 +253,35 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 #pragma unroll
     for (int i = 0; i < TC_NTILES_MAX; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    // Softmax state: 8 threads per head, two keys of each tile per thread.
-    const int sh = threadIdx.x >> 3, sk = (threadIdx.x & 7) * 2;
+    // Softmax state: 16 threads per head, a key of each tile per thread.
+    const int sh = threadIdx.x >> 4, sk = threadIdx.x & 15;
     float m_run = NEG_INF, s_run = 0.0f;
 
-    int buf = 0;
-    for (int jt = j0; jt < j1; jt += TC_KEYS, buf ^= 1) {
-        u16* kb = kt[buf];
-        // 1. The fetched keys into shared memory as bf16, then the next tile's fetch, whose
-        //    loads are in flight while this tile is multiplied.
+    int buf = 0, tile = 0;
+    for (int jt = j0; jt < j1; jt += TC_KEYS, buf ^= 1, tile++) {
+        u16* kb = tc_keys + buf * (TC_KEYS * TC_KSTRIDE);
+        const int group = tile / TC_GROUP_TILES, in_group = tile % TC_GROUP_TILES;
+        // 1. The fetched keys into shared memory as bf16 (and the next group's key places,
+        //    looked up a tile ago), then the next tile's fetch, whose loads are in flight
+        //    while this tile is multiplied.
         store_tile(pc, kb, g.hd);
-        if (threadIdx.x % TC_KEY_THREADS == 0) key_ok[threadIdx.x / TC_KEY_THREADS] = ok;
+        if (threadIdx.x % TC_KEY_THREADS == 0) key_ok[kk] = ok;
+        if (in_group == 1 && threadIdx.x < TC_GROUP_KEYS) {
+            src_kind[(group + 1) & 1][threadIdx.x] = next_kind;
+            src_off[(group + 1) & 1][threadIdx.x] = next_off;
+        }
         __syncthreads();
-        if (jt + TC_KEYS < j1)
-            ok = fetch_tile(pc, g, jt + TC_KEYS, min(TC_KEYS, j1 - jt - TC_KEYS), t, n_win, seq, pages, sel_row,
-                            new_kv, rings, page_base);
+        if (jt + TC_KEYS < j1) {
+            const int next = tile + 1, slot = (next / TC_GROUP_TILES) & 1;
+            const int i = (next % TC_GROUP_TILES) * TC_KEYS + kk;
+            ok = fetch_tile(pc, g, src_kind[slot][i], src_off[slot][i], new_kv, rings, page_base);
+        }
+        // The next group's key places: their loads are in flight until the next tile.
+        if (in_group == 0 && threadIdx.x < TC_GROUP_KEYS) {
+            const int j = jt + TC_GROUP_KEYS + threadIdx.x;
+            next_off = 0;
+            next_kind = j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, &next_off) : -1;
+        }
 
         // 2. Partial logits over this warp's dims: [16 heads × 16 keys]. One ldmatrix gives
         //    a k-step's B fragments for both 8-key halves (lane l names key l % 8 + 8·(l / 16),
@@ -282,31 +320,25 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 
         // 3. Online softmax per head; the weights go to shared memory as bf16 halves.
         {
-            float l[2];
+            float v = sp[0][sh][sk];
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const int kk = sk + e;
-                const float v = ((sp[0][sh][kk] + sp[1][sh][kk]) + sp[2][sh][kk]) + sp[3][sh][kk];
-                l[e] = key_ok[kk] ? v * g.scale : NEG_INF;
-            }
-            float mt = fmaxf(l[0], l[1]);
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 4));
+            for (int w = 1; w < TC_DGROUPS; w++) v += sp[w][sh][sk];
+            const float l = key_ok[sk] ? v * g.scale : NEG_INF;
+            float mt = l;
+#pragma unroll
+            for (int x = 1; x < 16; x <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, x));
             const float m_new = fmaxf(m_run, mt);
-            float c = 1.0f, p0 = 0.0f, p1 = 0.0f;
+            float c = 1.0f, p = 0.0f;
             if (m_new != NEG_INF) {
                 c = expf(m_run - m_new);
-                p0 = expf(l[0] - m_new);
-                p1 = expf(l[1] - m_new);
+                p = expf(l - m_new);
             }
-            s_run = s_run * c + (p0 + p1);
+            s_run = s_run * c + p;
             m_run = m_new;
-            u32 hi, lo;
-            split_pair(p0, p1, &hi, &lo);
-            *(u32*)(ph[0] + sh * TC_PSTRIDE + sk) = hi;
-            *(u32*)(ph[1] + sh * TC_PSTRIDE + sk) = lo;
-            if ((threadIdx.x & 7) == 0) corr_s[sh] = c;
+            const u16 hi = f2bf(p);
+            ph[0][sh * TC_PSTRIDE + sk] = hi;
+            ph[1][sh * TC_PSTRIDE + sk] = f2bf(p - bf2f(hi));
+            if (sk == 0) corr_s[sh] = c;
         }
         __syncthreads();
 
@@ -354,10 +386,9 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
 
     // Softmax totals per head, then the sink and the normalisation.
-    s_run += __shfl_xor_sync(0xffffffffu, s_run, 1);
-    s_run += __shfl_xor_sync(0xffffffffu, s_run, 2);
-    s_run += __shfl_xor_sync(0xffffffffu, s_run, 4);
-    if ((threadIdx.x & 7) == 0) {
+#pragma unroll
+    for (int x = 1; x < 16; x <<= 1) s_run += __shfl_xor_sync(0xffffffffu, s_run, x);
+    if (sk == 0) {
         m_s[sh] = m_run;
         s_s[sh] = s_run;
     }
