@@ -68,7 +68,17 @@ struct AttnGeom {
     win_mask: i32,
     /// log2(`per_page`) when it is a power of two, else -1: a page by shift.
     page_shift: i32,
+    /// 1 when `new_kv` is passed as bf16 (the tensor-core kernel of a prefill-sized batch).
+    new_bf16: i32,
 }
+
+/// Fewest rows whose new entries the tensor-core kernel reads as bf16 (rounded once by
+/// `round_bf16_rows`, exactly: they already hold the entry dtype's values) instead of
+/// f32: in a prefill most window keys are this chunk's own rows, and a 16-byte bf16
+/// piece is one load where an f32 one is two loads and eight conversions, in every tile of
+/// every block that sees them. A decode row sees one new key, so batches of about one row
+/// a sequence keep the f32 rows (and the launch they would cost).
+const NEW_KV_BF16_ROWS: usize = 64;
 
 /// `v - 1` when `v` is a power of two, else -1.
 fn pow2_mask(v: usize) -> i32 {
@@ -377,6 +387,20 @@ pub(crate) fn attention(
     let hgroups = heads.div_ceil(hpb);
     let (splits, per) = key_splits(slots, rows * hgroups, n_max);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
+    let new_bf16 = (mma && rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len()).then(|| {
+        let xb = g.alloc::<u16>(rows * hd);
+        launch!(
+            g,
+            "round_bf16_rows",
+            cfg_elems(rows * hd),
+            g.ptr(&xb),
+            g.ptr(&new_kv.mem),
+            rows as i32,
+            hd as i32,
+            hd as i32
+        );
+        xb
+    });
     let geom = AttnGeom {
         heads: heads as i32,
         hd: hd as i32,
@@ -400,6 +424,7 @@ pub(crate) fn attention(
             let per_page = lk.entries_per_page(layout.block).max(1);
             if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 }
         },
+        new_bf16: new_bf16.is_some() as i32,
     };
     let (kernel, threads, smem) =
         if mma { ("attention_mma", MMA_THREADS, MMA_DYN_SMEM as u32) } else { ("attention", 32 * hpb as u32, 0) };
@@ -408,7 +433,7 @@ pub(crate) fn attention(
         kernel,
         cfg((hgroups as u32, splits as u32, rows as u32), threads, smem),
         g.ptr(&q.mem),
-        g.ptr(&new_kv.mem),
+        new_bf16.as_ref().map_or(g.ptr(&new_kv.mem), |xb| g.ptr(xb)),
         g.ptr(&kv.rings.mem),
         g.ptr(&kv.pages.mem),
         g.ptr(&dp.pages),

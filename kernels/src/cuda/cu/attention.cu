@@ -21,6 +21,7 @@ struct AttnGeom {
     float scale;
     int win_mask;    // window - 1 if the window is a power of two, else -1
     int page_shift;  // log2(per_page) if that is a power of two, else -1
+    int new_bf16;    // attention_mma: new_kv holds bf16 values (u16), not f32
 };
 
 // Where key j of row r lives: 0 = new_kv (f32), 1 = ring, 2 = page, -1 = no key.

@@ -71,6 +71,16 @@ __device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnG
 #pragma unroll
     for (int u = 0; u < TC_PIECES; u++) p[u].how = PIECE_NONE;
     if (kind < 0) return false;
+    if (kind == 0 && g.new_bf16) {
+#pragma unroll
+        for (int u = 0; u < TC_PIECES; u++) {
+            const int c = c0 + TC_KEY_THREADS * u;
+            if (c >= chunks) continue;
+            p[u].a = *(const uint4*)((const u16*)new_kv + off + c * 8);
+            p[u].how = PIECE_BF16;
+        }
+        return true;
+    }
     if (kind == 0) {
 #pragma unroll
         for (int u = 0; u < TC_PIECES; u++) {
