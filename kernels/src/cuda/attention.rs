@@ -20,10 +20,12 @@ const ATT_HEADS_PER_BLOCK: usize = 16;
 const MMA_HEADS_PER_BLOCK: usize = 32;
 /// Threads of a tensor-core block (`TC_THREADS`): 2 head groups × 8 dim groups of a warp.
 const MMA_THREADS: u32 = 512;
-/// Dynamic shared memory of a tensor-core block (`TC_DYN_SMEM`): two tiles of 16 keys,
-/// rows of `ATT_HD_MAX + 8` bf16. With the kernel's static arrays it is past the 48 KiB a
-/// block gets without asking, so the backend opts in at load (`runtime::big_shared`).
-pub(crate) const MMA_DYN_SMEM: usize = 2 * 16 * (ATT_HD_MAX + 8) * 2;
+/// Keys per tile of the tensor-core kernel (`TC_KEYS`).
+const MMA_KEYS: usize = 32;
+/// Dynamic shared memory of a tensor-core block (`TC_DYN_SMEM`): two tiles of keys, rows
+/// of `ATT_HD_MAX + 8` bf16. Past the 48 KiB a block gets without asking, so the backend
+/// opts in at load (`runtime::big_shared`).
+pub(crate) const MMA_DYN_SMEM: usize = 2 * MMA_KEYS * (ATT_HD_MAX + 8) * 2;
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -309,12 +311,12 @@ pub(crate) fn select_topk(
 
 /// Splits of the key axis: about enough blocks to fill `slots` block places when rows are
 /// few (a decode batch: a row's heads are only 2 tensor-core blocks or 4 SIMT ones), each
-/// split a whole number of tiles; one split when the rows alone fill the places.
-fn key_splits(slots: usize, blocks: usize, n_max: usize) -> (usize, usize) {
+/// split a whole number of `tile`-key tiles; one split when the rows alone fill the places.
+fn key_splits(slots: usize, blocks: usize, n_max: usize, tile: usize) -> (usize, usize) {
     let want = slots / blocks.max(1);
-    let splits = want.clamp(1, n_max.div_ceil(ATT_T).max(1));
-    let per = n_max.div_ceil(splits).div_ceil(ATT_T) * ATT_T;
-    (n_max.div_ceil(per.max(1)).max(1), per.max(ATT_T))
+    let splits = want.clamp(1, n_max.div_ceil(tile).max(1));
+    let per = n_max.div_ceil(splits).div_ceil(tile) * tile;
+    (n_max.div_ceil(per.max(1)).max(1), per.max(tile))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -385,7 +387,7 @@ pub(crate) fn attention(
     // the SIMT kernel aims for two.
     let (hpb, slots) = if mma { (MMA_HEADS_PER_BLOCK, g.sms) } else { (ATT_HEADS_PER_BLOCK.min(heads), 2 * g.sms) };
     let hgroups = heads.div_ceil(hpb);
-    let (splits, per) = key_splits(slots, rows * hgroups, n_max);
+    let (splits, per) = key_splits(slots, rows * hgroups, n_max, if mma { MMA_KEYS } else { ATT_T });
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     let new_bf16 = (mma && rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len()).then(|| {
         let xb = g.alloc::<u16>(rows * hd);
@@ -555,18 +557,21 @@ mod tests {
     fn key_splits_fill_the_block_places_and_cover_every_key() {
         // Batch 1 on the tensor-core kernel (2 blocks a row, 132 places): a CSA row of
         // 128 window + 512 selected keys takes one tile a split, a window row 8 splits.
-        assert_eq!(key_splits(132, 2, 640), (40, 16));
-        assert_eq!(key_splits(132, 2, 128), (8, 16));
+        assert_eq!(key_splits(132, 2, 640, 16), (40, 16));
+        assert_eq!(key_splits(132, 2, 128, 16), (8, 16));
+        // The tensor-core kernel's tiles of 32: half the splits, each one tile.
+        assert_eq!(key_splits(132, 2, 640, 32), (20, 32));
+        assert_eq!(key_splits(132, 2, 192, 32), (6, 32));
         // Batch 8: 16 blocks, so 8 splits; an HCA row of 192 keys in 6 of 32.
-        assert_eq!(key_splits(132, 16, 640), (8, 80));
-        assert_eq!(key_splits(132, 16, 192), (6, 32));
+        assert_eq!(key_splits(132, 16, 640, 16), (8, 80));
+        assert_eq!(key_splits(132, 16, 192, 16), (6, 32));
         // Rows that fill the places alone: one split over every key.
-        assert_eq!(key_splits(132, 2 * 64, 640), (1, 640));
-        for slots in [132, 264] {
+        assert_eq!(key_splits(132, 2 * 64, 640, 16), (1, 640));
+        for (slots, tile) in [(132, 16), (264, 16), (132, 32)] {
             for blocks in [1, 2, 3, 16, 32, 131, 132, 500] {
                 for n in (1..3000).step_by(7) {
-                    let (splits, per) = key_splits(slots, blocks, n);
-                    assert_eq!(per % ATT_T, 0, "whole tiles ({slots}, {blocks}, {n})");
+                    let (splits, per) = key_splits(slots, blocks, n, tile);
+                    assert_eq!(per % tile, 0, "whole tiles ({slots}, {blocks}, {n})");
                     assert!(
                         splits * per >= n && (splits - 1) * per < n,
                         "every split holds keys ({slots}, {blocks}, {n})"

@@ -8,23 +8,25 @@
 // (the mma's 16 rows) × 8 dim groups (head_dim / 8 dims each). Sixteen warps of ~128
 // registers rather than eight of ~240: the work between a tile's barriers is short chains
 // of dependent mmas, shared-memory loads and exps, and twice the warps hide twice the
-// latency (with 8 the kernel issued an instruction a warp every ~10 cycles). Keys are exact in bf16
-// (pages and rings store bf16, or fp8 codes times a power-of-two scale, which bf16 holds
-// exactly and which the tile load converts; this step's new_kv was rounded to the entry
-// dtype before attention), and the f32 operands (q and the softmax weights) are split into two bf16
-// halves, x ≈ hi + lo, multiplied separately into the same f32 accumulator: ~16 mantissa
-// bits, so results stay within f32-summation-order distance of the SIMT kernel.
+// latency. Keys are exact in bf16 (pages and rings store bf16, or fp8 codes times a
+// power-of-two scale, which bf16 holds exactly and which the tile load converts; this
+// step's new_kv was rounded to the entry dtype before attention), and the f32 operands (q
+// and the softmax weights) are split into two bf16 halves, x ≈ hi + lo, multiplied
+// separately into the same f32 accumulator: ~16 mantissa bits, so results stay within
+// f32-summation-order distance of the SIMT kernel.
 //
-// Per tile of 16 keys: load keys to shared memory (double-buffered), each warp computes
-// its dim group's partial logits [16 heads × 16 keys], the partials are summed in a fixed
-// order and the online softmax runs with 16 threads per head (a key each), then each warp
-// rescales its output accumulator [16 heads × head_dim/8] and adds P·V. Prefill-sized batches take
-// one block per (row, 32 heads); decode batches also split the key axis over blockIdx.y
-// (a row's 64 heads are only 2 blocks) and leave (unnormalised output, max, sum) per
-// split in `part`, in the SIMT kernel's layout, for `attention_merge`, which adds them
-// in split order: results do not depend on scheduling either way.
+// Per tile of 32 keys: load keys to shared memory (double-buffered), each warp computes
+// its dim group's partial logits [16 heads × 32 keys], the partials are summed in a fixed
+// order and the online softmax runs with 16 threads per head (two keys each), then each
+// warp rescales its output accumulator [16 heads × head_dim/8] and adds P·V. A tile's
+// three barriers, partial-logit sums and softmax reductions are paid once per 32 keys.
+// Prefill-sized batches take one block per (row, 32 heads); decode batches also split the
+// key axis over blockIdx.y (a row's 64 heads are only 2 blocks) and leave (unnormalised
+// output, max, sum) per split in `part`, in the SIMT kernel's layout, for
+// `attention_merge`, which adds them in split order: results do not depend on scheduling
+// either way.
 
-#define TC_KEYS 16
+#define TC_KEYS 32
 #define TC_KSTRIDE (ATT_HD_MAX + 8)  // bf16 per key row: the pad spreads rows over banks
 #define TC_HEADS 32
 #define TC_PSTRIDE (TC_KEYS + 8)
@@ -35,10 +37,9 @@
 
 __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 
-// A thread's share of one tile's keys: a warp a key (thread t takes key t / 32), each
-// lane its 16-byte pieces l and l + 32 of the key's head_dim / 8 (head_dim ≤ 512). One
-// key a thread means one key_source (the selection, page-table and ring arithmetic) a
-// thread and tile, and no division by the run-time piece count.
+// A thread's share of one tile's keys: 16 threads a key (thread t takes key t / 16), each
+// its 16-byte pieces t % 16, t % 16 + 16, … of the key's head_dim / 8 (head_dim ≤ 512: at
+// most 4). No division by the run-time piece count.
 #define TC_KEY_THREADS (TC_THREADS / TC_KEYS)
 #define TC_PIECES (ATT_HD_MAX / 8 / TC_KEY_THREADS)
 
@@ -46,13 +47,13 @@ __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((
 // to bf16. A tile's pieces are fetched while the tile before it is multiplied: a piece's
 // place is a chain of dependent loads (the selection, the page table, then the entry),
 // and with one block an SM nothing else hides that chain if it runs between two barriers.
+// f32 new entries (decode rows: one a row) are converted when fetched, so a piece is 16
+// bytes of registers and four fit a thread's budget.
 struct KeyPiece {
-    uint4 a;  // bf16 entry: 8 values; fp8 entry: codes in a.x, a.y (or 8 BF16 tail values); new_kv: 4 f32
-    uint4 b;  // new_kv: the next 4 f32
+    uint4 a;  // bf16: 8 values; fp8 entry: codes in a.x, a.y
     int how;  // PIECE_*; for PIECE_FP8 the ue8m0 scale code in bits 8..15
 };
 #define PIECE_NONE 0
-#define PIECE_F32 1
 #define PIECE_BF16 2
 #define PIECE_FP8 3
 
@@ -60,7 +61,7 @@ struct KeyPiece {
 // (`key_source`: the selection, the page table, the ring slot), one group ahead of the
 // tiles that fetch them; a tile's fetch then reads its key's place from shared memory.
 // Per tile and warp that is a shared-memory load instead of the whole chain.
-#define TC_GROUP_TILES 16
+#define TC_GROUP_TILES 8
 #define TC_GROUP_KEYS (TC_GROUP_TILES * TC_KEYS)
 
 // Issue the loads of this thread's pieces of its key (kind and offset from key_source;
@@ -86,9 +87,12 @@ __device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnG
         for (int u = 0; u < TC_PIECES; u++) {
             const int c = c0 + TC_KEY_THREADS * u;
             if (c >= chunks) continue;
-            p[u].a = *(const uint4*)(new_kv + off + c * 8);
-            p[u].b = *(const uint4*)(new_kv + off + c * 8 + 4);
-            p[u].how = PIECE_F32;
+            const uint4 a = *(const uint4*)(new_kv + off + c * 8), b = *(const uint4*)(new_kv + off + c * 8 + 4);
+            p[u].a = make_uint4(pack_bf16x2(f2bf(__uint_as_float(a.x)), f2bf(__uint_as_float(a.y))),
+                                pack_bf16x2(f2bf(__uint_as_float(a.z)), f2bf(__uint_as_float(a.w))),
+                                pack_bf16x2(f2bf(__uint_as_float(b.x)), f2bf(__uint_as_float(b.y))),
+                                pack_bf16x2(f2bf(__uint_as_float(b.z)), f2bf(__uint_as_float(b.w))));
+            p[u].how = PIECE_BF16;
         }
         return true;
     }
@@ -139,12 +143,6 @@ __device__ __forceinline__ void store_tile(const KeyPiece (&p)[TC_PIECES], u16* 
         const int how = p[u].how & 0xff;
         if (how == PIECE_BF16) {
             v = p[u].a;
-        } else if (how == PIECE_F32) {
-            const uint4 a = p[u].a, b = p[u].b;
-            v = make_uint4(pack_bf16x2(f2bf(__uint_as_float(a.x)), f2bf(__uint_as_float(a.y))),
-                           pack_bf16x2(f2bf(__uint_as_float(a.z)), f2bf(__uint_as_float(a.w))),
-                           pack_bf16x2(f2bf(__uint_as_float(b.x)), f2bf(__uint_as_float(b.y))),
-                           pack_bf16x2(f2bf(__uint_as_float(b.z)), f2bf(__uint_as_float(b.w))));
         } else if (how == PIECE_FP8) {
             const float s = ue8m0_scale((u32)(p[u].how >> 8) & 0xffu);
             u32 w[4];
@@ -263,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
 #pragma unroll
     for (int i = 0; i < TC_NTILES_MAX; i++) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    // Softmax state: 16 threads per head, a key of each tile per thread.
+    // Softmax state: 16 threads per head, two keys of each tile per thread.
     const int sh = threadIdx.x >> 4, sk = threadIdx.x & 15;
     float m_run = NEG_INF, s_run = 0.0f;
 
@@ -293,32 +291,31 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
             next_kind = j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, &next_off) : -1;
         }
 
-        // 2. Partial logits over this warp's dims: [16 heads × 16 keys]. One ldmatrix gives
-        //    a k-step's B fragments for both 8-key halves (lane l names key l % 8 + 8·(l / 16),
-        //    dims +8·((l / 8) % 2)); the hi and lo halves of q accumulate apart (two chains
-        //    of dependent mmas instead of one twice as long) and are added at the end.
+        // 2. Partial logits over this warp's dims: [16 heads × 32 keys]. One ldmatrix gives
+        //    a k-step's B fragments for two 8-key blocks (lane l names key l % 8 + 8·(l / 16)
+        //    of the pair, dims +8·((l / 8) % 2)); four blocks are four independent chains.
         {
-            float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-            float sl[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+            float sc[4][4];
+#pragma unroll
+            for (int n8 = 0; n8 < 4; n8++) sc[n8][0] = sc[n8][1] = sc[n8][2] = sc[n8][3] = 0.0f;
             const u16* kl = kb + ((lane & 7) + 8 * (lane >> 4)) * TC_KSTRIDE + d_base + 8 * ((lane >> 3) & 1);
 #pragma unroll
             for (int k = 0; k < TC_KSTEPS_MAX; k++) {
                 if (k < nk) {
-                    u32 b[4];
-                    ldmatrix_x4(b, kl + 16 * k);
-                    mma_bf16_16816(sc[0], qh[k], b[0], b[1]);
-                    mma_bf16_16816(sc[1], qh[k], b[2], b[3]);
-                    mma_bf16_16816(sl[0], ql[k], b[0], b[1]);
-                    mma_bf16_16816(sl[1], ql[k], b[2], b[3]);
+#pragma unroll
+                    for (int pair = 0; pair < 2; pair++) {
+                        u32 b[4];
+                        ldmatrix_x4(b, kl + 16 * TC_KSTRIDE * pair + 16 * k);
+                        mma_bf16_16816(sc[2 * pair], qh[k], b[0], b[1]);
+                        mma_bf16_16816(sc[2 * pair + 1], qh[k], b[2], b[3]);
+                        mma_bf16_16816(sc[2 * pair], ql[k], b[0], b[1]);
+                        mma_bf16_16816(sc[2 * pair + 1], ql[k], b[2], b[3]);
+                    }
                 }
             }
-#pragma unroll
-            for (int n8 = 0; n8 < 2; n8++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) sc[n8][e] += sl[n8][e];
             const int ha = hg * 16 + gid;
 #pragma unroll
-            for (int n8 = 0; n8 < 2; n8++) {
+            for (int n8 = 0; n8 < 4; n8++) {
                 const int key = n8 * 8 + 2 * tig;
                 sp[dg][ha][key] = sc[n8][0];
                 sp[dg][ha][key + 1] = sc[n8][1];
@@ -328,26 +325,35 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
         }
         __syncthreads();
 
-        // 3. Online softmax per head; the weights go to shared memory as bf16 halves.
+        // 3. Online softmax per head (16 threads a head, keys sk and sk + 16 each); the
+        //    weights go to shared memory as bf16 halves.
         {
-            float v = sp[0][sh][sk];
+            float l[2];
 #pragma unroll
-            for (int w = 1; w < TC_DGROUPS; w++) v += sp[w][sh][sk];
-            const float l = key_ok[sk] ? v * g.scale : NEG_INF;
-            float mt = l;
+            for (int e = 0; e < 2; e++) {
+                const int kk2 = sk + 16 * e;
+                float v = sp[0][sh][kk2];
+#pragma unroll
+                for (int w = 1; w < TC_DGROUPS; w++) v += sp[w][sh][kk2];
+                l[e] = key_ok[kk2] ? v * g.scale : NEG_INF;
+            }
+            float mt = fmaxf(l[0], l[1]);
 #pragma unroll
             for (int x = 1; x < 16; x <<= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, x));
             const float m_new = fmaxf(m_run, mt);
-            float c = 1.0f, p = 0.0f;
+            float c = 1.0f, p0 = 0.0f, p1 = 0.0f;
             if (m_new != NEG_INF) {
                 c = expf(m_run - m_new);
-                p = expf(l - m_new);
+                p0 = expf(l[0] - m_new);
+                p1 = expf(l[1] - m_new);
             }
-            s_run = s_run * c + p;
+            s_run = s_run * c + (p0 + p1);
             m_run = m_new;
-            const u16 hi = f2bf(p);
-            ph[0][sh * TC_PSTRIDE + sk] = hi;
-            ph[1][sh * TC_PSTRIDE + sk] = f2bf(p - bf2f(hi));
+            const u16 h0 = f2bf(p0), h1 = f2bf(p1);
+            ph[0][sh * TC_PSTRIDE + sk] = h0;
+            ph[1][sh * TC_PSTRIDE + sk] = f2bf(p0 - bf2f(h0));
+            ph[0][sh * TC_PSTRIDE + sk + 16] = h1;
+            ph[1][sh * TC_PSTRIDE + sk + 16] = f2bf(p1 - bf2f(h1));
             if (sk == 0) corr_s[sh] = c;
         }
         __syncthreads();
@@ -359,25 +365,31 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
             // Once a head's running maximum settles its correction is exactly 1: the
             // rescale is skipped when no head of the warp's 16 needs it.
             const bool rescale = __any_sync(0xffffffffu, ca != 1.0f || cb != 1.0f);
-            u32 pah[4], pal[4];
-            const u16* p0 = ph[0] + ha * TC_PSTRIDE + 2 * tig;
-            const u16* p1 = ph[1] + ha * TC_PSTRIDE + 2 * tig;
-            pah[0] = *(const u32*)p0;
-            pah[1] = *(const u32*)(p0 + 8 * TC_PSTRIDE);
-            pah[2] = *(const u32*)(p0 + 8);
-            pah[3] = *(const u32*)(p0 + 8 * TC_PSTRIDE + 8);
-            pal[0] = *(const u32*)p1;
-            pal[1] = *(const u32*)(p1 + 8 * TC_PSTRIDE);
-            pal[2] = *(const u32*)(p1 + 8);
-            pal[3] = *(const u32*)(p1 + 8 * TC_PSTRIDE + 8);
-            // One ldmatrix.trans gives the B fragments of two 8-dim tiles: lane l names key
-            // l % 8 + 8·((l / 8) % 2), dims 8·(l / 16) on from the tile pair's first.
+            // P's A fragments for the tile's two 16-key steps, hi and lo halves.
+            u32 pah[2][4], pal[2][4];
+#pragma unroll
+            for (int ks = 0; ks < 2; ks++) {
+                const u16* p0 = ph[0] + ha * TC_PSTRIDE + 16 * ks + 2 * tig;
+                const u16* p1 = ph[1] + ha * TC_PSTRIDE + 16 * ks + 2 * tig;
+                pah[ks][0] = *(const u32*)p0;
+                pah[ks][1] = *(const u32*)(p0 + 8 * TC_PSTRIDE);
+                pah[ks][2] = *(const u32*)(p0 + 8);
+                pah[ks][3] = *(const u32*)(p0 + 8 * TC_PSTRIDE + 8);
+                pal[ks][0] = *(const u32*)p1;
+                pal[ks][1] = *(const u32*)(p1 + 8 * TC_PSTRIDE);
+                pal[ks][2] = *(const u32*)(p1 + 8);
+                pal[ks][3] = *(const u32*)(p1 + 8 * TC_PSTRIDE + 8);
+            }
+            // One ldmatrix.trans gives a key step's B fragments of two 8-dim tiles: lane l
+            // names key l % 8 + 8·((l / 8) % 2) of the step, dims 8·(l / 16) on from the
+            // tile pair's first.
             const u16* vl = kb + ((lane & 7) + 8 * ((lane >> 3) & 1)) * TC_KSTRIDE + d_base + 8 * (lane >> 4);
 #pragma unroll
             for (int n8 = 0; n8 < TC_NTILES_MAX; n8 += 2) {
                 if (n8 < nn) {
-                    u32 b[4];
-                    ldmatrix_x4_trans(b, vl + 8 * n8);
+                    u32 b[2][4];
+                    ldmatrix_x4_trans(b[0], vl + 8 * n8);
+                    ldmatrix_x4_trans(b[1], vl + 16 * TC_KSTRIDE + 8 * n8);
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         float* a = acc[n8 + h];
@@ -387,8 +399,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
                             a[2] *= cb;
                             a[3] *= cb;
                         }
-                        mma_bf16_16816(a, pah, b[2 * h], b[2 * h + 1]);
-                        mma_bf16_16816(a, pal, b[2 * h], b[2 * h + 1]);
+#pragma unroll
+                        for (int ks = 0; ks < 2; ks++) {
+                            mma_bf16_16816(a, pah[ks], b[ks][2 * h], b[ks][2 * h + 1]);
+                            mma_bf16_16816(a, pal[ks], b[ks][2 * h], b[ks][2 * h + 1]);
+                        }
                     }
                 }
             }
