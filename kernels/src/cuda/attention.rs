@@ -535,7 +535,7 @@ pub(crate) fn store_window(
 
 #[cfg(test)]
 mod tests {
-    use super::{ATT_T, key_splits, scored_candidates};
+    use super::{key_splits, scored_candidates};
 
     #[test]
     fn scored_candidates_cover_every_entry_in_few_granules() {
