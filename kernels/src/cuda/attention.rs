@@ -470,7 +470,8 @@ pub(crate) fn attention(
 /// power-of-two scale need 4 significant bits) whose geometry the kernel handles
 /// (head_dim a multiple of 128, so each of the 8 dim groups is whole 16-dim mma steps;
 /// every entry 16-byte aligned for bf16, 8-byte for fp8 records, whose FP8 and BF16 parts
-/// then come in whole 8-dim pieces); f32 entries take the SIMT kernel. `SLUICE_CUDA_ATTENTION=simt` keeps the SIMT kernel everywhere, and
+/// then come in whole 8-dim pieces); f32 entries take the SIMT kernel.
+/// `SLUICE_CUDA_ATTENTION=simt` keeps the SIMT kernel everywhere, and
 /// `SLUICE_CUDA_ATT_MMA_FROM=N` below N rows (64 was the rule before decode batches took
 /// the tensor cores), for comparisons.
 fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
@@ -555,8 +556,8 @@ mod tests {
 
     #[test]
     fn key_splits_fill_the_block_places_and_cover_every_key() {
-        // Batch 1 on the tensor-core kernel (2 blocks a row, 132 places): a CSA row of
-        // 128 window + 512 selected keys takes one tile a split, a window row 8 splits.
+        // Batch 1 with 2 blocks a row and 132 places, tiles of 16 keys: a CSA row of 128
+        // window + 512 selected keys takes one tile a split, a window row 8 splits.
         assert_eq!(key_splits(132, 2, 640, 16), (40, 16));
         assert_eq!(key_splits(132, 2, 128, 16), (8, 16));
         // The tensor-core kernel's tiles of 32: half the splits, each one tile.

@@ -24,7 +24,8 @@ struct AttnGeom {
     int new_bf16;    // attention_mma: new_kv holds bf16 values (u16), not f32
 };
 
-// Where key j of row r lives: 0 = new_kv (f32), 1 = ring, 2 = page, -1 = no key.
+// Where key j of row r lives: 0 = new_kv (f32, or its bf16 copy: AttnGeom.new_bf16), 1 =
+// ring, 2 = page, -1 = no key; *off is in elements of that storage.
 __device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n_win, const int* seq,
                                           const u32* pages, const int* sel_row, long long* off) {
     const int first = t + 1 - n_win;
@@ -35,7 +36,7 @@ __device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n
             *off = (long long)(seq[SEQ_FIRST_ROW] + p - start) * g.hd;
             return 0;
         }
-        // A run-time division is ~20 instructions, and every key of every tile pays it.
+        // A run-time division is ~20 instructions and every key pays it: mask when we can.
         const int slot = g.win_mask >= 0 ? (p & g.win_mask) : p % g.window;
         *off = (long long)seq[SEQ_SLOT] * g.ring_elems + g.ring_off + (long long)slot * g.stride;
         return 1;

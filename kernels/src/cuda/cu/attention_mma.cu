@@ -72,17 +72,7 @@ __device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnG
 #pragma unroll
     for (int u = 0; u < TC_PIECES; u++) p[u].how = PIECE_NONE;
     if (kind < 0) return false;
-    if (kind == 0 && g.new_bf16) {
-#pragma unroll
-        for (int u = 0; u < TC_PIECES; u++) {
-            const int c = c0 + TC_KEY_THREADS * u;
-            if (c >= chunks) continue;
-            p[u].a = *(const uint4*)((const u16*)new_kv + off + c * 8);
-            p[u].how = PIECE_BF16;
-        }
-        return true;
-    }
-    if (kind == 0) {
+    if (kind == 0 && !g.new_bf16) {
 #pragma unroll
         for (int u = 0; u < TC_PIECES; u++) {
             const int c = c0 + TC_KEY_THREADS * u;
@@ -96,13 +86,14 @@ __device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnG
         }
         return true;
     }
-    const u8* base = kind == 1 ? rings : page_base;
-    if (g.dtype == DTYPE_BF16) {
+    const u8* base = kind == 0 ? (const u8*)new_kv : kind == 1 ? rings : page_base;
+    if (kind == 0 || g.dtype == DTYPE_BF16) {  // bf16 values: new entries passed as bf16, or bf16 entries
+        const u16* src = (const u16*)base + off;
 #pragma unroll
         for (int u = 0; u < TC_PIECES; u++) {
             const int c = c0 + TC_KEY_THREADS * u;
             if (c >= chunks) continue;
-            p[u].a = *(const uint4*)((const u16*)base + off + c * 8);
+            p[u].a = *(const uint4*)(src + c * 8);
             p[u].how = PIECE_BF16;
         }
         return true;
