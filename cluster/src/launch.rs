@@ -34,8 +34,8 @@ pub enum LaunchError {
 /// random: a port `bind(0)` hands out is an ephemeral one, which any outbound connection
 /// of any process may take as its local port in the seconds before the child binds it
 /// (CI saw a router fail with "Address already in use" that way). A port is handed out
-/// once per process (`sluice up` picks several before its children bind any). Falls back
-/// to `bind(0)` where no such range is free.
+/// once per process (`sluice up` picks several before its children bind any; concurrent
+/// tests in one process never collide). Falls back to `bind(0)` where no such range is free.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static CALLS: AtomicU64 = AtomicU64::new(0);
@@ -61,7 +61,16 @@ pub fn free_port() -> u16 {
             }
         }
     }
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free loopback port")
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
 
 /// The kernel's ephemeral port range (Linux's default where it cannot be read).

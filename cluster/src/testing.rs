@@ -3,13 +3,11 @@
 //! Discovery is only worth testing against the real thing: lease expiry, watch cancellation and
 //! the client's behaviour while the server is down are exactly what a fake would get wrong.
 
-use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use tempfile::TempDir;
@@ -209,17 +207,6 @@ fn read_tail(path: &Path, from: u64) -> String {
     text
 }
 
-/// A loopback port that nothing listens on right now and that this process has not handed out
-/// before, so concurrent tests in one process never collide with each other.
-pub fn free_port() -> u16 {
-    static HANDED_OUT: Mutex<Option<HashSet<u16>>> = Mutex::new(None);
-    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let handed_out = handed_out.get_or_insert_with(HashSet::new);
-    loop {
-        // Outside the ephemeral range, so no outbound connection takes it meanwhile.
-        let port = crate::launch::free_port();
-        if handed_out.insert(port) {
-            return port;
-        }
-    }
-}
+/// A loopback port that nothing listens on right now and that this process has not handed
+/// out before (outside the ephemeral range, so no outbound connection takes it meanwhile).
+pub use crate::launch::free_port;
