@@ -403,6 +403,7 @@ pub(crate) fn attention(
         );
         xb
     });
+    let per_page = lk.entries_per_page(layout.block).max(1);
     let geom = AttnGeom {
         heads: heads as i32,
         hd: hd as i32,
@@ -417,15 +418,12 @@ pub(crate) fn attention(
         ring_off: lk.ring as i32,
         page_elems: layout.page_elems as i32,
         page_off: lk.page_offset(Branch::Main) as i32,
-        per_page: lk.entries_per_page(layout.block).max(1) as i32,
+        per_page: per_page as i32,
         splits: splits as i32,
         keys_per_split: per as i32,
         scale,
         win_mask: pow2_mask(window),
-        page_shift: {
-            let per_page = lk.entries_per_page(layout.block).max(1);
-            if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 }
-        },
+        page_shift: if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 },
         new_bf16: new_bf16.is_some() as i32,
     };
     let (kernel, threads, smem) =
