@@ -44,9 +44,8 @@ __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((
 #define TC_PIECES (ATT_HD_MAX / 8 / TC_KEY_THREADS)
 
 // One 16-byte piece of a key tile as fetched from global memory, before its conversion
-// to bf16. A tile's pieces are fetched while the tile before it is multiplied: a piece's
-// place is a chain of dependent loads (the selection, the page table, then the entry),
-// and with one block an SM nothing else hides that chain if it runs between two barriers.
+// to bf16. A tile's pieces are fetched while the tile before it is multiplied: with one
+// block an SM nothing else would hide the loads' latency between two barriers.
 // f32 new entries (decode rows: one a row) are converted when fetched, so a piece is 16
 // bytes of registers and four fit a thread's budget.
 struct KeyPiece {
@@ -212,13 +211,17 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
     const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
     const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
 
+    // Where key j of this split lives (kind -1: past the split, or not selected).
+    auto place = [&](int j, long long* off) {
+        *off = 0;
+        return j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, off) : -1;
+    };
     // The first group's key places, then the first tile's fetch.
     int next_kind = -1;  // a key of the next group (threads < TC_GROUP_KEYS), stored a tile later
     long long next_off = 0;
     if (threadIdx.x < TC_GROUP_KEYS) {
-        const int j = j0 + threadIdx.x;
-        long long off = 0;
-        src_kind[0][threadIdx.x] = j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, &off) : -1;
+        long long off;
+        src_kind[0][threadIdx.x] = place(j0 + threadIdx.x, &off);
         src_off[0][threadIdx.x] = off;
     }
     __syncthreads();
@@ -256,9 +259,8 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
     const int sh = threadIdx.x >> 4, sk = threadIdx.x & 15;
     float m_run = NEG_INF, s_run = 0.0f;
 
-    int buf = 0, tile = 0;
-    for (int jt = j0; jt < j1; jt += TC_KEYS, buf ^= 1, tile++) {
-        u16* kb = tc_keys + buf * (TC_KEYS * TC_KSTRIDE);
+    for (int jt = j0, tile = 0; jt < j1; jt += TC_KEYS, tile++) {
+        u16* kb = tc_keys + (tile & 1) * (TC_KEYS * TC_KSTRIDE);
         const int group = tile / TC_GROUP_TILES, in_group = tile % TC_GROUP_TILES;
         // 1. The fetched keys into shared memory as bf16 (and the next group's key places,
         //    looked up a tile ago), then the next tile's fetch, whose loads are in flight
@@ -276,11 +278,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
             ok = fetch_tile(pc, g, src_kind[slot][i], src_off[slot][i], new_kv, rings, page_base);
         }
         // The next group's key places: their loads are in flight until the next tile.
-        if (in_group == 0 && threadIdx.x < TC_GROUP_KEYS) {
-            const int j = jt + TC_GROUP_KEYS + threadIdx.x;
-            next_off = 0;
-            next_kind = j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, &next_off) : -1;
-        }
+        if (in_group == 0 && threadIdx.x < TC_GROUP_KEYS) next_kind = place(jt + TC_GROUP_KEYS + threadIdx.x, &next_off);
 
         // 2. Partial logits over this warp's dims: [16 heads × 32 keys]. One ldmatrix gives
         //    a k-step's B fragments for two 8-key blocks (lane l names key l % 8 + 8·(l / 16)
