@@ -212,6 +212,19 @@ extern "C" __global__ void hc_head_finish(const float* streams, const float* mix
     hc_collapse(s, pre_s, hc, d, out + (long long)r * d);
 }
 
+// One halving step of mix_rows_body's warp reduction over v[0, 2H): the lanes with bit
+// `off` set keep v[H, 2H), the others v[0, H), each adding its partner's copy, into v[0, H).
+template <int H>
+__device__ __forceinline__ void mix_fold(float* v, int lane, int off) {
+    const bool up = lane & off;
+#pragma unroll
+    for (int j = 0; j < H; j++) {
+        const float send = up ? v[j] : v[j + H];
+        const float keep = up ? v[j + H] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+    }
+}
+
 // The mixing product for many rows: out[r, n] = Σ_k W[n, k] · x[r, k] with few outputs
 // (N ≤ MAXN, e.g. 24) and long rows (hc · hidden). A block of 256 threads takes ROWS
 // rows and all N outputs, so the small weight (L2-resident) is read once per ROWS rows
@@ -246,13 +259,26 @@ __device__ void mix_rows_body(float* out, const float* x, const void* w, int row
     }
     __shared__ float red[8][ROWS * MAXN];
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    // The warp's sums of all ROWS·MAXN accumulators by halving exchanges: each step a
+    // lane keeps half of its values and adds its partner's copy of them, so after five
+    // steps each lane holds ROWS·MAXN / 32 finished sums (93 shuffles for 96 values, where
+    // a warp_sum each took 480). The pairs are warp_sum's (xor 16, 8, 4, 2, 1), so the
+    // sums are bit for bit the same.
+    constexpr int T = ROWS * MAXN;
+    static_assert(T % 32 == 0, "the halving reduction needs a multiple of 32 accumulators");
+    float* v = &acc[0][0];
+    mix_fold<T / 2>(v, lane, 16);
+    mix_fold<T / 4>(v, lane, 8);
+    mix_fold<T / 8>(v, lane, 4);
+    mix_fold<T / 16>(v, lane, 2);
+    mix_fold<T / 32>(v, lane, 1);
+    // Which values this lane kept: T/2 on from the start for bit 16, T/4 for bit 8, ...
+    int base = 0;
 #pragma unroll
-    for (int i = 0; i < ROWS; i++)
+    for (int b = 16, h = T / 2; b >= 1; b >>= 1, h >>= 1)
+        if (lane & b) base += h;
 #pragma unroll
-        for (int n = 0; n < MAXN; n++) {
-            const float v = warp_sum(acc[i][n]);
-            if (lane == 0) red[wp][i * MAXN + n] = v;
-        }
+    for (int j = 0; j < T / 32; j++) red[wp][base + j] = v[j];
     __syncthreads();
     for (int t = threadIdx.x; t < ROWS * MAXN; t += blockDim.x) {
         const int i = t / MAXN, n = t % MAXN;
