@@ -1,6 +1,7 @@
 //! mHC on the GPU: the mixing product runs on the raw streams (the unweighted RMSNorm
 //! is one scalar per row, applied by the finishing kernel), then one block per row does
-//! the sigmoids, the Sinkhorn projection and the collapse. The product runs in `mix_rows`
+//! the sigmoids and the collapse, and a second block per row the Sinkhorn projection
+//! (in the first block's first warp when hc² > 32 or `SLUICE_CUDA_HC_SINKHORN_BLOCK=0`). The product runs in `mix_rows`
 //! (few outputs, long rows, K split over blocks when rows are few) from 2 to 64 rows, in
 //! the gemv at one row, and through `matmul` (cuBLAS) for prefill-sized batches.
 
@@ -109,6 +110,13 @@ fn mix_rows_parts(sms: usize, row_blocks: usize, k: usize) -> usize {
 /// Fewest inputs a `mix_rows` K part takes (two loop rounds of its 256 threads).
 const MIX_MIN_PART: usize = 512;
 
+/// Whether `hc_pre_finish` runs each row's Sinkhorn rounds in a block of their own
+/// (`SLUICE_CUDA_HC_SINKHORN_BLOCK=0`, read once: in the first warp of the row's block).
+fn sinkhorn_block() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_SINKHORN_BLOCK").map(|v| v != "0").unwrap_or(true))
+}
+
 /// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
 /// rows are fewer than the SMs (a decode batch: each block reads its 64 KiB row alone,
 /// bound by how many loads it has in flight), 256 otherwise.
@@ -143,10 +151,12 @@ pub(crate) fn hc_pre(
     // row), unless `SLUICE_CUDA_FUSE_NORMS=0`.
     let fused = norm.filter(|_| super::rows::fuse_norms());
     let (norm_w, norm_eps) = fused.map(|(nw, eps)| (g.ptr(&nw.mem), eps)).unwrap_or((0, 0.0));
+    // A second block a row for the Sinkhorn rounds where one warp holds the matrix.
+    let blocks_a_row = if hc * hc <= 32 && sinkhorn_block() { 2 } else { 1 };
     launch!(
         g,
         "hc_pre_finish",
-        cfg((rows as u32, 1, 1), row_block_threads(g, rows), 0),
+        cfg((rows as u32, blocks_a_row, 1), row_block_threads(g, rows), 0),
         g.ptr(&streams.mem),
         g.ptr(&m.mem),
         f80(&w.base),
