@@ -93,7 +93,7 @@ impl CudaBackend {
     /// The kernel table (see the module comment); `reps` calls per timing.
     pub fn bench_products(&self, reps: usize) -> Vec<ProductTime> {
         let mut out = Vec::new();
-        // Decode gemv at one row: an expert's gate projection (FP4, 2048 × 4096, 64 of
+        // Decode gemv at 1, 8 and 32 rows: an expert's gate projection (FP4, 2048 × 4096, 64 of
         // them: 276 MB), a projection like wo_a (8192 × 4096) in FP8 and BF16 (8 copies).
         let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 3] = [
             ("gemv fp4 expert 2048x4096", OwnedFormat::Fp4, 2048, 4096, 64),
@@ -102,7 +102,9 @@ impl CudaBackend {
         ];
         for (what, format, n, k, copies) in gemv_sets {
             let ws: Vec<CudaWeight> = (0..copies).map(|i| stored(self, n, k, format, i as u64)).collect();
-            for rows in [1usize, 8] {
+            // 32 rows: a decode batch, v2's one FP8 launch against v1's launches of 8 rows
+            // (BF16: cuBLAS, split activations stacked into one product).
+            for rows in [1usize, 8, 32] {
                 let x = self.upload(&noise(rows * k, 99));
                 let y = self.zeros(rows * n);
                 let g = &self.gpu;
