@@ -72,6 +72,10 @@ pub struct GpuBenchArgs {
     /// the device (what a decode worker does for greedy requests).
     #[arg(long)]
     pub full_logits: bool,
+    /// GPU benchmark: run even when the memory plan says the model, workspace and KV
+    /// pool do not fit the GPUs (the plan is checked before loading).
+    #[arg(long)]
+    pub skip_memory_check: bool,
 }
 
 /// One greedy decode step and the seconds it took from `start`: the device's greedy
@@ -122,10 +126,24 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
     if a.contexts.is_empty() || a.batches.is_empty() || a.batches.contains(&0) {
         bail!("--contexts and --batches need at least one value each, batches at least 1");
     }
+    let sizes = sizes(&c, a, c.ordinals.len());
+    if a.skip_memory_check {
+        eprintln!("memory plan not checked (--skip-memory-check)");
+    } else {
+        crate::bench_memory::check_run(c.dir, &c.ordinals, c.kv_dtype, &sizes)?;
+    }
     match c.ordinals.as_slice() {
         [one] => run_on(&c, a, engine::device::cuda_backend(*one)?),
         several => run_on(&c, a, engine::device::cuda_sharded(several)?),
     }
+}
+
+/// The engine sizes of this run on `ranks` GPUs.
+#[cfg(feature = "cuda")]
+fn sizes(c: &Common<'_>, a: &GpuBenchArgs, ranks: usize) -> crate::bench_memory::BenchSizes {
+    let max_ctx = *a.contexts.iter().max().expect("non-empty");
+    let max_batch = *a.batches.iter().max().expect("non-empty");
+    crate::bench_memory::BenchSizes::new(max_ctx, max_batch, a.prefill_tokens, a.chunk_tokens, c.decode_steps, ranks)
 }
 
 #[cfg(feature = "cuda")]
@@ -140,14 +158,13 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
 
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
     let max_batch = *a.batches.iter().max().expect("non-empty");
-    let pages_per_seq = (max_ctx.max(a.prefill_tokens) + c.decode_steps + 2).div_ceil(128) + 1;
     // The batch's sequences spread over the GPUs; each GPU's share of the pools has
     // room for all of them (rounded to whole shares).
-    let seqs = (max_batch + 2).div_ceil(ranks) * ranks;
+    let sizes = sizes(c, a, ranks);
     let opts = EngineOptions {
         kv_dtype: c.kv_dtype,
-        max_pages: pages_per_seq * seqs,
-        max_sequences: seqs,
+        max_pages: sizes.max_pages,
+        max_sequences: sizes.max_sequences,
         max_chunk_tokens: a.chunk_tokens.max(1),
     };
     let t = Instant::now();

@@ -11,7 +11,8 @@
 //! - `health_cmd`: `sluice health`, one gRPC health check (the Helm chart's probe of TLS ports).
 //! - `bench_cmd`: `sluice bench engine`, and dispatch of `bench transfer`.
 //! - `bench_engine`: `sluice bench engine --device cuda:N` (the GPU benchmark), over
-//!   `bench_gpus` (one GPU or several: what is measured on them).
+//!   `bench_gpus` (one GPU or several: what is measured on them), refused before loading
+//!   by `bench_memory` when the memory plan says the run cannot fit.
 //! - `bench_transfer`: `sluice bench transfer` (KV sender GB/s next to ucx_perftest), its
 //!   GPU children in `bench_transfer_gpu`, its child processes driven by `child_proc`.
 //! - `bench_kvstore`: `sluice bench kvstore` (kvstore GB/s next to fio).
@@ -28,6 +29,7 @@ mod bench_collectives;
 mod bench_engine;
 mod bench_gpus;
 mod bench_kvstore;
+mod bench_memory;
 mod bench_prefix;
 mod bench_serve;
 mod bench_transfer;
