@@ -112,7 +112,7 @@ pub fn check_run(dir: &Path, ordinals: &[usize], kv_dtype: EntryDtype, sizes: &B
     }
     let plan = sizes.plan(dir, &cfg, ordinals.len(), bytes, kv_dtype).map_err(anyhow::Error::msg)?;
     let label = ordinals.iter().map(|o| format!("cuda:{o}")).collect::<Vec<_>>().join(",");
-    eprintln!("memory plan ({label}): {}", plan.summary());
+    eprintln!("{label}: {}", plan.summary());
     sizes.check(&plan, &label).map_err(anyhow::Error::msg)
 }
 
