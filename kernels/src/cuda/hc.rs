@@ -1,9 +1,10 @@
 //! mHC on the GPU: the mixing product runs on the raw streams (the unweighted RMSNorm
 //! is one scalar per row, applied by the finishing kernel), then one block per row does
-//! the sigmoids and the collapse, and a second block per row the Sinkhorn projection
-//! (in the first block's first warp when hc² > 32 or `SLUICE_CUDA_HC_SINKHORN_BLOCK=0`). The product runs in `mix_rows`
-//! (few outputs, long rows, K split over blocks when rows are few) from 2 to 64 rows, in
-//! the gemv at one row, and through `matmul` (cuBLAS) for prefill-sized batches.
+//! the sigmoids and the collapse, and for decode-sized batches a second block per row
+//! the Sinkhorn projection (else the first block's first warp does it). The product runs
+//! in `mix_rows` (few outputs, long rows, K split over blocks when rows are few) from 2
+//! to 64 rows, in the gemv at one row, and through `matmul` (cuBLAS) for prefill-sized
+//! batches.
 
 use cudarc::driver::DeviceRepr;
 
@@ -110,8 +111,11 @@ fn mix_rows_parts(sms: usize, row_blocks: usize, k: usize) -> usize {
 /// Fewest inputs a `mix_rows` K part takes (two loop rounds of its 256 threads).
 const MIX_MIN_PART: usize = 512;
 
-/// Whether `hc_pre_finish` runs each row's Sinkhorn rounds in a block of their own
+/// Whether `hc_pre_finish` may run each row's Sinkhorn rounds in a block of their own
 /// (`SLUICE_CUDA_HC_SINKHORN_BLOCK=0`, read once: in the first warp of the row's block).
+/// It does for fewer rows than SMs, where the rounds held up the row's only block; a
+/// prefill's blocks fill the SMs anyway, and the second block would read every row's
+/// streams again for its sum of squares.
 fn sinkhorn_block() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_SINKHORN_BLOCK").map(|v| v != "0").unwrap_or(true))
@@ -152,7 +156,7 @@ pub(crate) fn hc_pre(
     let fused = norm.filter(|_| super::rows::fuse_norms());
     let (norm_w, norm_eps) = fused.map(|(nw, eps)| (g.ptr(&nw.mem), eps)).unwrap_or((0, 0.0));
     // A second block a row for the Sinkhorn rounds where one warp holds the matrix.
-    let blocks_a_row = if hc * hc <= 32 && sinkhorn_block() { 2 } else { 1 };
+    let blocks_a_row = if hc * hc <= 32 && rows < g.sms && sinkhorn_block() { 2 } else { 1 };
     launch!(
         g,
         "hc_pre_finish",

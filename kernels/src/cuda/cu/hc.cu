@@ -137,11 +137,11 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, fl
 }
 
 // One block per row (blockIdx.y 0). mix[rows, (2+hc)*hc] = W · streams (un-normalised).
-// With gridDim.y = 2 (hc² ≤ 32) a second block of the row runs the Sinkhorn rounds in
-// its first warp, and the first block only the sigmoids, the collapse and the norm: in
-// one block the norm's barriers waited for the warp doing the rounds (a decode row's
-// kernel 10.5 → 7.8 µs on the H200). Both blocks take the row's sum of squares (the
-// same code, so the same value).
+// With gridDim.y = 2 (hc² ≤ 32, decode batches) a second block of the row runs the
+// Sinkhorn rounds in its first warp, and the first block only the sigmoids, the collapse
+// and the norm: in one block the norm's barriers waited for the warp doing the rounds (a
+// decode row's kernel 10.5 → 7.8 µs on the H200). Both blocks take the row's sum of
+// squares (the same code, so the same value).
 extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
                                          float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
                                          float hc_eps, float* collapsed, float* post, float* comb,
