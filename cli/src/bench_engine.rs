@@ -126,28 +126,44 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
     if a.contexts.is_empty() || a.batches.is_empty() || a.batches.contains(&0) {
         bail!("--contexts and --batches need at least one value each, batches at least 1");
     }
-    let sizes = sizes(&c, a, c.ordinals.len());
-    if a.skip_memory_check {
-        eprintln!("memory plan not checked (--skip-memory-check)");
-    } else {
-        crate::bench_memory::check_run(c.dir, &c.ordinals, c.kv_dtype, &sizes)?;
-    }
-    match c.ordinals.as_slice() {
-        [one] => run_on(&c, a, engine::device::cuda_backend(*one)?),
-        several => run_on(&c, a, engine::device::cuda_sharded(several)?),
-    }
-}
-
-/// The engine sizes of this run on `ranks` GPUs.
-#[cfg(feature = "cuda")]
-fn sizes(c: &Common<'_>, a: &GpuBenchArgs, ranks: usize) -> crate::bench_memory::BenchSizes {
+    // The batch's sequences spread over the GPUs; each GPU's share of the pools has
+    // room for all of them (rounded to whole shares).
     let max_ctx = *a.contexts.iter().max().expect("non-empty");
     let max_batch = *a.batches.iter().max().expect("non-empty");
-    crate::bench_memory::BenchSizes::new(max_ctx, max_batch, a.prefill_tokens, a.chunk_tokens, c.decode_steps, ranks)
+    let sizes = crate::bench_memory::BenchSizes::new(
+        max_ctx,
+        max_batch,
+        a.prefill_tokens,
+        a.chunk_tokens,
+        c.decode_steps,
+        c.ordinals.len(),
+    );
+    let plan = crate::bench_memory::plan_run(c.dir, &c.ordinals, c.kv_dtype, &sizes);
+    let plan = if a.skip_memory_check {
+        eprintln!("memory plan not checked (--skip-memory-check)");
+        plan.ok().map(|(p, _)| p)
+    } else {
+        let (plan, label) = plan?;
+        sizes.check(&plan, &label).map_err(anyhow::Error::msg)?;
+        Some(plan)
+    };
+    let run = Run { sizes, plan };
+    match c.ordinals.as_slice() {
+        [one] => run_on(&c, a, &run, engine::device::cuda_backend(*one)?),
+        several => run_on(&c, a, &run, engine::device::cuda_sharded(several)?),
+    }
+}
+
+/// What is decided before loading: the engine's sizes and their memory plan (none when
+/// the check was skipped and the plan could not be made).
+#[cfg(feature = "cuda")]
+struct Run {
+    sizes: crate::bench_memory::BenchSizes,
+    plan: Option<engine::memory_plan::MemoryPlan>,
 }
 
 #[cfg(feature = "cuda")]
-fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Result<()> {
+fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend: B) -> Result<()> {
     let describe = backend.describe();
     eprintln!("{describe}; kernels: {}", backend.first().kernel_origin());
     let copy_gbs = backend.copy_gbs();
@@ -156,15 +172,10 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
     eprintln!("cuBLAS BF16 GEMM 8192³: {peak_tflops:.0} TFLOP/s (the prefill's ceiling, per GPU)");
     let ranks = backend.ranks();
 
-    let max_ctx = *a.contexts.iter().max().expect("non-empty");
-    let max_batch = *a.batches.iter().max().expect("non-empty");
-    // The batch's sequences spread over the GPUs; each GPU's share of the pools has
-    // room for all of them (rounded to whole shares).
-    let sizes = sizes(c, a, ranks);
     let opts = EngineOptions {
         kv_dtype: c.kv_dtype,
-        max_pages: sizes.max_pages,
-        max_sequences: sizes.max_sequences,
+        max_pages: run.sizes.max_pages,
+        max_sequences: run.sizes.max_sequences,
         max_chunk_tokens: a.chunk_tokens.max(1),
     };
     let t = Instant::now();
@@ -179,14 +190,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, backend: B) -> Resu
     );
     // The memory plan's weight figure next to what the device holds after loading (the
     // KV pool, context and kernels included in the latter).
-    let plan_weights = {
-        use engine::memory_plan::{Devices, MemoryPlan, Residence, StepShape};
-        let on = Devices { residence: Residence::Gpu, count: ranks, bytes: (total / ranks) as u64 };
-        let shape = StepShape { rows: a.prefill_tokens.min(a.chunk_tokens), context: max_ctx, sequences: max_batch };
-        MemoryPlan::for_dir(c.dir, engine.config(), on, c.kv_dtype, shape)
-            .ok()
-            .map(|p| (p.weights.total(), p.workspace))
-    };
+    let plan_weights = run.plan.as_ref().map(|p| (p.weights.total(), p.workspace));
     let used_after_load = (total - free) as u64;
 
     // Warm-up: kernels loaded, cuBLAS handles and the allocator's pool primed.

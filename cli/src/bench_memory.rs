@@ -100,9 +100,15 @@ impl BenchSizes {
     }
 }
 
-/// The plan's verdict for a run on GPUs `ordinals` (their smallest memory), before loading.
+/// The plan of a run on GPUs `ordinals` (their smallest memory), made before loading and
+/// printed, with the GPUs' label for [`BenchSizes::check`].
 #[cfg(feature = "cuda")]
-pub fn check_run(dir: &Path, ordinals: &[usize], kv_dtype: EntryDtype, sizes: &BenchSizes) -> anyhow::Result<()> {
+pub fn plan_run(
+    dir: &Path,
+    ordinals: &[usize],
+    kv_dtype: EntryDtype,
+    sizes: &BenchSizes,
+) -> anyhow::Result<(MemoryPlan, String)> {
     use anyhow::Context;
     let path = dir.join("config.json");
     let cfg = ModelConfig::from_file(&path).with_context(|| format!("reading {}", path.display()))?;
@@ -113,7 +119,7 @@ pub fn check_run(dir: &Path, ordinals: &[usize], kv_dtype: EntryDtype, sizes: &B
     let plan = sizes.plan(dir, &cfg, ordinals.len(), bytes, kv_dtype).map_err(anyhow::Error::msg)?;
     let label = ordinals.iter().map(|o| format!("cuda:{o}")).collect::<Vec<_>>().join(",");
     eprintln!("{label}: {}", plan.summary());
-    sizes.check(&plan, &label).map_err(anyhow::Error::msg)
+    Ok((plan, label))
 }
 
 #[cfg(test)]
