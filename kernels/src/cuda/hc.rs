@@ -121,11 +121,17 @@ fn sinkhorn_block() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_SINKHORN_BLOCK").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether `rows` one-block-per-row blocks leave SMs idle (a decode batch), as opposed
+/// to a prefill's, which fill them.
+fn fewer_rows_than_sms(g: &super::runtime::Gpu, rows: usize) -> bool {
+    rows < g.sms
+}
+
 /// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
 /// rows are fewer than the SMs (a decode batch: each block reads its 64 KiB row alone,
 /// bound by how many loads it has in flight), 256 otherwise.
 fn row_block_threads(g: &super::runtime::Gpu, rows: usize) -> u32 {
-    if rows < g.sms { 1024 } else { 256 }
+    if fewer_rows_than_sms(g, rows) { 1024 } else { 256 }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -156,7 +162,7 @@ pub(crate) fn hc_pre(
     let fused = norm.filter(|_| super::rows::fuse_norms());
     let (norm_w, norm_eps) = fused.map(|(nw, eps)| (g.ptr(&nw.mem), eps)).unwrap_or((0, 0.0));
     // A second block a row for the Sinkhorn rounds where one warp holds the matrix.
-    let blocks_a_row = if hc * hc <= 32 && rows < g.sms && sinkhorn_block() { 2 } else { 1 };
+    let blocks_a_row = if hc * hc <= 32 && fewer_rows_than_sms(g, rows) && sinkhorn_block() { 2 } else { 1 };
     launch!(
         g,
         "hc_pre_finish",
