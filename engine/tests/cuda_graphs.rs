@@ -90,8 +90,11 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
         let (replayed, segments) = (stats.replayed + stats.captured, stats.segments);
         eprintln!(
             "GRAPHS {what}, batch {lens:?}: {replayed} of {segments} segments of {steps} steps from graphs \
-             ({} captured, {} eager), max|Δ|/max|ref| = {worst:.2e}",
-            stats.captured, stats.eager
+             ({} captured, {} eager, {} captures refused{}), max|Δ|/max|ref| = {worst:.2e}",
+            stats.captured,
+            stats.eager,
+            stats.capture_failures,
+            stats.capture_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
         );
         assert!(worst <= GRAPH_TOL, "{what}, batch {lens:?}: logits {worst:.3e} off the eager steps");
         assert_eq!(stats.recorded as usize, steps, "{what}: every decode step is recorded");

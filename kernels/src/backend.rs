@@ -482,6 +482,26 @@ pub trait Backend: Send + Sync + 'static {
         post: &Self::Buf,
         comb: &Self::Buf,
     );
+    /// [`Backend::hc_post`] with `post` and `comb`, then [`Backend::hc_pre`] of the next
+    /// sub-block (`w`, `norm`) on the updated streams into `collapsed`, `post` and `comb`
+    /// (read by the first, overwritten by the second). Backends may take the next
+    /// mixing product while the streams are written.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post_pre(
+        &self,
+        streams: &mut Self::Buf,
+        rows: usize,
+        hc: usize,
+        out: &Self::Buf,
+        w: &Self::Hc,
+        norm: Option<(&Self::Buf, f32)>,
+        collapsed: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    ) {
+        self.hc_post(streams, rows, hc, out, post, comb);
+        self.hc_pre(streams, rows, w, norm, collapsed, post, comb);
+    }
     /// Final collapse: `out[rows, hidden] = Σ_j pre_j · streams[j]`.
     fn hc_head(&self, streams: &Self::Buf, rows: usize, w: &Self::HcHead, out: &mut Self::Buf);
 

@@ -129,8 +129,11 @@ impl<B: Backend> Model<B> {
         let copies: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
         let mut streams = b.gather_rows(&x, d, &copies);
 
-        for (l, lw) in self.weights.layers.iter().enumerate() {
-            self.layer(l, lw, &mut streams, kv, plan);
+        let layers = &self.weights.layers;
+        let mut input = layers.first().map(|lw| self.attention_input(lw, &streams, rows));
+        for (l, lw) in layers.iter().enumerate() {
+            let entry = input.take().expect("each layer starts from its attention input");
+            input = self.layer_from(l, lw, &mut streams, kv, plan, entry, layers.get(l + 1));
         }
 
         if logit_rows.is_empty() {
@@ -145,6 +148,7 @@ impl<B: Backend> Model<B> {
         Some(logits)
     }
 
+    /// One layer on `streams` (its attention input mixed from them first).
     pub(super) fn layer(
         &self,
         l: usize,
@@ -153,22 +157,63 @@ impl<B: Backend> Model<B> {
         kv: &mut KvState<B>,
         plan: &BatchPlan,
     ) {
+        let input = self.attention_input(lw, streams, plan.rows());
+        self.layer_from(l, lw, streams, kv, plan, input, None);
+    }
+
+    /// The pre-mix of `lw`'s attention: its input and the mixing it leaves for hc_post.
+    fn attention_input(&self, lw: &LayerWeights<B>, streams: &B::Buf, rows: usize) -> SubBlockInput<B> {
+        let b = &self.backend;
+        let c = &self.config;
+        let (d, hc, eps) = (c.hidden_size, c.hc_mult, c.rms_norm_eps as f32);
+        let mut input =
+            SubBlockInput { x: b.output(rows * d), post: b.output(rows * hc), comb: b.output(rows * hc * hc) };
+        b.hc_pre(
+            streams,
+            rows,
+            &lw.hc_attn,
+            Some((&lw.attn_norm, eps)),
+            &mut input.x,
+            &mut input.post,
+            &mut input.comb,
+        );
+        input
+    }
+
+    /// Layer `l` from its attention input on. With `next` the layer ends with the next
+    /// layer's attention input (its pre-mix taken as this layer's last residual update is
+    /// written, which a backend may fuse), else with the residual update alone.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_from(
+        &self,
+        l: usize,
+        lw: &LayerWeights<B>,
+        streams: &mut B::Buf,
+        kv: &mut KvState<B>,
+        plan: &BatchPlan,
+        mut input: SubBlockInput<B>,
+        next: Option<&LayerWeights<B>>,
+    ) -> Option<SubBlockInput<B>> {
         let b = &self.backend;
         let c = &self.config;
         let rows = plan.rows();
         let (d, hc, eps) = (c.hidden_size, c.hc_mult, c.rms_norm_eps as f32);
-        let mut x = b.output(rows * d);
-        let mut post = b.output(rows * hc);
-        let mut comb = b.output(rows * hc * hc);
+        let SubBlockInput { x, post, comb } = &mut input;
 
-        b.hc_pre(streams, rows, &lw.hc_attn, Some((&lw.attn_norm, eps)), &mut x, &mut post, &mut comb);
-        let attn = self.attention(l, lw, &x, kv, plan);
-        b.hc_post(streams, rows, hc, &attn, &post, &comb);
-
-        b.hc_pre(streams, rows, &lw.hc_ffn, Some((&lw.ffn_norm, eps)), &mut x, &mut post, &mut comb);
+        let attn = self.attention(l, lw, x, kv, plan);
+        b.hc_post_pre(streams, rows, hc, &attn, &lw.hc_ffn, Some((&lw.ffn_norm, eps)), x, post, comb);
         let mut y = b.output(rows * d);
-        b.moe(&x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
-        b.hc_post(streams, rows, hc, &y, &post, &comb);
+        b.moe(x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
+        match next {
+            Some(nl) => {
+                b.hc_post_pre(streams, rows, hc, &y, &nl.hc_attn, Some((&nl.attn_norm, eps)), x, post, comb);
+                Some(input)
+            }
+            None => {
+                b.hc_post(streams, rows, hc, &y, post, comb);
+                None
+            }
+        }
     }
 
     fn project(&self, x: &B::Buf, rows: usize, w: &B::Weight) -> B::Buf {
@@ -294,4 +339,12 @@ impl<B: Backend> Model<B> {
         b.grouped_matmul(&out, rows, c.o_groups, &a.wo_a, &mut grouped);
         self.project(&grouped, rows, &a.wo_b)
     }
+}
+
+/// A sub-block's input mixed from the residual streams (`x[rows, hidden]`, normed) and
+/// the mixing its residual update will use (`post[rows, hc]`, `comb[rows, hc, hc]`).
+struct SubBlockInput<B: Backend> {
+    x: B::Buf,
+    post: B::Buf,
+    comb: B::Buf,
 }

@@ -145,6 +145,23 @@ pub(crate) fn hc_pre(
     post: &mut CudaBuf,
     comb: &mut CudaBuf,
 ) {
+    check_pre(streams, rows, w, norm, collapsed, post, comb);
+    if rows == 0 {
+        return;
+    }
+    let m = b.prof("hc_pre: mix", || mix(b, streams, rows, &w.mix));
+    finish(b, streams, rows, w, norm, Mixed::Product(&m), collapsed, post, comb);
+}
+
+fn check_pre(
+    streams: &CudaBuf,
+    rows: usize,
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    collapsed: &CudaBuf,
+    post: &CudaBuf,
+    comb: &CudaBuf,
+) {
     let (hc, d) = (w.hc, w.hidden);
     if let Some((nw, _)) = norm {
         assert_eq!(nw.len, d, "hc_pre norm weight length");
@@ -152,10 +169,31 @@ pub(crate) fn hc_pre(
     assert!(hc <= HC_MAX, "{hc} residual streams exceed the CUDA kernels' {HC_MAX}");
     assert_eq!(streams.len, rows * hc * d, "hc_pre streams are not [rows, hc, hidden]");
     assert_eq!((collapsed.len, post.len, comb.len), (rows * d, rows * hc, rows * hc * hc), "hc_pre outputs");
-    if rows == 0 {
-        return;
-    }
-    let m = b.prof("hc_pre: mix", || mix(b, streams, rows, &w.mix));
+}
+
+/// Where `hc_pre_finish` finds the mixing product of a row.
+enum Mixed<'a> {
+    /// `[rows, (2 + hc) · hc]`; the kernel takes the rows' sums of squares itself.
+    Product(&'a CudaBuf),
+    /// `hc_post_mix`'s `[rows, parts, 32]` part sums, the sum of squares in slot 31.
+    Parts { partials: u64, parts: usize },
+}
+
+/// The sigmoids, the Sinkhorn projection and the collapse of each row (`hc_pre_finish`),
+/// with the sub-block's input norm.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    b: &CudaBackend,
+    streams: &CudaBuf,
+    rows: usize,
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    mixed: Mixed<'_>,
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) {
+    let (hc, d) = (w.hc, w.hidden);
     let g = &b.gpu;
     // The sub-block's input RMSNorm in the same kernel (its block holds the collapsed
     // row), unless `SLUICE_CUDA_FUSE_NORMS=0`.
@@ -163,12 +201,16 @@ pub(crate) fn hc_pre(
     let (norm_w, norm_eps) = fused.map(|(nw, eps)| (g.ptr(&nw.mem), eps)).unwrap_or((0, 0.0));
     // A second block a row for the Sinkhorn rounds where one warp holds the matrix.
     let blocks_a_row = if hc * hc <= 32 && fewer_rows_than_sms(g, rows) && sinkhorn_block() { 2 } else { 1 };
+    let (m, partials, parts) = match mixed {
+        Mixed::Product(m) => (g.ptr(&m.mem), 0, 0),
+        Mixed::Parts { partials, parts } => (0, partials, parts),
+    };
     launch!(
         g,
         "hc_pre_finish",
         cfg((rows as u32, blocks_a_row, 1), row_block_threads(g, rows), 0),
         g.ptr(&streams.mem),
-        g.ptr(&m.mem),
+        m,
         f80(&w.base),
         w.scale[0],
         w.scale[1],
@@ -183,10 +225,90 @@ pub(crate) fn hc_pre(
         g.ptr(&comb.mem),
         norm_w,
         norm_eps,
+        partials,
+        parts as i32,
     );
     if let (None, Some((nw, eps))) = (fused, norm) {
         super::rows::rms_norm(b, collapsed, d, Some(nw), eps);
     }
+}
+
+/// `hc_post`, then `hc_pre` of the next sub-block on the updated streams; decode-sized
+/// batches of V4's shapes (≤ [`post_mix_max_rows`] rows, hc = 4, an f32 or bf16 mixing
+/// weight, hidden a multiple of 64) take `hc_post_mix` + `hc_pre_finish`: the mixing
+/// product and the sum of squares are taken as the streams are written (two launches and
+/// one pass over the row instead of three launches and three passes).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn hc_post_pre(
+    b: &CudaBackend,
+    streams: &mut CudaBuf,
+    rows: usize,
+    hc: usize,
+    out: &CudaBuf,
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) {
+    assert_eq!(hc, w.hc, "hc_post_pre: the streams and the next sub-block's mHC weights disagree on hc");
+    let d = w.hidden;
+    let g = &b.gpu;
+    let kernel = match &w.mix.data {
+        WeightData::F32(m) => Some(("hc_post_mix_f32", g.ptr(m))),
+        WeightData::Bf16(m) => Some(("hc_post_mix_bf16", g.ptr(m))),
+        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
+    };
+    let fits =
+        hc == POST_MIX_HC && d.is_multiple_of(POST_MIX_COLS) && w.mix.rows == (2 + hc) * hc && w.mix.cols == hc * d;
+    let Some((name, wp)) = kernel.filter(|_| fits && (1..=post_mix_max_rows()).contains(&rows)) else {
+        hc_post(b, streams, rows, hc, out, post, comb);
+        hc_pre(b, streams, rows, w, norm, collapsed, post, comb);
+        return;
+    };
+    check_pre(streams, rows, w, norm, collapsed, post, comb);
+    assert_eq!(out.len, rows * d, "hc_post_pre: the sub-block output is not [rows, hidden]");
+    g.traffic.add_weights(w.mix.device_bytes());
+    let parts = post_mix_parts(d);
+    let partials = g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS);
+    b.prof("hc_post_pre: post + mix", || {
+        launch!(
+            g,
+            name,
+            cfg((parts as u32, rows as u32, 1), POST_MIX_THREADS, 0),
+            g.ptr(&streams.mem),
+            g.ptr(&out.mem),
+            g.ptr(&post.mem),
+            g.ptr(&comb.mem),
+            d as i32,
+            wp,
+            partials
+        )
+    });
+    finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
+}
+
+/// `hc_post_mix`'s sums a row and part (`HC_MIX_SLOTS` in hc.cu): (2 + hc)·hc ≤ 31
+/// logits, the sum of squares last.
+const POST_MIX_SLOTS: usize = 32;
+/// The streams `hc_post_mix` is built for (V4's 4: 24 logits and the sum of squares fill
+/// one warp's 32 slots).
+const POST_MIX_HC: usize = 4;
+/// Columns of a row a `hc_post_mix` block takes (`HC_POST_MIX_COLS` in hc.cu), a thread
+/// each: V4's 4,096 make 64 blocks a row, each copying 24 KB of the f32 mixing weight.
+const POST_MIX_COLS: usize = 64;
+const POST_MIX_THREADS: u32 = POST_MIX_COLS as u32;
+
+fn post_mix_parts(d: usize) -> usize {
+    d / POST_MIX_COLS
+}
+
+/// Most rows that take `hc_post_mix` (`SLUICE_CUDA_HC_POST_MIX_ROWS`, read once; 0 = never).
+/// Its blocks read the mixing weight once a row where `mix_rows` reads it once per 4 rows,
+/// so it is for decode-sized batches.
+fn post_mix_max_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(8))
 }
 
 pub(crate) fn hc_post(

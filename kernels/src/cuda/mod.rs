@@ -650,6 +650,21 @@ impl Backend for CudaBackend {
         self.prof("hc_post", || hc::hc_post(self, streams, rows, hc, out, post, comb))
     }
 
+    fn hc_post_pre(
+        &self,
+        streams: &mut CudaBuf,
+        rows: usize,
+        hc: usize,
+        out: &CudaBuf,
+        w: &HcWeights<Self>,
+        norm: Option<(&CudaBuf, f32)>,
+        collapsed: &mut CudaBuf,
+        post: &mut CudaBuf,
+        comb: &mut CudaBuf,
+    ) {
+        hc::hc_post_pre(self, streams, rows, hc, out, w, norm, collapsed, post, comb)
+    }
+
     fn hc_head(&self, streams: &CudaBuf, rows: usize, w: &HcHeadWeights<Self>, out: &mut CudaBuf) {
         self.prof("hc_head", || hc::hc_head(self, streams, rows, w, out))
     }

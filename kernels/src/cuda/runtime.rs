@@ -112,6 +112,8 @@ const KERNELS: &[&str] = &[
     "hc_head_finish",
     "mix_rows_f32",
     "mix_rows_bf16",
+    "hc_post_mix_f32",
+    "hc_post_mix_bf16",
     "moe_route",
     "moe_slots_split",
     "moe_slots_swiglu",

@@ -144,15 +144,24 @@ struct Cache {
 }
 
 /// Counts since the last [`Steps::take_stats`]: steps recorded; their segments, and of
-/// those how many were replayed from a graph, captured (and replayed), issued as recorded.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// those how many were replayed from a graph, captured (and replayed), issued as recorded;
+/// captures the driver refused (those segments were issued as recorded) and the last
+/// refusal's error.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub recorded: u64,
     pub segments: u64,
     pub replayed: u64,
     pub captured: u64,
     pub eager: u64,
+    pub capture_failures: u64,
+    pub capture_error: Option<String>,
 }
+
+/// Captures refused in a row before graphs are switched off: one refusal can be another
+/// thread's doing (a capture-unsafe call of another engine in the same process, e.g. a
+/// model loading beside a decoding one), a driver that refuses every capture is not.
+const CAPTURE_FAILURES_MAX: u64 = 3;
 
 /// The recording state of one GPU.
 pub(crate) struct Steps {
@@ -166,7 +175,10 @@ pub(crate) struct Steps {
     graveyard: Mutex<Vec<CudaSlice<u32>>>,
     /// The second stream a captured branch's side lane runs on (made at the first).
     side: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
-    stats: [AtomicU64; 5],
+    stats: [AtomicU64; 6],
+    /// Captures refused since the last one that succeeded.
+    failure_streak: AtomicU64,
+    capture_error: Mutex<Option<String>>,
 }
 
 impl Steps {
@@ -181,12 +193,22 @@ impl Steps {
             graveyard: Mutex::new(Vec::new()),
             side: std::sync::OnceLock::new(),
             stats: Default::default(),
+            failure_streak: AtomicU64::new(0),
+            capture_error: Mutex::new(None),
         }
     }
 
     pub(crate) fn take_stats(&self) -> GraphStats {
         let t = |i: usize| self.stats[i].swap(0, Ordering::Relaxed);
-        GraphStats { recorded: t(0), segments: t(1), replayed: t(2), captured: t(3), eager: t(4) }
+        GraphStats {
+            recorded: t(0),
+            segments: t(1),
+            replayed: t(2),
+            captured: t(3),
+            eager: t(4),
+            capture_failures: t(5),
+            capture_error: self.capture_error.lock().expect("capture error poisoned").take(),
+        }
     }
 
     fn count(&self, i: usize) {
@@ -455,8 +477,9 @@ impl Gpu {
         s.graveyard.lock().expect("graveyard poisoned").clear();
     }
 
-    /// Capture `ops` into a graph (None, with a warning and graphs switched off, if the
-    /// driver refuses: the caller then issues them).
+    /// Capture `ops` into a graph (None, with a warning, if the driver refuses: the caller
+    /// then issues them; after [`CAPTURE_FAILURES_MAX`] refusals in a row graphs are
+    /// switched off).
     fn capture(&self, ops: &[Op]) -> Option<CudaGraph> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         let side = self.side_stream();
@@ -480,11 +503,23 @@ impl Gpu {
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             issued.and(graph)
         });
+        let s = &self.steps;
         match result {
-            Ok(Some(graph)) => Some(graph),
+            Ok(Some(graph)) => {
+                s.failure_streak.store(0, Ordering::Relaxed);
+                Some(graph)
+            }
             other => {
-                tracing::warn!(result = ?other.err(), "capturing a decode step failed; CUDA graphs off");
-                self.steps.on.store(0, Ordering::Relaxed);
+                let error = format!("{:?}", other.err());
+                s.count(5);
+                let streak = s.failure_streak.fetch_add(1, Ordering::Relaxed) + 1;
+                if streak >= CAPTURE_FAILURES_MAX {
+                    tracing::warn!(%error, streak, "capturing decode steps keeps failing; CUDA graphs off");
+                    s.on.store(0, Ordering::Relaxed);
+                } else {
+                    tracing::warn!(%error, streak, "capturing a decode step failed; it runs as recorded");
+                }
+                *s.capture_error.lock().expect("capture error poisoned") = Some(error);
                 None
             }
         }

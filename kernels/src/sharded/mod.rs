@@ -400,6 +400,21 @@ impl<B: Backend> Backend for Sharded<B> {
         ops::each_in_place(self, streams, |r, b, s| b.hc_post(s, split.count(r), hc, &o[r], &p[r], &c[r]))
     }
 
+    fn hc_post_pre(
+        &self,
+        streams: &mut ShardBuf<B>,
+        rows: usize,
+        hc: usize,
+        out: &ShardBuf<B>,
+        w: &Vec<B::Hc>,
+        norm: Option<(&ShardBuf<B>, f32)>,
+        collapsed: &mut ShardBuf<B>,
+        post: &mut ShardBuf<B>,
+        comb: &mut ShardBuf<B>,
+    ) {
+        ops::hc_post_pre(self, streams, rows, hc, out, w, norm, collapsed, post, comb)
+    }
+
     fn hc_head(&self, streams: &ShardBuf<B>, rows: usize, w: &Vec<B::HcHead>, out: &mut ShardBuf<B>) {
         ops::each_rows(self, streams, rows, out, |r, b, s, n, o| b.hc_head(s, n, &w[r], o))
     }

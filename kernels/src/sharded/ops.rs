@@ -213,6 +213,33 @@ pub(super) fn idx_download<B: Backend>(s: &Sharded<B>, idx: &ShardIdx<B>) -> Vec
     out
 }
 
+/// Each device's rows through its own `hc_post_pre` (the rows stay where they are).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn hc_post_pre<B: Backend>(
+    s: &Sharded<B>,
+    streams: &mut ShardBuf<B>,
+    rows: usize,
+    hc: usize,
+    out: &ShardBuf<B>,
+    w: &[B::Hc],
+    norm: Option<(&ShardBuf<B>, f32)>,
+    collapsed: &mut ShardBuf<B>,
+    post: &mut ShardBuf<B>,
+    comb: &mut ShardBuf<B>,
+) {
+    let (split, o) = out.rows_at(rows);
+    prepare(s, collapsed, &split);
+    let (c, p, m) = (collapsed.rows_mut().1, post.rows_mut().1, comb.rows_mut().1);
+    let st = streams.rows_mut().1;
+    for (r, b) in s.ranks.iter().enumerate() {
+        let n = split.count(r);
+        if n > 0 {
+            let nw = norm.map(|(nw, eps)| (nw.on(r), eps));
+            b.hc_post_pre(&mut st[r], n, hc, &o[r], &w[r], nw, &mut c[r], &mut p[r], &mut m[r]);
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(super) fn hc_pre<B: Backend>(
     s: &Sharded<B>,

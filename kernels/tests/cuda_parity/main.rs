@@ -300,6 +300,31 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         let mut cs = s.clone();
         c.hc_post(&mut cs, rows, hc, &out, &cpost, &ccomb);
         check(&format!("hc_post rows={rows}"), "f32", &g.download(&gs), &cs);
+        // hc_post and the next sub-block's hc_pre at once (decode rows: the mixing product
+        // taken as the streams are written, `hc_post_mix`); post and comb are read, then
+        // overwritten.
+        let (gnorm, mut fused_s) = (g.upload(&norm_w), g.upload(&s));
+        let (mut fcol, mut fpost, mut fcomb) =
+            (poisoned(g, rows * d), g.upload(&g.download(&post)), g.upload(&g.download(&comb)));
+        g.hc_post_pre(
+            &mut fused_s,
+            rows,
+            hc,
+            &g.upload(&out),
+            &gw,
+            Some((&gnorm, 1e-6)),
+            &mut fcol,
+            &mut fpost,
+            &mut fcomb,
+        );
+        let (mut ccol3, mut cpost3, mut ccomb3) = (vec![0f32; rows * d], cpost.clone(), ccomb.clone());
+        let mut cs3 = s.clone();
+        c.hc_post_pre(&mut cs3, rows, hc, &out, &cw, Some((&norm_w, 1e-6)), &mut ccol3, &mut cpost3, &mut ccomb3);
+        assert_eq!(g.download(&fused_s), g.download(&gs), "hc_post_pre rows={rows}: streams differ from hc_post's");
+        check(&format!("hc_post_pre streams rows={rows}"), "f32", &g.download(&fused_s), &cs3);
+        check(&format!("hc_post_pre normed rows={rows} mix {mix_dtype}"), "f32", &g.download(&fcol), &ccol3);
+        check(&format!("hc_post_pre post rows={rows}"), "f32", &g.download(&fpost), &cpost3);
+        check(&format!("hc_post_pre comb rows={rows}"), "f32", &g.download(&fcomb), &ccomb3);
 
         let hmix = weight(&mut rng, hc, hc * d, 0.02, "f32");
         let hbase = rand_vec(&mut rng, hc, 0.5);

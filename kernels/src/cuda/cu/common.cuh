@@ -345,3 +345,21 @@ __device__ __forceinline__ void rope_pair(float* a, float* b, float pos, float i
 #define SEQ_NPAGES 5
 #define SEQ_FINAL_UNTIL 6
 #define SEQ_STRIDE 8
+
+// Asynchronous global → shared copies (sm_80+): the bytes in flight are held by shared
+// memory, not registers, so a thread can have many outstanding at once.
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async(u32 dst, const void* src) {
+    if (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}

@@ -36,21 +36,6 @@ struct CompressGeom {
 #define CS_MAX_ITEMS 16
 #define CS_MAX_SRC 16
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-template <int BYTES>
-__device__ __forceinline__ void cp_async(u32 dst, const void* src) {
-    if (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-    else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(BYTES) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 // 2^x in one instruction (flushes results below 2^-126 to zero: a softmax weight that
 // small next to the largest one, which is 1, changes no sum).
 __device__ __forceinline__ float ex2(float x) {

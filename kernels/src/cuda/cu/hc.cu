@@ -4,6 +4,10 @@
 // its result by 1/rms before the sigmoids and the Sinkhorn projection.
 
 #define HC_MAX 8
+// hc_post_mix's values a row and part: the mixing logits in [0, 31), the sum of squares
+// of the updated streams in slot 31.
+#define HC_MIX_SLOTS 32
+#define HC_SUMSQ_SLOT 31
 
 // Biases travel by value: (2 + hc) * hc <= 80 for hc <= 8.
 struct F80 {
@@ -145,17 +149,33 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, fl
 extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix, F80 base, float s_pre,
                                          float s_post, float s_comb, int hc, int d, int iters, float norm_eps,
                                          float hc_eps, float* collapsed, float* post, float* comb,
-                                         const float* out_norm, float out_eps) {
+                                         const float* out_norm, float out_eps, const float* partials, int parts) {
     pdl_begin();
     const int r = blockIdx.x;
     const int width = hc * d;
     const float* s = streams + (long long)r * width;
     __shared__ float pre_s[HC_MAX];
     __shared__ float c[HC_MAX * HC_MAX];
-    const float ss = block_sum(thread_sumsq(s, width));
+    __shared__ float mix_s[HC_MIX_SLOTS];
+    float ss;
+    const float* m;
+    if (partials) {
+        // hc_post_mix left the product and the sum of squares in parts: added in part
+        // order by both blocks of the row (the same value in each).
+        if (threadIdx.x < HC_MIX_SLOTS) {
+            const float* q = partials + (long long)r * parts * HC_MIX_SLOTS + threadIdx.x;
+            float v = 0.0f;
+            for (int i = 0; i < parts; i++) v += q[(long long)i * HC_MIX_SLOTS];
+            mix_s[threadIdx.x] = v;
+        }
+        __syncthreads();
+        ss = mix_s[HC_SUMSQ_SLOT];
+        m = mix_s;
+    } else {
+        ss = block_sum(thread_sumsq(s, width));
+        m = mix + (long long)r * (2 + hc) * hc;
+    }
     const float inv = 1.0f / sqrtf(ss / (float)width + norm_eps);
-    const int mixn = (2 + hc) * hc;
-    const float* m = mix + (long long)r * mixn;
     float* comb_r = comb + (long long)r * hc * hc;
     if (blockIdx.y == 1) {
         if (threadIdx.x < WARP) {
@@ -193,6 +213,16 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     if (out_norm) block_rms_norm_row(out, out_norm, d, out_eps);
 }
 
+// One updated stream value: p · o + Σ_j c[j·stride] · old[j] in j order, every rounding
+// step spelled out (hc_post and hc_post_mix must agree bit for bit whatever the compiler
+// would contract).
+__device__ __forceinline__ float hc_post_value(float p, float o, const float* c, int stride, const float* old,
+                                               int hc) {
+    float v = __fmul_rn(p, o);
+    for (int j = 0; j < hc; j++) v = __fmaf_rn(c[j * stride], old[j], v);
+    return v;
+}
+
 // streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].
 extern "C" __global__ void hc_post(float* streams, const float* out, const float* post, const float* comb, int rows,
                                    int hc, int d) {
@@ -205,11 +235,7 @@ extern "C" __global__ void hc_post(float* streams, const float* out, const float
     for (int j = 0; j < hc; j++) old[j] = s[j * d + x];
     const float o = out[i];
     const float* c = comb + (long long)r * hc * hc;
-    for (int k = 0; k < hc; k++) {
-        float v = post[r * hc + k] * o;
-        for (int j = 0; j < hc; j++) v += c[j * hc + k] * old[j];
-        s[k * d + x] = v;
-    }
+    for (int k = 0; k < hc; k++) s[k * d + x] = hc_post_value(post[r * hc + k], o, c + k, hc, old, hc);
 }
 
 // Final collapse: out[r, :] = Σ_j (sigmoid(mix_j/rms · scale + base_j) + eps) · streams[r, j, :].
@@ -333,4 +359,100 @@ extern "C" __global__ void __launch_bounds__(256) mix_rows_bf16(float* out, cons
                                                                 int N, int K, float* partials, u32* tickets) {
     pdl_begin();
     mix_rows_body<4, 24, 1>(out, x, w, rows, N, K, partials, tickets);
+}
+
+// hc_post, and of the updated row the next sub-block's mixing product and sum of squares
+// in parts (decode rows, V4's hc = 4: 24 logits and the sum fit a warp's 32 slots):
+// block (part, r) takes 64 columns x of every stream. Its slice of the mixing weight
+// (the 64 columns k·d + x of each logit's row: 24 KB in f32) goes to shared memory by
+// cp.async, every copy issued at once (plain loads were each waited for before the next:
+// the compiler interleaved them with their multiply-adds); meanwhile each thread updates
+// its column as hc_post does (the same rounding steps, so the streams are bit for bit
+// hc_post's), then multiplies it into the slice. The block's 32 sums go to
+// partials[r, part, :], which hc_pre_finish adds in part order. One launch and one pass
+// over the row where hc_post, the mixing product and hc_pre_finish's sum of squares took
+// three (docs/cuda.md "What runs where").
+#define HC_POST_MIX_COLS 64
+template <int WT, int HC>
+__device__ void hc_post_mix_body(float* __restrict__ streams, const float* __restrict__ out,
+                                 const float* __restrict__ post, const float* __restrict__ comb, int d,
+                                 const void* __restrict__ w, float* __restrict__ partials) {
+    constexpr int N = (2 + HC) * HC;
+    static_assert(N < HC_MIX_SLOTS, "the logits and the sum of squares fill one warp's 32 slots");
+    constexpr int ELEM = WT == 0 ? 4 : 2;
+    constexpr int PIECES = HC_POST_MIX_COLS * ELEM / 16;  // 16-byte copies a (logit, stream) row
+    __shared__ __align__(16) unsigned char wsm[N * HC * HC_POST_MIX_COLS * ELEM];
+    const int part = blockIdx.x, parts = gridDim.x, r = blockIdx.y;
+    const int x0 = part * HC_POST_MIX_COLS, tx = threadIdx.x;
+    const long long K = (long long)HC * d;
+    const unsigned char* wb = (const unsigned char*)w;
+    for (int c = tx; c < N * HC * PIECES; c += blockDim.x) {
+        const int nk = c / PIECES, piece = c % PIECES, n = nk / HC, k = nk % HC;
+        const long long col = n * K + (long long)k * d + x0;
+        cp_async<16>(smem_addr(wsm + (nk * HC_POST_MIX_COLS * ELEM + piece * 16)), wb + col * ELEM + piece * 16);
+    }
+    cp_async_commit();
+    float acc[HC_MIX_SLOTS];
+#pragma unroll
+    for (int n = 0; n < HC_MIX_SLOTS; n++) acc[n] = 0.0f;
+    float* s = streams + (long long)r * HC * d;
+    const int x = x0 + tx;
+    float v[HC];
+    if (tx < HC_POST_MIX_COLS) {
+        float old[HC];
+#pragma unroll
+        for (int j = 0; j < HC; j++) old[j] = s[j * d + x];
+        const float o = out[(long long)r * d + x];
+        const float* pr = post + r * HC;
+        const float* cr = comb + r * HC * HC;
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            v[k] = hc_post_value(pr[k], o, cr + k, HC, old, HC);
+            acc[HC_SUMSQ_SLOT] += v[k] * v[k];
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (tx < HC_POST_MIX_COLS) {
+#pragma unroll
+        for (int n = 0; n < N; n++)
+#pragma unroll
+            for (int k = 0; k < HC; k++) {
+                const int at = (n * HC + k) * HC_POST_MIX_COLS + tx;
+                const float wv = WT == 0 ? ((const float*)wsm)[at] : bf2f(((const u16*)wsm)[at]);
+                acc[n] += wv * v[k];
+            }
+#pragma unroll
+        for (int k = 0; k < HC; k++) s[k * d + x] = v[k];
+    }
+    // The warp's 32 sums by halving exchanges (mix_fold): a lane with bit b set keeps the
+    // upper half at each step, so lane L ends with slot L's sum.
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    mix_fold<16>(acc, lane, 16);
+    mix_fold<8>(acc, lane, 8);
+    mix_fold<4>(acc, lane, 4);
+    mix_fold<2>(acc, lane, 2);
+    mix_fold<1>(acc, lane, 1);
+    __shared__ float red[32][HC_MIX_SLOTS];
+    red[wp][lane] = acc[0];
+    __syncthreads();
+    if (threadIdx.x < HC_MIX_SLOTS) {
+        float v = 0.0f;
+        for (int q = 0; q < (int)(blockDim.x >> 5); q++) v += red[q][threadIdx.x];
+        partials[((long long)r * parts + part) * HC_MIX_SLOTS + threadIdx.x] = v;
+    }
+}
+
+// V4's four streams (24 logits); other hc take hc_post and hc_pre apart.
+extern "C" __global__ void __launch_bounds__(64) hc_post_mix_f32(float* streams, const float* out, const float* post,
+                                                                  const float* comb, int d, const void* w,
+                                                                  float* partials) {
+    pdl_begin();
+    hc_post_mix_body<0, 4>(streams, out, post, comb, d, w, partials);
+}
+extern "C" __global__ void __launch_bounds__(64) hc_post_mix_bf16(float* streams, const float* out, const float* post,
+                                                                   const float* comb, int d, const void* w,
+                                                                   float* partials) {
+    pdl_begin();
+    hc_post_mix_body<1, 4>(streams, out, post, comb, d, w, partials);
 }
