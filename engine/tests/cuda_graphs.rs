@@ -28,6 +28,17 @@ use engine::{CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
 /// differences allowed are those of a kernel that sums in a run-dependent order.
 const GRAPH_TOL: f32 = 1e-5;
 
+/// This file's tests run one at a time: while one test's engine records a step into a
+/// graph, another engine of the process on the same GPU (loading weights, freeing pinned
+/// staging) can make the driver refuse the capture, and the backend then switches graphs
+/// off for good (a production worker has one engine a GPU), which the recorded-step
+/// counts below would read as a failure (`GraphStats::capture_failures` says so).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Prefill `lens.len()` sequences, then decode them together greedily for `steps` steps;
 /// every step's logits.
 fn decode<B: kernels::Backend>(e: &mut Engine<B>, lens: &[usize], steps: usize) -> Vec<Vec<f32>> {
@@ -68,6 +79,7 @@ fn worst_row_error(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) -> f32 {
 }
 
 fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
+    let _one = one_at_a_time();
     let (Some(with), Some(without)) = (gpu(test), gpu(test)) else { return };
     without.set_graphs(false);
     let dir = tempfile::tempdir().unwrap();
@@ -122,6 +134,7 @@ fn cuda_graph_steps_match_eager_steps_fp8() {
 #[test]
 fn cuda_greedy_readout_matches_the_host_pick() {
     let test = "cuda_greedy_readout_matches_the_host_pick";
+    let _one = one_at_a_time();
     let Some(b) = gpu(test) else { return };
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
@@ -164,6 +177,7 @@ fn cuda_greedy_readout_matches_the_host_pick() {
 #[test]
 fn cuda_sharded_graph_steps_match_eager_steps() {
     let test = "cuda_sharded_graph_steps_match_eager_steps";
+    let _one = one_at_a_time();
     let Some(one) = gpu(test) else { return };
     drop(one);
     let dir = tempfile::tempdir().unwrap();

@@ -256,7 +256,7 @@ impl CudaBackend {
             }
             let mut i = 0;
             let t = self.time_kernel_us(reps * sets, || {
-                experts_routed_on_device(self, &x, 1, &[0], &w, &chosen[i % sets], &weights, &mut y, variant);
+                experts_routed_on_device(self, &x, 1, &[0], &w, &chosen[i % sets], &weights, &mut y, variant, None);
                 i += 1;
             });
             out.push(ProductTime {

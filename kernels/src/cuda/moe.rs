@@ -152,19 +152,57 @@ pub(crate) fn moe_as(
         );
         (experts, weights)
     });
-    if device_routable(rows, w, variant) {
-        b.prof("moe: experts", || experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out, variant));
+    // The shared expert's rows go into the combine kernel where the routed experts end in
+    // one (after the branch's join there).
+    let shared_add = shared.as_ref().map(|y| SharedAdd {
+        y: g.ptr(&y.mem),
+        first: shared_rows.start,
+        rows: shared_rows.len(),
+        join: branch,
+    });
+    let added = if device_routable(rows, w, variant) {
+        b.prof("moe: experts", || {
+            experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out, variant, shared_add)
+        })
     } else {
         let mut host = vec![0i32; rows * k];
         g.read(&chosen, 0, &mut host);
         b.prof("moe: experts", || experts_routed_on_host(b, x, rows, w, &host, &weights, out, variant));
-    }
-    if let Some(y) = shared {
+        false
+    };
+    if let Some(y) = shared.filter(|_| !added) {
         if branch {
             g.join();
         }
         let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
         launch!(g, "add_into", cfg_elems(n * d), g.ptr(&out.mem) + at, g.ptr(&y.mem), (n * d) as i64);
+    }
+}
+
+/// The shared expert's output, added by the routed experts' combine kernel as it writes
+/// the sum (one launch fewer than an `add_into` after it): `y[rows, d]` for batch rows
+/// `first .. first + rows`; `join`: the shared expert ran as a branch, joined first.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedAdd {
+    y: u64,
+    first: usize,
+    rows: usize,
+    join: bool,
+}
+
+impl SharedAdd {
+    /// The combine kernel's three arguments (a null pointer when there is none), after
+    /// joining the shared expert's branch.
+    fn args(shared: Option<SharedAdd>, g: &super::runtime::Gpu) -> (u64, i32, i32) {
+        match shared {
+            Some(s) => {
+                if s.join {
+                    g.join();
+                }
+                (s.y, s.first as i32, s.rows as i32)
+            }
+            None => (0, 0, 0),
+        }
     }
 }
 
@@ -280,7 +318,8 @@ pub(crate) fn experts_routed_on_device(
     weights: &CudaBuf,
     out: &mut CudaBuf,
     variant: Decode,
-) {
+    shared: Option<SharedAdd>,
+) -> bool {
     let g = &b.gpu;
     let (n_exp, d, k) = (w.experts.len(), w.gate.cols, w.top_k);
     let n = rows * k;
@@ -351,13 +390,15 @@ pub(crate) fn experts_routed_on_device(
     );
     if let Some(plan) = &by_segments {
         let lists = (list_rows, list_widx, segs_ptr, pos_ptr);
-        return experts_by_segments(b, plan, x, rows, w, lists, weights, out);
+        experts_by_segments(b, plan, x, rows, w, lists, weights, out, shared);
+        return shared.is_some();
     }
     if variant == Decode::V2
         && let Some(plan) = experts_v2_plan(rows, w)
     {
         let chosen_weights = (g.ptr(chosen), g.ptr(&weights.mem));
-        return experts_v2(b, &plan, x, rows, w, active_list, n_active, chosen_weights, out);
+        experts_v2(b, &plan, x, rows, w, active_list, n_active, chosen_weights, out);
+        return false;
     }
     // Rows an expert can receive: one per row under top-k routing; under hash routing the
     // table's rows say (an expert listed twice for a token counts twice).
@@ -365,7 +406,8 @@ pub(crate) fn experts_routed_on_device(
     if let Some(r) = moe_cublas::slot_rows(rows, most, w) {
         let lists = moe_cublas::Lists { counts: g.ptr(&counts), offsets: g.ptr(&offsets), rows: list_rows };
         let y = moe_cublas::experts(b, x, w, r, &lists, n);
-        return combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+        combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out, shared);
+        return shared.is_some();
     }
     let xg = b.alloc_buf(n * d);
     launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
@@ -434,7 +476,8 @@ pub(crate) fn experts_routed_on_device(
             w.swiglu_limit,
         );
     }
-    combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out);
+    combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out, shared);
+    shared.is_some()
 }
 
 /// The most rows one expert can receive from a batch of `rows` rows: one a row under
@@ -465,10 +508,12 @@ fn combine(
     (list_rows, list_widx): (u64, u64),
     weights: &CudaBuf,
     out: &mut CudaBuf,
+    shared: Option<SharedAdd>,
 ) {
     let g = &b.gpu;
     let n = rows * k;
     if rows <= GEMV_MAX_ROWS {
+        let (sy, sfirst, srows) = SharedAdd::args(shared, g);
         launch!(
             g,
             "moe_combine",
@@ -480,13 +525,16 @@ fn combine(
             g.ptr(&weights.mem),
             n as i32,
             rows as i32,
-            d as i32
+            d as i32,
+            sy,
+            sfirst,
+            srows
         );
         return;
     }
     let pos = g.alloc::<i32>(n);
     launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
-    combine_in_list_order(b, y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out);
+    combine_in_list_order(b, y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out, shared);
 }
 
 /// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches
@@ -499,8 +547,10 @@ pub(crate) fn combine_in_list_order(
     (pos, list_widx): (u64, u64),
     weights: &CudaBuf,
     out: &mut CudaBuf,
+    shared: Option<SharedAdd>,
 ) {
     let g = &b.gpu;
+    let (sy, sfirst, srows) = SharedAdd::args(shared, g);
     launch!(
         g,
         "moe_combine_rows",
@@ -512,7 +562,10 @@ pub(crate) fn combine_in_list_order(
         g.ptr(&weights.mem),
         k as i32,
         rows as i32,
-        d as i32
+        d as i32,
+        sy,
+        sfirst,
+        srows
     );
 }
 
@@ -725,6 +778,9 @@ fn experts_grouped(
         g.ptr(&weights.mem),
         k as i32,
         rows as i32,
-        d as i32
+        d as i32,
+        0u64,
+        0i32,
+        0i32
     );
 }

@@ -285,6 +285,7 @@ pub(crate) fn experts_by_segments(
     (list_rows, list_widx, segs, pos): (u64, u64, u64, u64),
     weights: &CudaBuf,
     out: &mut CudaBuf,
+    shared: Option<super::moe::SharedAdd>,
 ) {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
@@ -321,5 +322,5 @@ pub(crate) fn experts_by_segments(
         let cap = g.resident_blocks(kernel, 256, 0) * g.sms;
         launch!(g, kernel, cfg(((n * tiles).min(cap).max(1) as u32, 1, 1), 256, 0), args);
     }
-    super::moe::combine_in_list_order(b, &y, (rows, k, d), (pos, list_widx), weights, out);
+    super::moe::combine_in_list_order(b, &y, (rows, k, d), (pos, list_widx), weights, out, shared);
 }

@@ -158,11 +158,6 @@ pub struct GraphStats {
     pub capture_error: Option<String>,
 }
 
-/// Captures refused in a row before graphs are switched off: one refusal can be another
-/// thread's doing (a capture-unsafe call of another engine in the same process, e.g. a
-/// model loading beside a decoding one), a driver that refuses every capture is not.
-const CAPTURE_FAILURES_MAX: u64 = 3;
-
 /// The recording state of one GPU.
 pub(crate) struct Steps {
     on: AtomicU64,
@@ -176,8 +171,6 @@ pub(crate) struct Steps {
     /// The second stream a captured branch's side lane runs on (made at the first).
     side: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
     stats: [AtomicU64; 6],
-    /// Captures refused since the last one that succeeded.
-    failure_streak: AtomicU64,
     capture_error: Mutex<Option<String>>,
 }
 
@@ -193,7 +186,6 @@ impl Steps {
             graveyard: Mutex::new(Vec::new()),
             side: std::sync::OnceLock::new(),
             stats: Default::default(),
-            failure_streak: AtomicU64::new(0),
             capture_error: Mutex::new(None),
         }
     }
@@ -477,9 +469,8 @@ impl Gpu {
         s.graveyard.lock().expect("graveyard poisoned").clear();
     }
 
-    /// Capture `ops` into a graph (None, with a warning, if the driver refuses: the caller
-    /// then issues them; after [`CAPTURE_FAILURES_MAX`] refusals in a row graphs are
-    /// switched off).
+    /// Capture `ops` into a graph (None, with a warning and graphs switched off, if the
+    /// driver refuses: the caller then issues them).
     fn capture(&self, ops: &[Op]) -> Option<CudaGraph> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         let side = self.side_stream();
@@ -503,23 +494,20 @@ impl Gpu {
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             issued.and(graph)
         });
-        let s = &self.steps;
         match result {
-            Ok(Some(graph)) => {
-                s.failure_streak.store(0, Ordering::Relaxed);
-                Some(graph)
-            }
+            Ok(Some(graph)) => Some(graph),
             other => {
+                // The driver refuses a capture that another thread of the process broke
+                // (a capture-unsafe call of another engine on the same GPU, e.g. one
+                // loading weights, invalidates it): graphs stay off for this GPU.
+                // Capturing again after such a refusal was tried: several engines in one
+                // process then crashed inside the driver now and then.
                 let error = format!("{:?}", other.err());
+                tracing::warn!(%error, "capturing a decode step failed; CUDA graphs off");
+                let s = &self.steps;
                 s.count(5);
-                let streak = s.failure_streak.fetch_add(1, Ordering::Relaxed) + 1;
-                if streak >= CAPTURE_FAILURES_MAX {
-                    tracing::warn!(%error, streak, "capturing decode steps keeps failing; CUDA graphs off");
-                    s.on.store(0, Ordering::Relaxed);
-                } else {
-                    tracing::warn!(%error, streak, "capturing a decode step failed; it runs as recorded");
-                }
                 *s.capture_error.lock().expect("capture error poisoned") = Some(error);
+                s.on.store(0, Ordering::Relaxed);
                 None
             }
         }

@@ -160,13 +160,20 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     float ss;
     const float* m;
     if (partials) {
-        // hc_post_mix left the product and the sum of squares in parts: added in part
-        // order by both blocks of the row (the same value in each).
+        // hc_post_mix left the product and the sum of squares in parts: each warp adds
+        // every nw-th part of each slot, then the warps' sums are added in warp order (the
+        // same order in both blocks of the row, so the same value).
+        __shared__ float by_warp[32][HC_MIX_SLOTS];
+        const int slot = threadIdx.x & 31, wp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+        const float* q = partials + (long long)r * parts * HC_MIX_SLOTS + slot;
+        float v = 0.0f;
+        for (int i = wp; i < parts; i += nw) v += q[(long long)i * HC_MIX_SLOTS];
+        by_warp[wp][slot] = v;
+        __syncthreads();
         if (threadIdx.x < HC_MIX_SLOTS) {
-            const float* q = partials + (long long)r * parts * HC_MIX_SLOTS + threadIdx.x;
-            float v = 0.0f;
-            for (int i = 0; i < parts; i++) v += q[(long long)i * HC_MIX_SLOTS];
-            mix_s[threadIdx.x] = v;
+            float t = 0.0f;
+            for (int q2 = 0; q2 < nw; q2++) t += by_warp[q2][threadIdx.x];
+            mix_s[threadIdx.x] = t;
         }
         __syncthreads();
         ss = mix_s[HC_SUMSQ_SLOT];

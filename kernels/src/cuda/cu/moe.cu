@@ -273,10 +273,19 @@ extern "C" __global__ void moe_localize(int* local, const int* chosen, int n, in
     local[i] = (e >= 0 && e < held) ? e : -1;
 }
 
+// The shared expert's output for batch row r, column c, when `shared` holds rows
+// first .. first + count (else 0): added to the routed sum as the combine writes it, the
+// add an add_into launch after it did.
+__device__ __forceinline__ float moe_shared_term(const float* shared, int first, int count, int r, int c, int d) {
+    return shared && r >= first && r < first + count ? shared[(long long)(r - first) * d + c] : 0.0f;
+}
+
 // out[r, c] = Σ over the list in order of weights[widx[i]] · y[i, c] for the pairs of
-// row r: the same sums, in the same order, as the host-routed path's per-expert adds.
+// row r: the same sums, in the same order, as the host-routed path's per-expert adds;
+// then the shared expert's term (moe_shared_term).
 extern "C" __global__ void moe_combine(float* out, const float* y, const int* list_rows, const int* list_widx,
-                                       const float* weights, int n, int rows, int d) {
+                                       const float* weights, int n, int rows, int d, const float* shared,
+                                       int shared_first, int shared_rows) {
     pdl_begin();
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)rows * d) return;
@@ -284,6 +293,7 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const int* li
     float acc = 0.0f;
     for (int i = 0; i < n; i++)
         if (list_rows[i] == r) acc += weights[list_widx[i]] * y[(long long)i * d + c];
+    if (shared) acc += moe_shared_term(shared, shared_first, shared_rows, r, c, d);
     out[t] = acc;
 }
 
@@ -292,7 +302,8 @@ extern "C" __global__ void moe_combine(float* out, const float* y, const int* li
 // reads instead of a scan of the whole list. A negative position ends a row's list (its
 // other experts live on another device under expert parallelism).
 extern "C" __global__ void moe_combine_rows(float* out, const float* y, const int* pos, const int* list_widx,
-                                            const float* weights, int k, int rows, int d) {
+                                            const float* weights, int k, int rows, int d, const float* shared,
+                                            int shared_first, int shared_rows) {
     pdl_begin();
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)rows * d) return;
@@ -303,6 +314,7 @@ extern "C" __global__ void moe_combine_rows(float* out, const float* y, const in
         if (i < 0) break;
         acc += weights[list_widx[i]] * y[(long long)i * d + c];
     }
+    if (shared) acc += moe_shared_term(shared, shared_first, shared_rows, r, c, d);
     out[t] = acc;
 }
 
