@@ -140,7 +140,8 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, fl
     return hc == 4 ? hc_sinkhorn_lanes<4>(c, hc, iters, hc_eps) : hc_sinkhorn_lanes<0>(c, hc, iters, hc_eps);
 }
 
-// One block per row (blockIdx.y 0). mix[rows, (2+hc)*hc] = W · streams (un-normalised).
+// One block per row (blockIdx.y 0). mix[rows, (2+hc)*hc] = W · streams (un-normalised),
+// or, with `partials`, hc_post_mix's part sums of it and of the row's squares.
 // With gridDim.y = 2 (hc² ≤ 32, decode batches) a second block of the row runs the
 // Sinkhorn rounds in its first warp, and the first block only the sigmoids, the collapse
 // and the norm: in one block the norm's barriers waited for the warp doing the rounds (a
@@ -376,7 +377,7 @@ extern "C" __global__ void __launch_bounds__(256) mix_rows_bf16(float* out, cons
 // the compiler interleaved them with their multiply-adds); meanwhile each thread updates
 // its column as hc_post does (the same rounding steps, so the streams are bit for bit
 // hc_post's), then multiplies it into the slice. The block's 32 sums go to
-// partials[r, part, :], which hc_pre_finish adds in part order. One launch and one pass
+// partials[r, part, :], which hc_pre_finish adds in a fixed order. One launch and one pass
 // over the row where hc_post, the mixing product and hc_pre_finish's sum of squares took
 // three (docs/cuda.md "What runs where").
 #define HC_POST_MIX_COLS 64
@@ -444,9 +445,9 @@ __device__ void hc_post_mix_body(float* __restrict__ streams, const float* __res
     red[wp][lane] = acc[0];
     __syncthreads();
     if (threadIdx.x < HC_MIX_SLOTS) {
-        float v = 0.0f;
-        for (int q = 0; q < (int)(blockDim.x >> 5); q++) v += red[q][threadIdx.x];
-        partials[((long long)r * parts + part) * HC_MIX_SLOTS + threadIdx.x] = v;
+        float sum = 0.0f;
+        for (int q = 0; q < (int)(blockDim.x >> 5); q++) sum += red[q][threadIdx.x];
+        partials[((long long)r * parts + part) * HC_MIX_SLOTS + threadIdx.x] = sum;
     }
 }
 
