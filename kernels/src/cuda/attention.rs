@@ -140,9 +140,9 @@ pub(crate) fn index_topk(
             let frags = g.alloc::<u32>(rows * dim * 64);
             let qscale = g.alloc::<f32>(rows);
             let (fp, qp) = (g.ptr(&frags), g.ptr(&qscale));
-            // Blocks a row for the fragments: one a 1,024 of them (V4: 4 a row) while the
-            // rows alone do not fill the SMs.
-            let frag_blocks = if rows < g.sms { (dim * 64 / 2).div_ceil(1024).max(1) } else { 1 };
+            // Blocks a row for its fragments (dim / 16 k-steps × 16 n-tiles × 32 lanes):
+            // one a 1,024 of them (V4: 4 a row) while the rows alone do not fill the SMs.
+            let frag_blocks = if rows < g.sms { (dim * 32).div_ceil(1024).max(1) } else { 1 };
             launch!(
                 g,
                 "index_q_frags",

@@ -274,6 +274,27 @@ __device__ __forceinline__ void mix_fold(float* v, int lane, int off) {
     }
 }
 
+// A warp's T sums (T a multiple of 32, v[0, T) in each lane) by halving exchanges: each
+// step a lane keeps half of its values and adds its partner's copy of them, so after five
+// steps each lane holds T / 32 finished sums in v[0, T / 32), those of slots
+// base .. base + T / 32, base returned (a lane with bit b set keeps the upper half at the
+// step of b). The pairs are warp_sum's (xor 16, 8, 4, 2, 1), so the sums are bit for bit
+// the same.
+template <int T>
+__device__ __forceinline__ int warp_fold_sums(float* v, int lane) {
+    static_assert(T % 32 == 0, "the halving reduction needs a multiple of 32 values");
+    mix_fold<T / 2>(v, lane, 16);
+    mix_fold<T / 4>(v, lane, 8);
+    mix_fold<T / 8>(v, lane, 4);
+    mix_fold<T / 16>(v, lane, 2);
+    mix_fold<T / 32>(v, lane, 1);
+    int base = 0;
+#pragma unroll
+    for (int b = 16, h = T / 2; b >= 1; b >>= 1, h >>= 1)
+        if (lane & b) base += h;
+    return base;
+}
+
 // The mixing product for many rows: out[r, n] = Σ_k W[n, k] · x[r, k] with few outputs
 // (N ≤ MAXN, e.g. 24) and long rows (hc · hidden). A block of 256 threads takes ROWS
 // rows and all N outputs, so the small weight (L2-resident) is read once per ROWS rows
@@ -308,24 +329,11 @@ __device__ void mix_rows_body(float* out, const float* x, const void* w, int row
     }
     __shared__ float red[8][ROWS * MAXN];
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
-    // The warp's sums of all ROWS·MAXN accumulators by halving exchanges: each step a
-    // lane keeps half of its values and adds its partner's copy of them, so after five
-    // steps each lane holds ROWS·MAXN / 32 finished sums (93 shuffles for 96 values, where
-    // a warp_sum each took 480). The pairs are warp_sum's (xor 16, 8, 4, 2, 1), so the
-    // sums are bit for bit the same.
+    // The warp's sums of all ROWS·MAXN accumulators (93 shuffles for 96 values, where a
+    // warp_sum each took 480).
     constexpr int T = ROWS * MAXN;
-    static_assert(T % 32 == 0, "the halving reduction needs a multiple of 32 accumulators");
     float* v = &acc[0][0];
-    mix_fold<T / 2>(v, lane, 16);
-    mix_fold<T / 4>(v, lane, 8);
-    mix_fold<T / 8>(v, lane, 4);
-    mix_fold<T / 16>(v, lane, 2);
-    mix_fold<T / 32>(v, lane, 1);
-    // Which values this lane kept: T/2 on from the start for bit 16, T/4 for bit 8, ...
-    int base = 0;
-#pragma unroll
-    for (int b = 16, h = T / 2; b >= 1; b >>= 1, h >>= 1)
-        if (lane & b) base += h;
+    const int base = warp_fold_sums<T>(v, lane);
 #pragma unroll
     for (int j = 0; j < T / 32; j++) red[wp][base + j] = v[j];
     __syncthreads();
@@ -433,14 +441,9 @@ __device__ void hc_post_mix_body(float* __restrict__ streams, const float* __res
 #pragma unroll
         for (int k = 0; k < HC; k++) s[k * d + x] = v[k];
     }
-    // The warp's 32 sums by halving exchanges (mix_fold): a lane with bit b set keeps the
-    // upper half at each step, so lane L ends with slot L's sum.
+    // The warp's 32 sums: lane L ends with slot L's (the base of 32 values is the lane).
     const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
-    mix_fold<16>(acc, lane, 16);
-    mix_fold<8>(acc, lane, 8);
-    mix_fold<4>(acc, lane, 4);
-    mix_fold<2>(acc, lane, 2);
-    mix_fold<1>(acc, lane, 1);
+    warp_fold_sums<HC_MIX_SLOTS>(acc, lane);
     __shared__ float red[32][HC_MIX_SLOTS];
     red[wp][lane] = acc[0];
     __syncthreads();
