@@ -12,7 +12,8 @@
 use cudarc::cublas::sys::cudaDataType;
 
 use super::cublas_bf16::{self, Bf16Activations};
-use super::decode_v2::{D2_KERNELS, d2_plan};
+use super::decode_v2::{D2_KERNELS, D2Plan, d2_gemv, d2_plan};
+use super::gemv_f8mma::{F8Plan, f8mma_gemv, f8mma_plan, f8mma_plan_always};
 use super::matmul::{
     Decode, GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as,
     swiglu_pair,
@@ -37,6 +38,19 @@ pub struct ProductTime {
     pub flops: f64,
     /// cuBLAS BF16 GEMM of the same shape, microseconds (GEMM rows).
     pub cublas_us: Option<f64>,
+}
+
+/// What a kernel-table row of a decode product runs.
+#[derive(Clone, Copy)]
+enum Run<'a> {
+    /// The engine's choice under a decode version.
+    Engine(Decode),
+    /// The FP8 tensor-core gemv alone.
+    F8mma(&'a F8Plan),
+    /// The v2 kernel alone.
+    D2(&'a D2Plan),
+    /// The SIMT gemv.
+    Simt,
 }
 
 fn noise(n: usize, salt: u64) -> Vec<f32> {
@@ -94,10 +108,13 @@ impl CudaBackend {
     pub fn bench_products(&self, reps: usize) -> Vec<ProductTime> {
         let mut out = Vec::new();
         // Decode gemv at 1, 8 and 32 rows: an expert's gate projection (FP4, 2048 × 4096, 64 of
-        // them: 276 MB), a projection like wo_a (8192 × 4096) in FP8 and BF16 (8 copies).
-        let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 3] = [
+        // them: 276 MB), a projection like wo_a (8192 × 4096) in FP8 and BF16 and one like
+        // wq_b (32768 × 1024, its K one streamed chunk of the FP8 tensor-core gemv) in FP8
+        // (8 copies each).
+        let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 4] = [
             ("gemv fp4 expert 2048x4096", OwnedFormat::Fp4, 2048, 4096, 64),
             ("gemv fp8 8192x4096", OwnedFormat::Fp8, 8192, 4096, 8),
+            ("gemv fp8 32768x1024", OwnedFormat::Fp8, 32768, 1024, 8),
             ("gemv bf16 8192x4096", OwnedFormat::Bf16, 8192, 4096, 8),
         ];
         for (what, format, n, k, copies) in gemv_sets {
@@ -111,18 +128,27 @@ impl CudaBackend {
                 let op = Operand { x: g.ptr(&x.mem), x_stride: k, out: g.ptr(&y.mem), out_stride: n, rows, groups: 1 };
                 // The first version's choice (tensor cores for these formats), the second
                 // version's kernels where they take the product, then the SIMT kernels.
-                let mut runs = vec![(" v1", Some(Decode::V1))];
-                if d2_plan(g, &op, &ws[0], None).is_some() {
-                    runs.push((" v2", Some(Decode::V2)));
+                // The FP8 tensor-core gemv and the v2 kernel each on its own where both
+                // take the product.
+                let mut runs = vec![(" v1", Run::Engine(Decode::V1))];
+                let f8mma = f8mma_plan_always(g, &op, &ws[0]);
+                let d2 = d2_plan(g, &op, &ws[0], None);
+                if let Some(plan) = &f8mma {
+                    runs.push((" f8mma", Run::F8mma(plan)));
                 }
-                runs.push((" simt", None));
-                for (label, variant) in runs {
+                if let Some(plan) = &d2 {
+                    runs.push((" v2", Run::D2(plan)));
+                }
+                runs.push((" simt", Run::Simt));
+                for (label, run) in runs {
                     let mut i = 0;
                     let t = self.time_kernel_us(reps * copies, || {
                         let w = &ws[i % copies];
-                        match variant {
-                            Some(v) => matmul_as(g, op, w, v),
-                            None => gemv_simt(g, op, w, None, 0.0),
+                        match run {
+                            Run::Engine(v) => matmul_as(g, op, w, v),
+                            Run::F8mma(plan) => f8mma_gemv(g, plan, op, w),
+                            Run::D2(plan) => d2_gemv(g, plan, op, w, None, 0.0),
+                            Run::Simt => gemv_simt(g, op, w, None, 0.0),
                         }
                         i += 1;
                     });
@@ -370,6 +396,14 @@ impl CudaBackend {
         let op = Operand { x: g.ptr(&x.mem), x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
         let plan = d2_plan(g, &op, w, w3)?;
         D2_KERNELS.iter().copied().find(|&k| k == plan.name)
+    }
+
+    /// The FP8 tensor-core gemv kernel the engine's v2 path runs for this product, if it
+    /// takes it (`SLUICE_CUDA_F8MMA` respected), for the parity suite.
+    pub fn decode_f8mma_kernel(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight) -> Option<&'static str> {
+        let g = &self.gpu;
+        let op = Operand { x: g.ptr(&x.mem), x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        f8mma_plan(g, &op, w).map(|p| p.name)
     }
 
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS

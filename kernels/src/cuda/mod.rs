@@ -19,6 +19,8 @@
 //! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
+//! - `gemv_f8mma`: FP8 products of 1-2 decode rows on the FP8 tensor cores
+//!   (cu/gemv_f8mma.cu), tried before v2.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
@@ -40,6 +42,7 @@ mod cublas_bf16;
 mod decode_v2;
 mod devplan;
 mod download;
+mod gemv_f8mma;
 mod hc;
 mod kv_buffer;
 mod matmul;

@@ -35,6 +35,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("decode2_segments.cu", include_str!("cu/decode2_segments.cu")),
     ("indexer_mma.cu", include_str!("cu/indexer_mma.cu")),
     ("readout.cu", include_str!("cu/readout.cu")),
+    ("gemv_f8mma.cu", include_str!("cu/gemv_f8mma.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

@@ -190,12 +190,14 @@ fn big_shared() -> Vec<(&'static str, usize)> {
         vec![("compress_stream", super::compress::STREAM_MAX_SMEM), ("attention_mma", super::attention::MMA_DYN_SMEM)];
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));
+    v.extend(super::gemv_f8mma::F8MMA_KERNELS.iter().map(|&n| (n, super::gemv_f8mma::F8MMA_MAX_SMEM)));
     v
 }
 
-/// The kernels a backend looks up at start: [`KERNELS`] and the v2 products.
+/// The kernels a backend looks up at start: [`KERNELS`], the v2 products and the FP8
+/// tensor-core gemv.
 fn loaded_kernels() -> impl Iterator<Item = &'static str> {
-    KERNELS.iter().chain(super::decode_v2::D2_KERNELS.iter()).copied()
+    KERNELS.iter().chain(super::decode_v2::D2_KERNELS.iter()).chain(super::gemv_f8mma::F8MMA_KERNELS.iter()).copied()
 }
 
 /// Scratch name of the device-side traffic counter.

@@ -6,6 +6,7 @@
 //! rows (top-k and hash routing with an expert named twice for one token; 9-64 rows by
 //! segments of 4 and of 8 rows), each on poisoned outputs.
 //! Every case first checks that v2 really takes it (the kernel it runs is printed).
+//! Also the FP8 tensor-core gemv the v2 path tries first for FP8 products of 1-2 rows.
 
 use super::*;
 
@@ -94,6 +95,49 @@ fn cuda_decode_v2_grouped_products_match_cpu() {
                 c.grouped_matmul(&x, rows, groups, &cw, &mut want);
                 let what = format!("v2 grouped {groups}x{}x{k} rows={rows} ({kernel})", n / groups);
                 check(&what, dtype, &g.download(&out), &want);
+            }
+        }
+    }
+}
+
+/// Allowed max|Δ|/max|CPU| of the FP8 tensor-core gemv (cu/gemv_f8mma.cu): its
+/// activations are three e4m3 parts (~2^-12 of each value) and the tensor cores sum 128
+/// products before an f32 addition; measured errors are far below this bound, which
+/// a wrong fragment, scale or part (errors of order 1) cannot meet.
+const F8MMA_TOL: f32 = 2e-3;
+
+/// The FP8 tensor-core gemv at 1 and 2 rows: wq_b (K one streamed chunk), wo_b (K 8192,
+/// the largest activations), the shared expert's down projection, an odd shape (N =
+/// 4,112: 257 tiles, so blocks take one or two, and the last scale block has 16 rows;
+/// K = 3,072), and the grouped wo_a (8 groups of 1024 outputs over 4096
+/// inputs: blocks whose tiles cross into the next group), on poisoned outputs, against
+/// the CPU. Every case first checks that the engine's v2 path takes this kernel.
+#[test]
+fn cuda_f8mma_products_match_cpu() {
+    let Some(g) = gpu("cuda_f8mma_products_match_cpu") else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("f8mma products");
+    for (groups, n, k) in [(1, 32768, 1024), (1, 4096, 8192), (1, 4096, 2048), (1, 4112, 3072), (8, 8 * 1024, 4096)] {
+        let w = weight(&mut rng, n, k, 0.05, "fp8");
+        let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+        for rows in [1, 2] {
+            // Rows of very different magnitudes: each row's parts have their own scale.
+            let x: Vec<f32> = (0..rows).flat_map(|r| rand_vec(&mut rng, groups * k, [1.0, 3e-3][r])).collect();
+            let gx = g.upload(&x);
+            let kernel = g.decode_f8mma_kernel(&gx, rows, groups, &gw);
+            let Some(kernel) = kernel else {
+                panic!("the FP8 tensor-core gemv does not take {groups} x {n}x{k} at {rows} rows")
+            };
+            let mut out = poisoned(g, rows * n);
+            g.decode_matmul("v2", &gx, rows, groups, &gw, &mut out);
+            let got = g.download(&out);
+            let mut want = vec![0f32; rows * n];
+            c.grouped_matmul(&x, rows, groups, &cw, &mut want);
+            for r in 0..rows {
+                let span = r * n..(r + 1) * n;
+                let e = rel_err(&got[span.clone()], &want[span]);
+                eprintln!("PARITY f8mma {groups}x{n}x{k} rows={rows} row {r} ({kernel}) {e:.2e}");
+                assert!(e <= F8MMA_TOL, "f8mma {groups} x {n}x{k} row {r} of {rows}: {e:.3e} above {F8MMA_TOL:.0e}");
             }
         }
     }

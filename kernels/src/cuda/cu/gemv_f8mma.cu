@@ -1,0 +1,227 @@
+// FP8 products of one or two decode rows on the FP8 tensor cores (mma.m16n8k32 with e4m3
+// operands), the weights streamed through shared memory. kernels/src/cuda/gemv_f8mma.rs
+// plans them; docs/cuda.md ("gemv_f8mma") says when they run.
+//
+// Why another FP8 gemv: the v2 kernels (decode2.cu) read each weight row as 64-byte
+// pieces, a quad of threads each, and convert every code to f16 for an f16 mma; they
+// reached 45-52% of the copy bandwidth at one row. Here
+// - a warp's copy instruction covers 512 contiguous bytes of one weight row (cp.async
+//   into shared memory: the bytes in flight are held there, not in registers), so the
+//   device sees whole rows read in order;
+// - the weights need no conversion at all: the mma multiplies the stored e4m3 codes, and
+//   ldmatrix gives each thread its A fragment straight from the staged rows (`ldmatrix_x4`
+//   of gemm.cu, `mma_e4m3` of gemm_f8.cu: this file comes after both in the program);
+// - the first chunks of a block are requested before `griddepcontrol.wait`: weights are
+//   never written by the kernel before, so their loads overlap that kernel's tail.
+//
+// Activations: each row r is scaled by a power of two s_r (its largest magnitude lands in
+// [128, 256)) and written as three e4m3 parts, x·s = hi + mid + lo with each part the e4m3
+// rounding of what the parts before left (relative error ~2^-12 of each value, an
+// absolute floor of 2^-10 / s_r), into columns 3r, 3r+1, 3r+2 of the mma's n; the
+// columns' sums are added and divided by s_r at the end. The FP8 block scale (one per 128
+// rows × 128 inputs) multiplies a warp's partial sum of each 128 inputs in f32, so the
+// tensor cores only ever sum 128 products before an f32 addition.
+//
+// Work: a tile is 16 output rows (N % 16 == 0); a block takes a contiguous run of tiles
+// (one block an SM) and streams each as chunks of 16 rows × F8_KC inputs through a ring
+// of F8_STAGES chunks (rows padded by 16 bytes: ldmatrix reads of 8 rows hit 8 different
+// bank groups). Warp w takes inputs [128w, 128w + 128) of every chunk: one scale block,
+// four mmas. A tile's warps add their sums through shared memory in warp order.
+// Grouped products (wo_a: group g of output rows reads x[:, g·K .. g·K + K]) re-stage the
+// activations when a block's tile moves into the next group.
+
+#define F8_KC 1024
+#define F8_ROW (F8_KC + 16)
+#define F8_STAGES 6
+#define F8_CHUNK (16 * F8_ROW)
+#define F8_WARPS 8
+
+// `F8Args` in gemv_f8mma.rs (pointers first).
+struct F8Args {
+    float* out;
+    const float* x;
+    const u8* w;
+    const float* scales;
+    int rows;
+    int n;
+    int k;
+    int x_stride;
+    int out_stride;
+    int g_out;  // output rows of a group (grouped products), 0 for plain products
+    int tiles;
+};
+
+// Two f32 values as e4m3 codes, `lo` in the low byte (round to nearest even, saturating).
+__device__ __forceinline__ u32 f8_pair(float lo, float hi) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The two e4m3 codes of `p` (low byte first) back as f32 (exact).
+__device__ __forceinline__ void f8_pair_values(u32 p, float& lo, float& hi) {
+    u32 h;
+    asm("{ .reg .b16 t, u; mov.b32 {t, u}, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(p));
+    lo = f16lo_to_f32(h);
+    hi = f16hi_to_f32(h);
+}
+
+// Rows 0..R-1 of x (K values from `x`, rows `x_stride` apart) as three e4m3 parts each into
+// `act` (part p of row r: row 3r + p, K + 16 bytes a row), and 1 / s_r into inv_s.
+// Ends with a barrier.
+template <int R>
+__device__ void f8_stage_activations(u8* act, const float* x, int x_stride, int K, float* inv_s, float* red_max) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    float m[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        m[r] = 0.0f;
+        for (int k = 4 * tid; k < K; k += 4 * 32 * F8_WARPS) {
+            const float4 v = *(const float4*)(x + (long long)r * x_stride + k);
+            m[r] = fmaxf(m[r], fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+        m[r] = warp_max(m[r]);
+        if (lane == 0) red_max[warp * R + r] = m[r];
+    }
+    __syncthreads();
+    float s[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float mm = 0.0f;
+#pragma unroll
+        for (int w = 0; w < F8_WARPS; w++) mm = fmaxf(mm, red_max[w * R + r]);
+        int e = 0;
+        frexpf(mm, &e);  // mm = f · 2^e, f in [0.5, 1): mm · 2^(8 - e) in [128, 256)
+        const bool usable = mm > 0.0f && mm < 3.0e38f;
+        s[r] = usable ? ldexpf(1.0f, 8 - e) : 1.0f;
+        if (tid == 0) inv_s[r] = usable ? ldexpf(1.0f, e - 8) : 1.0f;
+    }
+    for (int k = 4 * tid; k < K; k += 4 * 32 * F8_WARPS) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const float4 v4 = *(const float4*)(x + (long long)r * x_stride + k);
+            float v[4] = {v4.x * s[r], v4.y * s[r], v4.z * s[r], v4.w * s[r]};
+            u32 part[3];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+                const u32 c01 = f8_pair(v[0], v[1]), c23 = f8_pair(v[2], v[3]);
+                part[p] = c01 | (c23 << 16);
+                float b[4];
+                f8_pair_values(c01, b[0], b[1]);
+                f8_pair_values(c23, b[2], b[3]);
+#pragma unroll
+                for (int i = 0; i < 4; i++) v[i] -= b[i];  // exact: what this part left
+            }
+#pragma unroll
+            for (int p = 0; p < 3; p++) *(u32*)(act + (3 * r + p) * (K + 16) + k) = part[p];
+        }
+    }
+    __syncthreads();
+}
+
+template <int R>
+__device__ void f8mma_gemv(const F8Args& a) {
+    extern __shared__ __align__(128) u8 f8_smem[];
+    __shared__ float red[F8_WARPS][16][8];
+    __shared__ float red_max[F8_WARPS * R];
+    __shared__ float inv_s[R];
+    u8* ring = f8_smem;
+    u8* act = f8_smem + F8_STAGES * F8_CHUNK;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int K = a.k, chunks = K / F8_KC;
+    const int t0 = (int)((long long)a.tiles * blockIdx.x / gridDim.x);
+    const int t1 = (int)((long long)a.tiles * (blockIdx.x + 1) / gridDim.x);
+    const int items = (t1 - t0) * chunks;
+    const u32 ring_base = smem_addr(ring);
+
+    // Chunk `it` of this block into ring slot it % F8_STAGES: 16 rows × 1024 bytes, four
+    // 16-byte copies a thread; a warp's 32 copies are 512 contiguous bytes of one row.
+    auto request = [&](int it) {
+        if (it < items) {
+            const int t = t0 + it / chunks, c = it % chunks;
+            const u8* src = a.w + (long long)t * 16 * K + (long long)c * F8_KC;
+            const u32 dst = ring_base + (it % F8_STAGES) * F8_CHUNK;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int piece = q * 32 * F8_WARPS + tid, row = piece >> 6, col = (piece & 63) * 16;
+                cp_async<16>(dst + row * F8_ROW + col, src + (long long)row * K + col);
+            }
+        }
+        cp_async_commit();  // empty groups too: every thread counts the same groups
+    };
+    for (int it = 0; it < F8_STAGES - 1; it++) request(it);
+    pdl_begin();
+    if (items == 0) return;
+
+    const int g_out = a.g_out;
+    int group = g_out > 0 ? t0 * 16 / g_out : 0;
+    f8_stage_activations<R>(act, a.x + (long long)group * K, a.x_stride, K, inv_s, red_max);
+
+    // ldmatrix addresses. A (16 rows × 32 inputs): matrix j = lane / 8 holds rows
+    // 8·(j & 1) .. +8 and inputs 16·(j >> 1) .. +16 (the fragment's a0..a3). B (the parts
+    // as 8 rows of n × 64 inputs, two k-steps): matrix j holds inputs 16j .. 16j + 16; rows
+    // of n past the 3R parts read part 0 (their columns of the product are not used).
+    const int a_lane = (lane & 15) * F8_ROW + 16 * (lane >> 4) + 128 * warp;
+    const int n_row = (lane & 7) < 3 * R ? (lane & 7) : 0;
+    const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + 128 * warp;
+    const int k_blocks = K / 128;
+    auto scale_of = [&](int it) {
+        const int t = t0 + it / chunks, c = it % chunks;
+        return __ldg(a.scales + (long long)(t * 16 / 128) * k_blocks + c * (F8_KC / 128) + warp);
+    };
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float scale = scale_of(0);
+    for (int it = 0; it < items; it++) {
+        cp_async_wait<F8_STAGES - 2>();
+        __syncthreads();  // chunk `it` is in; every warp is done with chunk it - 1's slot
+        request(it + F8_STAGES - 1);
+        const int t = t0 + it / chunks, c = it % chunks;
+        if (g_out > 0 && c == 0 && t * 16 / g_out != group) {
+            group = t * 16 / g_out;
+            f8_stage_activations<R>(act, a.x + (long long)group * K, a.x_stride, K, inv_s, red_max);
+        }
+        const float next_scale = it + 1 < items ? scale_of(it + 1) : 0.0f;
+        const u8* slot = ring + (it % F8_STAGES) * F8_CHUNK + a_lane;
+        u32 b[8];
+        ldmatrix_x4(b, (const u16*)(b_lane + c * F8_KC));
+        ldmatrix_x4(b + 4, (const u16*)(b_lane + c * F8_KC + 64));
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int step = 0; step < 4; step++) {
+            u32 af[4];
+            ldmatrix_x4(af, (const u16*)(slot + 32 * step));
+            mma_e4m3(part, af, b[2 * step], b[2 * step + 1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[i] = fmaf(part[i], scale, acc[i]);
+        scale = next_scale;
+
+        if (c == chunks - 1) {
+            // The tile's sums: thread (g, q) holds rows g and g + 8, columns 2q and 2q + 1.
+            const int g = lane >> 2, q = lane & 3;
+            if (2 * q < 3 * R) {
+                red[warp][g][2 * q] = acc[0];
+                red[warp][g][2 * q + 1] = acc[1];
+                red[warp][g + 8][2 * q] = acc[2];
+                red[warp][g + 8][2 * q + 1] = acc[3];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[i] = 0.0f;
+            __syncthreads();
+            if (tid < 16 * R) {
+                const int row = tid & 15, r = tid >> 4;
+                float sum = 0.0f;
+#pragma unroll
+                for (int w = 0; w < F8_WARPS; w++)
+                    sum += red[w][row][3 * r] + red[w][row][3 * r + 1] + red[w][row][3 * r + 2];
+                a.out[(long long)r * a.out_stride + t * 16 + row] = sum * inv_s[r];
+            }
+            // `red` is written again only after the next iteration's barrier.
+        }
+    }
+    cp_async_wait<0>();
+}
+
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r1(F8Args a) { f8mma_gemv<1>(a); }
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r2(F8Args a) { f8mma_gemv<2>(a); }
