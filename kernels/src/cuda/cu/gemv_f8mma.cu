@@ -119,10 +119,30 @@ __device__ void f8_stage_activations(u8* act, const float* x, int x_stride, int 
     __syncthreads();
 }
 
+// ldmatrix_x4 (gemm.cu) at a shared-memory address already converted (no per-call cvta).
+__device__ __forceinline__ void f8_ldmatrix_x4(u32* r, u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// The sums of a finished tile (`red[buf]`, written by every warp) to the output rows.
+template <int R>
+__device__ __forceinline__ void f8_tile_out(const F8Args& a, const float (*red)[16][8], const float* inv_s, int tile) {
+    const int tid = threadIdx.x;
+    if (tid < 16 * R) {
+        const int row = tid & 15, r = tid >> 4;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < F8_WARPS; w++) sum += red[w][row][3 * r] + red[w][row][3 * r + 1] + red[w][row][3 * r + 2];
+        a.out[(long long)r * a.out_stride + tile * 16 + row] = sum * inv_s[r];
+    }
+}
+
 template <int R>
 __device__ void f8mma_gemv(const F8Args& a) {
     extern __shared__ __align__(128) u8 f8_smem[];
-    __shared__ float red[F8_WARPS][16][8];
+    __shared__ float red[2][F8_WARPS][16][8];
     __shared__ float red_max[F8_WARPS * R];
     __shared__ float inv_s[R];
     u8* ring = f8_smem;
@@ -134,63 +154,81 @@ __device__ void f8mma_gemv(const F8Args& a) {
     const int items = (t1 - t0) * chunks;
     const u32 ring_base = smem_addr(ring);
 
-    // Chunk `it` of this block into ring slot it % F8_STAGES: 16 rows × 1024 bytes, four
-    // 16-byte copies a thread; a warp's 32 copies are 512 contiguous bytes of one row.
-    auto request = [&](int it) {
-        if (it < items) {
-            const int t = t0 + it / chunks, c = it % chunks;
-            const u8* src = a.w + (long long)t * 16 * K + (long long)c * F8_KC;
-            const u32 dst = ring_base + (it % F8_STAGES) * F8_CHUNK;
+    // The request side walks the block's chunks in order: 16 rows × 1024 bytes each, four
+    // 16-byte copies a thread (a warp's 32 copies are 512 contiguous bytes of one row),
+    // into ring slots 0, 1, … F8_STAGES - 1, 0, … Offsets are computed once: the loop
+    // body must stay short (one block an SM, two warps a scheduler).
+    u32 src_off[4], dst_off[4];
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int piece = q * 32 * F8_WARPS + tid, row = piece >> 6, col = (piece & 63) * 16;
-                cp_async<16>(dst + row * F8_ROW + col, src + (long long)row * K + col);
-            }
+    for (int q = 0; q < 4; q++) {
+        const int piece = q * 32 * F8_WARPS + tid, row = piece >> 6, col = (piece & 63) * 16;
+        src_off[q] = (u32)(row * K + col);
+        dst_off[q] = ring_base + row * F8_ROW + col;
+    }
+    const long long next_tile = (long long)16 * K - (long long)(chunks - 1) * F8_KC;
+    const u8* req = a.w + (long long)t0 * 16 * K;
+    int requested = 0, req_c = 0, req_slot = 0;
+    auto request_next = [&]() {
+        if (requested < items) {
+            const u32 slot = req_slot * F8_CHUNK;
+#pragma unroll
+            for (int q = 0; q < 4; q++) cp_async<16>(dst_off[q] + slot, req + src_off[q]);
+            req_c++;
+            req += req_c == chunks ? next_tile : F8_KC;
+            req_c = req_c == chunks ? 0 : req_c;
+            req_slot = req_slot == F8_STAGES - 1 ? 0 : req_slot + 1;
+            requested++;
         }
         cp_async_commit();  // empty groups too: every thread counts the same groups
     };
-    for (int it = 0; it < F8_STAGES - 1; it++) request(it);
+    for (int i = 0; i < F8_STAGES - 1; i++) request_next();
     pdl_begin();
     if (items == 0) return;
 
     const int g_out = a.g_out;
     int group = g_out > 0 ? t0 * 16 / g_out : 0;
+    int group_end = g_out > 0 ? (group + 1) * g_out : 1 << 30;  // first output row of the next group
     f8_stage_activations<R>(act, a.x + (long long)group * K, a.x_stride, K, inv_s, red_max);
 
-    // ldmatrix addresses. A (16 rows × 32 inputs): matrix j = lane / 8 holds rows
-    // 8·(j & 1) .. +8 and inputs 16·(j >> 1) .. +16 (the fragment's a0..a3). B (the parts
-    // as 8 rows of n × 64 inputs, two k-steps): matrix j holds inputs 16j .. 16j + 16; rows
-    // of n past the 3R parts read part 0 (their columns of the product are not used).
-    const int a_lane = (lane & 15) * F8_ROW + 16 * (lane >> 4) + 128 * warp;
+    // ldmatrix addresses. A (16 rows × 32 inputs): lanes 0-15 name rows 0-15 at inputs
+    // 0-15 (a0, a1), lanes 16-31 the same rows at inputs 16-31 (a2, a3). B (the parts as
+    // 8 rows of n × 64 inputs, two k-steps): matrix j = lane / 8 holds inputs 16j .. +16;
+    // rows of n past the 3R parts read part 0 (their columns of the product are unused).
+    const u32 a_lane = ring_base + (lane & 15) * F8_ROW + 16 * (lane >> 4) + 128 * warp;
     const int n_row = (lane & 7) < 3 * R ? (lane & 7) : 0;
     const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + 128 * warp;
-    const int k_blocks = K / 128;
-    auto scale_of = [&](int it) {
-        const int t = t0 + it / chunks, c = it % chunks;
-        return __ldg(a.scales + (long long)(t * 16 / 128) * k_blocks + c * (F8_KC / 128) + warp);
-    };
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float scale = scale_of(0);
+    int t = t0, c = 0, slot = 0, buf = 0, pending = -1;
+    float scale = __ldg(a.scales + (long long)(t0 >> 3) * (K / 128) + warp);
     for (int it = 0; it < items; it++) {
         cp_async_wait<F8_STAGES - 2>();
-        __syncthreads();  // chunk `it` is in; every warp is done with chunk it - 1's slot
-        request(it + F8_STAGES - 1);
-        const int t = t0 + it / chunks, c = it % chunks;
-        if (g_out > 0 && c == 0 && t * 16 / g_out != group) {
+        __syncthreads();  // chunk `it` is in; every warp is done with the previous slot
+        request_next();
+        if (pending >= 0) {  // the tile finished last iteration: every warp's sums are in
+            f8_tile_out<R>(a, red[buf ^ 1], inv_s, pending);
+            pending = -1;
+        }
+        if (c == 0 && t * 16 >= group_end) {
+            // A new group's activations (the tile written out above read the old scales
+            // before the staging's first barrier; thread 0 writes them after it).
             group = t * 16 / g_out;
+            group_end = (group + 1) * g_out;
             f8_stage_activations<R>(act, a.x + (long long)group * K, a.x_stride, K, inv_s, red_max);
         }
-        const float next_scale = it + 1 < items ? scale_of(it + 1) : 0.0f;
-        const u8* slot = ring + (it % F8_STAGES) * F8_CHUNK + a_lane;
+        // The next chunk's scale (its tile's 128-row block, its own 128 inputs).
+        const int nt = c + 1 == chunks ? t + 1 : t, nc = c + 1 == chunks ? 0 : c + 1;
+        const float next_scale =
+            it + 1 < items ? __ldg(a.scales + (long long)(nt >> 3) * (K / 128) + nc * (F8_KC / 128) + warp) : 0.0f;
         u32 b[8];
         ldmatrix_x4(b, (const u16*)(b_lane + c * F8_KC));
         ldmatrix_x4(b + 4, (const u16*)(b_lane + c * F8_KC + 64));
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const u32 a_addr = a_lane + slot * F8_CHUNK;
 #pragma unroll
         for (int step = 0; step < 4; step++) {
             u32 af[4];
-            ldmatrix_x4(af, (const u16*)(slot + 32 * step));
+            f8_ldmatrix_x4(af, a_addr + 32 * step);
             mma_e4m3(part, af, b[2 * step], b[2 * step + 1]);
         }
 #pragma unroll
@@ -198,28 +236,29 @@ __device__ void f8mma_gemv(const F8Args& a) {
         scale = next_scale;
 
         if (c == chunks - 1) {
-            // The tile's sums: thread (g, q) holds rows g and g + 8, columns 2q and 2q + 1.
+            // The tile's sums: thread (g, q) holds rows g and g + 8, columns 2q and 2q + 1;
+            // written out after the next barrier (or after the loop).
             const int g = lane >> 2, q = lane & 3;
             if (2 * q < 3 * R) {
-                red[warp][g][2 * q] = acc[0];
-                red[warp][g][2 * q + 1] = acc[1];
-                red[warp][g + 8][2 * q] = acc[2];
-                red[warp][g + 8][2 * q + 1] = acc[3];
+                red[buf][warp][g][2 * q] = acc[0];
+                red[buf][warp][g][2 * q + 1] = acc[1];
+                red[buf][warp][g + 8][2 * q] = acc[2];
+                red[buf][warp][g + 8][2 * q + 1] = acc[3];
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[i] = 0.0f;
-            __syncthreads();
-            if (tid < 16 * R) {
-                const int row = tid & 15, r = tid >> 4;
-                float sum = 0.0f;
-#pragma unroll
-                for (int w = 0; w < F8_WARPS; w++)
-                    sum += red[w][row][3 * r] + red[w][row][3 * r + 1] + red[w][row][3 * r + 2];
-                a.out[(long long)r * a.out_stride + t * 16 + row] = sum * inv_s[r];
-            }
-            // `red` is written again only after the next iteration's barrier.
+            pending = t;
+            buf ^= 1;
         }
+        c++;
+        if (c == chunks) {
+            c = 0;
+            t++;
+        }
+        slot = slot == F8_STAGES - 1 ? 0 : slot + 1;
     }
+    __syncthreads();
+    f8_tile_out<R>(a, red[buf ^ 1], inv_s, pending);
     cp_async_wait<0>();
 }
 
