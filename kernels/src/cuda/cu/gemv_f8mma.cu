@@ -19,14 +19,18 @@
 // rounding of what the parts before left (relative error ~2^-12 of each value, an
 // absolute floor of 2^-10 / s_r), into columns 3r, 3r+1, 3r+2 of the mma's n; the
 // columns' sums are added and divided by s_r at the end. The FP8 block scale (one per 128
-// rows × 128 inputs) multiplies a warp's partial sum of each 128 inputs in f32, so the
-// tensor cores only ever sum 128 products before an f32 addition.
+// rows × 128 inputs) multiplies a warp's partial sum of each 64 inputs in f32. (On sm_90
+// ptxas turns each e4m3 mma into f16 unpacks and two f16 mmas: the products are exact,
+// summed in f32.)
 //
 // Work: a tile is 16 output rows (N % 16 == 0); a block takes a contiguous run of tiles
 // (one block an SM) and streams each as chunks of 16 rows × F8_KC inputs through a ring
 // of F8_STAGES chunks (rows padded by 16 bytes: ldmatrix reads of 8 rows hit 8 different
-// bank groups). Warp w takes inputs [128w, 128w + 128) of every chunk: one scale block,
-// four mmas. A tile's warps add their sums through shared memory in warp order.
+// bank groups). Warp w takes inputs [64w, 64w + 64) of every chunk: two mmas, then its
+// partial times its scale block's scale. Sixteen warps, so that the loop body's
+// dependent instructions (one block an SM: the ring takes the shared memory) are spread
+// over four warps a scheduler. A tile's warps add their sums through shared memory in
+// warp order.
 // Grouped products (wo_a: group g of output rows reads x[:, g·K .. g·K + K]) re-stage the
 // activations when a block's tile moves into the next group.
 
@@ -34,7 +38,9 @@
 #define F8_ROW (F8_KC + 16)
 #define F8_STAGES 6
 #define F8_CHUNK (16 * F8_ROW)
-#define F8_WARPS 8
+#define F8_WARPS 16
+#define F8_WARP_INPUTS (F8_KC / F8_WARPS)       // a warp's inputs of a chunk (64: two mma k-steps)
+#define F8_PIECES (F8_KC / (2 * F8_WARPS))      // 16-byte copies a thread a chunk: 16 rows × F8_KC / 16 / threads
 
 // `F8Args` in gemv_f8mma.rs (pointers first).
 struct F8Args {
@@ -154,13 +160,14 @@ __device__ void f8mma_gemv(const F8Args& a) {
     const int items = (t1 - t0) * chunks;
     const u32 ring_base = smem_addr(ring);
 
-    // The request side walks the block's chunks in order: 16 rows × 1024 bytes each, four
-    // 16-byte copies a thread (a warp's 32 copies are 512 contiguous bytes of one row),
-    // into ring slots 0, 1, … F8_STAGES - 1, 0, … Offsets are computed once: the loop
-    // body must stay short (one block an SM, two warps a scheduler).
-    u32 src_off[4], dst_off[4];
+    // The request side walks the block's chunks in order: 16 rows × 1024 bytes each,
+    // F8_PIECES 16-byte copies a thread (a warp's 32 copies are 512 contiguous bytes of one
+    // row), into ring slots 0, 1, … F8_STAGES - 1, 0, … Offsets are computed once: the
+    // loop body must stay short (its chain of dependent instructions is what a warp
+    // spends a chunk on).
+    u32 src_off[F8_PIECES], dst_off[F8_PIECES];
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < F8_PIECES; q++) {
         const int piece = q * 32 * F8_WARPS + tid, row = piece >> 6, col = (piece & 63) * 16;
         src_off[q] = (u32)(row * K + col);
         dst_off[q] = ring_base + row * F8_ROW + col;
@@ -172,7 +179,7 @@ __device__ void f8mma_gemv(const F8Args& a) {
         if (requested < items) {
             const u32 slot = req_slot * F8_CHUNK;
 #pragma unroll
-            for (int q = 0; q < 4; q++) cp_async<16>(dst_off[q] + slot, req + src_off[q]);
+            for (int q = 0; q < F8_PIECES; q++) cp_async<16>(dst_off[q] + slot, req + src_off[q]);
             req_c++;
             req += req_c == chunks ? next_tile : F8_KC;
             req_c = req_c == chunks ? 0 : req_c;
@@ -194,13 +201,14 @@ __device__ void f8mma_gemv(const F8Args& a) {
     // 0-15 (a0, a1), lanes 16-31 the same rows at inputs 16-31 (a2, a3). B (the parts as
     // 8 rows of n × 64 inputs, two k-steps): matrix j = lane / 8 holds inputs 16j .. +16;
     // rows of n past the 3R parts read part 0 (their columns of the product are unused).
-    const u32 a_lane = ring_base + (lane & 15) * F8_ROW + 16 * (lane >> 4) + 128 * warp;
+    const u32 a_lane = ring_base + (lane & 15) * F8_ROW + 16 * (lane >> 4) + F8_WARP_INPUTS * warp;
     const int n_row = (lane & 7) < 3 * R ? (lane & 7) : 0;
-    const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + 128 * warp;
+    const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + F8_WARP_INPUTS * warp;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int t = t0, c = 0, slot = 0, buf = 0, pending = -1;
-    float scale = __ldg(a.scales + (long long)(t0 >> 3) * (K / 128) + warp);
+    const int warp_block = warp * F8_WARP_INPUTS / 128;  // this warp's 128-input scale block in a chunk
+    float scale = __ldg(a.scales + (long long)(t0 >> 3) * (K / 128) + warp_block);
     for (int it = 0; it < items; it++) {
         cp_async_wait<F8_STAGES - 2>();
         __syncthreads();  // chunk `it` is in; every warp is done with the previous slot
@@ -219,14 +227,14 @@ __device__ void f8mma_gemv(const F8Args& a) {
         // The next chunk's scale (its tile's 128-row block, its own 128 inputs).
         const int nt = c + 1 == chunks ? t + 1 : t, nc = c + 1 == chunks ? 0 : c + 1;
         const float next_scale =
-            it + 1 < items ? __ldg(a.scales + (long long)(nt >> 3) * (K / 128) + nc * (F8_KC / 128) + warp) : 0.0f;
-        u32 b[8];
-        ldmatrix_x4(b, (const u16*)(b_lane + c * F8_KC));
-        ldmatrix_x4(b + 4, (const u16*)(b_lane + c * F8_KC + 64));
+            it + 1 < items ? __ldg(a.scales + (long long)(nt >> 3) * (K / 128) + nc * (F8_KC / 128) + warp_block) : 0.0f;
+        u32 b[F8_WARP_INPUTS / 8];
+#pragma unroll
+        for (int j = 0; j < F8_WARP_INPUTS / 64; j++) ldmatrix_x4(b + 4 * j, (const u16*)(b_lane + c * F8_KC + 64 * j));
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const u32 a_addr = a_lane + slot * F8_CHUNK;
 #pragma unroll
-        for (int step = 0; step < 4; step++) {
+        for (int step = 0; step < F8_WARP_INPUTS / 32; step++) {
             u32 af[4];
             f8_ldmatrix_x4(af, a_addr + 32 * step);
             mma_e4m3(part, af, b[2 * step], b[2 * step + 1]);
