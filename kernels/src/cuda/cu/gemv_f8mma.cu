@@ -8,9 +8,10 @@
 // - a warp's copy instruction covers 512 contiguous bytes of one weight row (cp.async
 //   into shared memory: the bytes in flight are held there, not in registers), so the
 //   device sees whole rows read in order;
-// - the weights need no conversion at all: the mma multiplies the stored e4m3 codes, and
-//   ldmatrix gives each thread its A fragment straight from the staged rows (`ldmatrix_x4`
-//   of gemm.cu, `mma_e4m3` of gemm_f8.cu: this file comes after both in the program);
+// - the stored e4m3 codes are the mma's A operand as they are: ldmatrix gives each thread
+//   its fragment straight from the staged rows (`ldmatrix_x4` of gemm.cu, `mma_e4m3` of
+//   gemm_f8.cu: this file comes after both in the program), and the only conversion is
+//   the one ptxas emits for the e4m3 mma (one unpack instruction per pair);
 // - the first chunks of a block are requested before `griddepcontrol.wait`: weights are
 //   never written by the kernel before, so their loads overlap that kernel's tail.
 //
@@ -40,7 +41,7 @@
 #define F8_CHUNK (16 * F8_ROW)
 #define F8_WARPS 16
 #define F8_WARP_INPUTS (F8_KC / F8_WARPS)       // a warp's inputs of a chunk (64: two mma k-steps)
-#define F8_PIECES (F8_KC / (2 * F8_WARPS))      // 16-byte copies a thread a chunk: 16 rows × F8_KC / 16 / threads
+#define F8_PIECES (F8_KC / (32 * F8_WARPS))     // 16-byte copies a thread a chunk: (16 rows × F8_KC / 16) / threads
 
 // `F8Args` in gemv_f8mma.rs (pointers first).
 struct F8Args {
