@@ -23,6 +23,7 @@
 //!   (cu/gemv_f8mma.cu), tried before v2.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
+//! - `moe_host`: routed experts of batches whose routing is read back (prefill).
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
@@ -50,6 +51,7 @@ mod matmul_many;
 mod memory;
 mod moe;
 mod moe_cublas;
+mod moe_host;
 mod moe_v2;
 mod nvrtc;
 pub mod peer;

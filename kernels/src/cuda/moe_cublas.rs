@@ -14,7 +14,7 @@
 //!
 //! `SLUICE_CUDA_CUBLAS_EXPERTS=0` (read once) keeps the tensor-core gemv launches (and,
 //! for prefill-sized batches, the grouped `gemm_bf16` tiles instead of one cuBLAS product
-//! an expert: `moe.rs::per_expert_on_cublas`).
+//! an expert: `moe_host.rs::per_expert_on_cublas`).
 
 use std::ffi::c_void;
 

@@ -1,0 +1,230 @@
+//! The routed experts of a batch whose routing was read back to the host (prefill-sized
+//! batches, and decode batches the device-routed paths do not take; [`super::moe`]
+//! decides): every routed row gathered once in expert order and each projection run as
+//! one grouped tensor-core launch over tiles of one expert's rows, or one cuBLAS product
+//! an expert for BF16 experts with many rows each, or one product per expert otherwise;
+//! then each row's weighted sum in list order, as the CPU adds them.
+
+use super::CudaBackend;
+use super::matmul::{Decode, GEMM_BM, Operand, Tiles, gemm, gemm_kernel, gemm_split, split_x, swiglu_act, weight_ptrs};
+use super::memory::CudaBuf;
+use super::moe::expert;
+use super::moe_cublas;
+use super::runtime::{cfg, cfg_elems, launch};
+use crate::backend::{ExpertWeights, MoeWeights};
+
+/// The routed experts with the routing read back. Experts of one format and shape
+/// that the tensor-core kernel tiles run grouped: every routed row gathered once in
+/// expert order, one launch per projection over tiles of one expert's rows, then each
+/// row's weighted sum in list order. Otherwise one product per expert over its rows.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn experts_routed_on_host(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    chosen: &[i32],
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+    variant: Decode,
+) {
+    let g = &b.gpu;
+    let (d, k) = (w.gate.cols, w.top_k);
+    // Rows per expert this device holds, in expert order; the list holds row ids, then
+    // weight indices. Rows routed to experts held elsewhere get nothing from here.
+    let n_exp = w.gate.rows;
+    let held = w.expert_base..w.expert_base + w.experts.len();
+    let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); w.experts.len()];
+    for (i, &e) in chosen.iter().enumerate() {
+        let e = usize::try_from(e).ok().filter(|&e| e < n_exp);
+        let e = e.unwrap_or_else(|| panic!("routing chose an expert outside 0..{n_exp}"));
+        if held.contains(&e) {
+            per_expert[e - w.expert_base].push(((i / k) as u32, i as u32));
+        }
+    }
+    let total: usize = per_expert.iter().map(Vec::len).sum();
+    if total == 0 {
+        g.memset_zero(&mut out.mem);
+        return;
+    }
+    let mut list = Vec::with_capacity(2 * total);
+    list.extend(per_expert.iter().flatten().map(|&(r, _)| r));
+    list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
+    let list_dev = g.upload(&list);
+    if grouped_experts(w) && !per_expert_on_cublas(w, total) {
+        let e0 = &w.experts[0];
+        g.traffic.add_flops(total * 2 * (2 * e0.w1.rows * e0.w1.cols + e0.w2.rows * e0.w2.cols));
+        return experts_grouped(b, x, rows, w, &per_expert, &list, &list_dev, weights, out);
+    }
+    let lp = g.ptr(&list_dev);
+    g.memset_zero(&mut out.mem);
+    let mut at = 0usize;
+    for (e, assigned) in per_expert.iter().enumerate() {
+        let n = assigned.len();
+        if n == 0 {
+            continue;
+        }
+        let xg = b.alloc_buf(n * d);
+        launch!(
+            g,
+            "gather_rows",
+            cfg_elems(n * d),
+            g.ptr(&xg.mem),
+            g.ptr(&x.mem),
+            lp + 4 * at as u64,
+            n as i32,
+            d as i32
+        );
+        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit, variant);
+        // A row listed twice for one expert (a hash table may repeat an expert) must be
+        // summed in order: then one thread walks each column; otherwise every element
+        // has its own thread.
+        let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
+        seen.dedup();
+        let (name, c) = if seen.len() == n {
+            ("moe_accumulate_rows", cfg_elems(n * d))
+        } else {
+            ("moe_accumulate", cfg((d.div_ceil(256) as u32, 1, 1), 256, 0))
+        };
+        launch!(
+            g,
+            name,
+            c,
+            g.ptr(&out.mem),
+            g.ptr(&y.mem),
+            lp + 4 * at as u64,
+            lp + 4 * (total + at) as u64,
+            g.ptr(&weights.mem),
+            n as i32,
+            d as i32
+        );
+        at += n;
+    }
+}
+
+/// Whether the routed rows of BF16 experts run expert by expert through `matmul` (cuBLAS,
+/// `cublas_bf16.rs`) rather than as grouped `gemm_bf16` tiles: when the experts this
+/// device holds get at least [`PER_EXPERT_MIN_ROWS`] rows each on average (a prefill),
+/// where cuBLAS's several times higher rate outweighs a few launches an expert.
+/// `SLUICE_CUDA_CUBLAS_EXPERTS=0` keeps the tiles.
+fn per_expert_on_cublas(w: &MoeWeights<CudaBackend>, routed_rows: usize) -> bool {
+    moe_cublas::enabled() && routed_rows >= PER_EXPERT_MIN_ROWS * w.experts.len() && moe_cublas::bf16_experts(w)
+}
+
+/// Average routed rows an expert needs for [`per_expert_on_cublas`].
+const PER_EXPERT_MIN_ROWS: usize = 64;
+
+/// Whether every expert has the first one's format and shapes and the tensor-core kernel
+/// tiles their products.
+fn grouped_experts(w: &MoeWeights<CudaBackend>) -> bool {
+    let Some(first) = w.experts.first() else { return false };
+    let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
+        (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
+    };
+    let op = |cols: usize| Operand { x: 0, x_stride: cols, out: 0, out_stride: 0, rows: 0, groups: 1 };
+    w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2))
+        && same(&first.w1, &first.w3)
+        && gemm_kernel(&op(first.w1.cols), &first.w1).is_some()
+        && gemm_kernel(&op(first.w2.cols), &first.w2).is_some()
+}
+
+/// (weights, scales) of one projection of every expert, for a grouped launch.
+fn projection_table(
+    b: &CudaBackend,
+    w: &MoeWeights<CudaBackend>,
+    pick: fn(&ExpertWeights<CudaBackend>) -> &super::CudaWeight,
+) -> u64 {
+    let g = &b.gpu;
+    let t: Vec<u64> = w
+        .experts
+        .iter()
+        .flat_map(|e| {
+            let (wp, sp) = weight_ptrs(g, pick(e));
+            [wp, sp]
+        })
+        .collect();
+    g.constant_table(&t)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn experts_grouped(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    per_expert: &[Vec<(u32, u32)>],
+    list: &[u32],
+    list_dev: &cudarc::driver::CudaSlice<u32>,
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let (d, k) = (w.gate.cols, w.top_k);
+    // (row, slot) pairs routed to the experts held here (all of them on one device).
+    let n = list.len() / 2;
+    let first = &w.experts[0];
+    let inter = first.w1.rows;
+    // Tiles of at most GEMM_BM rows of one expert, and each row's list positions in
+    // ascending (expert) order for the combine (-1 past a row's pairs held here).
+    let mut tiles: Vec<i32> = Vec::new();
+    let mut at = 0usize;
+    let mut used = 0usize;
+    for (e, assigned) in per_expert.iter().enumerate() {
+        used += usize::from(!assigned.is_empty());
+        for t in (0..assigned.len()).step_by(GEMM_BM) {
+            tiles.extend_from_slice(&[e as i32, (at + t) as i32, (assigned.len() - t).min(GEMM_BM) as i32]);
+        }
+        at += assigned.len();
+    }
+    let mut pos = vec![-1i32; rows * k];
+    let mut filled = vec![0usize; rows];
+    for (i, &r) in list[..n].iter().enumerate() {
+        let r = r as usize;
+        pos[r * k + filled[r]] = i as i32;
+        filled[r] += 1;
+    }
+    let tile_dev = g.upload(&tiles);
+    let pos_dev = g.upload(&pos);
+    let count = tiles.len() / 3;
+    g.traffic.add_weights(used * (first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes()));
+
+    let lp = g.ptr(list_dev);
+    let xg = b.alloc_buf(n * d);
+    launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), lp, n as i32, d as i32);
+    let h = b.alloc_buf(n * inter);
+    let u = b.alloc_buf(n * inter);
+    let y = b.alloc_buf(n * d);
+    let name_up = gemm_kernel(&Operand { x: 0, x_stride: d, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w1)
+        .expect("checked by grouped_experts");
+    let name_down =
+        gemm_kernel(&Operand { x: 0, x_stride: inter, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w2)
+            .expect("checked by grouped_experts");
+    let over = |table: u64| Tiles { tiles: g.ptr(&tile_dev), count, wtab: table };
+    let in_x = Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
+    let xs = split_x(g, in_x.x, d, n, d);
+    let t1 = projection_table(b, w, |e| &e.w1);
+    gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));
+    let t3 = projection_table(b, w, |e| &e.w3);
+    gemm_split(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &xs, &first.w3, Some(&over(t3)));
+    drop(xs);
+    swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
+    let t2 = projection_table(b, w, |e| &e.w2);
+    let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
+    gemm(g, name_down, in_h, &first.w2, Some(&over(t2)));
+    launch!(
+        g,
+        "moe_combine_rows",
+        cfg_elems(rows * d),
+        g.ptr(&out.mem),
+        g.ptr(&y.mem),
+        g.ptr(&pos_dev),
+        lp + 4 * n as u64,
+        g.ptr(&weights.mem),
+        k as i32,
+        rows as i32,
+        d as i32,
+        0u64,
+        0i32,
+        0i32
+    );
+}
