@@ -109,8 +109,8 @@ impl CudaBackend {
         let mut out = Vec::new();
         // Decode gemv at 1, 8 and 32 rows: an expert's gate projection (FP4, 2048 × 4096, 64 of
         // them: 276 MB), a projection like wo_a (8192 × 4096) in FP8 and BF16 and one like
-        // wq_b (32768 × 1024, its K one streamed chunk of the FP8 tensor-core gemv) in FP8
-        // (8 copies each).
+        // wq_b (32768 × 1024: K of one chunk, which the FP8 tensor-core gemv leaves to v2)
+        // in FP8 (8 copies each).
         let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 4] = [
             ("gemv fp4 expert 2048x4096", OwnedFormat::Fp4, 2048, 4096, 64),
             ("gemv fp8 8192x4096", OwnedFormat::Fp8, 8192, 4096, 8),

@@ -26,9 +26,9 @@
 //!   decode products (and SwiGLU pairs) up to 8 rows (plain products up to 32) take the
 //!   second-version kernels of cu/decode2.cu instead (blocks that keep their activations
 //!   and stream many weight rows, [`d2_plan`]); what they cannot take stays on the paths
-//!   above. Before them, plain and grouped FP8 products of 1-2 rows with at least a
-//!   16-row tile an SM take the FP8 tensor-core gemv (`gemv_f8mma`: weights streamed
-//!   through shared memory in whole rows, multiplied as stored).
+//!   above. Before them, plain and grouped FP8 products of 1-2 rows with K ≥ 2048 and at
+//!   least a 16-row tile an SM take the FP8 tensor-core gemv (`gemv_f8mma`: weights
+//!   streamed through shared memory in whole rows, multiplied as stored).
 
 use std::ffi::c_void;
 
@@ -269,10 +269,11 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
 }
 
 /// gemv in launches of up to [`GEMV_ROWS`] rows: with `variant` v2, the FP8 tensor-core
-/// gemv where it takes the product (`f8mma_plan`), then the v2 kernels ([`d2_plan`]); else tensor cores where the weight
-/// allows, except BF16 at one or two rows, where the SIMT kernel streams faster (measured
-/// on the H200: 8192 × 4096 at one row 20.8 µs SIMT vs 29.6 µs tensor cores; FP8 and FP4
-/// are even or faster on tensor cores, and every format is 3-6x faster there at 8 rows).
+/// gemv where it takes the product (`f8mma_plan`), then the v2 kernels ([`d2_plan`]);
+/// else tensor cores where the weight allows, except BF16 at one or two rows, where the
+/// SIMT kernel streams faster (measured on the H200: 8192 × 4096 at one row 20.8 µs SIMT
+/// vs 29.6 µs tensor cores; FP8 and FP4 are even or faster on tensor cores, and every
+/// format is 3-6x faster there at 8 rows).
 fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32, variant: Decode) {
     if variant == Decode::V2
         && w3.is_none()
