@@ -63,12 +63,14 @@ extern "C" __global__ void sum_split_halves(float* out, int out_stride, const fl
     out[(long long)r * out_stride + c] = halves[i] + halves[i + (long long)rows * n];
 }
 
-__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) {
-    u32 a = (u32)__cvta_generic_to_shared(p);
+// Four 8×8 b16 matrices from shared memory at a shared-space address (callers that keep
+// addresses as u32 skip the conversion), or at a generic pointer.
+__device__ __forceinline__ void ldmatrix_x4_at(u32* r, u32 a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
 }
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* p) { ldmatrix_x4_at(r, (u32)__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1) {
     asm volatile(

@@ -9,7 +9,7 @@
 //   into shared memory: the bytes in flight are held there, not in registers), so the
 //   device sees whole rows read in order;
 // - the stored e4m3 codes are the mma's A operand as they are: ldmatrix gives each thread
-//   its fragment straight from the staged rows (`ldmatrix_x4` of gemm.cu, `mma_e4m3` of
+//   its fragment straight from the staged rows (`ldmatrix_x4{,_at}` of gemm.cu, `mma_e4m3` of
 //   gemm_f8.cu: this file comes after both in the program), and the only conversion is
 //   the one ptxas emits for the e4m3 mma (one unpack instruction per pair);
 // - the first chunks of a block are requested before `griddepcontrol.wait`: weights are
@@ -126,13 +126,6 @@ __device__ void f8_stage_activations(u8* act, const float* x, int x_stride, int 
     __syncthreads();
 }
 
-// ldmatrix_x4 (gemm.cu) at a shared-memory address already converted (no per-call cvta).
-__device__ __forceinline__ void f8_ldmatrix_x4(u32* r, u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 // The sums of a finished tile (`red[buf]`, written by every warp) to the output rows.
 template <int R>
 __device__ __forceinline__ void f8_tile_out(const F8Args& a, const float (*red)[16][8], const float* inv_s, int tile) {
@@ -237,7 +230,7 @@ __device__ void f8mma_gemv(const F8Args& a) {
 #pragma unroll
         for (int step = 0; step < F8_WARP_INPUTS / 32; step++) {
             u32 af[4];
-            f8_ldmatrix_x4(af, a_addr + 32 * step);
+            ldmatrix_x4_at(af, a_addr + 32 * step);
             mma_e4m3(part, af, b[2 * step], b[2 * step + 1]);
         }
 #pragma unroll
