@@ -9,9 +9,11 @@
 //   into shared memory: the bytes in flight are held there, not in registers), so the
 //   device sees whole rows read in order;
 // - the stored e4m3 codes are the mma's A operand as they are: ldmatrix gives each thread
-//   its fragment straight from the staged rows (`ldmatrix_x4{,_at}` of gemm.cu, `mma_e4m3` of
-//   gemm_f8.cu: this file comes after both in the program), and the only conversion is
-//   the one ptxas emits for the e4m3 mma (one unpack instruction per pair);
+//   its fragment straight from the staged rows (`ldmatrix_x4{,_at}` of gemm.cu, `mma_e4m3`
+//   of gemm_f8.cu; each activation part is read back for the next by `d2_fp8_pairs_cvt`
+//   of decode2.cu: this file comes after them in the program), and the only conversion
+//   of the weights is the one ptxas emits for the e4m3 mma (one unpack instruction a
+//   pair);
 // - the first chunks of a block are requested before `griddepcontrol.wait`: weights are
 //   never written by the kernel before, so their loads overlap that kernel's tail.
 //
@@ -65,14 +67,6 @@ __device__ __forceinline__ u32 f8_pair(float lo, float hi) {
     return r;
 }
 
-// The two e4m3 codes of `p` (low byte first) back as f32 (exact).
-__device__ __forceinline__ void f8_pair_values(u32 p, float& lo, float& hi) {
-    u32 h;
-    asm("{ .reg .b16 t, u; mov.b32 {t, u}, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(p));
-    lo = f16lo_to_f32(h);
-    hi = f16hi_to_f32(h);
-}
-
 // Rows 0..R-1 of x (K values from `x`, rows `x_stride` apart) as three e4m3 parts each into
 // `act` (part p of row r: row 3r + p, K + 16 bytes a row), and 1 / s_r into inv_s.
 // Ends with a barrier.
@@ -111,13 +105,13 @@ __device__ void f8_stage_activations(u8* act, const float* x, int x_stride, int 
             u32 part[3];
 #pragma unroll
             for (int p = 0; p < 3; p++) {
-                const u32 c01 = f8_pair(v[0], v[1]), c23 = f8_pair(v[2], v[3]);
-                part[p] = c01 | (c23 << 16);
-                float b[4];
-                f8_pair_values(c01, b[0], b[1]);
-                f8_pair_values(c23, b[2], b[3]);
-#pragma unroll
-                for (int i = 0; i < 4; i++) v[i] -= b[i];  // exact: what this part left
+                part[p] = f8_pair(v[0], v[1]) | (f8_pair(v[2], v[3]) << 16);
+                u32 h01, h23;  // the codes back as f16 pairs (exact; decode2.cu's conversion)
+                d2_fp8_pairs_cvt(part[p], h01, h23);
+                v[0] -= f16lo_to_f32(h01);  // exact: what this part left
+                v[1] -= f16hi_to_f32(h01);
+                v[2] -= f16lo_to_f32(h23);
+                v[3] -= f16hi_to_f32(h23);
             }
 #pragma unroll
             for (int p = 0; p < 3; p++) *(u32*)(act + (3 * r + p) * (K + 16) + k) = part[p];
