@@ -13,6 +13,7 @@ use cudarc::cublas::sys::cudaDataType;
 
 use super::cublas_bf16::{self, Bf16Activations};
 use super::decode_v2::{D2_KERNELS, D2Plan, d2_gemv, d2_plan};
+use super::gemm_rows::{GemmRowsPlan, gemm_rows, gemm_rows_plan, gemm_rows_plan_always};
 use super::gemv_f8mma::{F8Plan, f8mma_gemv, f8mma_plan, f8mma_plan_always};
 use super::matmul::{
     Decode, GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as,
@@ -51,6 +52,10 @@ enum Run<'a> {
     D2(&'a D2Plan),
     /// The SIMT gemv.
     Simt,
+    /// The BF16 product of up to 32 rows in one launch (`gemm_rows_bf16`) alone.
+    Rows(&'a GemmRowsPlan),
+    /// cuBLAS with split activations (BF16), its split and sum launches included.
+    Cublas,
 }
 
 fn noise(n: usize, salt: u64) -> Vec<f32> {
@@ -110,17 +115,19 @@ impl CudaBackend {
         // Decode gemv at 1, 8 and 32 rows: an expert's gate projection (FP4, 2048 × 4096, 64 of
         // them: 276 MB), a projection like wo_a (8192 × 4096) in FP8 and BF16 and one like
         // wq_b (32768 × 1024: K of one chunk, which the FP8 tensor-core gemv leaves to v2)
-        // in FP8 (8 copies each).
-        let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 4] = [
+        // in FP8 and BF16 (8 copies each).
+        let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 5] = [
             ("gemv fp4 expert 2048x4096", OwnedFormat::Fp4, 2048, 4096, 64),
             ("gemv fp8 8192x4096", OwnedFormat::Fp8, 8192, 4096, 8),
             ("gemv fp8 32768x1024", OwnedFormat::Fp8, 32768, 1024, 8),
             ("gemv bf16 8192x4096", OwnedFormat::Bf16, 8192, 4096, 8),
+            ("gemv bf16 32768x1024", OwnedFormat::Bf16, 32768, 1024, 8),
         ];
         for (what, format, n, k, copies) in gemv_sets {
             let ws: Vec<CudaWeight> = (0..copies).map(|i| stored(self, n, k, format, i as u64)).collect();
             // 32 rows: a decode batch, v2's one FP8 launch against v1's launches of 8 rows
-            // (BF16: cuBLAS, split activations stacked into one product).
+            // (BF16: `gemm_rows_bf16` against cuBLAS with split activations stacked into
+            // one product, its split and sum included).
             for rows in [1usize, 8, 32] {
                 let x = self.upload(&noise(rows * k, 99));
                 let y = self.zeros(rows * n);
@@ -140,6 +147,13 @@ impl CudaBackend {
                     runs.push((" v2", Run::D2(plan)));
                 }
                 runs.push((" simt", Run::Simt));
+                let rows_plan = gemm_rows_plan_always(g, &op, &ws[0]);
+                if let Some(plan) = &rows_plan {
+                    runs.push((" rows", Run::Rows(plan)));
+                }
+                if format == OwnedFormat::Bf16 && rows > 8 {
+                    runs.push((" cublas", Run::Cublas));
+                }
                 for (label, run) in runs {
                     let mut i = 0;
                     let t = self.time_kernel_us(reps * copies, || {
@@ -149,6 +163,8 @@ impl CudaBackend {
                             Run::F8mma(plan) => f8mma_gemv(g, plan, op, w),
                             Run::D2(plan) => d2_gemv(g, plan, op, w, None, 0.0),
                             Run::Simt => gemv_simt(g, op, w, None, 0.0),
+                            Run::Rows(plan) => gemm_rows(g, plan, op, w),
+                            Run::Cublas => cublas_bf16::product_as(g, op, w, Bf16Activations::Split),
                         }
                         i += 1;
                     });
@@ -344,6 +360,26 @@ impl CudaBackend {
         let g = &self.gpu;
         let op = Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
         cublas_bf16::product_as(g, op, w, mode);
+    }
+
+    /// Whether the backend's own products of `rows` rows over `w` take `gemm_rows_bf16`
+    /// (`SLUICE_CUDA_GEMM_ROWS`), for the parity suite.
+    pub fn gemm_rows_routes(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight) -> bool {
+        let g = &self.gpu;
+        let op = Operand::contiguous(g.ptr(&x.mem), 0, rows, groups, w);
+        gemm_rows_plan(g, &op, w).is_some()
+    }
+
+    /// `out = x · Wᵀ` over a BF16 weight through `gemm_rows_bf16` (the 9-32-row decode
+    /// product, opt-in) at any 1-32 rows, for the parity suite; false (nothing run) where
+    /// the kernel does not take the shape.
+    pub fn gemm_rows_matmul(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight, out: &mut CudaBuf) -> bool {
+        assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "gemm_rows_matmul shapes");
+        let g = &self.gpu;
+        let op = Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
+        let Some(plan) = gemm_rows_plan_always(g, &op, w) else { return false };
+        gemm_rows(g, &plan, op, w);
+        true
     }
 
     /// `out = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)` for a decode batch with decode

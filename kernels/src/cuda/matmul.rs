@@ -12,8 +12,11 @@
 //!   where the v2 kernels take the weight ([`gemv_launch_rows`]: FP8, FP4 up to 16), else
 //!   8 — which beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too
 //!   when the GEMM would have few output tiles ([`gemv_loops`]).
-//! - BF16 weights from 9 rows (`cublas_bf16::takes`): cuBLAS, which multiplies the stored
-//!   weight as it is (cublas_bf16.rs); this comes before the two cases below.
+//! - BF16 weights of 9 to 32 rows when `SLUICE_CUDA_GEMM_ROWS` asks (`gemm_rows_plan`):
+//!   one tensor-core launch that splits the activations itself (cu/gemm_rows.cu; off by
+//!   default, slower than cuBLAS on the H200); then BF16 weights from 9 rows
+//!   (`cublas_bf16::takes`): cuBLAS, which multiplies the stored weight as it is
+//!   (cublas_bf16.rs). Both come before the two cases below.
 //! - More rows (prefill): `gemm_{bf16,fp8,fp4}` (cu/gemm.cu), tensor-core tiles fed by a
 //!   cp.async pipeline, whose weight tiles are dequantised to bf16 in shared memory and
 //!   whose f32 activations are first split into two bf16 parts (~16 mantissa bits
@@ -36,6 +39,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 
 use super::cublas_bf16;
 use super::decode_v2::{d2_format, d2_gemv, d2_max_rows, d2_plan};
+use super::gemm_rows::{gemm_rows, gemm_rows_plan};
 use super::gemv_f8mma::{f8mma_gemv, f8mma_plan};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, cfg_elems, fail, launch};
@@ -526,6 +530,9 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     }
     assert!(w.rows.is_multiple_of(op.groups), "grouped weight rows not divisible by groups");
     count_product(gpu, op.rows, w);
+    if let Some(plan) = gemm_rows_plan(gpu, &op, w) {
+        return gemm_rows(gpu, &plan, op, w);
+    }
     if cublas_bf16::takes(op.rows, w) {
         return cublas_bf16::product(gpu, op, w);
     }

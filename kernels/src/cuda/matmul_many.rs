@@ -8,6 +8,8 @@
 //! - The BF16 weights at one or two rows (the SIMT gemv's case, [`matmul`]'s choice
 //!   there): one `gemv_many_bf16_r*` launch for up to [`GEMV_MANY_MAX`] products, every
 //!   output computed as the one-product kernel computes it with the same block shape.
+//! - The BF16 weights at 9-32 rows when `SLUICE_CUDA_GEMM_ROWS` routes them to
+//!   `gemm_rows`: product by product (each launch splits x as it streams it).
 //! - The BF16 weights on cuBLAS with split activations: x split once, one product each.
 //! - Other weights (FP8 `wq_a` and `wkv` of a real checkpoint) and other row counts:
 //!   product by product through [`matmul`].
@@ -17,6 +19,7 @@
 use cudarc::driver::DeviceRepr;
 
 use super::cublas_bf16::{self, Bf16Activations, SplitRows};
+use super::gemm_rows::gemm_rows_plan;
 use super::matmul::{Operand, count_product, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
@@ -54,8 +57,12 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
         ws.iter().partition(|(w, _)| fused_enabled() && matches!(w.data, WeightData::Bf16(_)) && w.rows > 0);
     let k = ws[0].0.cols;
     let mut alone = others;
-    // In `matmul`'s order: cuBLAS where it takes the rows, else the SIMT gemv at 1-2 rows.
-    let on_cublas = bf16.len() > 1 && cublas_bf16::takes(rows, bf16[0].0);
+    // In `matmul`'s order: the opt-in 9-32-row kernel (which splits x itself: product by product),
+    // cuBLAS where it takes the rows, else the SIMT gemv at 1-2 rows.
+    let rows_kernel = bf16
+        .first()
+        .is_some_and(|&&(w, out)| gemm_rows_plan(gpu, &Operand::contiguous(x, out, rows, 1, w), w).is_some());
+    let on_cublas = bf16.len() > 1 && !rows_kernel && cublas_bf16::takes(rows, bf16[0].0);
     if on_cublas && Bf16Activations::from_env() == Bf16Activations::Split {
         let xs = SplitRows::new(gpu, x, k, rows, k);
         for &&(w, out) in &bf16 {

@@ -19,6 +19,8 @@
 //! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
+//! - `gemm_rows`: BF16 products of 9-32 decode rows in one tensor-core launch
+//!   (cu/gemm_rows.cu; activations split in the kernel), opt-in, tried before cuBLAS.
 //! - `gemv_f8mma`: FP8 products of 1-2 decode rows on the FP8 tensor cores
 //!   (cu/gemv_f8mma.cu), tried before v2.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
@@ -43,6 +45,7 @@ mod cublas_bf16;
 mod decode_v2;
 mod devplan;
 mod download;
+mod gemm_rows;
 mod gemv_f8mma;
 mod hc;
 mod kv_buffer;
@@ -555,8 +558,14 @@ impl Backend for CudaBackend {
         assert_eq!(out.len, rows * w.rows, "matmul output is not [rows, {}]", w.rows);
         let g = &self.gpu;
         let op = matmul::Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, 1, w);
-        let gemv = matmul::gemv_loops(g, rows, w.rows) && !cublas_bf16::takes(rows, w);
-        self.prof(if gemv { "matmul (gemv)" } else { "matmul (cuBLAS)" }, || matmul::matmul(g, op, w));
+        let label = if gemm_rows::gemm_rows_plan(g, &op, w).is_some() {
+            "matmul (rows)"
+        } else if matmul::gemv_loops(g, rows, w.rows) && !cublas_bf16::takes(rows, w) {
+            "matmul (gemv)"
+        } else {
+            "matmul (cuBLAS)"
+        };
+        self.prof(label, || matmul::matmul(g, op, w));
     }
 
     fn fork(&self) {

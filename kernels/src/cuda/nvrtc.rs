@@ -22,6 +22,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("gemv.cu", include_str!("cu/gemv.cu")),
     ("gemm.cu", include_str!("cu/gemm.cu")),
     ("gemm_f8.cu", include_str!("cu/gemm_f8.cu")),
+    ("gemm_rows.cu", include_str!("cu/gemm_rows.cu")),
     ("tcgemv.cu", include_str!("cu/tcgemv.cu")),
     ("hc.cu", include_str!("cu/hc.cu")),
     ("moe.cu", include_str!("cu/moe.cu")),

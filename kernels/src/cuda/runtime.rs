@@ -191,13 +191,19 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));
     v.extend(super::gemv_f8mma::F8MMA_KERNELS.iter().map(|&n| (n, super::gemv_f8mma::F8MMA_MAX_SMEM)));
+    v.extend(super::gemm_rows::GEMM_ROWS_KERNELS.iter().map(|&n| (n, super::gemm_rows::GEMM_ROWS_SMEM)));
     v
 }
 
-/// The kernels a backend looks up at start: [`KERNELS`], the v2 products and the FP8
-/// tensor-core gemv.
+/// The kernels a backend looks up at start: [`KERNELS`], the v2 products, the FP8
+/// tensor-core gemv and the BF16 products of 9-32 rows.
 fn loaded_kernels() -> impl Iterator<Item = &'static str> {
-    KERNELS.iter().chain(super::decode_v2::D2_KERNELS.iter()).chain(super::gemv_f8mma::F8MMA_KERNELS.iter()).copied()
+    KERNELS
+        .iter()
+        .chain(super::decode_v2::D2_KERNELS.iter())
+        .chain(super::gemv_f8mma::F8MMA_KERNELS.iter())
+        .chain(super::gemm_rows::GEMM_ROWS_KERNELS.iter())
+        .copied()
 }
 
 /// Scratch name of the device-side traffic counter.

@@ -2,7 +2,8 @@
 //! one, on poisoned outputs: a CSA layer's input projections at Flash widths (wq_a,
 //! wkv, two compressors' wkv and wgate, the indexer's weights_proj: seven BF16 weights
 //! of K = 4096), at one and two rows (one `gemv_many_bf16` launch), 3-8 rows (each on
-//! its own), 9-300 rows (cuBLAS on one split of x), more products than one launch
+//! its own), 9-300 rows (cuBLAS on one split of x; with `SLUICE_CUDA_GEMM_ROWS=9`, 9-32
+//! rows `gemm_rows_bf16` product by product), more products than one launch
 //! takes, and a list with an FP8 weight in it (each on its own).
 
 use super::*;
@@ -24,7 +25,7 @@ fn cuda_products_of_one_input_match_cpu() {
         let ws: Vec<TestWeight> = outputs.iter().zip(dtypes).map(|(&n, d)| weight(&mut rng, n, k, 0.02, d)).collect();
         let gws: Vec<_> = ws.iter().map(|w| g.weight(w.view())).collect();
         let cws: Vec<_> = ws.iter().map(|w| c.weight(w.view())).collect();
-        for rows in [1, 2, 3, 8, 9, 33, 300] {
+        for rows in [1, 2, 3, 8, 9, 32, 33, 300] {
             let x = rand_vec(&mut rng, rows * k, 1.0);
             let gx = g.upload(&x);
             let mut outs: Vec<_> = outputs.iter().map(|n| poisoned(g, rows * n)).collect();
