@@ -7,11 +7,8 @@
 //! the backend's `matmul` routes the rows to the kernel it must give the same values;
 //! elsewhere (cuBLAS) the same bound.
 
+use super::cublas::SPLIT_ACTIVATIONS_TOL;
 use super::*;
-
-/// Split activations keep ~16 mantissa bits: the bound of the split cuBLAS path
-/// (`cublas.rs`), which these products replace at 9-32 rows.
-const SPLIT_ACTIVATIONS_TOL: f32 = 1e-4;
 
 #[test]
 fn cuda_gemm_rows_bf16_matches_cpu() {
