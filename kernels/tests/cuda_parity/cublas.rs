@@ -12,6 +12,24 @@ use super::*;
 /// `gemm_rows.rs` holds the one-launch kernel's products (the same split) to it too.
 pub(super) const SPLIT_ACTIVATIONS_TOL: f32 = 1e-4;
 
+/// The CPU's `x · Wᵀ` (block-diagonal over `groups` when more than one), the reference of
+/// the BF16 products here and in `gemm_rows.rs`.
+pub(super) fn cpu_product(
+    c: &CpuBackend,
+    x: &<CpuBackend as Backend>::Buf,
+    rows: usize,
+    groups: usize,
+    w: &<CpuBackend as Backend>::Weight,
+) -> Vec<f32> {
+    let mut want = vec![0f32; rows * w.rows];
+    if groups == 1 {
+        c.matmul(x, rows, w, &mut want);
+    } else {
+        c.grouped_matmul(x, rows, groups, w, &mut want);
+    }
+    want
+}
+
 #[test]
 fn cuda_bf16_products_on_cublas_match_cpu() {
     let Some(g) = gpu("cuda_bf16_products_on_cublas_match_cpu") else { return };
@@ -24,12 +42,7 @@ fn cuda_bf16_products_on_cublas_match_cpu() {
         let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
         for rows in [9, 33, 64, 65, 300] {
             let x = rand_vec(&mut rng, rows * groups * k, 1.0);
-            let mut want = vec![0f32; rows * n];
-            if groups == 1 {
-                c.matmul(&x, rows, &cw, &mut want);
-            } else {
-                c.grouped_matmul(&x, rows, groups, &cw, &mut want);
-            }
+            let want = cpu_product(&c, &x, rows, groups, &cw);
             let gx = g.upload(&x);
             for activations in ["split", "bf16"] {
                 let mut out = poisoned(g, rows * n);

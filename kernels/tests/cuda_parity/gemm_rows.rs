@@ -7,7 +7,7 @@
 //! the backend's `matmul` routes the rows to the kernel it must give the same values;
 //! elsewhere (cuBLAS) the same bound.
 
-use super::cublas::SPLIT_ACTIVATIONS_TOL;
+use super::cublas::{SPLIT_ACTIVATIONS_TOL, cpu_product};
 use super::*;
 
 #[test]
@@ -27,12 +27,7 @@ fn cuda_gemm_rows_bf16_matches_cpu() {
             for (r, row) in x.chunks_mut(groups * k).enumerate() {
                 row.iter_mut().for_each(|v| *v *= [1.0, 1e-3, 40.0][r % 3]);
             }
-            let mut want = vec![0f32; rows * n];
-            if groups == 1 {
-                c.matmul(&x, rows, &cw, &mut want);
-            } else {
-                c.grouped_matmul(&x, rows, groups, &cw, &mut want);
-            }
+            let want = cpu_product(&c, &x, rows, groups, &cw);
             let gx = g.upload(&x);
             let mut out = poisoned(g, rows * n);
             let what = format!("gemm_rows bf16 {groups}x{}x{k} rows={rows}", n / groups);
