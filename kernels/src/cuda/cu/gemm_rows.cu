@@ -209,35 +209,26 @@ __device__ __forceinline__ void gr_body(const GrArgs& a) {
         }
     }
 
-    // Accumulator i of tile (m, t): weight row wm·32 + 16m + g + 8·(i / 2), batch row
-    // wn·16 + 8t + 2q + (i % 2), with g = lane / 4, q = lane % 4.
-    const int g = lane >> 2, q = lane & 3;
-    if (KS == 1) {
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-#pragma unroll
-            for (int t = 0; t < 2; t++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const int o = o_blk + wm * 32 + 16 * m + g + 8 * (i >> 1);
-                    const int r = wn * 16 + 8 * t + 2 * q + (i & 1);
-                    if (r < a.rows && o < a.n) a.out[(long long)r * a.out_stride + o] = acc[m][t][i];
-                }
-        return;
-    }
-    // The block's partial tile [32 rows][128 outputs] over the (now idle) ring.
+    // Without a K split the accumulators are the outputs; with one, the block's partial
+    // tile [32 rows][128 outputs] over the (now idle) ring.
     float* part = (float*)gr_smem;
-    __syncthreads();
+    const int g = lane >> 2, q = lane & 3;
+    if (KS > 1) __syncthreads();
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int t = 0; t < 2; t++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                const int o = wm * 32 + 16 * m + g + 8 * (i >> 1);
+                // Accumulator i of tile (m, t): weight row wm·32 + 16m + g + 8·(i / 2) of the
+                // block (the output o_blk + that without a split), batch row wn·16 + 8t + 2q +
+                // (i % 2), with g = lane / 4, q = lane % 4.
+                const int o = (KS > 1 ? 0 : o_blk) + wm * 32 + 16 * m + g + 8 * (i >> 1);
                 const int r = wn * 16 + 8 * t + 2 * q + (i & 1);
-                part[r * GR_BN + o] = acc[m][t][i];
+                if (KS > 1) part[r * GR_BN + o] = acc[m][t][i];
+                else if (r < a.rows && o < a.n) a.out[(long long)r * a.out_stride + o] = acc[m][t][i];
             }
+    if (KS == 1) return;
     gr_cluster_sync();
     // This block's slice of the tile, summed over the cluster's blocks in rank order.
     const int entries = a.rows * GR_BN, from = blockIdx.y * entries / KS, to = (blockIdx.y + 1) * entries / KS;
