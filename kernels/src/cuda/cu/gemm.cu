@@ -80,10 +80,14 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, u32 b0, u32 b1)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 16 bytes global -> shared, zero-filled when `live` is false (cp.async, L2 only).
-__device__ __forceinline__ void cp16(void* smem, const void* gmem, bool live) {
-    const u32 s = (u32)__cvta_generic_to_shared(smem);
+// 16 bytes global -> shared, zero-filled when `live` is false (cp.async, L2 only), to a
+// shared-space address (callers that keep addresses as u32 skip the conversion) or a
+// generic pointer.
+__device__ __forceinline__ void cp16_at(u32 s, const void* gmem, bool live) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(live ? 16 : 0));
+}
+__device__ __forceinline__ void cp16(void* smem, const void* gmem, bool live) {
+    cp16_at((u32)__cvta_generic_to_shared(smem), gmem, live);
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -89,16 +89,12 @@ __device__ __forceinline__ void gr_copies_init(GrCopies& c, const GrArgs& a, int
     c.live = min(8, max(0, (a.n - o_blk - row + 15) / 16));
 }
 
-__device__ __forceinline__ void gr_cp16(u32 dst, const void* src, bool live) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(live ? 16 : 0) : "memory");
-}
-
 // The next chunk's weight pieces into the stage at shared address `stage`.
 __device__ __forceinline__ void gr_copy_w(GrCopies& c, u32 stage) {
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         const bool live = i < c.live;
-        gr_cp16(stage + c.dst + i * (16 * GR_LD * 2), live ? c.w + i * c.step : c.base, live);
+        cp16_at(stage + c.dst + i * (16 * GR_LD * 2), live ? c.w + i * c.step : c.base, live);
     }
     c.w += GR_BK;
 }
