@@ -282,7 +282,7 @@ pub(crate) fn d2_gemv(gpu: &Gpu, plan: &D2Plan, op: Operand, w: &CudaWeight, w3:
         parts: plan.parts as i32,
         rw_max: plan.rw_max as i32,
         limit,
-        g_out: if op.groups > 1 { (w.rows / op.groups) as i32 } else { 0 },
+        g_out: op.g_out(w),
         ..D2Args::default()
     };
     launch!(gpu, plan.name.as_str(), cfg((plan.grid_x as u32, plan.parts as u32, 1), 256, plan.smem as u32), args);

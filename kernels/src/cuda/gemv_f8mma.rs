@@ -108,7 +108,7 @@ pub(crate) fn f8mma_gemv(gpu: &Gpu, plan: &F8Plan, op: Operand, w: &CudaWeight) 
         k: w.cols as i32,
         x_stride: op.x_stride as i32,
         out_stride: op.out_stride as i32,
-        g_out: if op.groups > 1 { (w.rows / op.groups) as i32 } else { 0 },
+        g_out: op.g_out(w),
         tiles: plan.tiles as i32,
     };
     launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), (WARPS * 32) as u32, plan.smem as u32), args);

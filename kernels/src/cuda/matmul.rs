@@ -149,6 +149,12 @@ impl Operand {
             ..self
         })
     }
+
+    /// Outputs of each diagonal block over `w` as the kernels' `g_out` argument: 0 for a
+    /// plain product.
+    pub(crate) fn g_out(&self, w: &CudaWeight) -> i32 {
+        if self.groups > 1 { (w.rows / self.groups) as i32 } else { 0 }
+    }
 }
 
 /// Kernel-name suffix of a weight format and the weights its gemv vector loads take at once.
