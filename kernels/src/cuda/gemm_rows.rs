@@ -25,9 +25,12 @@ pub(crate) const GEMM_ROWS_MAX: usize = 32;
 const BLOCK_OUTPUTS: usize = 128;
 /// Inputs of a streamed chunk (`GR_BK`): K must be a multiple.
 const CHUNK_INPUTS: usize = 128;
-/// Dynamic shared memory of a block (`GR_SMEM`): two stages of a 128 × 136 bf16 weight
-/// tile and a pair of 32 × 136 bf16 split tiles (85 KiB).
-pub(crate) const GEMM_ROWS_SMEM: usize = 2 * BLOCK_OUTPUTS * 136 * 2 + 2 * GEMM_ROWS_MAX * 136 * 2;
+/// A weight or split tile's row in shared memory, bf16 elements (`GR_LD`: a chunk padded
+/// by 16 bytes).
+const TILE_ROW: usize = CHUNK_INPUTS + 8;
+/// Dynamic shared memory of a block (`GR_SMEM`): two stages of a 128-row weight tile and a
+/// pair of 32-row split tiles (85 KiB).
+pub(crate) const GEMM_ROWS_SMEM: usize = 2 * BLOCK_OUTPUTS * TILE_ROW * 2 + 2 * GEMM_ROWS_MAX * TILE_ROW * 2;
 /// Blocks an SM holds (`__launch_bounds__(256, 2)`, two of [`GEMM_ROWS_SMEM`] fit).
 const BLOCKS_PER_SM: usize = 2;
 
@@ -83,10 +86,8 @@ pub(crate) fn gemm_rows_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> 
     let grouped = op.groups > 1;
     let groups_fit = !grouped || (n.is_multiple_of(op.groups) && (n / op.groups).is_multiple_of(BLOCK_OUTPUTS));
     let aligned = op.x.is_multiple_of(16) && op.x_stride.is_multiple_of(4);
-    if n == 0 || k == 0 || n > i32::MAX as usize || k > i32::MAX as usize {
-        return None;
-    }
-    if !k.is_multiple_of(CHUNK_INPUTS) || !groups_fit || !aligned {
+    let fits_i32 = n <= i32::MAX as usize && k <= i32::MAX as usize;
+    if n == 0 || k == 0 || !fits_i32 || !k.is_multiple_of(CHUNK_INPUTS) || !groups_fit || !aligned {
         return None;
     }
     // Split K (clusters of 2, 4 or 8 blocks, sm_90) while twice the blocks still fit
@@ -113,7 +114,7 @@ pub(crate) fn gemm_rows(gpu: &Gpu, plan: &GemmRowsPlan, op: Operand, w: &CudaWei
         k: w.cols as i32,
         x_stride: op.x_stride as i32,
         out_stride: op.out_stride as i32,
-        g_out: if op.groups > 1 { (w.rows / op.groups) as i32 } else { 0 },
+        g_out: op.g_out(w),
     };
     launch!(gpu, plan.name, cfg((plan.blocks as u32, plan.k_split as u32, 1), 256, GEMM_ROWS_SMEM as u32), args);
 }
