@@ -17,11 +17,8 @@ model=$1
 regex=$2
 batch=${3:-1}
 ctx=${4:-8192}
-B=$(tools/bench/unpack_device.sh "${B:-.device}" /tmp/b)
-OUT=${OUT:-/tmp}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} SLUICE_PTX_CACHE=${SLUICE_PTX_CACHE:-/tmp/ptx}
-ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-[ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+# shellcheck source=tools/bench/ncu_env.sh
+. tools/bench/ncu_env.sh
 "$ncu" --clock-control none --kernel-name "regex:$regex" --launch-skip "${SKIP:-0}" --launch-count "${COUNT:-12}" \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
   --section LaunchStats \

@@ -13,11 +13,8 @@ cd "$(dirname "$0")/../.."
 model=$1
 batch=${2:-1}
 ctx=${3:-8192}
-B=$(tools/bench/unpack_device.sh "${B:-.device}" /tmp/b)
-OUT=${OUT:-/tmp}
-export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} SLUICE_PTX_CACHE=${SLUICE_PTX_CACHE:-/tmp/ptx}
-ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-[ -n "$ncu" ] || { echo "no ncu on this machine" >&2; exit 1; }
+# shellcheck source=tools/bench/ncu_env.sh
+. tools/bench/ncu_env.sh
 # The step's wall time without the profiler, for the comparison.
 "$B/sluice" bench engine --device cuda:0 --model "$model" --kv-dtype "${KV:-fp8}" \
   --prefill-tokens 512 --chunk-tokens 8192 --contexts "$ctx" --batches "$batch" --decode-steps 8 --repeat 2 \
