@@ -278,12 +278,13 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
             let graphs = engine.model.backend.graphs();
             eprintln!(
                 "decode ctx {ctx} batch {batch}: {} of {} step segments from CUDA graphs ({} captured, {} eager) \
-                 in {} recorded steps",
+                 in {} recorded steps, {} ops issued past their recording",
                 graphs.replayed + graphs.captured,
                 graphs.segments,
                 graphs.captured,
                 graphs.eager,
-                graphs.recorded
+                graphs.recorded,
+                graphs.unrecorded
             );
             eprintln!(
                 "decode ctx {ctx} batch {batch}: {:.3} ms/step, {:.0} MB/step, {gbs:.0} GB/s ({:.0}% of copy), \
@@ -319,7 +320,8 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
                 "tokens_per_s": batch as f64 / step, "bytes_per_step": bytes_per_step,
                 "achieved_gb_s": gbs, "fraction_of_copy": gbs / copy_gbs, "launches_per_step": launches_per_step,
                 "graph_segments": graphs.segments, "graph_replays": graphs.replayed + graphs.captured,
-                "graph_captures": graphs.captured, "full_logits": a.full_logits,
+                "graph_captures": graphs.captured, "graph_unrecorded_ops": graphs.unrecorded,
+                "full_logits": a.full_logits,
             }));
         }
     }

@@ -5,9 +5,11 @@
 //! both MoE kinds), one with graphs, one without, and decode the same sequences: one
 //! sequence alone, then three of different lengths together (their compressors complete
 //! entries on different steps), each over enough steps to cross compressed-entry and
-//! page boundaries. Logits must agree to 1e-5 of their scale, every greedy token must be
-//! the same, and three in four step segments must really have been replayed (a graph
-//! path that never replays would otherwise pass). FP8 KV and FP8/FP4 weights too.
+//! page boundaries; with BF16 weights also twelve sequences, whose products take cuBLAS
+//! (recorded into the graphs like kernels). Logits must agree to 1e-5 of their scale,
+//! every greedy token must be the same, and three in four step segments must really have
+//! been replayed (a graph path that never replays would otherwise pass). FP8 KV and
+//! FP8/FP4 weights too.
 //!
 //! A sharded engine (two ranks: on both GPUs of a two-GPU machine, and on one GPU twice)
 //! the same way: every rank records, the exchanges end its segments.
@@ -85,13 +87,18 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
     write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, weights)).unwrap();
-    let opts = EngineOptions { kv_dtype, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let opts = EngineOptions { kv_dtype, max_pages: 64, max_sequences: 12, max_chunk_tokens: 512 };
     let mut g = Engine::load(&model, with, opts.clone()).unwrap();
     let mut e = Engine::load(&model, without, opts).unwrap();
     let what = format!("{test} ({weights:?} weights, {} KV)", kv_dtype.name());
     // One sequence past a page and several compressed entries of every ratio; then three
-    // of different lengths.
-    for (lens, steps) in [(vec![250], 140), (vec![700, 261, 5], 48)] {
+    // of different lengths; with BF16 weights also twelve, whose products and routed
+    // experts go to cuBLAS (9 rows and more), recorded into the graphs with the kernels.
+    let mut cases = vec![(vec![250], 140), (vec![700, 261, 5], 48)];
+    if weights == WeightDtype::Bf16 {
+        cases.push((vec![5, 17, 30, 41, 52, 60, 66, 71, 24, 9, 45, 38], 48));
+    }
+    for (lens, steps) in cases {
         g.model.backend.take_graph_stats();
         let got = decode(&mut g, &lens, steps);
         let stats = g.model.backend.take_graph_stats();
@@ -102,11 +109,13 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
         let (replayed, segments) = (stats.replayed + stats.captured, stats.segments);
         eprintln!(
             "GRAPHS {what}, batch {lens:?}: {replayed} of {segments} segments of {steps} steps from graphs \
-             ({} captured, {} eager, {} captures refused{}), max|Δ|/max|ref| = {worst:.2e}",
+             ({} captured, {} eager, {} captures refused{}, {} ops issued past a step's recording), \
+             max|Δ|/max|ref| = {worst:.2e}",
             stats.captured,
             stats.eager,
             stats.capture_failures,
-            stats.capture_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
+            stats.capture_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default(),
+            stats.unrecorded
         );
         assert!(worst <= GRAPH_TOL, "{what}, batch {lens:?}: logits {worst:.3e} off the eager steps");
         assert_eq!(stats.recorded as usize, steps, "{what}: every decode step is recorded");
@@ -115,6 +124,9 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
             4 * replayed >= 3 * segments,
             "{what}, batch {lens:?}: only {replayed} of {segments} segments replayed"
         );
+        // A step's logits are its one read back, at its end: every op before it is
+        // recorded (the cuBLAS products of the twelve-row batch included).
+        assert_eq!(stats.unrecorded, 0, "{what}, batch {lens:?}: ops issued outside the steps' recordings");
     }
 }
 

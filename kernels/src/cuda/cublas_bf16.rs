@@ -18,8 +18,8 @@
 //! default: up to 8 rows the decode gemv kernels stream the weight faster; 0 turns the
 //! path off and the products take the gemv loops and `gemm_bf16` tiles as before).
 //!
-//! A cuBLAS call is not recorded into a decode step's CUDA graph: the step's recording
-//! ends at the first one (`Gpu::flush_recording`) and the rest of the step runs eagerly.
+//! The calls go through `Gpu::blas` (`blas_op.rs`): a decode step that is recording for a
+//! CUDA graph keeps them with its launches, so they are captured and replayed with it.
 
 use cudarc::cublas::sys::cudaDataType;
 

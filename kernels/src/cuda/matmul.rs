@@ -33,16 +33,15 @@
 //!   least a 16-row tile an SM take the FP8 tensor-core gemv (`gemv_f8mma`: weights
 //!   streamed through shared memory in whole rows, multiplied as stored).
 
-use std::ffi::c_void;
+use cudarc::cublas::sys::cudaDataType;
 
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType};
-
+use super::blas_op::BlasOp;
 use super::cublas_bf16;
 use super::decode_v2::{d2_format, d2_gemv, d2_max_rows, d2_plan};
 use super::gemm_rows::{gemm_rows, gemm_rows_plan};
 use super::gemv_f8mma::{f8mma_gemv, f8mma_plan};
 use super::memory::{CudaWeight, WeightData};
-use super::runtime::{Gpu, cfg, cfg_elems, fail, launch};
+use super::runtime::{Gpu, cfg, cfg_elems, launch};
 
 /// Rows one gemv launch covers (its kernels are instantiated for 1, 2, 4 and 8).
 const GEMV_ROWS: usize = 8;
@@ -481,39 +480,11 @@ pub(crate) fn cublas_gemm(
     groups: usize,
     beta: f32,
 ) {
-    let alpha = 1f32;
-    let blas = gpu.blas_call();
+    let op = BlasOp::Strided { a, a_type, b, b_type, ldb, c, ldc, m, n, k, groups, beta };
     // SAFETY: A is groups × (m × k) weights, B holds n rows of ldb values whose group g
     // starts at column g·k, C holds n rows of ldc values whose group g starts at g·m; all
     // are live device allocations of at least those sizes (the callers size them).
-    let r = unsafe {
-        cudarc::cublas::result::gemm_strided_batched_ex(
-            *blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            m as i32,
-            n as i32,
-            k as i32,
-            &alpha as *const f32 as *const c_void,
-            a as *const c_void,
-            a_type,
-            k as i32,
-            (m * k) as i64,
-            b as *const c_void,
-            b_type,
-            ldb as i32,
-            k as i64,
-            &beta as *const f32 as *const c_void,
-            c as *mut c_void,
-            cudaDataType::CUDA_R_32F,
-            ldc as i32,
-            m as i64,
-            groups as i32,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    };
-    r.unwrap_or_else(|e| fail("cuBLAS GEMM", e));
+    unsafe { gpu.blas(op) };
 }
 
 /// A product of `rows` rows over `w` in the step's byte and FLOP counts: a step's bytes

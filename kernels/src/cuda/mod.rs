@@ -16,6 +16,10 @@
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, tensor-core tiles for prefill over stored formats.
 //! - `matmul_many`: products of the same activations in one launch (few rows) or one split.
+//! - `blas_op`: a cuBLAS product as a value (recorded into decode steps' graphs), and
+//!   the handles' own workspaces.
+//! - `step_graph`, `arena`: decode steps recorded and replayed as CUDA graphs, and the
+//!   step's temporaries at repeating addresses.
 //! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
@@ -38,6 +42,7 @@
 mod arena;
 mod attention;
 mod bench;
+mod blas_op;
 mod checksum;
 pub mod collective;
 mod compress;

@@ -400,8 +400,6 @@ pub(crate) fn experts_routed_on_device(
         experts_v2(b, &plan, x, rows, w, active_list, n_active, chosen_weights, out);
         return false;
     }
-    // Rows an expert can receive: one per row under top-k routing; under hash routing the
-    // table's rows say (an expert listed twice for a token counts twice).
     let most = most_rows_per_expert(rows, tokens, w);
     if let Some(r) = moe_cublas::slot_rows(rows, most, w) {
         let lists = moe_cublas::Lists { counts: g.ptr(&counts), offsets: g.ptr(&offsets), rows: list_rows };
@@ -480,21 +478,25 @@ pub(crate) fn experts_routed_on_device(
     shared.is_some()
 }
 
-/// The most rows one expert can receive from a batch of `rows` rows: one a row under
-/// top-k routing (its k experts differ); under hash routing what the table's rows of
-/// the batch's tokens say (an expert listed twice for a token counts twice).
+/// A bound on the rows one expert can receive from a batch of `rows` rows: one a row under
+/// top-k routing (its k experts differ); under hash routing one a row times the most
+/// times any of the batch's tokens' table rows lists one expert (an expert listed twice
+/// for a token counts twice).
 fn most_rows_per_expert(rows: usize, tokens: &[u32], w: &MoeWeights<CudaBackend>) -> usize {
     let k = w.top_k;
     match &w.routing {
         Routing::TopK { .. } => rows,
+        // Each row gives an expert as many places as its table row lists it (almost always
+        // once): rows times the most repeats in any of these rows. A bound that does not
+        // move with which tokens happen to share an expert keeps the slot shapes, and so
+        // the step's recorded cuBLAS calls and its CUDA graph, the same from step to step
+        // (the exact count did: most of a batch-32 step's segments were then new).
         Routing::Hash { tid2eid } => {
-            let mut count = std::collections::HashMap::new();
-            for &t in &tokens[..rows] {
-                for &e in &tid2eid[t as usize * k..(t as usize + 1) * k] {
-                    *count.entry(e).or_insert(0usize) += 1;
-                }
-            }
-            count.into_values().max().unwrap_or(0)
+            let repeats = |t: u32| {
+                let listed = &tid2eid[t as usize * k..(t as usize + 1) * k];
+                listed.iter().map(|e| listed.iter().filter(|&x| x == e).count()).max().unwrap_or(0)
+            };
+            rows * tokens[..rows].iter().map(|&t| repeats(t)).max().unwrap_or(0)
         }
     }
 }

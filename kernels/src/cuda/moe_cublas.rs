@@ -16,13 +16,10 @@
 //! for prefill-sized batches, the grouped `gemm_bf16` tiles instead of one cuBLAS product
 //! an expert: `moe_host.rs::per_expert_on_cublas`).
 
-use std::ffi::c_void;
-
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cublasStatus_t, cudaDataType};
-
 use super::CudaBackend;
+use super::blas_op::BlasOp;
 use super::memory::{CudaBuf, WeightData};
-use super::runtime::{Gpu, cfg_elems, fail, launch};
+use super::runtime::{Gpu, cfg_elems, launch};
 use crate::backend::MoeWeights;
 
 /// Most slot rows over all experts (n_exp · R): bounds the slots' memory and the work
@@ -35,8 +32,8 @@ pub(crate) fn enabled() -> bool {
 }
 
 /// Fewest rows that take this path. Up to 8 rows the tensor-core gemv launches take an
-/// expert's rows in one launch and the step stays one CUDA graph (a cuBLAS call ends
-/// the recording): on flash-bench (H200, docs/perf.md) batch 4 was 1.67-1.77 ms a step
+/// expert's rows in one launch (measured when a cuBLAS call still ended a step's CUDA
+/// graph recording): on flash-bench (H200, docs/perf.md) batch 4 was 1.67-1.77 ms a step
 /// here against 1.57, batch 8 even; from 16 rows this path is faster (batch 32 2.27-2.29
 /// against 2.55-2.60 ms, batch 64 2.82-3.22 against 3.61-3.76).
 const MIN_ROWS: usize = 9;
@@ -149,36 +146,8 @@ pub(crate) fn experts(
 /// row-major `[m, k]` BF16 weight, B_i `n` rows of `k` bf16 activations, C_i `n` rows of
 /// `m` f32 outputs; `arrays` holds the device addresses of the A, B and C pointer arrays.
 fn batched(g: &Gpu, arrays: [u64; 3], (m, n, k): (usize, usize, usize), batch: usize) {
-    let (alpha, beta) = (1f32, 0f32);
-    let blas = g.blas_call();
     // SAFETY: each pointer array holds `batch` device addresses of live allocations of
     // at least m·k (A), n·k (B) and n·m (C) elements, written by the caller's upload,
-    // which is ordered before this call on the handle's stream.
-    let status = unsafe {
-        cudarc::cublas::sys::cublasGemmBatchedEx(
-            *blas.handle(),
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            m as i32,
-            n as i32,
-            k as i32,
-            &alpha as *const f32 as *const c_void,
-            arrays[0] as *const *const c_void,
-            cudaDataType::CUDA_R_16BF,
-            k as i32,
-            arrays[1] as *const *const c_void,
-            cudaDataType::CUDA_R_16BF,
-            k as i32,
-            &beta as *const f32 as *const c_void,
-            arrays[2] as *const *mut c_void,
-            cudaDataType::CUDA_R_32F,
-            m as i32,
-            batch as i32,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    };
-    if status != cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        fail("cuBLAS batched GEMM", status);
-    }
+    // which is ordered before this call on the stream.
+    unsafe { g.blas(BlasOp::PointerArrays { arrays, m, n, k, batch }) };
 }

@@ -12,7 +12,6 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 pub(crate) use super::arena::DevBuf;
@@ -238,8 +237,9 @@ impl Traffic {
 pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
-    /// cuBLAS handles are not safe to use from two threads at once.
-    pub blas: Mutex<CudaBlas>,
+    /// The main stream's cuBLAS handle, with its own workspace (`blas_op`); handles are
+    /// not safe to use from two threads at once.
+    pub blas: Mutex<super::blas_op::BlasHandle>,
     funcs: HashMap<&'static str, CudaFunction>,
     pub sms: usize,
     pub name: String,
@@ -304,7 +304,7 @@ impl Gpu {
         keep_pool_memory(&ctx)?;
         super::download::keep_host_allocations();
         let stream = ctx.new_stream().map_err(drv)?;
-        let blas = CudaBlas::new(stream.clone()).map_err(drv)?;
+        let blas = super::blas_op::handle_with_workspace(&stream).map_err(CudaError::Driver)?;
         let cc = ctx.compute_capability().map_err(drv)?;
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)

@@ -25,11 +25,16 @@
 //! branch are not reused before its join (`ArenaState::hold`), and a segment never ends
 //! inside one (a flush joins it first).
 //!
-//! A step is not replayed when something in it cannot be recorded (a read back, a
-//! cuBLAS call, a copy from the host into an existing buffer: the record is issued at
-//! that point and the rest of the step runs eagerly), when the arena overflowed (the
-//! next step gets a larger one), or when a persistent scratch buffer was regrown (every
-//! captured graph is dropped: they point at the old one).
+//! cuBLAS products are recorded too ([`BlasOp`]: the call's arguments, compared like a
+//! launch's) and captured on their lane with that lane's handle, each with its own
+//! workspace; `SLUICE_CUDA_GRAPH_CUBLAS=0` (read once) ends the recording at a step's
+//! first cuBLAS call instead, as before they were recorded.
+//!
+//! A step is not replayed when something in it cannot be recorded (a read back, a copy
+//! from the host into an existing buffer: the record is issued at that point and the
+//! rest of the step runs eagerly), when the arena overflowed (the next step gets a
+//! larger one), or when a persistent scratch buffer was regrown (every captured graph is
+//! dropped: they point at the old one).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +44,7 @@ use cudarc::driver::sys;
 use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig};
 
 use super::arena::{ArenaState, DevBuf, Lease};
+use super::blas_op::{BlasHandle, BlasOp, handle_with_workspace};
 use super::runtime::{Gpu, fail};
 
 /// Most rows of a step recorded for a graph: beyond it the arena would grow large and
@@ -66,6 +72,13 @@ pub(crate) fn graphs_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GRAPHS").map_or(true, |v| v != "0"))
 }
 
+/// Whether cuBLAS calls are recorded into steps (`SLUICE_CUDA_GRAPH_CUBLAS`, on unless `0`;
+/// read once): off, the first one issues the step's record and the rest runs eagerly.
+fn cublas_recorded() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GRAPH_CUBLAS").map_or(true, |v| v != "0"))
+}
+
 /// Whether recorded steps keep the model's branches (`SLUICE_CUDA_BRANCHES`, on unless
 /// `0`; read once): off, every op is recorded on the main lane.
 fn branches_enabled() -> bool {
@@ -90,6 +103,7 @@ enum Op {
         src: u64,
         bytes: usize,
     },
+    Blas(BlasOp),
     /// The ops that follow go on the side lane, after everything before.
     Fork,
     /// The ops that follow go on the main lane again (the side lane runs on).
@@ -146,7 +160,9 @@ struct Cache {
 /// Counts since the last [`Steps::take_stats`]: steps recorded; their segments, and of
 /// those how many were replayed from a graph, captured (and replayed), issued as recorded;
 /// captures the driver refused (those segments were issued as recorded) and the last
-/// refusal's error.
+/// refusal's error; ops (launches, memsets, copies, cuBLAS products) a recorded step
+/// issued after its recording had ended (a read back or a copy from the host mid-step;
+/// past the step's final read back there is normally nothing left).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub recorded: u64,
@@ -156,6 +172,7 @@ pub struct GraphStats {
     pub eager: u64,
     pub capture_failures: u64,
     pub capture_error: Option<String>,
+    pub unrecorded: u64,
 }
 
 /// The recording state of one GPU.
@@ -170,7 +187,10 @@ pub(crate) struct Steps {
     graveyard: Mutex<Vec<CudaSlice<u32>>>,
     /// The second stream a captured branch's side lane runs on (made at the first).
     side: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
-    stats: [AtomicU64; 6],
+    /// The side lane's cuBLAS handle (made at its first captured cuBLAS call; None if it
+    /// could not be: that capture is then refused).
+    side_blas: std::sync::OnceLock<Option<Mutex<BlasHandle>>>,
+    stats: [AtomicU64; 7],
     capture_error: Mutex<Option<String>>,
 }
 
@@ -185,6 +205,7 @@ impl Steps {
             cache: Mutex::new(Cache::default()),
             graveyard: Mutex::new(Vec::new()),
             side: std::sync::OnceLock::new(),
+            side_blas: std::sync::OnceLock::new(),
             stats: Default::default(),
             capture_error: Mutex::new(None),
         }
@@ -200,6 +221,7 @@ impl Steps {
             eager: t(4),
             capture_failures: t(5),
             capture_error: self.capture_error.lock().expect("capture error poisoned").take(),
+            unrecorded: t(6),
         }
     }
 
@@ -287,6 +309,7 @@ impl Gpu {
     ) -> bool {
         let rec = self.steps.rec.lock().expect("recording poisoned");
         if rec.is_none() {
+            self.note_unrecorded();
             return false;
         }
         let mut params = Vec::with_capacity(args.len() * 2);
@@ -316,10 +339,19 @@ impl Gpu {
     fn record(&self, op: Op) -> bool {
         let rec = self.steps.rec.lock().expect("recording poisoned");
         if rec.is_none() {
+            self.note_unrecorded();
             return false;
         }
         self.keep(rec, op);
         true
+    }
+
+    /// An op issued now: counted when a recorded step is under way (its recording ended
+    /// early).
+    fn note_unrecorded(&self) {
+        if self.steps.arena.active() {
+            self.steps.count(6);
+        }
     }
 
     /// Open a branch: the ops recorded next go on the side lane. Nothing happens when no
@@ -397,13 +429,54 @@ impl Gpu {
         self.issue_segment(part);
     }
 
-    /// The cuBLAS handle for one library call, counted as a launch: cuBLAS issues its own
-    /// kernels, which a recording cannot hold, so a recorded step's ops are issued first
-    /// (and the rest of the step runs eagerly).
-    pub(crate) fn blas_call(&self) -> std::sync::MutexGuard<'_, cudarc::cublas::CudaBlas> {
-        self.flush_recording();
+    /// One cuBLAS product, counted as a launch: recorded when a step is recording (unless
+    /// `SLUICE_CUDA_GRAPH_CUBLAS=0`, which issues the record first), else issued now.
+    ///
+    /// # Safety
+    /// As [`BlasOp::issue`]: live operands, written by work ordered before this call.
+    pub(crate) unsafe fn blas(&self, op: BlasOp) {
         self.launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.blas.lock().expect("cuBLAS handle poisoned")
+        if cublas_recorded() {
+            let rec = self.steps.rec.lock().expect("recording poisoned");
+            if rec.is_some() {
+                return self.keep(rec, Op::Blas(op));
+            }
+        } else {
+            self.flush_recording();
+        }
+        self.note_unrecorded();
+        let blas = self.blas.lock().expect("cuBLAS handle poisoned");
+        // SAFETY: this function's contract; the handle is bound to the main stream.
+        unsafe { op.issue(blas.handle()) }.unwrap_or_else(|e| fail("cuBLAS product", e));
+    }
+
+    /// A recorded cuBLAS product on `side` (with the side lane's handle) or on the main
+    /// stream; a failure is the driver's `CUDA_ERROR_UNKNOWN` after a warning naming the
+    /// cuBLAS status, so a capture that meets it is refused like any other.
+    fn issue_blas(&self, op: &BlasOp, side: bool) -> Result<(), cudarc::driver::DriverError> {
+        let failed = |e: cudarc::cublas::result::CublasError| {
+            tracing::warn!(status = ?e, ?op, "a recorded cuBLAS product failed");
+            cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)
+        };
+        if !side {
+            let blas = self.blas.lock().expect("cuBLAS handle poisoned");
+            // SAFETY: the operands are those the recording call was given (`Gpu::blas`),
+            // live as long as the step's memory; the handle is bound to the main stream.
+            return unsafe { op.issue(blas.handle()) }.map_err(failed);
+        }
+        let side_blas = self.steps.side_blas.get_or_init(|| {
+            let stream = self.side_stream()?;
+            handle_with_workspace(&stream)
+                .map_err(|e| tracing::warn!(error = %e, "no cuBLAS handle for the side lane"))
+                .ok()
+                .map(Mutex::new)
+        });
+        let Some(blas) = side_blas else {
+            return Err(cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED));
+        };
+        let blas = blas.lock().expect("cuBLAS handle poisoned");
+        // SAFETY: as above; this handle is bound to the side lane's stream.
+        unsafe { op.issue(blas.handle()) }.map_err(failed)
     }
 
     /// Issue the recorded ops (replaying or capturing a graph where the record allows)
@@ -551,6 +624,7 @@ impl Gpu {
             Op::Copy { dst, src, bytes } => unsafe {
                 cudarc::driver::result::memcpy_dtod_async(*dst, *src, *bytes, stream)
             },
+            Op::Blas(call) => self.issue_blas(call, side.is_some()),
             Op::Fork | Op::Main | Op::Join => Ok(()),
         }
     }
@@ -571,6 +645,7 @@ fn record_key(ops: &[Op]) -> Vec<u64> {
             }
             Op::Memset { dst, bytes } => key.extend_from_slice(&[2, *dst, *bytes as u64]),
             Op::Copy { dst, src, bytes } => key.extend_from_slice(&[3, *dst, *src, *bytes as u64]),
+            Op::Blas(call) => call.key(&mut key),
             Op::Fork => key.push(4),
             Op::Main => key.push(5),
             Op::Join => key.push(6),
@@ -611,6 +686,17 @@ mod tests {
         let branched = branch();
         let mut on_main = branch();
         on_main.insert(2, Op::Main);
+        let product = |beta: f32, c: u64| {
+            let t = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
+            let (ldb, ldc, m, n, k, groups) = (64, 32, 32, 8, 64, 1);
+            Op::Blas(BlasOp::Strided { a: 1, a_type: t, b: 2, b_type: t, ldb, c, ldc, m, n, k, groups, beta })
+        };
+        let with_blas = |beta: f32, c: u64| {
+            let mut ops = base();
+            ops.insert(1, product(beta, c));
+            ops
+        };
+        assert_eq!(record_key(&with_blas(0.0, 3)), record_key(&with_blas(0.0, 3)));
         assert_ne!(record_key(&branched), record_key(&base()));
         for (what, ops) in [
             ("argument", other_arg),
@@ -619,8 +705,12 @@ mod tests {
             ("ops", longer),
             ("branch", branched),
             ("lane", on_main),
+            ("cuBLAS product", with_blas(0.0, 3)),
         ] {
             assert_ne!(record_key(&base()), record_key(&ops), "a different {what}");
+        }
+        for (what, ops) in [("beta", with_blas(1.0, 3)), ("output", with_blas(0.0, 4))] {
+            assert_ne!(record_key(&with_blas(0.0, 3)), record_key(&ops), "a cuBLAS product's {what}");
         }
     }
 }
