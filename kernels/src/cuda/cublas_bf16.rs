@@ -23,6 +23,7 @@
 
 use cudarc::cublas::sys::cudaDataType;
 
+use super::blas_op::BlasOp;
 use super::matmul::{Operand, cublas_gemm};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg_elems, launch};
@@ -165,4 +166,75 @@ fn bf16_gemm(gpu: &Gpu, op: Operand, w: &CudaWeight, b: u64, c: u64, ldc: usize,
         op.groups,
         beta,
     )
+}
+
+/// Whether SwiGLU experts of a decode batch take [`swiglu_expert`]
+/// (`SLUICE_CUDA_CUBLAS_SWIGLU`, on unless `0`; read once).
+fn swiglu_expert_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_CUBLAS_SWIGLU").map_or(true, |v| v != "0"))
+}
+
+/// `y = (silu(min(x·w1ᵀ, limit)) · clamp(x·w3ᵀ, ±limit)) · w2ᵀ` for a decode batch of BF16
+/// experts (the shared expert at 9–64 rows) in five launches where three products took
+/// ten: x split once, the gate and up products in one batched call over the stacked hi
+/// and lo rows, their halves summed and the SwiGLU applied and split again for the down
+/// product in one kernel (`moe_slots_swiglu` as one slot of `rows` rows), then the down
+/// product and its sum. The values are the separate products' (the same sums of halves,
+/// SwiGLU and split), so parity is unchanged. False (nothing issued) where it does not
+/// apply: not split activations, more than [`STACKED_MAX_ROWS`] rows, rows cuBLAS does
+/// not take, weights not all BF16 of matching shapes, products `gemm_rows` takes, or
+/// `SLUICE_CUDA_CUBLAS_SWIGLU=0`.
+pub(crate) fn swiglu_expert(
+    gpu: &Gpu,
+    (x, x_stride, rows): (u64, usize, usize),
+    (w1, w3, w2): (&CudaWeight, &CudaWeight, &CudaWeight),
+    limit: f32,
+    y: u64,
+) -> bool {
+    let (WeightData::Bf16(a1), WeightData::Bf16(a3), WeightData::Bf16(_)) = (&w1.data, &w3.data, &w2.data) else {
+        return false;
+    };
+    let (inter, d) = (w1.rows, w1.cols);
+    let fits = (w3.rows, w3.cols) == (inter, d) && w2.cols == inter && rows <= STACKED_MAX_ROWS;
+    if !(fits && takes(rows, w1) && swiglu_expert_enabled() && Bf16Activations::from_env() == Bf16Activations::Split) {
+        return false;
+    }
+    // The one-launch products, where asked for (`SLUICE_CUDA_GEMM_ROWS`), come first.
+    let gate_op = Operand { x, x_stride, out: 0, out_stride: inter, rows, groups: 1 };
+    if super::gemm_rows::gemm_rows_plan(gpu, &gate_op, w1).is_some() {
+        return false;
+    }
+    for w in [w1, w3, w2] {
+        super::matmul::count_product(gpu, rows, w);
+    }
+    let xs = SplitRows::new(gpu, x, x_stride, rows, d);
+    // Gate products over [hi; lo], then up products: [2][2·rows, inter] f32.
+    let gu = gpu.alloc::<f32>(2 * 2 * rows * inter);
+    let (gate, up) = (gpu.ptr(&gu), gpu.ptr(&gu) + (2 * rows * inter * 4) as u64);
+    let xs_at = gpu.ptr(&xs.buf);
+    let table = gpu.upload(&[gpu.ptr(a1), gpu.ptr(a3), xs_at, xs_at, gate, up]);
+    let t = gpu.ptr(&table);
+    let arrays = [t, t + 16, t + 32];
+    // SAFETY: the pointer arrays name the two inter × d weights, the 2·rows × d split
+    // activations (twice) and the two 2·rows × inter outputs allocated above, all live
+    // until the step's ops have run (arena or pool memory freed in stream order).
+    unsafe { gpu.blas(BlasOp::PointerArrays { arrays, m: inter, n: 2 * rows, k: d, batch: 2 }) };
+    let hs = SplitRows { buf: gpu.alloc::<u16>(2 * rows * inter), rows, cols: inter };
+    let count = gpu.upload(&[rows as i32]);
+    launch!(
+        gpu,
+        "moe_slots_swiglu",
+        cfg_elems(rows * inter),
+        gpu.ptr(&hs.buf),
+        gate,
+        gpu.ptr(&count),
+        1i32,
+        rows as i32,
+        inter as i32,
+        limit
+    );
+    let down = Operand { x: 0, x_stride: inter, out: y, out_stride: w2.rows, rows, groups: 1 };
+    product_of_split(gpu, &hs, down, w2);
+    true
 }

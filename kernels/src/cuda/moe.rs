@@ -25,7 +25,7 @@ use super::matmul::{
 use super::memory::CudaBuf;
 use super::moe_v2::{experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::runtime::{cfg, cfg_elems, launch};
-use super::{moe_cublas, moe_host};
+use super::{cublas_bf16, moe_cublas, moe_host};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
 
 /// Most routed experts the routing kernel's by-value bias holds.
@@ -50,11 +50,14 @@ pub(super) fn expert(
     variant: Decode,
 ) -> CudaBuf {
     let g = &b.gpu;
+    let y = b.alloc_buf(rows * e.w2.rows);
+    if cublas_bf16::swiglu_expert(g, (x, e.w1.cols, rows), (&e.w1, &e.w3, &e.w2), limit, g.ptr(&y.mem)) {
+        return y;
+    }
     let inter = e.w1.rows;
     let h = b.alloc_buf(rows * inter);
     let op = Operand { x, x_stride: e.w1.cols, out: g.ptr(&h.mem), out_stride: inter, rows, groups: 1 };
     swiglu_pair(g, op, &e.w1, &e.w3, limit, variant);
-    let y = b.alloc_buf(rows * e.w2.rows);
     let op = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: e.w2.rows, rows, groups: 1 };
     matmul_as(g, op, &e.w2, variant);
     y
