@@ -303,12 +303,15 @@ fn post_mix_parts(d: usize) -> usize {
     d / POST_MIX_COLS
 }
 
-/// Most rows that take `hc_post_mix` (`SLUICE_CUDA_HC_POST_MIX_ROWS`, read once; 0 = never).
-/// Its blocks read the mixing weight once a row where `mix_rows` reads it once per 4 rows,
-/// so it is for decode-sized batches.
+/// Most rows that take `hc_post_mix` (`SLUICE_CUDA_HC_POST_MIX_ROWS`, read once; 0 = never):
+/// 64, the largest decode batch a CUDA graph records. Its blocks read the mixing weight
+/// (L2-resident) once a row where `mix_rows` reads it once per 4 rows, so it is for
+/// decode-sized batches; there it still beat the three kernels it replaces (flash-bench on
+/// the H200, batch 16 / 32 / 64 1.45–1.49 → 1.41–1.44, 1.69–1.70 → 1.67–1.68, 2.15–2.18 →
+/// 2.08–2.11 ms a step; it was 8 before, docs/perf.md).
 fn post_mix_max_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(8))
+    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(64))
 }
 
 pub(crate) fn hc_post(

@@ -187,8 +187,9 @@ pub(crate) struct Steps {
     graveyard: Mutex<Vec<CudaSlice<u32>>>,
     /// The second stream a captured branch's side lane runs on (made at the first).
     side: std::sync::OnceLock<Arc<cudarc::driver::CudaStream>>,
-    /// The side lane's cuBLAS handle (made at its first captured cuBLAS call; None if it
-    /// could not be: that capture is then refused).
+    /// The side lane's cuBLAS handle (made before the first capture of a segment with a
+    /// cuBLAS product on the side lane; None if it could not be: that capture is then
+    /// refused).
     side_blas: std::sync::OnceLock<Option<Mutex<BlasHandle>>>,
     stats: [AtomicU64; 7],
     capture_error: Mutex<Option<String>>,
@@ -464,14 +465,9 @@ impl Gpu {
             // live as long as the step's memory; the handle is bound to the main stream.
             return unsafe { op.issue(blas.handle()) }.map_err(failed);
         }
-        let side_blas = self.steps.side_blas.get_or_init(|| {
-            let stream = self.side_stream()?;
-            handle_with_workspace(&stream)
-                .map_err(|e| tracing::warn!(error = %e, "no cuBLAS handle for the side lane"))
-                .ok()
-                .map(Mutex::new)
-        });
-        let Some(blas) = side_blas else {
+        // Made before the capture began ([`Gpu::capture`]): a capture refuses the
+        // allocations of a new handle.
+        let Some(Some(blas)) = self.steps.side_blas.get() else {
             return Err(cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_NOT_SUPPORTED));
         };
         let blas = blas.lock().expect("cuBLAS handle poisoned");
@@ -547,6 +543,14 @@ impl Gpu {
     fn capture(&self, ops: &[Op]) -> Option<CudaGraph> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         let side = self.side_stream();
+        if let Some(stream) = side.as_ref().filter(|_| side_lane_blas(ops)) {
+            self.steps.side_blas.get_or_init(|| {
+                handle_with_workspace(stream)
+                    .map_err(|e| tracing::warn!(error = %e, "no cuBLAS handle for the side lane"))
+                    .ok()
+                    .map(Mutex::new)
+            });
+        }
         let result = self.stream.begin_capture(mode).and_then(|()| {
             let mut on_side = false;
             let issued = ops.iter().try_for_each(|op| match op {
@@ -630,6 +634,20 @@ impl Gpu {
     }
 }
 
+/// Whether a cuBLAS product of `ops` is on a branch's side lane (it needs the side lane's
+/// handle when captured).
+fn side_lane_blas(ops: &[Op]) -> bool {
+    let mut on_side = false;
+    ops.iter().any(|op| {
+        match op {
+            Op::Fork => on_side = true,
+            Op::Main | Op::Join => on_side = false,
+            _ => {}
+        }
+        on_side && matches!(op, Op::Blas(_))
+    })
+}
+
 /// Every op's kind, function, shape and argument words, in order: two steps with equal
 /// keys issue the same device work.
 fn record_key(ops: &[Op]) -> Vec<u64> {
@@ -661,6 +679,19 @@ mod tests {
     fn launch(func: usize, grid: u32, params: &[u64]) -> Op {
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         Op::Launch { func, cfg, params: params.to_vec(), offsets: (0..params.len()).collect() }
+    }
+
+    /// Only a cuBLAS product between a Fork and its Main or Join is on the side lane.
+    #[test]
+    fn side_lane_products_are_found() {
+        let t = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
+        let blas = || {
+            let (ldb, ldc, m, n, k, groups, beta) = (64, 32, 32, 8, 64, 1, 0.0);
+            Op::Blas(BlasOp::Strided { a: 1, a_type: t, b: 2, b_type: t, ldb, c: 3, ldc, m, n, k, groups, beta })
+        };
+        assert!(!side_lane_blas(&[blas(), Op::Fork, launch(1, 1, &[]), Op::Main, blas(), Op::Join, blas()]));
+        assert!(side_lane_blas(&[launch(1, 1, &[]), Op::Fork, blas(), Op::Main, Op::Join]));
+        assert!(!side_lane_blas(&[Op::Fork, launch(1, 1, &[]), Op::Join]));
     }
 
     /// Keys differ when any launch's function, grid or argument differs, or an op is
