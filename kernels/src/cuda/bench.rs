@@ -11,13 +11,13 @@
 
 use cudarc::cublas::sys::cudaDataType;
 
+use super::blas_op::BlasOp;
 use super::cublas_bf16::{self, Bf16Activations};
 use super::decode_v2::{D2_KERNELS, D2Plan, d2_gemv, d2_plan};
 use super::gemm_rows::{GemmRowsPlan, gemm_rows, gemm_rows_plan, gemm_rows_plan_always};
 use super::gemv_f8mma::{F8Plan, f8mma_gemv, f8mma_plan, f8mma_plan_always};
 use super::matmul::{
-    Decode, GEMM_BM, Operand, Tiles, cublas_gemm, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as,
-    swiglu_pair,
+    Decode, GEMM_BM, Operand, Tiles, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as, swiglu_pair,
 };
 use super::memory::CudaWeight;
 use super::moe::{experts_routed_on_device, moe_as};
@@ -486,25 +486,25 @@ impl CudaBackend {
         let xb = g.upload(&bits(batch * rows * k, 12));
         let c = g.alloc::<f32>(batch * rows * n);
         // x as `batch` groups of k columns side by side per row, as the grouped layout
-        // cublas_gemm describes (ldb = batch·k): the same shapes and bytes per product.
-        self.time_kernel_us(reps, || {
-            cublas_gemm(
-                g,
-                g.ptr(&a),
-                cudaDataType::CUDA_R_16BF,
-                g.ptr(&xb),
-                cudaDataType::CUDA_R_16BF,
-                batch * k,
-                g.ptr(&c),
-                batch * n,
-                n,
-                rows,
-                k,
-                batch,
-                0.0,
-            )
-        })
-        .gpu_us
+        // `BlasOp::Strided` describes (ldb = batch·k): the same shapes and bytes per product.
+        let (bf16, ldb, ldc) = (cudaDataType::CUDA_R_16BF, batch * k, batch * n);
+        let (a, b, c) = (g.ptr(&a), g.ptr(&xb), g.ptr(&c));
+        let product = BlasOp::Strided {
+            a,
+            a_type: bf16,
+            b,
+            b_type: bf16,
+            ldb,
+            c,
+            ldc,
+            m: n,
+            n: rows,
+            k,
+            groups: batch,
+            beta: 0.0,
+        };
+        // SAFETY: a, xb and c were allocated above with exactly those shapes.
+        self.time_kernel_us(reps, || unsafe { g.blas(product.clone()) }).gpu_us
     }
 }
 

@@ -24,7 +24,7 @@
 use cudarc::cublas::sys::cudaDataType;
 
 use super::blas_op::BlasOp;
-use super::matmul::{Operand, cublas_gemm};
+use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg_elems, launch};
 
@@ -151,21 +151,12 @@ pub(crate) fn product_of_split(gpu: &Gpu, xs: &SplitRows, op: Operand, w: &CudaW
 #[allow(clippy::too_many_arguments)]
 fn bf16_gemm(gpu: &Gpu, op: Operand, w: &CudaWeight, b: u64, c: u64, ldc: usize, n: usize, beta: f32) {
     let WeightData::Bf16(weights) = &w.data else { panic!("cuBLAS BF16 products take BF16 weights") };
-    cublas_gemm(
-        gpu,
-        gpu.ptr(weights),
-        cudaDataType::CUDA_R_16BF,
-        b,
-        cudaDataType::CUDA_R_16BF,
-        op.groups * w.cols,
-        c,
-        ldc,
-        w.rows / op.groups,
-        n,
-        w.cols,
-        op.groups,
-        beta,
-    )
+    let bf16 = cudaDataType::CUDA_R_16BF;
+    let (a, ldb, m, k, groups) = (gpu.ptr(weights), op.groups * w.cols, w.rows / op.groups, w.cols, op.groups);
+    let product = BlasOp::Strided { a, a_type: bf16, b, b_type: bf16, ldb, c, ldc, m, n, k, groups, beta };
+    // SAFETY: the weight is groups × (m × k) bf16 values; b holds n rows of groups · k
+    // bf16 activations and c n rows of ldc f32 outputs (the callers allocate them so).
+    unsafe { gpu.blas(product) }
 }
 
 /// Whether SwiGLU experts of a decode batch take [`swiglu_expert`]

@@ -462,31 +462,6 @@ pub(crate) fn gemm_fp4_f8(gpu: &Gpu, op: Operand, w: &CudaWeight, tiles: Option<
     );
 }
 
-/// cuBLAS: `out[rows, N]` (row-major, rows `ldc` apart) = `x · Wᵀ` per group, in column-major
-/// terms `C(g_out × rows) = Aᵀ(g_out × k) · B(k × rows)` with A the weight rows.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cublas_gemm(
-    gpu: &Gpu,
-    a: u64,
-    a_type: cudaDataType,
-    b: u64,
-    b_type: cudaDataType,
-    ldb: usize,
-    c: u64,
-    ldc: usize,
-    m: usize,
-    n: usize,
-    k: usize,
-    groups: usize,
-    beta: f32,
-) {
-    let op = BlasOp::Strided { a, a_type, b, b_type, ldb, c, ldc, m, n, k, groups, beta };
-    // SAFETY: A is groups × (m × k) weights, B holds n rows of ldb values whose group g
-    // starts at column g·k, C holds n rows of ldc values whose group g starts at g·m; all
-    // are live device allocations of at least those sizes (the callers size them).
-    unsafe { gpu.blas(op) };
-}
-
 /// A product of `rows` rows over `w` in the step's byte and FLOP counts: a step's bytes
 /// count each weight once, however often a product streams it.
 pub(crate) fn count_product(gpu: &Gpu, rows: usize, w: &CudaWeight) {
@@ -525,21 +500,16 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
         return gemm(gpu, name, op, w, None);
     }
     match &w.data {
-        WeightData::F32(d) => cublas_gemm(
-            gpu,
-            gpu.ptr(d),
-            cudaDataType::CUDA_R_32F,
-            op.x,
-            cudaDataType::CUDA_R_32F,
-            op.x_stride,
-            op.out,
-            op.out_stride,
-            w.rows / op.groups,
-            op.rows,
-            w.cols,
-            op.groups,
-            0.0,
-        ),
+        WeightData::F32(d) => {
+            let f32_type = cudaDataType::CUDA_R_32F;
+            let (a, m, k) = (gpu.ptr(d), w.rows / op.groups, w.cols);
+            let (b, ldb, c, ldc, n, groups) = (op.x, op.x_stride, op.out, op.out_stride, op.rows, op.groups);
+            let product =
+                BlasOp::Strided { a, a_type: f32_type, b, b_type: f32_type, ldb, c, ldc, m, n, k, groups, beta: 0.0 };
+            // SAFETY: the weight is groups × (m × k) f32 values; the operand's rows hold
+            // groups · k inputs and groups · m outputs (the callers size them).
+            unsafe { gpu.blas(product) }
+        }
         _ => gemv(gpu, op, w, None, 0.0, variant),
     }
 }
