@@ -206,11 +206,9 @@ pub(crate) fn swiglu_expert(
     let xs_at = gpu.ptr(&xs.buf);
     let table = gpu.upload(&[gpu.ptr(a1), gpu.ptr(a3), xs_at, xs_at, gate, up]);
     let t = gpu.ptr(&table);
-    let arrays = [t, t + 16, t + 32];
-    // SAFETY: the pointer arrays name the two inter × d weights, the 2·rows × d split
-    // activations (twice) and the two 2·rows × inter outputs allocated above, all live
-    // until the step's ops have run (arena or pool memory freed in stream order).
-    unsafe { gpu.blas(BlasOp::PointerArrays { arrays, m: inter, n: 2 * rows, k: d, batch: 2 }) };
+    // The two inter × d weights, the 2·rows × d split activations (twice), the two
+    // 2·rows × inter outputs allocated above.
+    super::moe_cublas::batched(gpu, [t, t + 16, t + 32], (inter, 2 * rows, d), 2);
     let hs = SplitRows { buf: gpu.alloc::<u16>(2 * rows * inter), rows, cols: inter };
     let count = gpu.upload(&[rows as i32]);
     launch!(

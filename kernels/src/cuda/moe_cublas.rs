@@ -145,7 +145,7 @@ pub(crate) fn experts(
 /// `batch` products `C_i(m × n) = A_iᵀ · B_i` in cuBLAS's column-major terms: A_i a
 /// row-major `[m, k]` BF16 weight, B_i `n` rows of `k` bf16 activations, C_i `n` rows of
 /// `m` f32 outputs; `arrays` holds the device addresses of the A, B and C pointer arrays.
-fn batched(g: &Gpu, arrays: [u64; 3], (m, n, k): (usize, usize, usize), batch: usize) {
+pub(crate) fn batched(g: &Gpu, arrays: [u64; 3], (m, n, k): (usize, usize, usize), batch: usize) {
     // SAFETY: each pointer array holds `batch` device addresses of live allocations of
     // at least m·k (A), n·k (B) and n·m (C) elements, written by the caller's upload,
     // which is ordered before this call on the stream.
