@@ -5,7 +5,9 @@
 //! the tensor-core GEMMs (FP8 projections, FP4 experts grouped) against a cuBLAS BF16
 //! GEMM of the same shape in the same run. Weights are random values in the stored
 //! formats; gemv and the experts rotate over enough distinct weights to exceed the L2
-//! cache, so they measure device memory, not the cache.
+//! cache, so they measure device memory, not the cache — except the one-row runs labelled
+//! "same copy", which read one weight every call (from L2 where it fits: the kernel's own
+//! pace with device memory's latency taken away).
 //!
 //! Also the parity suite's entry points to either decode version (`decode_*`).
 
@@ -56,6 +58,9 @@ enum Run<'a> {
     Rows(&'a GemmRowsPlan),
     /// cuBLAS with split activations (BF16), its split and sum launches included.
     Cublas,
+    /// The engine's choice on the same copy every call: a weight that fits L2 is read
+    /// from there, so this is the kernel's pace with device memory's latency taken away.
+    SameCopy,
 }
 
 fn noise(n: usize, salt: u64) -> Vec<f32> {
@@ -154,6 +159,9 @@ impl CudaBackend {
                 if format == OwnedFormat::Bf16 && rows > 8 {
                     runs.push((" cublas", Run::Cublas));
                 }
+                if rows == 1 {
+                    runs.push((" engine, same copy (in L2 if it fits)", Run::SameCopy));
+                }
                 for (label, run) in runs {
                     let mut i = 0;
                     let t = self.time_kernel_us(reps * copies, || {
@@ -165,6 +173,7 @@ impl CudaBackend {
                             Run::Simt => gemv_simt(g, op, w, None, 0.0),
                             Run::Rows(plan) => gemm_rows(g, plan, op, w),
                             Run::Cublas => cublas_bf16::product_as(g, op, w, Bf16Activations::Split),
+                            Run::SameCopy => matmul(g, op, &ws[0]),
                         }
                         i += 1;
                     });
