@@ -1,6 +1,7 @@
 //! FP8 products of one or two decode rows on the FP8 tensor cores (cu/gemv_f8mma.cu):
 //! which products they take ([`f8mma_plan`]) and their launch. [`super::matmul`] tries
-//! them before the v2 kernels; `SLUICE_CUDA_F8MMA=0` leaves every product to v2.
+//! them before the v2 kernels; `SLUICE_CUDA_F8MMA=0` leaves every product to v2. Two
+//! kinds: chunks of 2048 inputs where K is a multiple (`gemv_f8mma_w_*`), else of 1024.
 
 use cudarc::driver::DeviceRepr;
 
@@ -8,16 +9,36 @@ use super::matmul::{Operand, weight_ptrs};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
-/// The kernels, by rows (`gemv_f8mma_r1`, `gemv_f8mma_r2`).
-pub(crate) const F8MMA_KERNELS: [&str; 2] = ["gemv_f8mma_r1", "gemv_f8mma_r2"];
-/// Inputs of a streamed chunk (`F8_KC`): K must be a multiple.
-const CHUNK_INPUTS: usize = 1024;
-/// Chunks in a block's ring (`F8_STAGES`), each 16 rows of `CHUNK_INPUTS + 16` bytes.
-const STAGES: usize = 6;
-/// Most dynamic shared memory the kernels are launched with (opted in at load): the ring
-/// and a row's three e4m3 parts for K up to 8192 at two rows. 148 KiB, as the v2 kernels,
-/// so the opt-in succeeds on every part that runs these sources.
-pub(crate) const F8MMA_MAX_SMEM: usize = 148 * 1024;
+/// The kernels: chunks of 1024 inputs by rows (`gemv_f8mma_r1`, `_r2`), then chunks of
+/// 2048 (`gemv_f8mma_w_r1`, `_w_r2`).
+pub(crate) const F8MMA_KERNELS: [&str; 4] = ["gemv_f8mma_r1", "gemv_f8mma_r2", "gemv_f8mma_w_r1", "gemv_f8mma_w_r2"];
+
+/// How a block streams its weight rows: inputs of a chunk (`KC` in the kernel; K must be
+/// a multiple) and chunks in its ring (`STAGES`), each 16 rows of `inputs + 16` bytes.
+#[derive(Clone, Copy)]
+struct Chunks {
+    inputs: usize,
+    stages: usize,
+    /// Index of the one-row kernel in [`F8MMA_KERNELS`].
+    kernel: usize,
+}
+
+const NARROW: Chunks = Chunks { inputs: 1024, stages: 6, kernel: 0 };
+const WIDE: Chunks = Chunks { inputs: 2048, stages: 4, kernel: 2 };
+
+/// The chunks for K inputs: of 2048 in a ring of four where K is a multiple (twice the
+/// work a warp does between two of the block's barriers: a 12-layer Flash step at one
+/// and two rows 1-1.5% faster on the H200), else of 1024 in a ring of six;
+/// `SLUICE_CUDA_F8MMA_CHUNK=1024` (read once) keeps every product on the latter.
+fn chunks(k: usize) -> Chunks {
+    static NARROW_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let narrow_only = *NARROW_ONLY.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_F8MMA_CHUNK") == Some(1024));
+    if !narrow_only && k.is_multiple_of(WIDE.inputs) { WIDE } else { NARROW }
+}
+
+/// Most dynamic shared memory the kernels are launched with (opted in at load): either
+/// ring and a row's three e4m3 parts for K up to 8192 at two rows.
+pub(crate) const F8MMA_MAX_SMEM: usize = 184 * 1024;
 /// Warps of a block (`F8_WARPS`).
 const WARPS: usize = 16;
 
@@ -50,8 +71,8 @@ pub(crate) struct F8Plan {
 }
 
 /// Dynamic shared memory of a block: the ring and the activations' parts.
-fn smem(rows: usize, k: usize) -> usize {
-    STAGES * 16 * (CHUNK_INPUTS + 16) + 3 * rows * (k + 16)
+fn smem(c: Chunks, rows: usize, k: usize) -> usize {
+    c.stages * 16 * (c.inputs + 16) + 3 * rows * (k + 16)
 }
 
 /// Whether these kernels may take products (`SLUICE_CUDA_F8MMA=0`: never, to compare).
@@ -61,7 +82,7 @@ fn enabled() -> bool {
 }
 
 /// The plan for `op` over `w` when these kernels take it: FP8 weights on an sm_89+ GPU
-/// (FP8 mma), one or two rows, K a multiple of 1024 and at least 2048, whole 16-row tiles (in every group
+/// (FP8 mma), one or two rows, K a multiple of the chunk and at least 2048, whole 16-row tiles (in every group
 /// of a grouped product), 16-byte aligned activation rows, and at least one tile an SM
 /// (smaller products leave SMs idle here; the v2 kernels split their K instead).
 pub(crate) fn f8mma_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8Plan> {
@@ -81,18 +102,19 @@ pub(crate) fn f8mma_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Opti
     let whole_tiles =
         n.is_multiple_of(16) && (!grouped || (n.is_multiple_of(op.groups) && (n / op.groups).is_multiple_of(16)));
     let aligned = op.x.is_multiple_of(16) && op.x_stride.is_multiple_of(4);
-    let smem = smem(op.rows, k);
+    let c = chunks(k);
+    let smem = smem(c, op.rows, k);
     let tiles = n / 16;
-    if op.groups == 0 || !k.is_multiple_of(CHUNK_INPUTS) || !whole_tiles || !aligned || smem > F8MMA_MAX_SMEM {
+    if op.groups == 0 || !k.is_multiple_of(c.inputs) || !whole_tiles || !aligned || smem > F8MMA_MAX_SMEM {
         return None;
     }
     // K of one chunk (wq_b's 1024) measured slower than v2 (15.8 against 15.2 µs for
     // 32768 × 1024 on the H200; 14.1 against 16.2 µs for 8192 × 4096): a tile a chunk pays
     // the tile's reduction every chunk.
-    if tiles < gpu.sms || k < 2 * CHUNK_INPUTS || n.checked_mul(k).is_none_or(|b| b >= 1 << 31) {
+    if tiles < gpu.sms || k < 2048 || n.checked_mul(k).is_none_or(|b| b >= 1 << 31) {
         return None;
     }
-    Some(F8Plan { name: F8MMA_KERNELS[op.rows - 1], tiles, grid: tiles.min(gpu.sms), smem })
+    Some(F8Plan { name: F8MMA_KERNELS[c.kernel + op.rows - 1], tiles, grid: tiles.min(gpu.sms), smem })
 }
 
 /// Launch `plan` for `op` over `w`.

@@ -27,23 +27,17 @@
 // summed in f32.)
 //
 // Work: a tile is 16 output rows (N % 16 == 0); a block takes a contiguous run of tiles
-// (one block an SM) and streams each as chunks of 16 rows × F8_KC inputs through a ring
-// of F8_STAGES chunks (rows padded by 16 bytes: ldmatrix reads of 8 rows hit 8 different
-// bank groups). Warp w takes inputs [64w, 64w + 64) of every chunk: two mmas, then its
-// partial times its scale block's scale. Sixteen warps, so that the loop body's
+// (one block an SM) and streams each as chunks of 16 rows × KC inputs through a ring
+// of STAGES chunks (rows padded by 16 bytes: ldmatrix reads of 8 rows hit 8 different
+// bank groups). Warp w takes inputs [KC/16 · w, KC/16 · (w + 1)) of every chunk: two mmas
+// a 64 inputs, then its partial times its scale block's scale. Sixteen warps, so that the loop body's
 // dependent instructions (one block an SM: the ring takes the shared memory) are spread
 // over four warps a scheduler. A tile's warps add their sums through shared memory in
 // warp order.
 // Grouped products (wo_a: group g of output rows reads x[:, g·K .. g·K + K]) re-stage the
 // activations when a block's tile moves into the next group.
 
-#define F8_KC 1024
-#define F8_ROW (F8_KC + 16)
-#define F8_STAGES 6
-#define F8_CHUNK (16 * F8_ROW)
 #define F8_WARPS 16
-#define F8_WARP_INPUTS (F8_KC / F8_WARPS)       // a warp's inputs of a chunk (64: two mma k-steps)
-#define F8_PIECES (F8_KC / (32 * F8_WARPS))     // 16-byte copies a thread a chunk: (16 rows × F8_KC / 16) / threads
 
 // `F8Args` in gemv_f8mma.rs (pointers first).
 struct F8Args {
@@ -133,50 +127,55 @@ __device__ __forceinline__ void f8_tile_out(const F8Args& a, const float (*red)[
     }
 }
 
-template <int R>
+// KC: inputs of a chunk (K must be a multiple); STAGES: chunks in the ring.
+template <int R, int KC, int STAGES>
 __device__ void f8mma_gemv(const F8Args& a) {
+    constexpr int ROW = KC + 16;                   // a staged row, padded (see above)
+    constexpr int CHUNK = 16 * ROW;
+    constexpr int WARP_INPUTS = KC / F8_WARPS;     // a warp's inputs of a chunk (64 or 128)
+    constexpr int PIECES = KC / (32 * F8_WARPS);   // 16-byte copies a thread a chunk
     extern __shared__ __align__(128) u8 f8_smem[];
     __shared__ float red[2][F8_WARPS][16][8];
     __shared__ float red_max[F8_WARPS * R];
     __shared__ float inv_s[R];
     u8* ring = f8_smem;
-    u8* act = f8_smem + F8_STAGES * F8_CHUNK;
+    u8* act = f8_smem + STAGES * CHUNK;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int K = a.k, chunks = K / F8_KC;
+    const int K = a.k, chunks = K / KC;
     const int t0 = (int)((long long)a.tiles * blockIdx.x / gridDim.x);
     const int t1 = (int)((long long)a.tiles * (blockIdx.x + 1) / gridDim.x);
     const int items = (t1 - t0) * chunks;
     const u32 ring_base = smem_addr(ring);
 
-    // The request side walks the block's chunks in order: 16 rows × 1024 bytes each,
-    // F8_PIECES 16-byte copies a thread (a warp's 32 copies are 512 contiguous bytes of one
-    // row), into ring slots 0, 1, … F8_STAGES - 1, 0, … Offsets are computed once: the
+    // The request side walks the block's chunks in order: 16 rows × KC bytes each,
+    // PIECES 16-byte copies a thread (a warp's 32 copies are 512 contiguous bytes of one
+    // row), into ring slots 0, 1, … STAGES - 1, 0, … Offsets are computed once: the
     // loop body must stay short (its chain of dependent instructions is what a warp
     // spends a chunk on).
-    u32 src_off[F8_PIECES], dst_off[F8_PIECES];
+    u32 src_off[PIECES], dst_off[PIECES];
 #pragma unroll
-    for (int q = 0; q < F8_PIECES; q++) {
-        const int piece = q * 32 * F8_WARPS + tid, row = piece >> 6, col = (piece & 63) * 16;
+    for (int q = 0; q < PIECES; q++) {
+        const int piece = q * 32 * F8_WARPS + tid, row = piece / (KC / 16), col = (piece % (KC / 16)) * 16;
         src_off[q] = (u32)(row * K + col);
-        dst_off[q] = ring_base + row * F8_ROW + col;
+        dst_off[q] = ring_base + row * ROW + col;
     }
-    const long long next_tile = (long long)16 * K - (long long)(chunks - 1) * F8_KC;
+    const long long next_tile = (long long)16 * K - (long long)(chunks - 1) * KC;
     const u8* req = a.w + (long long)t0 * 16 * K;
     int requested = 0, req_c = 0, req_slot = 0;
     auto request_next = [&]() {
         if (requested < items) {
-            const u32 slot = req_slot * F8_CHUNK;
+            const u32 slot = req_slot * CHUNK;
 #pragma unroll
-            for (int q = 0; q < F8_PIECES; q++) cp_async<16>(dst_off[q] + slot, req + src_off[q]);
+            for (int q = 0; q < PIECES; q++) cp_async<16>(dst_off[q] + slot, req + src_off[q]);
             req_c++;
-            req += req_c == chunks ? next_tile : F8_KC;
+            req += req_c == chunks ? next_tile : KC;
             req_c = req_c == chunks ? 0 : req_c;
-            req_slot = req_slot == F8_STAGES - 1 ? 0 : req_slot + 1;
+            req_slot = req_slot == STAGES - 1 ? 0 : req_slot + 1;
             requested++;
         }
         cp_async_commit();  // empty groups too: every thread counts the same groups
     };
-    for (int i = 0; i < F8_STAGES - 1; i++) request_next();
+    for (int i = 0; i < STAGES - 1; i++) request_next();
     pdl_begin();
     if (items == 0) return;
 
@@ -189,16 +188,16 @@ __device__ void f8mma_gemv(const F8Args& a) {
     // 0-15 (a0, a1), lanes 16-31 the same rows at inputs 16-31 (a2, a3). B (the parts as
     // 8 rows of n × 64 inputs, two k-steps): matrix j = lane / 8 holds inputs 16j .. +16;
     // rows of n past the 3R parts read part 0 (their columns of the product are unused).
-    const u32 a_lane = ring_base + (lane & 15) * F8_ROW + 16 * (lane >> 4) + F8_WARP_INPUTS * warp;
+    const u32 a_lane = ring_base + (lane & 15) * ROW + 16 * (lane >> 4) + WARP_INPUTS * warp;
     const int n_row = (lane & 7) < 3 * R ? (lane & 7) : 0;
-    const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + F8_WARP_INPUTS * warp;
+    const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + WARP_INPUTS * warp;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int t = t0, c = 0, slot = 0, buf = 0, pending = -1;
-    const int warp_block = warp * F8_WARP_INPUTS / 128;  // this warp's 128-input scale block in a chunk
+    const int warp_block = warp * WARP_INPUTS / 128;  // this warp's 128-input scale block in a chunk
     float scale = __ldg(a.scales + (long long)(t0 >> 3) * (K / 128) + warp_block);
     for (int it = 0; it < items; it++) {
-        cp_async_wait<F8_STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();  // chunk `it` is in; every warp is done with the previous slot
         request_next();
         if (pending >= 0) {  // the tile finished last iteration: every warp's sums are in
@@ -215,14 +214,14 @@ __device__ void f8mma_gemv(const F8Args& a) {
         // The next chunk's scale (its tile's 128-row block, its own 128 inputs).
         const int nt = c + 1 == chunks ? t + 1 : t, nc = c + 1 == chunks ? 0 : c + 1;
         const float next_scale =
-            it + 1 < items ? __ldg(a.scales + (long long)(nt >> 3) * (K / 128) + nc * (F8_KC / 128) + warp_block) : 0.0f;
-        u32 b[F8_WARP_INPUTS / 8];
+            it + 1 < items ? __ldg(a.scales + (long long)(nt >> 3) * (K / 128) + nc * (KC / 128) + warp_block) : 0.0f;
+        u32 b[WARP_INPUTS / 8];
 #pragma unroll
-        for (int j = 0; j < F8_WARP_INPUTS / 64; j++) ldmatrix_x4(b + 4 * j, (const u16*)(b_lane + c * F8_KC + 64 * j));
+        for (int j = 0; j < WARP_INPUTS / 64; j++) ldmatrix_x4(b + 4 * j, (const u16*)(b_lane + c * KC + 64 * j));
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        const u32 a_addr = a_lane + slot * F8_CHUNK;
+        const u32 a_addr = a_lane + slot * CHUNK;
 #pragma unroll
-        for (int step = 0; step < F8_WARP_INPUTS / 32; step++) {
+        for (int step = 0; step < WARP_INPUTS / 32; step++) {
             u32 af[4];
             ldmatrix_x4_at(af, a_addr + 32 * step);
             mma_e4m3(part, af, b[2 * step], b[2 * step + 1]);
@@ -251,12 +250,16 @@ __device__ void f8mma_gemv(const F8Args& a) {
             c = 0;
             t++;
         }
-        slot = slot == F8_STAGES - 1 ? 0 : slot + 1;
+        slot = slot == STAGES - 1 ? 0 : slot + 1;
     }
     __syncthreads();
     f8_tile_out<R>(a, red[buf ^ 1], inv_s, pending);
     cp_async_wait<0>();
 }
 
-extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r1(F8Args a) { f8mma_gemv<1>(a); }
-extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r2(F8Args a) { f8mma_gemv<2>(a); }
+// Chunks of 1024 inputs in a ring of six, and of 2048 in a ring of four (`_w`: twice the
+// work between two barriers, half the loop's instructions a byte; gemv_f8mma.rs).
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r1(F8Args a) { f8mma_gemv<1, 1024, 6>(a); }
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r2(F8Args a) { f8mma_gemv<2, 1024, 6>(a); }
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_w_r1(F8Args a) { f8mma_gemv<1, 2048, 4>(a); }
+extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_w_r2(F8Args a) { f8mma_gemv<2, 2048, 4>(a); }
