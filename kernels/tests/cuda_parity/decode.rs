@@ -109,15 +109,18 @@ const F8MMA_TOL: f32 = 2e-4;
 /// The FP8 tensor-core gemv at 1 and 2 rows: wo_b (K 8192, the largest activations), the
 /// shared expert's down projection (K 2048), odd shapes (N = 4,112: 257 tiles, so
 /// blocks take one or two, and the last scale block has 16 rows; K = 3,072 and 6,144: odd
-/// counts of 1024- and 2048-input chunks, the kernel's two chunk sizes) and the grouped wo_a (8 groups of 1024 outputs over 4096 inputs: blocks whose tiles cross
-/// into the next group), on poisoned outputs, against the CPU; rows of very different
-/// magnitudes (each row's parts have their own scale). Every case first checks that
-/// the engine's v2 path takes this kernel; wq_b's shape (K 1024) must stay with v2.
+/// counts of 1024- and 2048-input chunks, the kernel's two chunk sizes) and the grouped
+/// wo_a (8 groups of 1024 outputs over 4096 inputs: blocks whose tiles cross into the
+/// next group), on poisoned outputs, against the CPU; rows of very different magnitudes
+/// (each row's parts have their own scale). Every case first checks that the engine's
+/// v2 path takes this kernel, with chunks of 2048 where K is a multiple (unless
+/// `SLUICE_CUDA_F8MMA_CHUNK=1024`); wq_b's shape (K 1024) must stay with v2.
 #[test]
 fn cuda_f8mma_products_match_cpu() {
     let Some(g) = gpu("cuda_f8mma_products_match_cpu") else { return };
     let c = CpuBackend::new();
     let mut rng = rng("f8mma products");
+    let narrow_only = std::env::var("SLUICE_CUDA_F8MMA_CHUNK").ok().filter(|v| v == "1024");
     let shapes =
         [(1, 4096, 8192), (1, 4096, 2048), (1, 4112, 3072), (1, 4112, 6144), (8, 8 * 1024, 4096), (1, 32768, 1024)];
     for (groups, n, k) in shapes {
@@ -128,6 +131,8 @@ fn cuda_f8mma_products_match_cpu() {
             let gx = g.upload(&x);
             let kernel = g.decode_f8mma_kernel(&gx, rows, groups, &gw);
             assert_eq!(kernel.is_some(), k > 1024, "f8mma takes {groups} x {n}x{k} at {rows} rows: {kernel:?}");
+            let wide = narrow_only.is_none() && k % 2048 == 0;
+            assert_eq!(kernel.is_some_and(|k| k.contains("_w_")), wide, "chunks of {groups} x {n}x{k}: {kernel:?}");
             let kernel = kernel.unwrap_or("v2");
             let mut out = poisoned(g, rows * n);
             g.decode_matmul("v2", &gx, rows, groups, &gw, &mut out);
