@@ -5,9 +5,10 @@
 // Why another FP8 gemv: the v2 kernels (decode2.cu) read each weight row as 64-byte
 // pieces, a quad of threads each, and convert every code to f16 for an f16 mma; they
 // reached 45-52% of the copy bandwidth at one row. Here
-// - a warp's copy instruction covers 512 contiguous bytes of one weight row (cp.async
-//   into shared memory: the bytes in flight are held there, not in registers), so the
-//   device sees whole rows read in order;
+// - the weights go to shared memory by cp.async (the bytes in flight are held there, not
+//   in registers), each warp copying the slice of every chunk it multiplies (64 or 128
+//   contiguous bytes of each of 16 rows) and waiting for its own copies only: no barrier
+//   of the block paces the chunks, one a tile sums the warps' parts;
 // - the stored e4m3 codes are the mma's A operand as they are: ldmatrix gives each thread
 //   its fragment straight from the staged rows (`ldmatrix_x4{,_at}` of gemm.cu, `mma_e4m3`
 //   of gemm_f8.cu; each activation part is read back for the next by `d2_fp8_pairs_cvt`
@@ -140,22 +141,25 @@ __device__ void f8mma_gemv(const F8Args& a) {
     __shared__ float inv_s[R];
     u8* ring = f8_smem;
     u8* act = f8_smem + STAGES * CHUNK;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int K = a.k, chunks = K / KC;
     const int t0 = (int)((long long)a.tiles * blockIdx.x / gridDim.x);
     const int t1 = (int)((long long)a.tiles * (blockIdx.x + 1) / gridDim.x);
     const int items = (t1 - t0) * chunks;
     const u32 ring_base = smem_addr(ring);
 
-    // The request side walks the block's chunks in order: 16 rows × KC bytes each,
-    // PIECES 16-byte copies a thread (a warp's 32 copies are 512 contiguous bytes of one
-    // row), into ring slots 0, 1, … STAGES - 1, 0, … Offsets are computed once: the
-    // loop body must stay short (its chain of dependent instructions is what a warp
-    // spends a chunk on).
+    // The request side walks the block's chunks in order, 16 rows × KC bytes each, into
+    // ring slots 0, 1, … STAGES - 1, 0, … Each warp copies the part of a chunk it
+    // multiplies (its WARP_INPUTS bytes of each of the 16 rows: PIECES 16-byte copies a
+    // thread, a row's part from WARP_INPUTS / 16 neighbouring lanes), so it waits for its
+    // own copies only and no barrier of the block paces the chunks. Offsets are computed
+    // once: the loop body must stay short (its chain of dependent instructions is what a
+    // warp spends a chunk on).
     u32 src_off[PIECES], dst_off[PIECES];
 #pragma unroll
     for (int q = 0; q < PIECES; q++) {
-        const int piece = q * 32 * F8_WARPS + tid, row = piece / (KC / 16), col = (piece % (KC / 16)) * 16;
+        const int piece = q * 32 + lane, row = piece / (WARP_INPUTS / 16);
+        const int col = WARP_INPUTS * warp + (piece % (WARP_INPUTS / 16)) * 16;
         src_off[q] = (u32)(row * K + col);
         dst_off[q] = ring_base + row * ROW + col;
     }
@@ -193,20 +197,17 @@ __device__ void f8mma_gemv(const F8Args& a) {
     const u8* b_lane = act + n_row * (K + 16) + 16 * (lane >> 3) + WARP_INPUTS * warp;
 
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int t = t0, c = 0, slot = 0, buf = 0, pending = -1;
+    int t = t0, c = 0, slot = 0, buf = 0;
     const int warp_block = warp * WARP_INPUTS / 128;  // this warp's 128-input scale block in a chunk
     float scale = __ldg(a.scales + (long long)(t0 >> 3) * (K / 128) + warp_block);
     for (int it = 0; it < items; it++) {
         cp_async_wait<STAGES - 2>();
-        __syncthreads();  // chunk `it` is in; every warp is done with the previous slot
+        __syncwarp();  // this warp's part of chunk `it` is in; its lanes are done with the previous slot
         request_next();
-        if (pending >= 0) {  // the tile finished last iteration: every warp's sums are in
-            f8_tile_out<R>(a, red[buf ^ 1], inv_s, pending);
-            pending = -1;
-        }
         if (c == 0 && t * 16 >= group_end) {
-            // A new group's activations (the tile written out above read the old scales
-            // before the staging's first barrier; thread 0 writes them after it).
+            // A new group's activations: every warp has read the old ones (it passed the
+            // barrier at the end of the last tile), and the tile written out there read the
+            // old scales before the staging's first barrier (thread 0 writes them after it).
             group = t * 16 / g_out;
             group_end = (group + 1) * g_out;
             f8_stage_activations<R>(act, a.x + (long long)group * K, a.x_stride, K, inv_s, red_max);
@@ -232,7 +233,9 @@ __device__ void f8mma_gemv(const F8Args& a) {
 
         if (c == chunks - 1) {
             // The tile's sums: thread (g, q) holds rows g and g + 8, columns 2q and 2q + 1;
-            // written out after the next barrier (or after the loop).
+            // summed over the warps once every warp has written them. The next tile's go to
+            // the other buffer: this one is read until the threads writing out reach the
+            // next tile's barrier, which every warp passes before writing here again.
             const int g = lane >> 2, q = lane & 3;
             if (2 * q < 3 * R) {
                 red[buf][warp][g][2 * q] = acc[0];
@@ -242,7 +245,8 @@ __device__ void f8mma_gemv(const F8Args& a) {
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[i] = 0.0f;
-            pending = t;
+            __syncthreads();
+            f8_tile_out<R>(a, red[buf], inv_s, t);
             buf ^= 1;
         }
         c++;
@@ -252,8 +256,6 @@ __device__ void f8mma_gemv(const F8Args& a) {
         }
         slot = slot == STAGES - 1 ? 0 : slot + 1;
     }
-    __syncthreads();
-    f8_tile_out<R>(a, red[buf ^ 1], inv_s, pending);
     cp_async_wait<0>();
 }
 
