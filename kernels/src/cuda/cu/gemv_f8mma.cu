@@ -30,10 +30,10 @@
 // Work: a tile is 16 output rows (N % 16 == 0); a block takes a contiguous run of tiles
 // (one block an SM) and streams each as chunks of 16 rows × KC inputs through a ring
 // of STAGES chunks (rows padded by 16 bytes: ldmatrix reads of 8 rows hit 8 different
-// bank groups). Warp w takes inputs [KC/16 · w, KC/16 · (w + 1)) of every chunk: two mmas
-// a 64 inputs, then its partial times its scale block's scale. Sixteen warps, so that the loop body's
-// dependent instructions (one block an SM: the ring takes the shared memory) are spread
-// over four warps a scheduler. A tile's warps add their sums through shared memory in
+// bank groups). Warp w takes inputs [KC/16 · w, KC/16 · (w + 1)) of every chunk: two
+// mmas for each 64 of them, then its partial times its scale block's scale. Sixteen
+// warps, so that the loop body's dependent instructions (one block an SM: the ring takes
+// the shared memory) are spread over four warps a scheduler. A tile's warps add their sums through shared memory in
 // warp order.
 // Grouped products (wo_a: group g of output rows reads x[:, g·K .. g·K + K]) re-stage the
 // activations when a block's tile moves into the next group.
