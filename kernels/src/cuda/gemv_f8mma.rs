@@ -26,15 +26,20 @@ struct Chunks {
 const NARROW: Chunks = Chunks { inputs: 1024, stages: 6, kernel: 0 };
 const WIDE: Chunks = Chunks { inputs: 2048, stages: 4, kernel: 2 };
 
-/// The chunks for K inputs: of 2048 in a ring of four where K is a multiple (twice the
-/// work a warp does between two of the block's barriers: a 12-layer Flash step at one
-/// and two rows 1-1.5% faster on the H200), else of 1024 in a ring of six;
+/// The chunks for K inputs: of 2048 in a ring of four where K is a multiple (half the
+/// loop's waits, copy requests and scale loads a byte: a 12-layer Flash step at one and
+/// two rows 1-1.5% faster on the H200), else of 1024 in a ring of six;
 /// `SLUICE_CUDA_F8MMA_CHUNK=1024` (read once) keeps every product on the latter.
 fn chunks(k: usize) -> Chunks {
     static NARROW_ONLY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let narrow_only = *NARROW_ONLY.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_F8MMA_CHUNK") == Some(1024));
     if !narrow_only && k.is_multiple_of(WIDE.inputs) { WIDE } else { NARROW }
 }
+
+/// Fewest inputs a product needs for these kernels: K = 1024 (wq_b) measured slower than
+/// v2 (15.8 against 15.2 µs for 32768 × 1024 on the H200; 14.1 against 16.2 µs for 8192
+/// × 4096), a tile's reduction paid every 1024 inputs.
+const MIN_K: usize = 2048;
 
 /// Most dynamic shared memory the kernels are launched with (opted in at load): either
 /// ring and a row's three e4m3 parts for K up to 8192 at two rows.
@@ -82,9 +87,10 @@ fn enabled() -> bool {
 }
 
 /// The plan for `op` over `w` when these kernels take it: FP8 weights on an sm_89+ GPU
-/// (FP8 mma), one or two rows, K a multiple of the chunk and at least 2048, whole 16-row tiles (in every group
-/// of a grouped product), 16-byte aligned activation rows, and at least one tile an SM
-/// (smaller products leave SMs idle here; the v2 kernels split their K instead).
+/// (FP8 mma), one or two rows, K a multiple of the chunk and at least [`MIN_K`], whole
+/// 16-row tiles (in every group of a grouped product), 16-byte aligned activation rows,
+/// and at least one tile an SM (smaller products leave SMs idle here; the v2 kernels
+/// split their K instead).
 pub(crate) fn f8mma_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8Plan> {
     if !enabled() {
         return None;
@@ -108,10 +114,7 @@ pub(crate) fn f8mma_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Opti
     if op.groups == 0 || !k.is_multiple_of(c.inputs) || !whole_tiles || !aligned || smem > F8MMA_MAX_SMEM {
         return None;
     }
-    // K of one chunk (wq_b's 1024) measured slower than v2 (15.8 against 15.2 µs for
-    // 32768 × 1024 on the H200; 14.1 against 16.2 µs for 8192 × 4096): a tile a chunk pays
-    // the tile's reduction every chunk.
-    if tiles < gpu.sms || k < 2048 || n.checked_mul(k).is_none_or(|b| b >= 1 << 31) {
+    if tiles < gpu.sms || k < MIN_K || n.checked_mul(k).is_none_or(|b| b >= 1 << 31) {
         return None;
     }
     Some(F8Plan { name: F8MMA_KERNELS[c.kernel + op.rows - 1], tiles, grid: tiles.min(gpu.sms), smem })

@@ -33,8 +33,8 @@
 // bank groups). Warp w takes inputs [KC/16 · w, KC/16 · (w + 1)) of every chunk: two
 // mmas for each 64 of them, then its partial times its scale block's scale. Sixteen
 // warps, so that the loop body's dependent instructions (one block an SM: the ring takes
-// the shared memory) are spread over four warps a scheduler. A tile's warps add their sums through shared memory in
-// warp order.
+// the shared memory) are spread over four warps a scheduler. A tile's warps add their
+// sums through shared memory in warp order.
 // Grouped products (wo_a: group g of output rows reads x[:, g·K .. g·K + K]) re-stage the
 // activations when a block's tile moves into the next group.
 
@@ -259,8 +259,8 @@ __device__ void f8mma_gemv(const F8Args& a) {
     cp_async_wait<0>();
 }
 
-// Chunks of 1024 inputs in a ring of six, and of 2048 in a ring of four (`_w`: twice the
-// work between two barriers, half the loop's instructions a byte; gemv_f8mma.rs).
+// Chunks of 1024 inputs in a ring of six, and of 2048 in a ring of four (`_w`: half the
+// loop's waits, copy requests and scale loads a byte; gemv_f8mma.rs).
 extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r1(F8Args a) { f8mma_gemv<1, 1024, 6>(a); }
 extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_r2(F8Args a) { f8mma_gemv<2, 1024, 6>(a); }
 extern "C" __global__ void __launch_bounds__(F8_WARPS * 32, 1) gemv_f8mma_w_r1(F8Args a) { f8mma_gemv<1, 2048, 4>(a); }
