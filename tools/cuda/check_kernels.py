@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compile sluice's CUDA kernels without a GPU: the same NVRTC program the backend builds
 at run time (kernels/src/cuda/cu/*.cu concatenated in the order nvrtc.rs lists them,
-compute_90, no fast-math), then ptxas for sm_90 with its resource report (registers,
+compute_90a, no fast-math), then ptxas for sm_90a with its resource report (registers,
 shared memory, stack frame, spills per kernel). Catches compile errors and register
 spills before any device time is spent.
 
@@ -79,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ptx", help="also write the PTX here")
     ap.add_argument("--only", help="report only kernels whose name contains this")
-    ap.add_argument("--arch", default="90")
+    ap.add_argument("--arch", default="90a")
     ap.add_argument("--sass", help="print the SASS of this kernel")
     ap.add_argument("--cache", help="also write the PTX into this directory under the name the backend's PTX "
                     "cache looks for (SLUICE_PTX_CACHE; kernels/src/cuda/nvrtc.rs), so a GPU machine skips NVRTC")

@@ -7,7 +7,8 @@
 //! formats; gemv and the experts rotate over enough distinct weights to exceed the L2
 //! cache, so they measure device memory, not the cache — except the one-row runs labelled
 //! "same copy", which read one weight every call (from L2 where it fits: the kernel's own
-//! pace with device memory's latency taken away).
+//! pace with device memory's latency taken away). `SLUICE_BENCH_PRODUCTS=TEXT` keeps only
+//! the gemv rows whose name contains TEXT (e.g. `fp8`) and skips the rest of the table.
 //!
 //! Also the parity suite's entry points to either decode version (`decode_*`).
 
@@ -18,6 +19,7 @@ use super::cublas_bf16::{self, Bf16Activations};
 use super::decode_v2::{D2_KERNELS, D2Plan, d2_gemv, d2_plan};
 use super::gemm_rows::{GemmRowsPlan, gemm_rows, gemm_rows_plan, gemm_rows_plan_always};
 use super::gemv_f8mma::{F8Plan, f8mma_gemv, f8mma_plan, f8mma_plan_always};
+use super::gemv_f8wg::{F8wgPlan, f8wg_gemv, f8wg_plan_always};
 use super::matmul::{
     Decode, GEMM_BM, Operand, Tiles, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as, swiglu_pair,
 };
@@ -50,6 +52,8 @@ enum Run<'a> {
     Engine(Decode),
     /// The FP8 tensor-core gemv alone.
     F8mma(&'a F8Plan),
+    /// The FP8 warpgroup gemv alone.
+    F8wg(&'a F8wgPlan),
     /// The v2 kernel alone.
     D2(&'a D2Plan),
     /// The SIMT gemv.
@@ -120,15 +124,22 @@ impl CudaBackend {
         // Decode gemv at 1, 8 and 32 rows: an expert's gate projection (FP4, 2048 × 4096, 64 of
         // them: 276 MB), a projection like wo_a (8192 × 4096) in FP8 and BF16 and one like
         // wq_b (32768 × 1024: K of one chunk, which the FP8 tensor-core gemv leaves to v2)
-        // in FP8 and BF16 (8 copies each).
-        let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 5] = [
+        // in FP8 and BF16 (8 copies each), and FP8 ones like wo_b (4096 × 8192: 64 tiles
+        // of the warpgroup gemv, K split) and wq_a (1024 × 4096, 16 copies).
+        let gemv_sets: [(&str, OwnedFormat, usize, usize, usize); 7] = [
             ("gemv fp4 expert 2048x4096", OwnedFormat::Fp4, 2048, 4096, 64),
             ("gemv fp8 8192x4096", OwnedFormat::Fp8, 8192, 4096, 8),
             ("gemv fp8 32768x1024", OwnedFormat::Fp8, 32768, 1024, 8),
+            ("gemv fp8 4096x8192", OwnedFormat::Fp8, 4096, 8192, 8),
+            ("gemv fp8 1024x4096", OwnedFormat::Fp8, 1024, 4096, 16),
             ("gemv bf16 8192x4096", OwnedFormat::Bf16, 8192, 4096, 8),
             ("gemv bf16 32768x1024", OwnedFormat::Bf16, 32768, 1024, 8),
         ];
+        let only = std::env::var("SLUICE_BENCH_PRODUCTS").ok();
         for (what, format, n, k, copies) in gemv_sets {
+            if only.as_deref().is_some_and(|o| !what.contains(o)) {
+                continue;
+            }
             let ws: Vec<CudaWeight> = (0..copies).map(|i| stored(self, n, k, format, i as u64)).collect();
             // 32 rows: a decode batch, v2's one FP8 launch against v1's launches of 8 rows
             // (BF16: `gemm_rows_bf16` against cuBLAS with split activations stacked into
@@ -143,6 +154,10 @@ impl CudaBackend {
                 // The FP8 tensor-core gemv and the v2 kernel each on its own where both
                 // take the product.
                 let mut runs = vec![(" v1", Run::Engine(Decode::V1))];
+                let f8wg = f8wg_plan_always(g, &op, &ws[0]);
+                if let Some(plan) = &f8wg {
+                    runs.push((" f8wg", Run::F8wg(plan)));
+                }
                 let f8mma = f8mma_plan_always(g, &op, &ws[0]);
                 let d2 = d2_plan(g, &op, &ws[0], None);
                 if let Some(plan) = &f8mma {
@@ -169,6 +184,7 @@ impl CudaBackend {
                         match run {
                             Run::Engine(v) => matmul_as(g, op, w, v),
                             Run::F8mma(plan) => f8mma_gemv(g, plan, op, w),
+                            Run::F8wg(plan) => f8wg_gemv(g, plan, op, w),
                             Run::D2(plan) => d2_gemv(g, plan, op, w, None, 0.0),
                             Run::Simt => gemv_simt(g, op, w, None, 0.0),
                             Run::Rows(plan) => gemm_rows(g, plan, op, w),
@@ -188,6 +204,9 @@ impl CudaBackend {
             }
         }
         self.take_traffic();
+        if only.is_some() {
+            return out;
+        }
         out.extend(self.bench_experts(reps));
         self.take_traffic();
 
@@ -449,6 +468,41 @@ impl CudaBackend {
         let g = &self.gpu;
         let op = Operand { x: g.ptr(&x.mem), x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
         f8mma_plan(g, &op, w).map(|p| p.name)
+    }
+
+    /// One FP8 product of `rows` rows over `w` (`groups` diagonal blocks) by the kernel
+    /// `kernel` names alone — `f8wg` (the warpgroup gemv) or `f8mma` (the FP8 tensor-core
+    /// gemv) — whatever the knobs say, into `out`; the kernel it ran, or `None` (nothing
+    /// run) where that kernel does not take the product. For the parity suite.
+    pub fn decode_fp8_kernel_alone(
+        &self,
+        kernel: &str,
+        x: &CudaBuf,
+        rows: usize,
+        groups: usize,
+        w: &CudaWeight,
+        out: &mut CudaBuf,
+    ) -> Option<&'static str> {
+        let g = &self.gpu;
+        let op = Operand {
+            x: g.ptr(&x.mem),
+            x_stride: groups * w.cols,
+            out: g.ptr(&out.mem),
+            out_stride: w.rows,
+            rows,
+            groups,
+        };
+        match kernel {
+            "f8wg" => f8wg_plan_always(g, &op, w).map(|p| {
+                f8wg_gemv(g, &p, op, w);
+                p.name
+            }),
+            "f8mma" => f8mma_plan_always(g, &op, w).map(|p| {
+                f8mma_gemv(g, &p, op, w);
+                p.name
+            }),
+            other => panic!("no FP8 decode kernel {other}: f8wg or f8mma"),
+        }
     }
 
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS

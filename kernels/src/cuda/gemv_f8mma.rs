@@ -47,21 +47,22 @@ pub(crate) const F8MMA_MAX_SMEM: usize = 184 * 1024;
 /// Warps of a block (`F8_WARPS`).
 const WARPS: usize = 16;
 
-/// `F8Args` in gemv_f8mma.cu (pointers first, so both sides lay it out without padding).
+/// `F8Args` in gemv_f8mma.cu (pointers first, so both sides lay it out without padding;
+/// gemv_f8wg.cu takes it too).
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct F8Args {
-    out: u64,
-    x: u64,
-    w: u64,
-    scales: u64,
-    rows: i32,
-    n: i32,
-    k: i32,
-    x_stride: i32,
-    out_stride: i32,
-    g_out: i32,
-    tiles: i32,
+pub(crate) struct F8Args {
+    pub out: u64,
+    pub x: u64,
+    pub w: u64,
+    pub scales: u64,
+    pub rows: i32,
+    pub n: i32,
+    pub k: i32,
+    pub x_stride: i32,
+    pub out_stride: i32,
+    pub g_out: i32,
+    pub tiles: i32,
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers, `struct F8Args` in gemv_f8mma.cu.

@@ -31,7 +31,9 @@
 //!   and stream many weight rows, [`d2_plan`]); what they cannot take stays on the paths
 //!   above. Before them, plain and grouped FP8 products of 1-2 rows with K ≥ 2048 and at
 //!   least a 16-row tile an SM take the FP8 tensor-core gemv (`gemv_f8mma`: weights
-//!   streamed through shared memory in whole rows, multiplied as stored).
+//!   streamed through shared memory in whole rows, multiplied as stored); before that, on
+//!   sm_90, FP8 products of 1-2 rows in whole 64-row tiles take the warpgroup gemv
+//!   (`gemv_f8wg`: `wgmma` over e4m3 tiles in shared memory, K split by clusters).
 
 use cudarc::cublas::sys::cudaDataType;
 
@@ -40,6 +42,7 @@ use super::cublas_bf16;
 use super::decode_v2::{d2_format, d2_gemv, d2_max_rows, d2_plan};
 use super::gemm_rows::{gemm_rows, gemm_rows_plan};
 use super::gemv_f8mma::{f8mma_gemv, f8mma_plan};
+use super::gemv_f8wg::{f8wg_gemv, f8wg_plan};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, cfg_elems, launch};
 
@@ -277,13 +280,20 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
     }
 }
 
-/// gemv in launches of up to [`GEMV_ROWS`] rows: with `variant` v2, the FP8 tensor-core
-/// gemv where it takes the product (`f8mma_plan`), then the v2 kernels ([`d2_plan`]);
+/// gemv in launches of up to [`GEMV_ROWS`] rows: with `variant` v2, the FP8 warpgroup
+/// gemv where it takes the product (`f8wg_plan`, sm_90), then the FP8 tensor-core gemv
+/// (`f8mma_plan`), then the v2 kernels ([`d2_plan`]);
 /// else tensor cores where the weight allows, except BF16 at one or two rows, where the
 /// SIMT kernel streams faster (measured on the H200: 8192 × 4096 at one row 20.8 µs SIMT
 /// vs 29.6 µs tensor cores; FP8 and FP4 are even or faster on tensor cores, and every
 /// format is 3-6x faster there at 8 rows).
 fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32, variant: Decode) {
+    if variant == Decode::V2
+        && w3.is_none()
+        && let Some(plan) = f8wg_plan(gpu, &op, w)
+    {
+        return f8wg_gemv(gpu, &plan, op, w);
+    }
     if variant == Decode::V2
         && w3.is_none()
         && let Some(plan) = f8mma_plan(gpu, &op, w)

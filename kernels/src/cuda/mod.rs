@@ -27,6 +27,8 @@
 //!   (cu/gemm_rows.cu; activations split in the kernel), opt-in, tried before cuBLAS.
 //! - `gemv_f8mma`: FP8 products of 1-2 decode rows on the FP8 tensor cores
 //!   (cu/gemv_f8mma.cu), tried before v2.
+//! - `gemv_f8wg`: FP8 products of 1-2 decode rows on Hopper's `wgmma`, weights copied by
+//!   the tensor memory accelerator (cu/gemv_f8wg.cu), tried before `gemv_f8mma`.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
@@ -52,6 +54,7 @@ mod devplan;
 mod download;
 mod gemm_rows;
 mod gemv_f8mma;
+mod gemv_f8wg;
 mod hc;
 mod kv_buffer;
 mod matmul;
@@ -165,6 +168,11 @@ impl CudaBackend {
     /// Multiprocessors of the device.
     pub fn multiprocessors(&self) -> usize {
         self.gpu.sms
+    }
+
+    /// The device's compute capability (major, minor).
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.gpu.cc
     }
 
     /// Wait for all issued work (for timing from the host).

@@ -37,6 +37,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("indexer_mma.cu", include_str!("cu/indexer_mma.cu")),
     ("readout.cu", include_str!("cu/readout.cu")),
     ("gemv_f8mma.cu", include_str!("cu/gemv_f8mma.cu")),
+    ("gemv_f8wg.cu", include_str!("cu/gemv_f8wg.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.
@@ -52,10 +53,12 @@ pub(crate) fn source() -> String {
     s
 }
 
-/// `compute_XY` for the device (sm_90 on Hopper).
+/// `compute_XY` for the device: on Hopper `compute_90a`, the target whose PTX may use the
+/// warpgroup instructions (`wgmma`, cu/gemv_f8wg.cu); such PTX runs on sm_90 parts only,
+/// and it is compiled for the device at hand.
 fn arch(cc: (i32, i32)) -> &'static str {
     match cc {
-        (9, 0) => "compute_90",
+        (9, 0) => "compute_90a",
         (8, 9) => "compute_89",
         (8, 6) => "compute_86",
         (8, 0) => "compute_80",

@@ -112,9 +112,11 @@ const F8MMA_TOL: f32 = 2e-4;
 /// counts of 1024- and 2048-input chunks, the kernel's two chunk sizes) and the grouped
 /// wo_a (8 groups of 1024 outputs over 4096 inputs: blocks whose tiles cross into the
 /// next group), on poisoned outputs, against the CPU; rows of very different magnitudes
-/// (each row's parts have their own scale). Every case first checks that the engine's
-/// v2 path takes this kernel, with chunks of 2048 where K is a multiple (unless
-/// `SLUICE_CUDA_F8MMA_CHUNK=1024`); wq_b's shape (K 1024) must stay with v2.
+/// (each row's parts have their own scale). Every case first checks that this kernel's
+/// plan takes it, with chunks of 2048 where K is a multiple (unless
+/// `SLUICE_CUDA_F8MMA_CHUNK=1024`), then runs the kernel alone (on sm_90 the engine tries
+/// the warpgroup gemv first: f8wg.rs); wq_b's shape (K 1024) is not this kernel's and
+/// runs the engine's path.
 #[test]
 fn cuda_f8mma_products_match_cpu() {
     let Some(g) = gpu("cuda_f8mma_products_match_cpu") else { return };
@@ -133,9 +135,15 @@ fn cuda_f8mma_products_match_cpu() {
             assert_eq!(kernel.is_some(), k > 1024, "f8mma takes {groups} x {n}x{k} at {rows} rows: {kernel:?}");
             let wide = narrow_only.is_none() && k % 2048 == 0;
             assert_eq!(kernel.is_some_and(|k| k.contains("_w_")), wide, "chunks of {groups} x {n}x{k}: {kernel:?}");
-            let kernel = kernel.unwrap_or("v2");
             let mut out = poisoned(g, rows * n);
-            g.decode_matmul("v2", &gx, rows, groups, &gw, &mut out);
+            // The kernel alone (the engine's path tries the warpgroup gemv first on sm_90).
+            let kernel = match kernel {
+                Some(_) => g.decode_fp8_kernel_alone("f8mma", &gx, rows, groups, &gw, &mut out).expect("f8mma runs"),
+                None => {
+                    g.decode_matmul("v2", &gx, rows, groups, &gw, &mut out);
+                    "v2"
+                }
+            };
             let got = g.download(&out);
             let mut want = vec![0f32; rows * n];
             c.grouped_matmul(&x, rows, groups, &cw, &mut want);

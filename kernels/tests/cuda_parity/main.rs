@@ -29,6 +29,8 @@ mod cublas;
 mod cuda_gpu;
 /// The second-version decode kernels (`SLUICE_CUDA_DECODE_KERNELS=v2`).
 mod decode;
+/// The FP8 warpgroup gemv (sm_90).
+mod f8wg;
 /// BF16 products of 9-32 decode rows in one tensor-core launch.
 mod gemm_rows;
 /// Products of one input in one launch or one split.

@@ -1,0 +1,220 @@
+//! FP8 products of one or two decode rows on Hopper's warpgroup tensor-core instruction
+//! (cu/gemv_f8wg.cu, `wgmma` with e4m3 operands): which products they take
+//! ([`f8wg_plan`]) and their launch. [`super::matmul`] tries them first for FP8
+//! products of 1-2 rows on sm_90; `SLUICE_CUDA_F8WG=0` leaves them to `gemv_f8mma` and v2.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::{
+    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
+    CUtensorMapSwizzle, cuTensorMapEncodeTiled,
+};
+
+use super::gemv_f8mma::F8Args;
+use super::matmul::{Operand, weight_ptrs};
+use super::memory::{CudaWeight, WeightData};
+use super::runtime::{Gpu, cfg, launch};
+
+/// The kernels by ring (8 chunks, then 4: `_s4_`), rows (1, 2) and the blocks of a
+/// cluster that split K (1, 2, 4, 8).
+pub(crate) const F8WG_KERNELS: [&str; 16] = [
+    "gemv_f8wg_r1_k1",
+    "gemv_f8wg_r1_k2",
+    "gemv_f8wg_r1_k4",
+    "gemv_f8wg_r1_k8",
+    "gemv_f8wg_r2_k1",
+    "gemv_f8wg_r2_k2",
+    "gemv_f8wg_r2_k4",
+    "gemv_f8wg_r2_k8",
+    "gemv_f8wg_s4_r1_k1",
+    "gemv_f8wg_s4_r1_k2",
+    "gemv_f8wg_s4_r1_k4",
+    "gemv_f8wg_s4_r1_k8",
+    "gemv_f8wg_s4_r2_k1",
+    "gemv_f8wg_s4_r2_k2",
+    "gemv_f8wg_s4_r2_k4",
+    "gemv_f8wg_s4_r2_k8",
+];
+/// K splits, in the order of [`F8WG_KERNELS`].
+const SPLITS: [usize; 4] = [1, 2, 4, 8];
+
+/// Output rows of a tile (`WG_TILE`), inputs of a chunk (`WG_KC`: one FP8 scale block)
+/// and threads of a block (one warpgroup).
+const TILE: usize = 64;
+const CHUNK_INPUTS: usize = 128;
+const THREADS: u32 = 128;
+
+/// Chunks in a block's ring (`S`): 4 (half the shared memory of 8, so more blocks fit an
+/// SM: V4-Flash's `wo_b` 12.7 against 16.0 µs on the H200), or 8 with
+/// `SLUICE_CUDA_F8WG_STAGES=8` (read once).
+fn stages() -> usize {
+    static S: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *S.get_or_init(|| if super::runtime::env_rows("SLUICE_CUDA_F8WG_STAGES") == Some(8) { 8 } else { 4 })
+}
+
+/// What a block's tile costs beyond its weight bytes, in inputs of a row: the wait for
+/// the last chunk's products, the sums through shared memory and, with a K split, the
+/// cluster barrier — about two chunks' time (a split of 8 with one chunk a tile ran
+/// `wq_b`, 32,768 × 1,024, in 20.1 µs against 13.0 with two chunks a tile).
+const TILE_COST: usize = 2 * CHUNK_INPUTS;
+
+/// Most dynamic shared memory the kernels are launched with (opted in at load): the ring
+/// (8 KiB a chunk) and the activations' e4m3 parts (8 bytes an input of the block's K part).
+pub(crate) const F8WG_MAX_SMEM: usize = 200 * 1024;
+/// Dynamic shared memory a block needs beyond the ring and the activations: the ring's
+/// slots are aligned to 1 KiB in the kernel.
+const ALIGN_SLACK: usize = 1024;
+
+/// `WgArgs` in gemv_f8wg.cu: the weight's tensor map (a `CUtensorMap`'s 128 bytes), then
+/// `F8Args`.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct WgArgs {
+    map: [u64; 16],
+    a: F8Args,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers, `struct WgArgs` in gemv_f8wg.cu (both
+// 64-byte aligned, the map first).
+unsafe impl DeviceRepr for WgArgs {}
+
+/// The tensor map of an FP8 weight of `n` rows × `k` bytes at device address `w`: boxes of
+/// 64 rows × 128 bytes (a chunk), copied into shared memory with the 128-byte swizzle the
+/// kernel's wgmma descriptors name.
+fn weight_map(w: u64, n: usize, k: usize) -> [u64; 16] {
+    let dims = [k as u64, n as u64];
+    let strides = [k as u64];
+    let boxes = [CHUNK_INPUTS as u32, TILE as u32];
+    let elements = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: the arrays outlive the call and hold the rank (2) entries the driver reads
+    // (one stride: the outermost dimension's is implied); `map` is written by the driver.
+    let r = unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            2,
+            w as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elements.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuTensorMapEncodeTiled for an FP8 weight of {n} x {k} (address {w:#x})");
+    // SAFETY: initialised by the successful call above.
+    unsafe { map.assume_init() }.opaque
+}
+
+/// How many blocks (`split` 1) or clusters of `split` blocks of `name` with `smem` bytes
+/// of dynamic shared memory are resident on the GPU at once, from the driver's occupancy
+/// calculator (clusters must fit a GPC, so fewer than SMs / split may be), remembered.
+fn resident(gpu: &Gpu, name: &'static str, split: usize, smem: usize) -> usize {
+    /// (device ordinal, kernel, dynamic shared memory) → blocks or clusters resident.
+    type Seen = HashMap<(usize, &'static str, usize), usize>;
+    static SEEN: Mutex<Option<Seen>> = Mutex::new(None);
+    let key = (gpu.ordinal, name, smem);
+    if let Some(&n) = SEEN.lock().unwrap().get_or_insert_with(HashMap::new).get(&key) {
+        return n;
+    }
+    let f = gpu.func(name);
+    let n = if split == 1 {
+        f.occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None).map(|b| b as usize * gpu.sms)
+    } else {
+        let grid = (split * gpu.sms) as u32;
+        f.occupancy_max_active_clusters(cfg((grid, 1, 1), THREADS, smem as u32), &gpu.stream).map(|c| c as usize)
+    };
+    let n = n.unwrap_or_else(|e| panic!("occupancy of {name} with {smem} bytes of shared memory: {e}")).max(1);
+    SEEN.lock().unwrap().get_or_insert_with(HashMap::new).insert(key, n);
+    n
+}
+
+/// One launch: the kernel, the cluster size (K split), the grid and shared memory.
+pub(crate) struct F8wgPlan {
+    pub name: &'static str,
+    split: usize,
+    tiles: usize,
+    grid: usize,
+    smem: usize,
+}
+
+/// Whether these kernels may take products (`SLUICE_CUDA_F8WG=0`: never, to compare).
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_F8WG").map(|v| v != "0").unwrap_or(true))
+}
+
+/// The plan for `op` over `w` when these kernels take it (`SLUICE_CUDA_F8WG` respected).
+pub(crate) fn f8wg_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgPlan> {
+    if !enabled() {
+        return None;
+    }
+    f8wg_plan_always(gpu, op, w)
+}
+
+/// [`f8wg_plan`] whatever `SLUICE_CUDA_F8WG` says: FP8 weights on an sm_90 GPU (the
+/// kernels are compiled for compute_90a there), one or two rows, whole 64-row tiles (in
+/// every group of a grouped product), K a multiple of 128, 16-byte aligned activation
+/// rows. The K split is the one that gives the busiest block the least work (its weight
+/// bytes and [`TILE_COST`] a tile) when the grid is what the GPU holds at once (the
+/// driver's occupancy for the kernel, its shared memory and its cluster size); ties go to
+/// the smaller split.
+pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgPlan> {
+    if !matches!(w.data, WeightData::Fp8 { .. }) || gpu.cc.0 != 9 || !(1..=2).contains(&op.rows) || op.groups == 0 {
+        return None;
+    }
+    let (n, k) = (w.rows, w.cols);
+    let grouped = op.groups > 1;
+    let whole_tiles =
+        n.is_multiple_of(TILE) && (!grouped || (n.is_multiple_of(op.groups) && (n / op.groups).is_multiple_of(TILE)));
+    let aligned = op.x.is_multiple_of(16) && op.x_stride.is_multiple_of(4);
+    if !whole_tiles || !aligned || !k.is_multiple_of(CHUNK_INPUTS) || n.checked_mul(k).is_none_or(|b| b >= 1 << 31) {
+        return None;
+    }
+    let tiles = n / TILE;
+    let stages = stages();
+    let mut best: Option<(usize, F8wgPlan)> = None;
+    for (i, &split) in SPLITS.iter().enumerate() {
+        if !k.is_multiple_of(split * CHUNK_INPUTS) {
+            continue;
+        }
+        let smem = stages * TILE * CHUNK_INPUTS + 8 * (k / split) + ALIGN_SLACK;
+        if smem > F8WG_MAX_SMEM {
+            continue;
+        }
+        let name = F8WG_KERNELS[if stages == 4 { 8 } else { 0 } + 4 * (op.rows - 1) + i];
+        let clusters = tiles.min(resident(gpu, name, split, smem));
+        let busiest = tiles.div_ceil(clusters) * (k / split + TILE_COST);
+        if best.as_ref().is_none_or(|(b, _)| busiest < *b) {
+            best = Some((busiest, F8wgPlan { name, split, tiles, grid: clusters * split, smem }));
+        }
+    }
+    best.map(|(_, plan)| plan)
+}
+
+/// Launch `plan` for `op` over `w`.
+pub(crate) fn f8wg_gemv(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w: &CudaWeight) {
+    let (wp, sp) = weight_ptrs(gpu, w);
+    let a = F8Args {
+        out: op.out,
+        x: op.x,
+        w: wp,
+        scales: sp,
+        rows: op.rows as i32,
+        n: w.rows as i32,
+        k: w.cols as i32,
+        x_stride: op.x_stride as i32,
+        out_stride: op.out_stride as i32,
+        g_out: op.g_out(w),
+        tiles: plan.tiles as i32,
+    };
+    let args = WgArgs { map: weight_map(wp, w.rows, w.cols), a };
+    debug_assert!(plan.grid.is_multiple_of(plan.split));
+    launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), THREADS, plan.smem as u32), args);
+}

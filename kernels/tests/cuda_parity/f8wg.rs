@@ -1,0 +1,85 @@
+//! The FP8 warpgroup gemv (cu/gemv_f8wg.cu: `wgmma` over e4m3 tiles, K split by
+//! thread-block clusters) against the CPU, and the engine's FP8 decode path taking it.
+
+use super::*;
+
+/// Allowed max|Δ|/max|CPU| of a row of the warpgroup gemv: its activations are the same
+/// three e4m3 parts as `gemv_f8mma`'s (~2^-12 of each value) and each wgmma's 32 products
+/// are summed by the tensor core in fewer bits than f32 before the f32 sums take them;
+/// the bound is `gemv_f8mma`'s, where a wrong tile, descriptor, scale or K part gives
+/// errors of order 1.
+const F8WG_TOL: f32 = 2e-4;
+
+/// An FP8 weight whose 128 × 128 blocks have magnitudes 2^-2 .. 2^2 apart, so every
+/// block gets its own scale and a scale read from the wrong block is seen.
+fn blocky_fp8(rng: &mut ChaCha8Rng, n: usize, k: usize) -> TestWeight {
+    let mut host = HostMatrix::new(n, k, rand_vec(rng, n * k, 0.05));
+    for r in 0..n {
+        for c in 0..k {
+            let e = ((r / 128) * 3 + c / 128) % 5;
+            host.data[r * k + c] *= [0.25f32, 0.5, 1.0, 2.0, 4.0][e];
+        }
+    }
+    TestWeight { stored: Some(OwnedWeight::quantize(&host, OwnedFormat::Fp8)), host }
+}
+
+/// Shapes (groups, outputs, inputs) at 1 and 2 rows of very different magnitudes, on
+/// poisoned outputs: V4-Flash's wo_b (K 8192), the shared expert's down projection (K
+/// 2048), wq_b (32,768 × 1,024: many tiles), wq_a (1,024 × 4,096: few tiles, K split by a
+/// cluster), the grouped wo_a (8 groups of 1,024 outputs over 4,096 inputs), and odd ones:
+/// 65 tiles (clusters with one and two tiles), K = 384 (three chunks, no split possible
+/// past 1), K = 3,072 (a split of 8 leaves three chunks a block), one tile. The printed
+/// kernel names the K split the plan chose (the `_k` suffix; `_s4_`: rings of 4). Each
+/// case checks the kernel takes the shape, then that the engine's FP8 decode path gives
+/// the same bits (it runs this kernel) unless `SLUICE_CUDA_F8WG=0`.
+#[test]
+fn cuda_f8wg_products_match_cpu() {
+    let Some(g) = gpu("cuda_f8wg_products_match_cpu") else { return };
+    if g.compute_capability().0 != 9 {
+        eprintln!("cuda_f8wg_products_match_cpu: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)");
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = rng("f8wg products");
+    let engine_takes_it = std::env::var("SLUICE_CUDA_F8WG").map(|v| v != "0").unwrap_or(true);
+    let shapes = [
+        (1, 4096, 8192),
+        (1, 4096, 2048),
+        (1, 32768, 1024),
+        (1, 1024, 4096),
+        (8, 8 * 1024, 4096),
+        (1, 65 * 64, 4096),
+        (1, 2048, 384),
+        (1, 512, 3072),
+        (1, 64, 1024),
+    ];
+    for (groups, n, k) in shapes {
+        let w = blocky_fp8(&mut rng, n, k);
+        let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+        for rows in [1, 2] {
+            let x: Vec<f32> = (0..rows).flat_map(|r| rand_vec(&mut rng, groups * k, [1.0, 3e-3][r])).collect();
+            let gx = g.upload(&x);
+            let mut out = poisoned(g, rows * n);
+            let kernel = g.decode_fp8_kernel_alone("f8wg", &gx, rows, groups, &gw, &mut out);
+            let kernel = kernel.unwrap_or_else(|| panic!("f8wg does not take {groups} x {n}x{k} at {rows} rows"));
+            let got = g.download(&out);
+            let mut want = vec![0f32; rows * n];
+            c.grouped_matmul(&x, rows, groups, &cw, &mut want);
+            for r in 0..rows {
+                let span = r * n..(r + 1) * n;
+                let e = rel_err(&got[span.clone()], &want[span]);
+                eprintln!("PARITY f8wg {groups}x{n}x{k} rows={rows} row {r} ({kernel}) {e:.2e}");
+                assert!(e <= F8WG_TOL, "{kernel} {groups} x {n}x{k} row {r} of {rows}: {e:.3e} above {F8WG_TOL:.0e}");
+            }
+            if engine_takes_it {
+                let mut engine = poisoned(g, rows * n);
+                g.decode_matmul("v2", &gx, rows, groups, &gw, &mut engine);
+                let same = g.download(&engine).iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "the engine's FP8 decode path did not run {kernel} for {groups} x {n}x{k} at {rows} rows"
+                );
+            }
+        }
+    }
+}
