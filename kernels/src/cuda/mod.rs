@@ -1,5 +1,5 @@
 //! The CUDA backend: f32 activations, weights and KV storage in device memory, kernels
-//! compiled at run time with NVRTC for the device's architecture (sm_90 on Hopper),
+//! compiled at run time with NVRTC for the device's architecture (sm_90a on Hopper),
 //! GEMMs through cuBLAS. The driver, NVRTC and cuBLAS are loaded when a backend is
 //! created, so a binary built with this module runs (CPU-only) on machines without
 //! CUDA; [`CudaBackend::new`] then says what is missing.
