@@ -147,7 +147,7 @@ __device__ __forceinline__ void wg_wait() {
 __device__ __forceinline__ void wg_hold(float (&d)[4]) {
     asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
 }
-// Shared-memory writes of ordinary stores and cp.async seen by the wgmma's reads.
+// Shared-memory writes of ordinary stores (the staged activations) seen by the wgmmas.
 __device__ __forceinline__ void wg_proxy_fence() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
