@@ -68,6 +68,26 @@ pub(crate) struct F8Args {
 // SAFETY: a plain #[repr(C)] struct of integers, `struct F8Args` in gemv_f8mma.cu.
 unsafe impl DeviceRepr for F8Args {}
 
+impl F8Args {
+    /// The arguments of `op` over `w` in `tiles` tiles.
+    pub(crate) fn new(gpu: &Gpu, op: &Operand, w: &CudaWeight, tiles: usize) -> Self {
+        let (wp, sp) = weight_ptrs(gpu, w);
+        F8Args {
+            out: op.out,
+            x: op.x,
+            w: wp,
+            scales: sp,
+            rows: op.rows as i32,
+            n: w.rows as i32,
+            k: w.cols as i32,
+            x_stride: op.x_stride as i32,
+            out_stride: op.out_stride as i32,
+            g_out: op.g_out(w),
+            tiles: tiles as i32,
+        }
+    }
+}
+
 /// One launch: the kernel, its grid (one block an SM at most) and shared memory.
 pub(crate) struct F8Plan {
     pub name: &'static str,
@@ -123,19 +143,6 @@ pub(crate) fn f8mma_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Opti
 
 /// Launch `plan` for `op` over `w`.
 pub(crate) fn f8mma_gemv(gpu: &Gpu, plan: &F8Plan, op: Operand, w: &CudaWeight) {
-    let (wp, sp) = weight_ptrs(gpu, w);
-    let args = F8Args {
-        out: op.out,
-        x: op.x,
-        w: wp,
-        scales: sp,
-        rows: op.rows as i32,
-        n: w.rows as i32,
-        k: w.cols as i32,
-        x_stride: op.x_stride as i32,
-        out_stride: op.out_stride as i32,
-        g_out: op.g_out(w),
-        tiles: plan.tiles as i32,
-    };
+    let args = F8Args::new(gpu, &op, w, plan.tiles);
     launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), (WARPS * 32) as u32, plan.smem as u32), args);
 }

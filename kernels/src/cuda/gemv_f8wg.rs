@@ -13,7 +13,7 @@ use cudarc::driver::sys::{
 };
 
 use super::gemv_f8mma::F8Args;
-use super::matmul::{Operand, weight_ptrs};
+use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -200,21 +200,8 @@ pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Optio
 
 /// Launch `plan` for `op` over `w`.
 pub(crate) fn f8wg_gemv(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w: &CudaWeight) {
-    let (wp, sp) = weight_ptrs(gpu, w);
-    let a = F8Args {
-        out: op.out,
-        x: op.x,
-        w: wp,
-        scales: sp,
-        rows: op.rows as i32,
-        n: w.rows as i32,
-        k: w.cols as i32,
-        x_stride: op.x_stride as i32,
-        out_stride: op.out_stride as i32,
-        g_out: op.g_out(w),
-        tiles: plan.tiles as i32,
-    };
-    let args = WgArgs { map: weight_map(wp, w.rows, w.cols), a };
+    let a = F8Args::new(gpu, &op, w, plan.tiles);
+    let args = WgArgs { map: weight_map(a.w, w.rows, w.cols), a };
     debug_assert!(plan.grid.is_multiple_of(plan.split));
     launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), THREADS, plan.smem as u32), args);
 }

@@ -154,12 +154,38 @@ __device__ __forceinline__ void wg_proxy_fence() {
 #endif
 }
 
+// Each thread's largest magnitudes m[r] of R rows → every row's power-of-two scale s[r]
+// (in every thread; the row's largest magnitude lands in [128, 256), 1 for a row of zeros
+// or non-finite values) and 1 / s into inv_s (thread 0), through red_max. The same rule
+// as gemv_f8mma.cu's staging, whose compiled code is left as measured.
+template <int R>
+__device__ __forceinline__ void wg_row_scales(float (&m)[R], float* red_max, float (&s)[R], float* inv_s) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        m[r] = warp_max(m[r]);
+        if (lane == 0) red_max[warp * R + r] = m[r];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        float mm = 0.0f;
+#pragma unroll
+        for (int w = 0; w < WG_THREADS / 32; w++) mm = fmaxf(mm, red_max[w * R + r]);
+        int e = 0;
+        frexpf(mm, &e);  // mm = f · 2^e, f in [0.5, 1): mm · 2^(8 - e) in [128, 256)
+        const bool usable = mm > 0.0f && mm < 3.0e38f;
+        s[r] = usable ? ldexpf(1.0f, 8 - e) : 1.0f;
+        if (tid == 0) inv_s[r] = usable ? ldexpf(1.0f, e - 8) : 1.0f;
+    }
+}
+
 // Rows 0..R-1 of x (inputs [0, KB) from `x`, rows `x_stride` apart) as three e4m3 parts
 // each into `act` (the canonical layout above), 1 / s_r into inv_s. Starts and ends with
 // a barrier (the caller fences the async proxy after it).
 template <int R>
 __device__ void wg_stage_activations(u8* act, const float* x, int x_stride, int KB, float* inv_s, float* red_max) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     __syncthreads();  // the tile before has read inv_s and the wgmmas before have read act
     // Four loads in flight a thread (the block has 128 threads for up to 8,192 inputs).
     constexpr int STEP = 4 * WG_THREADS;
@@ -177,22 +203,9 @@ __device__ void wg_stage_activations(u8* act, const float* x, int x_stride, int 
             for (int j = 0; j < 4; j++)
                 m[r] = fmaxf(m[r], fmaxf(fmaxf(fabsf(v[j].x), fabsf(v[j].y)), fmaxf(fabsf(v[j].z), fabsf(v[j].w))));
         }
-        m[r] = warp_max(m[r]);
-        if (lane == 0) red_max[warp * R + r] = m[r];
     }
-    __syncthreads();
     float s[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        float mm = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WG_THREADS / 32; w++) mm = fmaxf(mm, red_max[w * R + r]);
-        int e = 0;
-        frexpf(mm, &e);  // mm = f · 2^e, f in [0.5, 1): mm · 2^(8 - e) in [128, 256)
-        const bool usable = mm > 0.0f && mm < 3.0e38f;
-        s[r] = usable ? ldexpf(1.0f, 8 - e) : 1.0f;
-        if (tid == 0) inv_s[r] = usable ? ldexpf(1.0f, e - 8) : 1.0f;
-    }
+    wg_row_scales<R>(m, red_max, s, inv_s);
 #pragma unroll 4
     for (int k = 4 * tid; k < KB; k += 4 * WG_THREADS) {
         u8* piece = act + (k >> 4) * 128 + (k & 15);  // part n of inputs k..k+3 at piece + 16n
@@ -411,20 +424,17 @@ __device__ void f8wg_gemv(const WgArgs& args) {
         f8wg_gemv<R, KS, S>(args);                                                                                   \
     }
 
-// A ring of 8 chunks (gemv_f8wg_*) and of 4 (gemv_f8wg_s4_*).
-WG_KERNEL(gemv_f8wg_r1_k1, 1, 1, 8, )
-WG_KERNEL(gemv_f8wg_r1_k2, 1, 2, 8, WG_CLUSTER(2))
-WG_KERNEL(gemv_f8wg_r1_k4, 1, 4, 8, WG_CLUSTER(4))
-WG_KERNEL(gemv_f8wg_r1_k8, 1, 8, 8, WG_CLUSTER(8))
-WG_KERNEL(gemv_f8wg_r2_k1, 2, 1, 8, )
-WG_KERNEL(gemv_f8wg_r2_k2, 2, 2, 8, WG_CLUSTER(2))
-WG_KERNEL(gemv_f8wg_r2_k4, 2, 4, 8, WG_CLUSTER(4))
-WG_KERNEL(gemv_f8wg_r2_k8, 2, 8, 8, WG_CLUSTER(8))
-WG_KERNEL(gemv_f8wg_s4_r1_k1, 1, 1, 4, )
-WG_KERNEL(gemv_f8wg_s4_r1_k2, 1, 2, 4, WG_CLUSTER(2))
-WG_KERNEL(gemv_f8wg_s4_r1_k4, 1, 4, 4, WG_CLUSTER(4))
-WG_KERNEL(gemv_f8wg_s4_r1_k8, 1, 8, 4, WG_CLUSTER(8))
-WG_KERNEL(gemv_f8wg_s4_r2_k1, 2, 1, 4, )
-WG_KERNEL(gemv_f8wg_s4_r2_k2, 2, 2, 4, WG_CLUSTER(2))
-WG_KERNEL(gemv_f8wg_s4_r2_k4, 2, 4, 4, WG_CLUSTER(4))
-WG_KERNEL(gemv_f8wg_s4_r2_k8, 2, 8, 4, WG_CLUSTER(8))
+// Every row count and K split of a ring: a ring of 8 chunks (gemv_f8wg_*) and of 4
+// (gemv_f8wg_s4_*).
+#define WG_KERNELS(P, S)                              \
+    WG_KERNEL(P##r1_k1, 1, 1, S, )                    \
+    WG_KERNEL(P##r1_k2, 1, 2, S, WG_CLUSTER(2))       \
+    WG_KERNEL(P##r1_k4, 1, 4, S, WG_CLUSTER(4))       \
+    WG_KERNEL(P##r1_k8, 1, 8, S, WG_CLUSTER(8))       \
+    WG_KERNEL(P##r2_k1, 2, 1, S, )                    \
+    WG_KERNEL(P##r2_k2, 2, 2, S, WG_CLUSTER(2))       \
+    WG_KERNEL(P##r2_k4, 2, 4, S, WG_CLUSTER(4))       \
+    WG_KERNEL(P##r2_k8, 2, 8, S, WG_CLUSTER(8))
+
+WG_KERNELS(gemv_f8wg_, 8)
+WG_KERNELS(gemv_f8wg_s4_, 4)
