@@ -56,8 +56,9 @@ fn stages() -> usize {
 
 /// What a block's tile costs beyond its weight bytes, in inputs of a row: the wait for
 /// the last chunk's products, the sums through shared memory and, with a K split, the
-/// cluster barrier — about two chunks' time (a split of 8 with one chunk a tile ran
-/// `wq_b`, 32,768 × 1,024, in 20.1 µs against 13.0 with two chunks a tile).
+/// cluster barrier — about two chunks' time (on the H200, `wq_b`, 32,768 × 1,024, ran in
+/// 20.1 µs split by 8, one chunk a tile, when the plan counted bytes alone; 11.8 µs with
+/// this cost counted, which keeps its K whole).
 const TILE_COST: usize = 2 * CHUNK_INPUTS;
 
 /// Most dynamic shared memory the kernels are launched with (opted in at load): the ring
