@@ -457,7 +457,7 @@ impl CudaBackend {
         w3: Option<&CudaWeight>,
     ) -> Option<&'static str> {
         let g = &self.gpu;
-        let op = Operand { x: g.ptr(&x.mem), x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        let op = Operand::contiguous(g.ptr(&x.mem), 0, rows, groups, w);
         let plan = d2_plan(g, &op, w, w3)?;
         D2_KERNELS.iter().copied().find(|&k| k == plan.name)
     }
@@ -466,7 +466,7 @@ impl CudaBackend {
     /// takes it (`SLUICE_CUDA_F8MMA` respected), for the parity suite.
     pub fn decode_f8mma_kernel(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight) -> Option<&'static str> {
         let g = &self.gpu;
-        let op = Operand { x: g.ptr(&x.mem), x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        let op = Operand::contiguous(g.ptr(&x.mem), 0, rows, groups, w);
         f8mma_plan(g, &op, w).map(|p| p.name)
     }
 
@@ -484,14 +484,7 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) -> Option<&'static str> {
         let g = &self.gpu;
-        let op = Operand {
-            x: g.ptr(&x.mem),
-            x_stride: groups * w.cols,
-            out: g.ptr(&out.mem),
-            out_stride: w.rows,
-            rows,
-            groups,
-        };
+        let op = Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
         match kernel {
             "f8wg" => f8wg_plan_always(g, &op, w).map(|p| {
                 f8wg_gemv(g, &p, op, w);

@@ -288,17 +288,13 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
 /// vs 29.6 µs tensor cores; FP8 and FP4 are even or faster on tensor cores, and every
 /// format is 3-6x faster there at 8 rows).
 fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32, variant: Decode) {
-    if variant == Decode::V2
-        && w3.is_none()
-        && let Some(plan) = f8wg_plan(gpu, &op, w)
-    {
-        return f8wg_gemv(gpu, &plan, op, w);
-    }
-    if variant == Decode::V2
-        && w3.is_none()
-        && let Some(plan) = f8mma_plan(gpu, &op, w)
-    {
-        return f8mma_gemv(gpu, &plan, op, w);
+    if variant == Decode::V2 && w3.is_none() {
+        if let Some(plan) = f8wg_plan(gpu, &op, w) {
+            return f8wg_gemv(gpu, &plan, op, w);
+        }
+        if let Some(plan) = f8mma_plan(gpu, &op, w) {
+            return f8mma_gemv(gpu, &plan, op, w);
+        }
     }
     if variant == Decode::V2
         && let Some(plan) = d2_plan(gpu, &op, w, w3)
