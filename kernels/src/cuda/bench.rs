@@ -8,7 +8,8 @@
 //! cache, so they measure device memory, not the cache — except the one-row runs labelled
 //! "same copy", which read one weight every call (from L2 where it fits: the kernel's own
 //! pace with device memory's latency taken away). `SLUICE_BENCH_PRODUCTS=TEXT` keeps only
-//! the gemv rows whose name contains TEXT (e.g. `fp8`) and skips the rest of the table.
+//! the gemv rows whose name contains TEXT (e.g. `fp8`; `experts` the routed experts'
+//! rows alone) and skips the rest of the table.
 //!
 //! Also the parity suite's entry points to either decode version (`decode_*`).
 
@@ -26,6 +27,7 @@ use super::matmul::{
 use super::memory::CudaWeight;
 use super::moe::{experts_routed_on_device, moe_as};
 use super::moe_v2::{experts_v2_plan, segments_plan};
+use super::moe_wgmma::{wgmoe_plan, without_wgmoe};
 use super::{CudaBackend, CudaBuf};
 use crate::backend::{Backend, ExpertWeights, MoeWeights, Routing};
 use crate::stored::{OwnedFormat, OwnedWeight};
@@ -204,11 +206,13 @@ impl CudaBackend {
             }
         }
         self.take_traffic();
+        if only.as_deref().is_none_or(|o| "experts fp4".contains(o)) {
+            out.extend(self.bench_experts(reps));
+            self.take_traffic();
+        }
         if only.is_some() {
             return out;
         }
-        out.extend(self.bench_experts(reps));
-        self.take_traffic();
 
         // Prefill GEMMs: 8192 rows through wo_a (FP8, 8192 × 4096), and one MoE layer's
         // gate projection at 8192 tokens × top-6 over 256 FP4 experts (192 rows each).
@@ -320,13 +324,21 @@ impl CudaBackend {
         let weights = self.upload(&[0.3, 0.25, 0.2, 0.1, 0.1, 0.05]);
         let mut y = self.zeros(d);
         let mut out = Vec::new();
-        for (label, variant) in [("v1", Decode::V1), ("v2", Decode::V2)] {
-            if variant == Decode::V2 && experts_v2_plan(1, &w).is_none() {
+        // v2 by its segment kernels and, on sm_90, on `wgmma` (what the engine runs there).
+        let runs = [("v1", Decode::V1, false), ("v2 segments", Decode::V2, false), ("v2 wgmma", Decode::V2, true)];
+        for (label, variant, wgmma) in runs {
+            if variant == Decode::V2 && experts_v2_plan(1, &w).is_none() || wgmma && wgmoe_plan(g, 1, &w).is_none() {
                 continue;
             }
             let mut i = 0;
             let t = self.time_kernel_us(reps * sets, || {
-                experts_routed_on_device(self, &x, 1, &[0], &w, &chosen[i % sets], &weights, &mut y, variant, None);
+                let set = &chosen[i % sets];
+                let mut run = || experts_routed_on_device(self, &x, 1, &[0], &w, set, &weights, &mut y, variant, None);
+                if wgmma {
+                    run()
+                } else {
+                    without_wgmoe(run)
+                };
                 i += 1;
             });
             out.push(ProductTime {
@@ -431,7 +443,8 @@ impl CudaBackend {
         swiglu_pair(g, op, w1, w3, limit, decode_variant(variant));
     }
 
-    /// The MoE block ([`Backend::moe`]) with decode kernels `variant`, for the parity suite.
+    /// The MoE block ([`Backend::moe`]) with decode kernels `variant` (`v1`, `v2`, or
+    /// `v2-segments`: v2 with the routed experts kept off `wgmma`), for the parity suite.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_moe(
         &self,
@@ -443,7 +456,18 @@ impl CudaBackend {
         shared_rows: std::ops::Range<usize>,
         out: &mut CudaBuf,
     ) {
-        moe_as(self, x, rows, tokens, w, shared_rows, out, decode_variant(variant));
+        if variant == "v2-segments" {
+            without_wgmoe(|| moe_as(self, x, rows, tokens, w, shared_rows, out, Decode::V2));
+        } else {
+            moe_as(self, x, rows, tokens, w, shared_rows, out, decode_variant(variant));
+        }
+    }
+
+    /// The `wgmma` routed-expert kernels (and their K splits) the v2 path runs for a
+    /// decode batch of `rows` rows over `w`, or `None` where it leaves the batch to the
+    /// segment kernels (`SLUICE_CUDA_MOE_WGMMA` respected), for the parity suite.
+    pub fn decode_moe_wgmma(&self, rows: usize, w: &MoeWeights<Self>) -> Option<String> {
+        wgmoe_plan(&self.gpu, rows, w).map(|p| p.describe())
     }
 
     /// The v2 kernel a decode product (a SwiGLU pair with `w3`) of `rows` rows over `x`

@@ -64,10 +64,15 @@ pub(crate) struct D2Args {
     pub limit: f32,
     pub h_scale: f32,
     pub g_out: i32,
+    /// Zero: no padding, whose bytes would be undefined (a recorded decode step compares
+    /// launches' argument bytes to find the steps it can replay as graphs).
+    pub pad: i32,
 }
 
-// SAFETY: a plain #[repr(C)] struct of integers and floats, `struct D2Args` in decode2.cu.
+// SAFETY: a plain #[repr(C)] struct of integers and floats without padding, `struct
+// D2Args` in decode2.cu.
 unsafe impl DeviceRepr for D2Args {}
+const _: () = assert!(std::mem::size_of::<D2Args>() == 12 * 8 + 12 * 4, "D2Args has padding");
 
 /// How a v2 product runs: its kernel, grid, shared memory and the args it depends on.
 pub(crate) struct D2Plan {

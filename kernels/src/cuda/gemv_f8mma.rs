@@ -63,10 +63,15 @@ pub(crate) struct F8Args {
     pub out_stride: i32,
     pub g_out: i32,
     pub tiles: i32,
+    /// Zero: no padding, whose bytes would be undefined (a recorded decode step compares
+    /// launches' argument bytes to find the steps it can replay as graphs).
+    pub pad: i32,
 }
 
-// SAFETY: a plain #[repr(C)] struct of integers, `struct F8Args` in gemv_f8mma.cu.
+// SAFETY: a plain #[repr(C)] struct of integers without padding, `struct F8Args` in
+// gemv_f8mma.cu.
 unsafe impl DeviceRepr for F8Args {}
+const _: () = assert!(std::mem::size_of::<F8Args>() == 4 * 8 + 8 * 4, "F8Args has padding");
 
 impl F8Args {
     /// The arguments of `op` over `w` in `tiles` tiles.
@@ -84,6 +89,7 @@ impl F8Args {
             out_stride: op.out_stride as i32,
             g_out: op.g_out(w),
             tiles: tiles as i32,
+            pad: 0,
         }
     }
 }

@@ -116,7 +116,7 @@ fn weight_map(w: u64, n: usize, k: usize) -> [u64; 16] {
 /// How many blocks (`split` 1) or clusters of `split` blocks of `name` with `smem` bytes
 /// of dynamic shared memory are resident on the GPU at once, from the driver's occupancy
 /// calculator (clusters must fit a GPC, so fewer than SMs / split may be), remembered.
-fn resident(gpu: &Gpu, name: &'static str, split: usize, smem: usize) -> usize {
+pub(crate) fn resident(gpu: &Gpu, name: &'static str, split: usize, smem: usize) -> usize {
     /// (device ordinal, kernel, dynamic shared memory) → blocks or clusters resident.
     type Seen = HashMap<(usize, &'static str, usize), usize>;
     static SEEN: Mutex<Option<Seen>> = Mutex::new(None);

@@ -33,6 +33,8 @@
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
+//! - `moe_wgmma`: routed FP4 experts of 1-8 decode rows on Hopper's `wgmma` (e2m1 codes
+//!   turned into e4m3 in registers; cu/moe_wgmma.cu), tried before the v2 segments.
 //! - `bench`: the stored-format products alone, for the benchmark's kernel table.
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
@@ -64,6 +66,7 @@ mod moe;
 mod moe_cublas;
 mod moe_host;
 mod moe_v2;
+mod moe_wgmma;
 mod nvrtc;
 pub mod peer;
 mod profile;

@@ -13,7 +13,8 @@
 //! the v2 kernels instead (`moe_v2`): up to 8 rows every active expert's gate/up pair
 //! over all rows, then each output tile's down products with the combine folded in; 9 to
 //! 256 rows by segments of one expert's list positions, so each chosen expert is streamed
-//! once a projection (expert order, as above).
+//! once a projection (expert order, as above). On sm_90, batches of 1 to 8 rows run those
+//! segments (of two positions) on `wgmma` instead (`moe_wgmma`).
 
 use cudarc::driver::DeviceRepr;
 
@@ -24,6 +25,7 @@ use super::matmul::{
 };
 use super::memory::CudaBuf;
 use super::moe_v2::{experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
+use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan};
 use super::runtime::{cfg, cfg_elems, launch};
 use super::{cublas_bf16, moe_cublas, moe_host};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
@@ -358,13 +360,20 @@ pub(crate) fn experts_routed_on_device(
     // The experts that received rows (at most n of them) and their number.
     let active = g.alloc::<i32>(n_exp + 1);
     let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
-    // Decode batches run by segments of one expert's list positions.
-    let by_segments = if variant == Decode::V2 { segments_plan(rows, w) } else { None };
+    // Decode batches run by segments of one expert's list positions: on `wgmma` (sm_90,
+    // 1-8 rows, segments of two), else on the v2 segment kernels.
+    let wg = if variant == Decode::V2 { wgmoe_plan(g, rows, w) } else { None };
+    let by_segments = if variant == Decode::V2 && wg.is_none() { segments_plan(rows, w) } else { None };
+    let seg_rows = match (&wg, &by_segments) {
+        (Some(_), _) => Some(WGMOE_SEGMENT_ROWS),
+        (None, Some(p)) => Some(p.seg_rows),
+        (None, None) => None,
+    };
     // (`segs`: 3 ints a segment, at most n of them, then their number; `pos`: each row's
     // list positions, for the combine.)
-    let segs = by_segments.as_ref().map(|_| g.alloc::<i32>(4 * n + 1));
-    let (segs_ptr, seg_rows, pos_ptr) = match (&segs, &by_segments) {
-        (Some(s), Some(p)) => (g.ptr(s), p.seg_rows as i32, g.ptr(s) + 4 * (3 * n + 1) as u64),
+    let segs = seg_rows.map(|_| g.alloc::<i32>(4 * n + 1));
+    let (segs_ptr, seg_rows, pos_ptr) = match (&segs, seg_rows) {
+        (Some(s), Some(r)) => (g.ptr(s), r as i32, g.ptr(s) + 4 * (3 * n + 1) as u64),
         _ => (0, 0, 0),
     };
     // The routing and each pair's position are staged in shared memory (2n ints beside
@@ -391,6 +400,11 @@ pub(crate) fn experts_routed_on_device(
         n as i32,
         pos_ptr,
     );
+    if let Some(plan) = &wg {
+        let lists = (list_rows, list_widx, segs_ptr, pos_ptr);
+        experts_wgmma(b, plan, x, rows, w, lists, weights, out, shared);
+        return shared.is_some();
+    }
     if let Some(plan) = &by_segments {
         let lists = (list_rows, list_widx, segs_ptr, pos_ptr);
         experts_by_segments(b, plan, x, rows, w, lists, weights, out, shared);

@@ -252,7 +252,10 @@ fn check_experts(
                 let gx = g.upload(&x);
                 let mut want = vec![0f32; rows * d];
                 c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
-                for variant in ["v1", "v2"] {
+                // 1-8 rows: "v2" runs the `wgmma` kernels on sm_90 (moe_wgmma.rs's own test),
+                // "v2-segments" the segment kernels everywhere.
+                let variants: &[&str] = if rows <= 8 { &["v1", "v2", "v2-segments"] } else { &["v1", "v2"] };
+                for &variant in variants {
                     let mut out = poisoned(g, rows * d);
                     g.decode_moe(variant, &gx, rows, &tokens, &gm, 0..rows, &mut out);
                     let what = format!("{variant} moe {n_exp}x{inter} limit={limit} hash={hash} rows={rows}");

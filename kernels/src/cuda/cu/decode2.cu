@@ -322,6 +322,7 @@ struct D2Args {
     int g_out;                // grouped plain product: output rows per group (0: one group);
                               // group g reads x[r · x_stride + g · K + k], and every block
                               // has one unit (grid = tiles), so it stages one group's x
+    int pad;                  // zero (the host's struct has no undefined padding bytes)
 };
 
 __device__ __forceinline__ float d2_swiglu(float g, float u, float limit) {

@@ -53,6 +53,7 @@ struct F8Args {
     int out_stride;
     int g_out;  // output rows of a group (grouped products), 0 for plain products
     int tiles;
+    int pad;    // zero (the host's struct has no undefined padding bytes)
 };
 
 // Two f32 values as e4m3 codes, `lo` in the low byte (round to nearest even, saturating).

@@ -1,0 +1,95 @@
+//! The routed FP4 experts of decode batches on Hopper's warpgroup instruction
+//! (cu/moe_wgmma.cu: e2m1 codes turned into e4m3 in registers, one FP4 scale group per
+//! `wgmma`, K split by thread-block clusters) against the CPU, through the engine's MoE
+//! block (the v2 path takes these kernels on sm_90 for 1-8 rows).
+
+use super::decode::{experts_layer, hash_table_with_repeats};
+use super::*;
+
+/// Allowed max|Δ|/max|CPU| of a MoE block on these kernels: the activations (the rows,
+/// then h) are three e4m3 parts each (~2^-12 of a value) and each wgmma's 32 products
+/// are summed by the tensor core in fewer bits than f32 (gemv_f8wg's bound, a little
+/// wider for the two products in a row); a wrong fragment, swizzle, scale byte or K part
+/// gives errors of order 1.
+const WGMOE_TOL: f32 = 5e-4;
+
+/// An FP4 weight whose 32-input scale groups differ in magnitude by up to 2^4 (a pattern
+/// over rows and groups), so every group gets its own ue8m0 scale and a scale byte read
+/// for the wrong group or row is seen.
+fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> TestWeight {
+    let mut host = HostMatrix::new(n, k, rand_vec(rng, n * k, std));
+    for r in 0..n {
+        for c in 0..k {
+            let e = ((r % 7) * 3 + c / 32) % 5;
+            host.data[r * k + c] *= [0.25f32, 0.5, 1.0, 2.0, 4.0][e];
+        }
+    }
+    TestWeight { stored: Some(OwnedWeight::quantize(&host, OwnedFormat::Fp4)), host }
+}
+
+/// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
+/// expert named twice for one token: a segment of two positions of one row), batches
+/// whose experts get one, two or more rows (segments of two), at SwiGLU clamps 10 and 2:
+/// V4-Flash's widths (gate/up split over clusters of 2, down unsplit, 1-8 rows) and a
+/// narrow layer whose few units split K over clusters of 4 and 2. The printed plan names
+/// the kernels and grids; each case first checks that the engine takes these kernels.
+#[test]
+fn cuda_moe_wgmma_experts_match_cpu() {
+    let Some(g) = gpu("cuda_moe_wgmma_experts_match_cpu") else { return };
+    if g.compute_capability().0 != 9 {
+        eprintln!("cuda_moe_wgmma_experts_match_cpu: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
+        return;
+    }
+    if std::env::var("SLUICE_CUDA_MOE_WGMMA").is_ok_and(|v| v == "0") {
+        eprintln!("cuda_moe_wgmma_experts_match_cpu: skipped, SLUICE_CUDA_MOE_WGMMA=0 turns the kernels off");
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = rng("moe wgmma");
+    // ((hidden, expert width, experts, top-k), batch sizes)
+    type Layer<'a> = ((usize, usize, usize, usize), &'a [usize]);
+    let layers: [Layer; 2] = [((4096, 2048, 12, 6), &[1, 2, 3, 8]), ((1024, 512, 64, 6), &[1, 5, 8])];
+    for ((d, inter, n_exp, k), batches) in layers {
+        let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+        let experts: Vec<[TestWeight; 3]> = (0..n_exp)
+            .map(|_| {
+                let (a, b, c) = (
+                    blocky_fp4(&mut rng, inter, d, 0.03),
+                    blocky_fp4(&mut rng, d, inter, 0.05),
+                    blocky_fp4(&mut rng, inter, d, 0.03),
+                );
+                [a, b, c]
+            })
+            .collect();
+        let shared = [
+            weight(&mut rng, inter, d, 0.03, "fp8"),
+            weight(&mut rng, d, inter, 0.05, "fp8"),
+            weight(&mut rng, inter, d, 0.03, "fp8"),
+        ];
+        let bias = rand_vec(&mut rng, n_exp, 0.2);
+        let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
+        for limit in [10.0f32, 2.0] {
+            for hash in [false, true] {
+                let routing = || {
+                    if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } }
+                };
+                let gm = experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
+                let cm = experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
+                for &rows in batches {
+                    let what = format!("wgmoe {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows}");
+                    let plan = g.decode_moe_wgmma(rows, &gm).unwrap_or_else(|| panic!("{what}: not taken"));
+                    let x = rand_vec(&mut rng, rows * d, 1.0);
+                    let tokens: Vec<u32> =
+                        (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
+                    let mut want = vec![0f32; rows * d];
+                    c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
+                    let mut out = poisoned(g, rows * d);
+                    g.decode_moe("v2", &g.upload(&x), rows, &tokens, &gm, 0..rows, &mut out);
+                    let e = rel_err(&g.download(&out), &want);
+                    eprintln!("PARITY {what} [{plan}] {e:.2e}");
+                    assert!(e <= WGMOE_TOL, "{what} [{plan}]: max|Δ|/max|CPU| {e:.3e} above {WGMOE_TOL:.0e}");
+                }
+            }
+        }
+    }
+}
