@@ -108,8 +108,9 @@ fn enabled() -> bool {
 /// The `_p_` kernels (the default), which convert the next step's codes while the tensor
 /// core multiplies this one's (168 registers: three blocks an SM); `SLUICE_CUDA_MOE_WGMMA_PIPE=0`
 /// (read once) runs the others, which convert each step's codes before its products (126
-/// registers). On 12 Flash layers (H200) the pipelined ones were 0-4% faster a step at
-/// batch 1 and 2%/10% at batch 2/8 against 0%/8% (docs/perf.md).
+/// registers). On 12 Flash layers (H200) steps were 3%, 5% and 11% faster than on the
+/// segment kernels at batch 1, 2 and 8 with the pipelined ones, 1%, 5% and 9% with the
+/// others (docs/perf.md "Routed FP4 experts on `wgmma`").
 fn pipelined() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_WGMMA_PIPE").map(|v| v != "0").unwrap_or(true))
