@@ -75,17 +75,8 @@ fn cuda_bf16_experts_on_cublas_match_cpu() {
     let mut rng = rng("cublas bf16 experts");
     let (d, inter, n_exp, k) = (4096, 1024, 8, 2);
     let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-    let experts: Vec<[TestWeight; 3]> = (0..n_exp)
-        .map(|_| {
-            let w = |rng: &mut ChaCha8Rng, r, c, s| weight(rng, r, c, s, "bf16");
-            [w(&mut rng, inter, d, 0.03), w(&mut rng, d, inter, 0.05), w(&mut rng, inter, d, 0.03)]
-        })
-        .collect();
-    let shared = [
-        weight(&mut rng, inter, d, 0.03, "bf16"),
-        weight(&mut rng, d, inter, 0.05, "bf16"),
-        weight(&mut rng, inter, d, 0.03, "bf16"),
-    ];
+    let experts: Vec<[TestWeight; 3]> = (0..n_exp).map(|_| expert_weights(&mut rng, d, inter, "bf16")).collect();
+    let shared = expert_weights(&mut rng, d, inter, "bf16");
     let bias = rand_vec(&mut rng, n_exp, 0.2);
     let (vocab, tid2eid) = super::decode::hash_table_with_repeats(k, n_exp);
     for limit in [10.0f32, 2.0] {

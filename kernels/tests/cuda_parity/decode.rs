@@ -229,13 +229,8 @@ fn check_experts(
 ) {
     let c = CpuBackend::new();
     let gate = weight(rng, n_exp, d, 0.05, "f32");
-    let experts: Vec<[TestWeight; 3]> = (0..n_exp)
-        .map(|_| {
-            [weight(rng, inter, d, 0.03, "fp4"), weight(rng, d, inter, 0.05, "fp4"), weight(rng, inter, d, 0.03, "fp4")]
-        })
-        .collect();
-    let shared =
-        [weight(rng, inter, d, 0.03, "fp8"), weight(rng, d, inter, 0.05, "fp8"), weight(rng, inter, d, 0.03, "fp8")];
+    let experts: Vec<[TestWeight; 3]> = (0..n_exp).map(|_| expert_weights(rng, d, inter, "fp4")).collect();
+    let shared = expert_weights(rng, d, inter, "fp8");
     let bias = rand_vec(rng, n_exp, 0.2);
     let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
     for limit in [10.0f32, 2.0] {

@@ -93,6 +93,12 @@ fn weight(rng: &mut ChaCha8Rng, rows: usize, cols: usize, std: f32, dtype: &str)
     TestWeight { stored: Some(OwnedWeight::quantize(&host, format)), host }
 }
 
+/// An expert's three weights (gate, down, up) as `dtype` stores them, at the scales the
+/// MoE tests use: (w1, w2, w3) of `inter` × `d`, `d` × `inter`, `inter` × `d`.
+fn expert_weights(rng: &mut ChaCha8Rng, d: usize, inter: usize, dtype: &str) -> [TestWeight; 3] {
+    [weight(rng, inter, d, 0.03, dtype), weight(rng, d, inter, 0.05, dtype), weight(rng, inter, d, 0.03, dtype)]
+}
+
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len(), "length mismatch");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
@@ -368,20 +374,8 @@ fn cuda_moe_matches_cpu_at_flash_width() {
     let (d, inter, n_exp, k) = (4096, 512, 16, 4);
     for dtype in ["bf16", "fp8", "fp4"] {
         let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-        let experts: Vec<[TestWeight; 3]> = (0..n_exp)
-            .map(|_| {
-                [
-                    weight(&mut rng, inter, d, 0.03, dtype),
-                    weight(&mut rng, d, inter, 0.05, dtype),
-                    weight(&mut rng, inter, d, 0.03, dtype),
-                ]
-            })
-            .collect();
-        let shared = [
-            weight(&mut rng, inter, d, 0.03, dtype),
-            weight(&mut rng, d, inter, 0.05, dtype),
-            weight(&mut rng, inter, d, 0.03, dtype),
-        ];
+        let experts: Vec<[TestWeight; 3]> = (0..n_exp).map(|_| expert_weights(&mut rng, d, inter, dtype)).collect();
+        let shared = expert_weights(&mut rng, d, inter, dtype);
         let bias = rand_vec(&mut rng, n_exp, 0.2);
         let vocab = 64;
         let tid2eid: Vec<u32> = (0..vocab * k).map(|i| ((i * 7 + i / k) % n_exp) as u32).collect();

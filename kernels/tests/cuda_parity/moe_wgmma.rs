@@ -61,11 +61,7 @@ fn cuda_moe_wgmma_experts_match_cpu() {
                 [a, b, c]
             })
             .collect();
-        let shared = [
-            weight(&mut rng, inter, d, 0.03, "fp8"),
-            weight(&mut rng, d, inter, 0.05, "fp8"),
-            weight(&mut rng, inter, d, 0.03, "fp8"),
-        ];
+        let shared = expert_weights(&mut rng, d, inter, "fp8");
         let bias = rand_vec(&mut rng, n_exp, 0.2);
         let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
         for limit in [10.0f32, 2.0] {
