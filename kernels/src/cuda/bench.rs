@@ -20,7 +20,7 @@ use super::cublas_bf16::{self, Bf16Activations};
 use super::decode_v2::{D2_KERNELS, D2Plan, d2_gemv, d2_plan};
 use super::gemm_rows::{GemmRowsPlan, gemm_rows, gemm_rows_plan, gemm_rows_plan_always};
 use super::gemv_f8mma::{F8Plan, f8mma_gemv, f8mma_plan, f8mma_plan_always};
-use super::gemv_f8wg::{F8wgPlan, f8wg_gemv, f8wg_plan_always};
+use super::gemv_f8wg::{F8wgPlan, f8wg_gemv, f8wg_pair_plan, f8wg_plan_always};
 use super::matmul::{
     Decode, GEMM_BM, Operand, Tiles, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as, swiglu_pair,
 };
@@ -520,6 +520,21 @@ impl CudaBackend {
             }),
             other => panic!("no FP8 decode kernel {other}: f8wg or f8mma"),
         }
+    }
+
+    /// The kernel the engine's v2 path runs for a decode SwiGLU pair of `rows` rows: the
+    /// FP8 warpgroup pair kernel where it takes the pair (`SLUICE_CUDA_F8WG` respected),
+    /// else the v2 kernel, or `None` where v2 leaves it to v1. For the parity suite.
+    pub fn decode_swiglu_kernel(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        w1: &CudaWeight,
+        w3: &CudaWeight,
+    ) -> Option<&'static str> {
+        let g = &self.gpu;
+        let op = Operand::contiguous(g.ptr(&x.mem), 0, rows, 1, w1);
+        f8wg_pair_plan(g, &op, w1, w3).map(|p| p.name).or_else(|| self.decode_v2_kernel(x, rows, 1, w1, Some(w3)))
     }
 
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS

@@ -1,7 +1,9 @@
 //! FP8 products of one or two decode rows on Hopper's warpgroup tensor-core instruction
 //! (cu/gemv_f8wg.cu, `wgmma` with e4m3 operands): which products they take
-//! ([`f8wg_plan`]) and their launch. [`super::matmul`] tries them first for FP8
-//! products of 1-2 rows on sm_90; `SLUICE_CUDA_F8WG=0` leaves them to `gemv_f8mma` and v2.
+//! ([`f8wg_plan`], [`f8wg_pair_plan`]) and their launch. [`super::matmul`] tries them
+//! first for FP8 products and SwiGLU pairs (the shared expert's gate and up) of 1-2 rows
+//! on sm_90; `SLUICE_CUDA_F8WG=0` leaves them to `gemv_f8mma` and v2,
+//! `SLUICE_CUDA_F8WG_PAIR=0` the pairs alone to v2.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -13,7 +15,7 @@ use cudarc::driver::sys::{
 };
 
 use super::gemv_f8mma::F8Args;
-use super::matmul::Operand;
+use super::matmul::{Operand, weight_ptrs};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -37,7 +39,18 @@ pub(crate) const F8WG_KERNELS: [&str; 16] = [
     "gemv_f8wg_s4_r2_k4",
     "gemv_f8wg_s4_r2_k8",
 ];
-/// K splits, in the order of [`F8WG_KERNELS`].
+/// The SwiGLU-pair kernels (ring of 4) by rows (1, 2) and K split (1, 2, 4, 8).
+pub(crate) const F8WG_PAIR_KERNELS: [&str; 8] = [
+    "gemv_f8wg_pair_r1_k1",
+    "gemv_f8wg_pair_r1_k2",
+    "gemv_f8wg_pair_r1_k4",
+    "gemv_f8wg_pair_r1_k8",
+    "gemv_f8wg_pair_r2_k1",
+    "gemv_f8wg_pair_r2_k2",
+    "gemv_f8wg_pair_r2_k4",
+    "gemv_f8wg_pair_r2_k8",
+];
+/// K splits, in the order of [`F8WG_KERNELS`] and [`F8WG_PAIR_KERNELS`].
 const SPLITS: [usize; 4] = [1, 2, 4, 8];
 
 /// Output rows of a tile (`WG_TILE`), inputs of a chunk (`WG_KC`: one FP8 scale block)
@@ -80,6 +93,26 @@ struct WgArgs {
 // SAFETY: a plain #[repr(C)] struct of integers, `struct WgArgs` in gemv_f8wg.cu (both
 // 64-byte aligned, the map first).
 unsafe impl DeviceRepr for WgArgs {}
+const _: () = assert!(std::mem::size_of::<WgArgs>() == 128 + 64, "WgArgs has padding");
+
+/// `WgPairArgs` in gemv_f8wg.cu: a SwiGLU pair's two tensor maps, `F8Args` (w1's scales),
+/// w3's scales and the clamp; `pad` fills the struct to its 64-byte alignment with zeros
+/// (padding bytes would be undefined, and a recorded decode step compares argument bytes).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct WgPairArgs {
+    map: [u64; 16],
+    map3: [u64; 16],
+    a: F8Args,
+    scales3: u64,
+    limit: f32,
+    pad: [u32; 13],
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats without padding, `struct
+// WgPairArgs` in gemv_f8wg.cu (both 64-byte aligned, the maps first).
+unsafe impl DeviceRepr for WgPairArgs {}
+const _: () = assert!(std::mem::size_of::<WgPairArgs>() == 2 * 128 + 64 + 8 + 4 + 13 * 4, "WgPairArgs has padding");
 
 /// The tensor map of an FP8 weight of `n` rows × `k` bytes at device address `w`: boxes of
 /// 64 rows × 128 bytes (a chunk), copied into shared memory with the 128-byte swizzle the
@@ -151,6 +184,13 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_F8WG").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether the pair kernels may take SwiGLU pairs (`SLUICE_CUDA_F8WG_PAIR=0`: never, the
+/// v2 pair kernel runs them, to compare).
+fn pairs_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_F8WG_PAIR").map(|v| v != "0").unwrap_or(true))
+}
+
 /// The plan for `op` over `w` when these kernels take it (`SLUICE_CUDA_F8WG` respected).
 pub(crate) fn f8wg_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgPlan> {
     if !enabled() {
@@ -167,6 +207,33 @@ pub(crate) fn f8wg_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgP
 /// driver's occupancy for the kernel, its shared memory and its cluster size); ties go to
 /// the smaller split.
 pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgPlan> {
+    let stages = stages();
+    let names = |rows: usize| &F8WG_KERNELS[if stages == 4 { 8 } else { 0 } + 4 * (rows - 1)..][..4];
+    plan_of(gpu, op, w, stages, 1, names)
+}
+
+/// The plan of a SwiGLU pair `w1`, `w3` (the same shape, both FP8) for `op`, when these
+/// kernels take it (`SLUICE_CUDA_F8WG` respected): the rules of [`f8wg_plan_always`] for a
+/// plain product, a ring of 4 chunks, each tile streaming both matrices
+/// (`SLUICE_CUDA_F8WG_PAIR=0` respected too).
+pub(crate) fn f8wg_pair_plan(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &CudaWeight) -> Option<F8wgPlan> {
+    let both_fp8 = matches!(w3.data, WeightData::Fp8 { .. }) && (w1.rows, w1.cols) == (w3.rows, w3.cols);
+    if !enabled() || !pairs_enabled() || !both_fp8 || op.groups != 1 {
+        return None;
+    }
+    plan_of(gpu, op, w1, 4, 2, |rows| &F8WG_PAIR_KERNELS[4 * (rows - 1)..][..4])
+}
+
+/// [`f8wg_plan_always`]'s rules for `matrices` weights of `w`'s shape a tile, the kernels
+/// of each K split (in [`SPLITS`] order) from `names(rows)`.
+fn plan_of(
+    gpu: &Gpu,
+    op: &Operand,
+    w: &CudaWeight,
+    stages: usize,
+    matrices: usize,
+    names: impl Fn(usize) -> &'static [&'static str],
+) -> Option<F8wgPlan> {
     if !matches!(w.data, WeightData::Fp8 { .. }) || gpu.cc.0 != 9 || !(1..=2).contains(&op.rows) || op.groups == 0 {
         return None;
     }
@@ -179,7 +246,7 @@ pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Optio
         return None;
     }
     let tiles = n / TILE;
-    let stages = stages();
+    let names = names(op.rows);
     let mut best: Option<(usize, F8wgPlan)> = None;
     for (i, &split) in SPLITS.iter().enumerate() {
         if !k.is_multiple_of(split * CHUNK_INPUTS) {
@@ -189,14 +256,30 @@ pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Optio
         if smem > F8WG_MAX_SMEM {
             continue;
         }
-        let name = F8WG_KERNELS[if stages == 4 { 8 } else { 0 } + 4 * (op.rows - 1) + i];
+        let name = names[i];
         let clusters = tiles.min(resident(gpu, name, split, smem));
-        let busiest = tiles.div_ceil(clusters) * (k / split + TILE_COST);
+        let busiest = tiles.div_ceil(clusters) * (matrices * k / split + TILE_COST);
         if best.as_ref().is_none_or(|(b, _)| busiest < *b) {
             best = Some((busiest, F8wgPlan { name, split, tiles, grid: clusters * split, smem }));
         }
     }
     best.map(|(_, plan)| plan)
+}
+
+/// Launch `plan` (from [`f8wg_pair_plan`]) for `op` over the SwiGLU pair `w1`, `w3`.
+pub(crate) fn f8wg_pair(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w1: &CudaWeight, w3: &CudaWeight, limit: f32) {
+    let a = F8Args::new(gpu, &op, w1, plan.tiles);
+    let (w3p, s3) = weight_ptrs(gpu, w3);
+    let args = WgPairArgs {
+        map: weight_map(a.w, w1.rows, w1.cols),
+        map3: weight_map(w3p, w3.rows, w3.cols),
+        a,
+        scales3: s3,
+        limit,
+        pad: [0; 13],
+    };
+    debug_assert!(plan.grid.is_multiple_of(plan.split));
+    launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), THREADS, plan.smem as u32), args);
 }
 
 /// Launch `plan` for `op` over `w`.

@@ -42,7 +42,7 @@ use super::cublas_bf16;
 use super::decode_v2::{d2_format, d2_gemv, d2_max_rows, d2_plan};
 use super::gemm_rows::{gemm_rows, gemm_rows_plan};
 use super::gemv_f8mma::{f8mma_gemv, f8mma_plan};
-use super::gemv_f8wg::{f8wg_gemv, f8wg_plan};
+use super::gemv_f8wg::{f8wg_gemv, f8wg_pair, f8wg_pair_plan, f8wg_plan};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, cfg_elems, launch};
 
@@ -281,13 +281,20 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
 }
 
 /// gemv in launches of up to [`GEMV_ROWS`] rows: with `variant` v2, the FP8 warpgroup
-/// gemv where it takes the product (`f8wg_plan`, sm_90), then the FP8 tensor-core gemv
+/// gemv where it takes the product or SwiGLU pair (`f8wg_plan`, `f8wg_pair_plan`, sm_90),
+/// then (plain products) the FP8 tensor-core gemv
 /// (`f8mma_plan`), then the v2 kernels ([`d2_plan`]);
 /// else tensor cores where the weight allows, except BF16 at one or two rows, where the
 /// SIMT kernel streams faster (measured on the H200: 8192 × 4096 at one row 20.8 µs SIMT
 /// vs 29.6 µs tensor cores; FP8 and FP4 are even or faster on tensor cores, and every
 /// format is 3-6x faster there at 8 rows).
 fn gemv(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32, variant: Decode) {
+    if variant == Decode::V2
+        && let Some(w3) = w3
+        && let Some(plan) = f8wg_pair_plan(gpu, &op, w, w3)
+    {
+        return f8wg_pair(gpu, &plan, op, w, w3, limit);
+    }
     if variant == Decode::V2 && w3.is_none() {
         if let Some(plan) = f8wg_plan(gpu, &op, w) {
             return f8wg_gemv(gpu, &plan, op, w);

@@ -171,7 +171,7 @@ fn cuda_decode_v2_swiglu_pairs_match_cpu() {
             for rows in [1, 3, 4, 8] {
                 let x = rand_vec(&mut rng, rows * k, 1.0);
                 let gx = g.upload(&x);
-                let kernel = g.decode_v2_kernel(&gx, rows, 1, &g1, Some(&g3));
+                let kernel = g.decode_swiglu_kernel(&gx, rows, &g1, &g3);
                 let kernel = kernel.unwrap_or_else(|| panic!("v2 does not take the {dtype} pair {n}x{k}"));
                 let mut out = poisoned(g, rows * n);
                 g.decode_swiglu("v2", &gx, rows, &g1, &g3, limit, &mut out);

@@ -83,3 +83,79 @@ fn cuda_f8wg_products_match_cpu() {
         }
     }
 }
+
+/// SwiGLU pairs of FP8 weights (`gemv_f8wg_pair_*`: each tile streams w1's chunk, then
+/// w3's, and applies the clamp and SwiGLU to the pair's sums) at 1 and 2 rows of very
+/// different magnitudes, on poisoned outputs, through the engine's decode path: V4-Flash's
+/// shared expert (2,048 × 4,096), a pair whose few tiles split K over a cluster (1,024 ×
+/// 7,168), 65 tiles × K 384, one tile; clamps 10 and 0.5 (the second clamps most gate and up
+/// values; the error is measured against the products' magnitudes carried through SwiGLU,
+/// since a clamp shrinks the output's range but not the products' errors). Blocky
+/// weights, so a scale of the wrong matrix or block shows. Checks that the
+/// pair kernel takes each case (skipped under `SLUICE_CUDA_F8WG=0` or `SLUICE_CUDA_F8WG_PAIR=0`).
+#[test]
+fn cuda_f8wg_swiglu_pairs_match_cpu() {
+    let Some(g) = gpu("cuda_f8wg_swiglu_pairs_match_cpu") else { return };
+    if g.compute_capability().0 != 9 {
+        eprintln!(
+            "cuda_f8wg_swiglu_pairs_match_cpu: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)"
+        );
+        return;
+    }
+    if ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_PAIR"].iter().any(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
+        eprintln!("cuda_f8wg_swiglu_pairs_match_cpu: skipped, SLUICE_CUDA_F8WG(_PAIR)=0 turns the kernels off");
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = rng("f8wg swiglu pairs");
+    for (n, k) in [(2048, 4096), (1024, 7168), (65 * 64, 384), (64, 1024)] {
+        let (w1, w3) = (blocky_fp8(&mut rng, n, k), blocky_fp8(&mut rng, n, k));
+        let (g1, g3) = (g.weight(w1.view()), g.weight(w3.view()));
+        let (c1, c3) = (c.weight(w1.view()), c.weight(w3.view()));
+        for rows in [1, 2] {
+            let x: Vec<f32> = (0..rows).flat_map(|r| rand_vec(&mut rng, k, [1.0, 3e-3][r])).collect();
+            let gx = g.upload(&x);
+            let kernel = g.decode_swiglu_kernel(&gx, rows, &g1, &g3).unwrap_or_default();
+            assert!(kernel.starts_with("gemv_f8wg_pair"), "the pair {n}x{k} at {rows} rows runs {kernel:?}");
+            let (mut gate, mut up) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+            c.matmul(&x, rows, &c1, &mut gate);
+            c.matmul(&x, rows, &c3, &mut up);
+            for limit in [10.0f32, 0.5] {
+                let mut out = poisoned(g, rows * n);
+                g.decode_swiglu("v2", &gx, rows, &g1, &g3, limit, &mut out);
+                let got = g.download(&out);
+                let want: Vec<f32> = gate
+                    .iter()
+                    .zip(&up)
+                    .map(|(&a, &u)| {
+                        let a = a.min(limit);
+                        a / (1.0 + (-a).exp()) * u.clamp(-limit, limit)
+                    })
+                    .collect();
+                for r in 0..rows {
+                    let span = r * n..(r + 1) * n;
+                    // The products' own bound (F8WG_TOL of their largest magnitude) carried
+                    // through SwiGLU, whose slopes are at most 1.1·|clamp(u)| in the gate and
+                    // |silu(min(g, limit))| in the up value: with a clamp the output's range
+                    // shrinks, not the products' errors.
+                    let max_abs = |v: &[f32]| v.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let (g_max, u_max) = (max_abs(&gate[span.clone()]), max_abs(&up[span.clone()]));
+                    let silu = |a: f32| {
+                        let a = a.min(limit);
+                        a / (1.0 + (-a).exp())
+                    };
+                    let silu_max = gate[span.clone()].iter().fold(0f32, |m, &a| m.max(silu(a).abs()));
+                    let scale = 1.1 * limit.min(u_max) * g_max + silu_max * u_max;
+                    let err = got[span.clone()]
+                        .iter()
+                        .zip(&want[span])
+                        .map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() })
+                        .fold(0f32, f32::max);
+                    let e = err / scale;
+                    eprintln!("PARITY f8wg pair {n}x{k} limit={limit} rows={rows} row {r} ({kernel}) {e:.2e}");
+                    assert!(e <= F8WG_TOL, "{kernel} pair {n}x{k} row {r} of {rows}: {e:.3e} above {F8WG_TOL:.0e}");
+                }
+            }
+        }
+    }
+}

@@ -79,6 +79,15 @@ struct __align__(64) WgArgs {
     WgTensorMap map;
     F8Args a;
 };
+// A SwiGLU pair (gate w1 in `map` and `a.scales`, up w3 in `map3` and `scales3`):
+// out = silu(min(x·w1ᵀ, limit)) · clamp(x·w3ᵀ, ±limit). `WgPairArgs` in gemv_f8wg.rs.
+struct __align__(64) WgPairArgs {
+    WgTensorMap map, map3;
+    F8Args a;
+    const float* scales3;
+    float limit;
+    unsigned pad[13];  // zero (the host's struct has no undefined padding bytes)
+};
 
 // mbarriers (sm_90): init with an arrival count, arrive announcing the bytes a copy will
 // complete, wait for a phase.
@@ -231,37 +240,47 @@ __device__ void wg_stage_activations(u8* act, const float* x, int x_stride, int 
     __syncthreads();
 }
 
-// One block's walk over its tiles (KS: blocks of a cluster splitting K, 1: no cluster).
-template <int R, int KS, int S>
+// One block's walk over its tiles (KS: blocks of a cluster splitting K, 1: no cluster;
+// NM 2: a SwiGLU pair, each chunk of w1 followed by the same chunk of w3).
+template <int R, int KS, int S, int NM = 1>
 struct F8wg {
     const F8Args& a;
     u8* act;
-    float* red;      // [WG_TILE][9]
-    float* part_sm;  // [2][R][WG_TILE]
+    float* red;      // [NM][WG_TILE][9]
+    float* part_sm;  // [2][NM][R][WG_TILE]
     float* red_max;
     float* inv_s;
     const WgTensorMap* map;
+    const WgTensorMap* map3;  // NM 2: w3's
+    const float* scales3;     // NM 2: w3's scales
+    float limit;              // NM 2: the SwiGLU clamp
     u32 ring_base, act_base, bar_base;  // ring slots 1024-byte aligned; S mbarriers of 8 bytes
     int tid, lane, warp, rank, K, KB, kbase, chunks, items;
-    // Request side (thread 0): chunk after chunk of the block's tiles.
-    int requested = 0, req_t, req_c = 0, req_slot = 0;
+    // Request side (thread 0): chunk after chunk of the block's tiles (each matrix's).
+    int requested = 0, req_t, req_c = 0, req_m = 0, req_slot = 0;
     // Multiply side.
     int group, group_end;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[NM][4] = {};
     float sets[4][4] = {};
-    int t, c = 0, slot = 0, buf = 0;
+    int t, c = 0, m = 0, slot = 0, buf = 0;
     u32 phase = 0;  // parity of the current slot's mbarrier phase
-    const float* scale_row;  // the current tile's scales of this block's K part
-    float next_sc;           // the scale of the chunk the next step multiplies
+    const float* scale_row;   // the current tile's scales of this block's K part
+    const float* scale_row3;  // NM 2: the same of w3
+    float next_sc;            // the scale of the chunk the next step multiplies
 
     __device__ void request_next() {
         if (tid == 0 && requested < items) {
             const u32 bar = bar_base + 8 * req_slot;
             wg_mbar_expect(bar, WG_CHUNK);
-            wg_tma_load(ring_base + req_slot * WG_CHUNK, map, kbase + req_c * WG_KC, req_t * WG_TILE, bar);
-            req_c++;
-            req_t += req_c == chunks;
-            req_c = req_c == chunks ? 0 : req_c;
+            wg_tma_load(ring_base + req_slot * WG_CHUNK, NM == 2 && req_m == 1 ? map3 : map, kbase + req_c * WG_KC,
+                        req_t * WG_TILE, bar);
+            req_m++;
+            if (req_m == NM) {
+                req_m = 0;
+                req_c++;
+                req_t += req_c == chunks;
+                req_c = req_c == chunks ? 0 : req_c;
+            }
             req_slot = req_slot == S - 1 ? 0 : req_slot + 1;
             requested++;
         }
@@ -271,31 +290,49 @@ struct F8wg {
         wg_stage_activations<R>(act, a.x + (long long)group * K + kbase, a.x_stride, KB, inv_s, red_max);
     }
 
-    // Adds the completed wgmmas (chunk scale `sc`) to the tile's sums.
-    __device__ __forceinline__ void retire(float sc) {
+    // Adds the completed wgmmas (chunk scale `sc`) to the sums of matrix `mm` (indexed by
+    // constants: a run-time index would put acc in local memory).
+    __device__ __forceinline__ void retire(float sc, int mm) {
 #pragma unroll
         for (int s = 0; s < 4; s++) wg_hold(sets[s]);
+        auto add = [&](float (&ac)[4]) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc[i] = fmaf(sets[0][i] + sets[1][i] + (sets[2][i] + sets[3][i]), sc, acc[i]);
+            for (int i = 0; i < 4; i++) ac[i] = fmaf(sets[0][i] + sets[1][i] + (sets[2][i] + sets[3][i]), sc, ac[i]);
+        };
+        if (NM == 2 && mm == 1) add(acc[NM - 1]);
+        else add(acc[0]);
+    }
+    // A tile's output value from its matrices' sums (NM 2: SwiGLU of the pair).
+    __device__ __forceinline__ float emit_value(const float (&v)[NM]) const {
+        if (NM == 2) return d2_swiglu(v[0], v[NM - 1], limit);
+        return v[0];
     }
 
     // The tile's sums to the output (through the cluster when K is split).
     __device__ void finish_tile() {
         // Thread (w, l) holds rows 16w + l/4 and + 8, parts 2(l%4) and + 1.
         const int row = warp * 16 + (lane >> 2), q = lane & 3;
-        red[row * 9 + 2 * q] = acc[0];
-        red[row * 9 + 2 * q + 1] = acc[1];
-        red[(row + 8) * 9 + 2 * q] = acc[2];
-        red[(row + 8) * 9 + 2 * q + 1] = acc[3];
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc[i] = 0.0f;
+        for (int mm = 0; mm < NM; mm++) {
+            float* rd = red + mm * WG_TILE * 9;
+            rd[row * 9 + 2 * q] = acc[mm][0];
+            rd[row * 9 + 2 * q + 1] = acc[mm][1];
+            rd[(row + 8) * 9 + 2 * q] = acc[mm][2];
+            rd[(row + 8) * 9 + 2 * q + 1] = acc[mm][3];
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mm][i] = 0.0f;
+        }
         __syncthreads();
         if (tid < WG_TILE * R) {
             const int o = tid & (WG_TILE - 1), r = tid / WG_TILE;
-            const float* p = red + o * 9 + 3 * r;
-            const float v = (p[0] + p[1] + p[2]) * inv_s[r];
-            if (KS == 1) a.out[(long long)r * a.out_stride + t * WG_TILE + o] = v;
-            else part_sm[(buf * R + r) * WG_TILE + o] = v;
+            float v[NM];
+#pragma unroll
+            for (int mm = 0; mm < NM; mm++) {
+                const float* p = red + mm * WG_TILE * 9 + o * 9 + 3 * r;
+                v[mm] = (p[0] + p[1] + p[2]) * inv_s[r];
+                if (KS > 1) part_sm[((buf * NM + mm) * R + r) * WG_TILE + o] = v[mm];
+            }
+            if (KS == 1) a.out[(long long)r * a.out_stride + t * WG_TILE + o] = emit_value(v);
         }
         if (KS > 1) {
             // Every block's part of the tile, then this block's rows of it summed in rank
@@ -305,11 +342,15 @@ struct F8wg {
             constexpr int SLICE = WG_TILE / KS;
             if (tid < SLICE * R) {
                 const int o = rank * SLICE + tid % SLICE, r = tid / SLICE;
-                const u32 local = smem_addr(&part_sm[(buf * R + r) * WG_TILE + o]);
-                float v = 0.0f;
+                float v[NM];
 #pragma unroll
-                for (int s = 0; s < KS; s++) v += gr_cluster_load(local, s);
-                a.out[(long long)r * a.out_stride + t * WG_TILE + o] = v;
+                for (int mm = 0; mm < NM; mm++) {
+                    const u32 local = smem_addr(&part_sm[((buf * NM + mm) * R + r) * WG_TILE + o]);
+                    v[mm] = 0.0f;
+#pragma unroll
+                    for (int s = 0; s < KS; s++) v[mm] += gr_cluster_load(local, s);
+                }
+                a.out[(long long)r * a.out_stride + t * WG_TILE + o] = emit_value(v);
             }
             buf ^= 1;
         }
@@ -320,7 +361,7 @@ struct F8wg {
         __syncthreads();  // every thread is done with the slot of two chunks back
         request_next();
         wg_mbar_wait(bar_base + 8 * slot, phase);  // this chunk is in
-        if (c == 0 && t * WG_TILE >= group_end) {
+        if (c == 0 && m == 0 && t * WG_TILE >= group_end) {
             // A new group's activations (the tile before waited for all its wgmmas).
             group = t * WG_TILE / a.g_out;
             group_end = (group + 1) * a.g_out;
@@ -331,7 +372,14 @@ struct F8wg {
         // This chunk's scale was loaded a step ago; the next one's is requested now (its
         // latency would otherwise sit between the wgmmas' end and the sums).
         const float sc = next_sc;
-        if (more) next_sc = __ldg(c + 1 < chunks ? scale_row + c + 1 : scale_row + (t & 1 ? K / WG_KC : 0));
+        if (more) {
+            // The next step: this chunk of w3 (a pair's first matrix done), else the next
+            // chunk of w1 (or of the next tile, whose scale row follows when t is odd).
+            const float* next = NM == 2 && m == 0
+                                    ? scale_row3 + c
+                                    : (c + 1 < chunks ? scale_row + c + 1 : scale_row + (t & 1 ? K / WG_KC : 0));
+            next_sc = __ldg(next);
+        }
         const u32 a_addr = ring_base + slot * WG_CHUNK;
         const u32 b_addr = act_base + c * (WG_KC * 8);
         wg_fence();
@@ -340,13 +388,18 @@ struct F8wg {
             wg_mma(sets[s], wg_desc(a_addr + s * 32, 16, 1024, 1), wg_desc(b_addr + s * 256, 128, 1024, 0));
         wg_commit();
         wg_wait<0>();
-        retire(sc);
-        if (c == chunks - 1) {
+        retire(sc, m);
+        if (NM == 2 && m == 0) {
+            m = 1;
+        } else if (c == chunks - 1) {
+            m = 0;
             finish_tile();
             c = 0;
             t++;
             scale_row = a.scales + (long long)(t >> 1) * (K / WG_KC) + kbase / WG_KC;
+            if (NM == 2) scale_row3 = scales3 + (long long)(t >> 1) * (K / WG_KC) + kbase / WG_KC;
         } else {
+            m = 0;
             c++;
         }
         phase ^= slot == S - 1;
@@ -354,17 +407,23 @@ struct F8wg {
     }
 };
 
-template <int R, int KS, int S>
-__device__ void f8wg_gemv(const WgArgs& args) {
+// ARGS: WgArgs (one matrix) or WgPairArgs (a SwiGLU pair, NM 2).
+template <int R, int KS, int S, int NM, typename ARGS>
+__device__ void f8wg_gemv(const ARGS& args) {
     const F8Args& a = args.a;
     extern __shared__ __align__(128) u8 wg_smem[];
-    __shared__ float red[WG_TILE * 9];
-    __shared__ float part_sm[2 * R * WG_TILE];
+    __shared__ float red[NM * WG_TILE * 9];
+    __shared__ float part_sm[2 * NM * R * WG_TILE];
     __shared__ float red_max[(WG_THREADS / 32) * R];
     __shared__ float inv_s[R];
     __shared__ __align__(8) u64 bars[S];
-    F8wg<R, KS, S> b{a};
+    F8wg<R, KS, S, NM> b{a};
     b.map = &args.map;
+    if constexpr (NM == 2) {
+        b.map3 = &args.map3;
+        b.scales3 = args.scales3;
+        b.limit = args.limit;
+    }
     // The ring's slots 1024-byte aligned (the 128-byte swizzle repeats every 8 rows of
     // 128 bytes; the host adds 1 KiB to the dynamic shared memory for this).
     const u32 base = smem_addr(wg_smem), aligned = (base + 1023) & ~1023u;
@@ -387,7 +446,7 @@ __device__ void f8wg_gemv(const WgArgs& args) {
     b.chunks = b.KB / WG_KC;
     const int t0 = (int)((long long)a.tiles * cluster / clusters);
     const int t1 = (int)((long long)a.tiles * (cluster + 1) / clusters);
-    b.items = (t1 - t0) * b.chunks;
+    b.items = (t1 - t0) * b.chunks * NM;
     b.req_t = t0;
     if (b.tid == 0) {
         for (int i = 0; i < S; i++) wg_mbar_init(b.bar_base + 8 * i, 1);
@@ -405,6 +464,7 @@ __device__ void f8wg_gemv(const WgArgs& args) {
     b.group_end = a.g_out > 0 ? (b.group + 1) * a.g_out : 1 << 30;  // first output row of the next group
     b.t = t0;
     b.scale_row = a.scales + (long long)(t0 >> 1) * (b.K / WG_KC) + b.kbase / WG_KC;
+    if constexpr (NM == 2) b.scale_row3 = args.scales3 + (long long)(t0 >> 1) * (b.K / WG_KC) + b.kbase / WG_KC;
     b.next_sc = __ldg(b.scale_row);
     b.stage();
     wg_proxy_fence();  // the staged parts are read by the wgmmas (the loop's barrier follows)
@@ -421,7 +481,12 @@ __device__ void f8wg_gemv(const WgArgs& args) {
 
 #define WG_KERNEL(NAME, R, KS, S, CLUSTER)                                                                     \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) CLUSTER NAME(const __grid_constant__ WgArgs args) { \
-        f8wg_gemv<R, KS, S>(args);                                                                                   \
+        f8wg_gemv<R, KS, S, 1>(args);                                                                                \
+    }
+#define WG_PAIR_KERNEL(NAME, R, KS, CLUSTER)                                                    \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) CLUSTER NAME(                   \
+        const __grid_constant__ WgPairArgs args) {                                              \
+        f8wg_gemv<R, KS, 4, 2>(args);                                                           \
     }
 
 // Every row count and K split of a ring: a ring of 8 chunks (gemv_f8wg_*) and of 4
@@ -438,3 +503,13 @@ __device__ void f8wg_gemv(const WgArgs& args) {
 
 WG_KERNELS(gemv_f8wg_, 8)
 WG_KERNELS(gemv_f8wg_s4_, 4)
+
+// SwiGLU pairs (the shared expert's gate and up projections at decode), rings of 4.
+WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k1, 1, 1, )
+WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k2, 1, 2, WG_CLUSTER(2))
+WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k4, 1, 4, WG_CLUSTER(4))
+WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k8, 1, 8, WG_CLUSTER(8))
+WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k1, 2, 1, )
+WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k2, 2, 2, WG_CLUSTER(2))
+WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k4, 2, 4, WG_CLUSTER(4))
+WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k8, 2, 8, WG_CLUSTER(8))
