@@ -90,8 +90,7 @@ fn cuda_bf16_experts_on_cublas_match_cpu() {
             for rows in [9, 16, 33, 64, 600] {
                 assert!(rows > 64 || g.cublas_experts(rows, &gm), "the experts of {rows} rows do not take cuBLAS");
                 let x = rand_vec(&mut rng, rows * d, 1.0);
-                let tokens: Vec<u32> =
-                    (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
+                let tokens = batch_tokens(&mut rng, rows, vocab);
                 let mut want = vec![0f32; rows * d];
                 c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
                 let mut out = poisoned(g, rows * d);

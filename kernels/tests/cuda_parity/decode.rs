@@ -178,14 +178,7 @@ fn cuda_decode_v2_swiglu_pairs_match_cpu() {
                 let (mut gate, mut up) = (vec![0f32; rows * n], vec![0f32; rows * n]);
                 c.matmul(&x, rows, &c1, &mut gate);
                 c.matmul(&x, rows, &c3, &mut up);
-                let want: Vec<f32> = gate
-                    .iter()
-                    .zip(&up)
-                    .map(|(&a, &u)| {
-                        let a = a.min(limit);
-                        a / (1.0 + (-a).exp()) * u.clamp(-limit, limit)
-                    })
-                    .collect();
+                let want = swiglu_reference(&gate, &up, limit);
                 check(&format!("v2 swiglu {n}x{k} rows={rows} ({kernel})"), dtype, &g.download(&out), &want);
             }
         }
@@ -242,8 +235,7 @@ fn check_experts(
             for &rows in batches {
                 assert!(g.decode_v2_experts(rows, &gm), "v2 does not take the experts at {rows} rows");
                 let x = rand_vec(rng, rows * d, 1.0);
-                let tokens: Vec<u32> =
-                    (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
+                let tokens = batch_tokens(rng, rows, vocab);
                 let gx = g.upload(&x);
                 let mut want = vec![0f32; rows * d];
                 c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);

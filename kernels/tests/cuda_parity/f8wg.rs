@@ -124,14 +124,7 @@ fn cuda_f8wg_swiglu_pairs_match_cpu() {
                 let mut out = poisoned(g, rows * n);
                 g.decode_swiglu("v2", &gx, rows, &g1, &g3, limit, &mut out);
                 let got = g.download(&out);
-                let want: Vec<f32> = gate
-                    .iter()
-                    .zip(&up)
-                    .map(|(&a, &u)| {
-                        let a = a.min(limit);
-                        a / (1.0 + (-a).exp()) * u.clamp(-limit, limit)
-                    })
-                    .collect();
+                let want = swiglu_reference(&gate, &up, limit);
                 for r in 0..rows {
                     let span = r * n..(r + 1) * n;
                     // The products' own bound (F8WG_TOL of their largest magnitude) carried

@@ -99,6 +99,23 @@ fn expert_weights(rng: &mut ChaCha8Rng, d: usize, inter: usize, dtype: &str) -> 
     [weight(rng, inter, d, 0.03, dtype), weight(rng, d, inter, 0.05, dtype), weight(rng, inter, d, 0.03, dtype)]
 }
 
+/// The reference SwiGLU of gate and up values: silu(min(g, limit)) · clamp(u, ±limit).
+fn swiglu_reference(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
+    gate.iter()
+        .zip(up)
+        .map(|(&a, &u)| {
+            let a = a.min(limit);
+            a / (1.0 + (-a).exp()) * u.clamp(-limit, limit)
+        })
+        .collect()
+}
+
+/// Token ids of a MoE test batch under `vocab`: row 0 is token 0 (whose hash-table row
+/// names an expert twice, `decode::hash_table_with_repeats`), the rest random.
+fn batch_tokens(rng: &mut ChaCha8Rng, rows: usize, vocab: usize) -> Vec<u32> {
+    (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect()
+}
+
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len(), "length mismatch");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);

@@ -75,8 +75,7 @@ fn cuda_moe_wgmma_experts_match_cpu() {
                     let what = format!("wgmoe {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows}");
                     let plan = g.decode_moe_wgmma(rows, &gm).unwrap_or_else(|| panic!("{what}: not taken"));
                     let x = rand_vec(&mut rng, rows * d, 1.0);
-                    let tokens: Vec<u32> =
-                        (0..rows).map(|i| if i == 0 { 0 } else { rng.random_range(0..vocab as u32) }).collect();
+                    let tokens = batch_tokens(&mut rng, rows, vocab);
                     let mut want = vec![0f32; rows * d];
                     c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
                     let mut out = poisoned(g, rows * d);
