@@ -1,6 +1,6 @@
-// FP8 products of one or two decode rows on Hopper's warpgroup tensor-core instruction
-// (wgmma, sm_90a): kernels/src/cuda/gemv_f8wg.rs plans them; docs/cuda.md ("gemv_f8wg")
-// says when they run.
+// FP8 products and SwiGLU pairs of one or two decode rows on Hopper's warpgroup
+// tensor-core instruction (wgmma, sm_90a): kernels/src/cuda/gemv_f8wg.rs plans them;
+// docs/cuda.md ("gemv_f8wg") says when they run.
 //
 // Why a third FP8 gemv: the two before (decode2.cu's v2 and gemv_f8mma.cu) issue the
 // warp-level mma, which sm_90 runs for e4m3 operands as f16 unpacks and two f16 mmas;
@@ -49,7 +49,10 @@
 // the tile over the ranks in rank order (gemm_rows.cu's `gr_cluster_*`), so results do
 // not depend on scheduling. A cluster takes a contiguous run of tiles.
 // Grouped products (wo_a: group g of output rows reads x[:, g·K .. g·K + K]) re-stage
-// the activations when a tile starts a new group.
+// the activations when a tile starts a new group. SwiGLU pairs (NM 2, the shared
+// expert's gate and up): each chunk of w1 is followed in the ring by the same chunk of
+// w3 (its own tensor map and scales), the two keep separate sums, and the tile's output
+// is SwiGLU of the pair's (cluster-summed) results.
 
 #define WG_THREADS 128
 #define WG_TILE 64
