@@ -9,7 +9,8 @@
 // nibbles become e4m3 codes by a few bit operations (below: 7 for 8 weights, no multiply)
 // and wgmma takes them from registers; the group scale multiplies the instruction's f32
 // result instead of every weight, because one wgmma (k = 32 inputs) is exactly one FP4
-// scale group. About 210 warp instructions for the same 2 KB.
+// scale group. About 300 warp instructions for the same 2 KB (the SASS of the loop;
+// kernels/src/cuda/NOTES-decode.md has the count and the profile).
 //
 // e2m1 → e4m3: a nibble s.e1 e0.m read as the e4m3 byte s.000 e1 e0.m00 (sign to bit 7,
 // the three magnitude bits to bits 4..2) is the same value times 2^-6, exactly, for the
@@ -22,7 +23,8 @@
 //   rows itself (`cp.async`, 16 bytes a copy) into a ring of S slots, a slot one chunk of
 //   256 inputs (128 bytes a row, 16-byte pieces swizzled by row so that the fragment
 //   loads below are free of bank conflicts) plus the rows' 8 scale bytes. A warp only
-//   waits for its own copies (no block barrier a chunk); S - 1 chunks are in flight.
+//   waits for its own copies (no block barrier a chunk); S - 1 chunks are in flight (S in
+//   the pipelined `_p_` kernels, which load and convert a chunk's fragments a step early).
 // - A fragments (cute's register layout for 8-bit wgmma): lane (g = lane/4, t = lane%4)
 //   holds rows g and g + 8, logical inputs 4t..4t+3 and 16+4t..16+4t+3 of the k-step.
 //   It reads the 4 bytes 4t..4t+3 of each row's 16-byte scale group (inputs 8t..8t+7):
