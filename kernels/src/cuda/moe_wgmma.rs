@@ -78,7 +78,8 @@ struct WgMoeArgs {
 unsafe impl DeviceRepr for WgMoeArgs {}
 const _: () = assert!(std::mem::size_of::<WgMoeArgs>() == 6 * 8 + 6 * 4, "WgMoeArgs has padding");
 
-/// One projection's launch: the kernel, its cluster size (K split), grid and shared memory.
+/// One projection's launch: the kernel (its name carries the K split, the cluster size),
+/// grid and shared memory.
 struct Launch {
     name: &'static str,
     grid: usize,
@@ -154,10 +155,10 @@ pub(crate) fn wgmoe_plan_always(gpu: &Gpu, rows: usize, w: &MoeWeights<CudaBacke
         return None;
     }
     let max_segs = rows * w.top_k;
-    let first = if pipelined() { 6 } else { 0 };
+    let kernels_from = if pipelined() { 6 } else { 0 };
     Some(WgMoePlan {
-        swiglu: launch_plan(gpu, first, max_segs * (inter / TILE), d, 2)?,
-        down: launch_plan(gpu, first + 3, max_segs * (d / TILE), inter, 1)?,
+        swiglu: launch_plan(gpu, kernels_from, max_segs * (inter / TILE), d, 2)?,
+        down: launch_plan(gpu, kernels_from + 3, max_segs * (d / TILE), inter, 1)?,
     })
 }
 
