@@ -24,7 +24,7 @@ use super::matmul::{
     weight_ptrs,
 };
 use super::memory::CudaBuf;
-use super::moe_v2::{experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
+use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan};
 use super::runtime::{cfg, cfg_elems, launch};
 use super::{cublas_bf16, moe_cublas, moe_host};
@@ -372,8 +372,9 @@ pub(crate) fn experts_routed_on_device(
     // (`segs`: 3 ints a segment, at most n of them, then their number; `pos`: each row's
     // list positions, for the combine.)
     let segs = seg_rows.map(|_| g.alloc::<i32>(4 * n + 1));
-    let (segs_ptr, seg_rows, pos_ptr) = match (&segs, seg_rows) {
-        (Some(s), Some(r)) => (g.ptr(s), r as i32, g.ptr(s) + 4 * (3 * n + 1) as u64),
+    let lists = segs.as_ref().map(|s| SegmentLists::new(list_rows, list_widx, g.ptr(s), n));
+    let (segs_ptr, seg_rows, pos_ptr) = match (&lists, seg_rows) {
+        (Some(l), Some(r)) => (l.segs, r as i32, l.pos),
         _ => (0, 0, 0),
     };
     // The routing and each pair's position are staged in shared memory (2n ints beside
@@ -400,13 +401,11 @@ pub(crate) fn experts_routed_on_device(
         n as i32,
         pos_ptr,
     );
-    if let Some(plan) = &wg {
-        let lists = (list_rows, list_widx, segs_ptr, pos_ptr);
+    if let (Some(plan), Some(lists)) = (&wg, &lists) {
         experts_wgmma(b, plan, x, rows, w, lists, weights, out, shared);
         return shared.is_some();
     }
-    if let Some(plan) = &by_segments {
-        let lists = (list_rows, list_widx, segs_ptr, pos_ptr);
+    if let (Some(plan), Some(lists)) = (&by_segments, &lists) {
         experts_by_segments(b, plan, x, rows, w, lists, weights, out, shared);
         return shared.is_some();
     }

@@ -207,6 +207,27 @@ struct D2SegArgs {
 // decode2_segments.cu.
 unsafe impl DeviceRepr for D2SegArgs {}
 
+/// The device lists `moe_lists` writes for the segment kernels (device addresses): each
+/// list position's batch row and weight index, the segments (3 ints a segment: first
+/// position, positions, expert; at most `max_segs`), their number, and each row's list
+/// positions (for the combine).
+pub(crate) struct SegmentLists {
+    pub(crate) rows: u64,
+    pub(crate) widx: u64,
+    pub(crate) segs: u64,
+    pub(crate) n_seg: u64,
+    pub(crate) pos: u64,
+}
+
+impl SegmentLists {
+    /// The lists in `segs_buf` (4·max_segs + 1 ints: the segments, their number, then the
+    /// positions), beside the list rows and weight indices.
+    pub(crate) fn new(rows: u64, widx: u64, segs_buf: u64, max_segs: usize) -> Self {
+        let n_seg = segs_buf + 4 * 3 * max_segs as u64;
+        SegmentLists { rows, widx, segs: segs_buf, n_seg, pos: n_seg + 4 }
+    }
+}
+
 /// How a decode batch runs its routed experts by segments.
 pub(crate) struct ExpertsBySegments {
     /// Most list positions of one expert a segment holds (4 or 8: one or two mma column
@@ -271,8 +292,8 @@ fn segment_rows_override() -> Option<usize> {
     })
 }
 
-/// The routed experts of a decode batch by segments (the lists,
-/// `segs` and each row's positions `pos` come from `moe_lists` cut at `plan.seg_rows`): the rows staged as f16 halves,
+/// The routed experts of a decode batch by segments (`lists` from `moe_lists`, cut at
+/// `plan.seg_rows`): the rows staged as f16 halves,
 /// gate/up of each segment into h ([list position][2][inter]), down of each segment into
 /// y ([list position][d]), then each row's weighted sum in list order into `out`.
 #[allow(clippy::too_many_arguments)]
@@ -282,7 +303,7 @@ pub(crate) fn experts_by_segments(
     x: &CudaBuf,
     rows: usize,
     w: &MoeWeights<CudaBackend>,
-    (list_rows, list_widx, segs, pos): (u64, u64, u64, u64),
+    lists: &SegmentLists,
     weights: &CudaBuf,
     out: &mut CudaBuf,
     shared: Option<super::moe::SharedAdd>,
@@ -296,7 +317,6 @@ pub(crate) fn experts_by_segments(
     launch!(g, "d2_rows_f16", cfg((rows as u32, 1, 1), 256, 0), xbp, xsp, g.ptr(&x.mem), rows as i32, d as i32);
     let hb = g.alloc::<u16>(n * 2 * inter);
     let y = b.alloc_buf(n * d);
-    let n_seg = segs + 4 * 3 * n as u64;
     // (kernel, output, inputs, weight table, outputs, inputs, h factor)
     let up = (plan.swiglu, g.ptr(&hb), xbp, expert_table(b, w, false), inter, d, plan.h_scale);
     let down = (plan.down, g.ptr(&y.mem), g.ptr(&hb), expert_table(b, w, true), d, inter, 1.0 / plan.h_scale);
@@ -307,9 +327,9 @@ pub(crate) fn experts_by_segments(
             xb: src,
             xscale: xsp,
             wtab,
-            segs,
-            n_seg,
-            list_rows,
+            segs: lists.segs,
+            n_seg: lists.n_seg,
+            list_rows: lists.rows,
             n: n_out as i32,
             k: k_in as i32,
             tiles: tiles as i32,
@@ -322,5 +342,5 @@ pub(crate) fn experts_by_segments(
         let cap = g.resident_blocks(kernel, 256, 0) * g.sms;
         launch!(g, kernel, cfg(((n * tiles).min(cap).max(1) as u32, 1, 1), 256, 0), args);
     }
-    super::moe::combine_in_list_order(b, &y, (rows, k, d), (pos, list_widx), weights, out, shared);
+    super::moe::combine_in_list_order(b, &y, (rows, k, d), (lists.pos, lists.widx), weights, out, shared);
 }

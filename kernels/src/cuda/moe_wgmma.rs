@@ -12,6 +12,7 @@ use super::gemv_f8wg::resident;
 use super::matmul::GEMV_MAX_ROWS;
 use super::memory::CudaBuf;
 use super::moe::{combine_in_list_order, expert_table, tc_experts};
+use super::moe_v2::SegmentLists;
 use super::runtime::{Gpu, cfg, launch};
 use crate::backend::MoeWeights;
 
@@ -186,8 +187,8 @@ fn launch_plan(gpu: &Gpu, first: usize, units: usize, k: usize, matrices: usize)
     best.map(|(_, plan)| plan)
 }
 
-/// The routed experts of a decode batch on these kernels (the lists, `segs` cut at
-/// [`SEGMENT_ROWS`] and each row's positions `pos` come from `moe_lists`): gate/up of
+/// The routed experts of a decode batch on these kernels (`lists` from `moe_lists`, cut
+/// at [`SEGMENT_ROWS`]): gate/up of
 /// each segment into h ([list position][inter], f32), down of each segment into y ([list
 /// position][d]), then each row's weighted sum in list order into `out`.
 #[allow(clippy::too_many_arguments)]
@@ -197,7 +198,7 @@ pub(crate) fn experts_wgmma(
     x: &CudaBuf,
     rows: usize,
     w: &MoeWeights<CudaBackend>,
-    (list_rows, list_widx, segs, pos): (u64, u64, u64, u64),
+    lists: &SegmentLists,
     weights: &CudaBuf,
     out: &mut CudaBuf,
     shared: Option<super::moe::SharedAdd>,
@@ -207,7 +208,6 @@ pub(crate) fn experts_wgmma(
     let (n, inter) = (rows * k, w.experts[0].w1.rows);
     let h = b.alloc_buf(n * inter);
     let y = b.alloc_buf(n * d);
-    let n_seg = segs + 4 * 3 * n as u64;
     // (launch, output, inputs, weight table, outputs, inputs)
     let up = (&plan.swiglu, g.ptr(&h.mem), g.ptr(&x.mem), expert_table(b, w, false), inter, d);
     let down = (&plan.down, g.ptr(&y.mem), g.ptr(&h.mem), expert_table(b, w, true), d, inter);
@@ -216,9 +216,9 @@ pub(crate) fn experts_wgmma(
             out: dst,
             x: src,
             wtab,
-            segs,
-            n_seg,
-            list_rows,
+            segs: lists.segs,
+            n_seg: lists.n_seg,
+            list_rows: lists.rows,
             n: n_out as i32,
             k: k_in as i32,
             tiles: (n_out / TILE) as i32,
@@ -228,5 +228,5 @@ pub(crate) fn experts_wgmma(
         };
         launch!(g, l.name, cfg((l.grid as u32, 1, 1), THREADS, l.smem as u32), args);
     }
-    combine_in_list_order(b, &y, (rows, k, d), (pos, list_widx), weights, out, shared);
+    combine_in_list_order(b, &y, (rows, k, d), (lists.pos, lists.widx), weights, out, shared);
 }
