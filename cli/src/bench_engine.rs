@@ -64,6 +64,14 @@ pub struct GpuBenchArgs {
     /// GPU benchmark: time the compressor kernel alone over a prefill this long (0: skip).
     #[arg(long, default_value_t = 8192)]
     pub compress_tokens: usize,
+    /// GPU benchmark: untimed decode steps of each batch before the timed ones. A decode
+    /// step's recorded segments become CUDA graphs the second time they are seen, and the
+    /// compressors' entries make steps differ with the position (every 4th and 128th
+    /// token), so the first steps of a batch capture graphs (a capture costs the host
+    /// ~0.3 ms); 8 covers two rounds of the 4-token cycle, so what is timed is the steady
+    /// state a long generation runs in.
+    #[arg(long, default_value_t = 8)]
+    pub warmup_steps: usize,
     /// GPU benchmark: skip the stored-format product table (FP4/FP8/BF16 gemv and GEMM).
     #[arg(long)]
     pub skip_products: bool,
@@ -135,7 +143,8 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         max_batch,
         a.prefill_tokens,
         a.chunk_tokens,
-        c.decode_steps,
+        // The warm-up steps, the timed ones and the three of the device-alone time.
+        a.warmup_steps.max(1) + c.decode_steps + 3,
         c.ordinals.len(),
     );
     let plan = crate::bench_memory::plan_run(c.dir, &c.ordinals, c.kv_dtype, &sizes);
@@ -237,7 +246,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
         100.0 * prefill_of_peak
     );
     let profiled = if c.repeat > 1 { c.repeat - 1 } else { 1 };
-    print_profile(&engine.model.backend, &format!("{profiled} prefills of {} tokens", a.prefill_tokens));
+    print_profile(&engine.model.backend, &format!("{profiled} prefills of {} tokens", a.prefill_tokens), None);
 
     let mut decode_rows = Vec::new();
     for &ctx in &a.contexts {
@@ -252,25 +261,31 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
             let mut steps = Vec::new();
             let mut traffic = Vec::new();
             let mut launches = Vec::new();
-            // One untimed step first: the plan shape and buffers of this batch are new.
-            engine.model.backend.graphs();
-            for i in 0..c.decode_steps + 1 {
+            // Untimed steps first (at least one: the plan shape and buffers of this batch
+            // are new, kernels load lazily; then graph captures, `--warmup-steps`).
+            let warmup = a.warmup_steps.max(1);
+            for i in 0..warmup + c.decode_steps {
+                if i == warmup {
+                    // What the timed steps did from here on.
+                    engine.model.backend.graphs();
+                }
                 let mut refs: Vec<&mut Sequence> = seqs.iter_mut().collect();
                 engine.model.backend.traffic();
                 engine.model.backend.launches();
                 let (out, dt) = decode_greedy(&mut engine, &mut refs, &next, a.full_logits, Instant::now())?;
                 let (w, kv) = engine.model.backend.traffic();
                 let n_launches = engine.model.backend.launches();
-                if i > 0 {
+                if i >= warmup {
                     steps.push(dt);
                     traffic.push((w + kv) as f64);
                     launches.push(n_launches);
                 } else {
-                    // The first step of a shape loads kernels lazily: not in the profile.
+                    // Warm-up steps are not in the profile.
                     engine.model.backend.profile();
                 }
                 next = out;
             }
+            let steps_wall: f64 = steps.iter().sum();
             let step = median(steps);
             let bytes_per_step = traffic.iter().sum::<f64>() / traffic.len() as f64;
             let gbs = bytes_per_step / step / 1e9;
@@ -278,13 +293,14 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
             let graphs = engine.model.backend.graphs();
             eprintln!(
                 "decode ctx {ctx} batch {batch}: {} of {} step segments from CUDA graphs ({} captured, {} eager) \
-                 in {} recorded steps, {} ops issued past their recording",
+                 in {} recorded steps, {} ops issued past their recording; {:.2} ms a step issuing segments",
                 graphs.replayed + graphs.captured,
                 graphs.segments,
                 graphs.captured,
                 graphs.eager,
                 graphs.recorded,
-                graphs.unrecorded
+                graphs.unrecorded,
+                graphs.issue_seconds * 1e3 / graphs.recorded.max(1) as f64
             );
             eprintln!(
                 "decode ctx {ctx} batch {batch}: {:.3} ms/step, {:.0} MB/step, {gbs:.0} GB/s ({:.0}% of copy), \
@@ -293,7 +309,8 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
                 bytes_per_step / 1e6,
                 100.0 * gbs / copy_gbs
             );
-            print_profile(&engine.model.backend, &format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps));
+            let what = format!("{} decode steps, ctx {ctx} batch {batch}", c.decode_steps);
+            print_profile(&engine.model.backend, &what, Some(steps_wall));
             // The device's own step time: steps queued behind a hold longer than the
             // host takes to issue a step (at most the step's wall time, so twice that, and
             // at least 20 ms), so the device starts with everything issued (the hold
@@ -399,12 +416,25 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
     Ok(())
 }
 
-/// Where the time went, per op (only with `SLUICE_CUDA_PROFILE=1`; the first GPU's).
+/// Where the time went, per op (only with `SLUICE_CUDA_PROFILE`: the first GPU's device
+/// times, or the host's in every GPU's ops with `host`, where ops nest and the total is
+/// that of the outermost ones). `wall`: the profiled steps' wall time, which a host
+/// profile is set against (the rest is the engine's own code).
 #[cfg(feature = "cuda")]
-fn print_profile<B: MeasuredGpus>(b: &B, what: &str) {
-    let Some(p) = b.profile() else { return };
-    let total: f64 = p.iter().map(|x| x.1).sum();
-    eprintln!("profile of {what} ({:.1} ms in ops):", total * 1e3);
+fn print_profile<B: MeasuredGpus>(b: &B, what: &str, wall: Option<f64>) {
+    let Some(mut p) = b.profile() else { return };
+    let outermost = p.iter().position(|e| e.0 == kernels::cuda::HOST_OUTERMOST).map(|i| p.remove(i).1);
+    let total = outermost.unwrap_or_else(|| p.iter().map(|x| x.1).sum());
+    match (outermost, wall) {
+        (Some(_), Some(w)) => eprintln!(
+            "host profile of {what} ({:.1} ms in ops of {:.1} ms wall, {:.1} ms outside ops; ops nest):",
+            total * 1e3,
+            w * 1e3,
+            (w - total) * 1e3
+        ),
+        (Some(_), None) => eprintln!("host profile of {what} ({:.1} ms in ops; ops nest):", total * 1e3),
+        (None, _) => eprintln!("profile of {what} ({:.1} ms in ops):", total * 1e3),
+    }
     for (name, t, n) in p {
         eprintln!("  {name:<18} {:>9.2} ms {:>5.1}% {n:>7} calls", t * 1e3, 100.0 * t / total);
     }

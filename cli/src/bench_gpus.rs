@@ -60,11 +60,25 @@ pub trait MeasuredGpus: Backend {
         self.gpus().iter().for_each(|g| g.hold_stream(ns));
     }
 
-    /// Per-op profile since the last call (`SLUICE_CUDA_PROFILE`), of the first GPU.
+    /// Per-op profile since the last call (`SLUICE_CUDA_PROFILE`): the first GPU's device
+    /// times, or with `host` the issuing thread's time in every GPU's ops added up (one
+    /// thread issues them all), largest first.
     fn profile(&self) -> Option<Vec<(&'static str, f64, u64)>> {
-        let p = self.first().take_profile();
-        self.gpus().iter().skip(1).for_each(|g| drop(g.take_profile()));
-        p
+        let first = self.first();
+        let mut p = first.take_profile()?;
+        for g in self.gpus().iter().skip(1) {
+            let Some(other) = g.take_profile() else { continue };
+            if first.profiles_host() {
+                for (name, t, n) in other {
+                    match p.iter_mut().find(|e| e.0 == name) {
+                        Some(e) => (e.1, e.2) = (e.1 + t, e.2 + n),
+                        None => p.push((name, t, n)),
+                    }
+                }
+            }
+        }
+        p.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Some(p)
     }
 }
 

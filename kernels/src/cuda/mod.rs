@@ -39,7 +39,8 @@
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
 //! - [`peer`]: GPU-to-GPU copy bandwidth, the ceiling of KV transfers between GPUs.
-//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side).
+//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side,
+//!   `host` the issuing thread's).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
@@ -87,6 +88,7 @@ use runtime::launch;
 
 pub use bench::ProductTime;
 pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
+pub use profile::HOST_OUTERMOST;
 pub use runtime::{CudaError, driver_present};
 pub use step_graph::GraphStats;
 
@@ -105,7 +107,7 @@ pub struct CudaBackend {
     plans: devplan::PlanCache,
     /// Pinned buffers weights stream through while a model loads.
     staging: upload::Staging,
-    /// `SLUICE_CUDA_PROFILE=1|events`: time per op (see `profile`).
+    /// `SLUICE_CUDA_PROFILE=1|events|host`: time per op (see `profile`).
     profile: Option<profile::OpProfile>,
 }
 
@@ -352,9 +354,14 @@ impl CudaBackend {
     }
 
     /// Per-op `(name, seconds, calls)` since the last call, when profiling is on
-    /// (`SLUICE_CUDA_PROFILE=1` or `events`), largest first.
+    /// (`SLUICE_CUDA_PROFILE=1`, `events` or `host`), largest first.
     pub fn take_profile(&self) -> Option<Vec<(&'static str, f64, u64)>> {
         Some(self.profile.as_ref()?.take(&self.gpu))
+    }
+
+    /// Whether the profile is of the host's time in ops (`SLUICE_CUDA_PROFILE=host`).
+    pub fn profiles_host(&self) -> bool {
+        self.profile.as_ref().is_some_and(|p| p.times_host())
     }
 
     fn prof<R>(&self, name: &'static str, f: impl FnOnce() -> R) -> R {
@@ -458,7 +465,10 @@ impl Backend for CudaBackend {
     fn begin_step(&self, plan: &BatchPlan) {
         let decode = plan.seqs.iter().all(|s| s.rows == 1);
         let rows = plan.rows();
-        if decode && (1..=step_graph::GRAPH_MAX_ROWS).contains(&rows) && self.profile.is_none() {
+        if decode
+            && (1..=step_graph::GRAPH_MAX_ROWS).contains(&rows)
+            && self.profile.as_ref().is_none_or(|p| p.times_host())
+        {
             // The cached plan may hold pool memory of an eager op; the step's own goes
             // to the arena (its addresses are part of what a graph replays).
             self.plans.clear();

@@ -298,15 +298,17 @@ pub(crate) fn tc_experts(w: &MoeWeights<CudaBackend>, swiglu: bool, k_in: usize)
 /// Per-expert weight table for the grouped kernels: (w, w3, scales, scales3) each; its
 /// device address (uploaded once).
 pub(crate) fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: bool) -> u64 {
-    let g = &b.gpu;
-    let mut t = Vec::with_capacity(4 * w.experts.len());
-    for e in &w.experts {
-        let (first, second) = if down { (&e.w2, None) } else { (&e.w1, Some(&e.w3)) };
-        let (wp, sp) = weight_ptrs(g, first);
-        let (wp3, sp3) = second.map(|w3| weight_ptrs(g, w3)).unwrap_or((0, 0));
-        t.extend_from_slice(&[wp, wp3, sp, sp3]);
-    }
-    g.constant_table(&t)
+    b.prof("moe: weight table", || {
+        let g = &b.gpu;
+        let mut t = Vec::with_capacity(4 * w.experts.len());
+        for e in &w.experts {
+            let (first, second) = if down { (&e.w2, None) } else { (&e.w1, Some(&e.w3)) };
+            let (wp, sp) = weight_ptrs(g, first);
+            let (wp3, sp3) = second.map(|w3| weight_ptrs(g, w3)).unwrap_or((0, 0));
+            t.extend_from_slice(&[wp, wp3, sp, sp3]);
+        }
+        g.constant_table(&t)
+    })
 }
 
 /// The routed experts of a decode batch without the host seeing the routing: lists on

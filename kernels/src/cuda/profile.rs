@@ -4,8 +4,15 @@
 //!   trip per op, so small ops look larger and totals exceed unprofiled steps);
 //! - `events`: CUDA events recorded around every op, nothing synchronised; the device
 //!   time between each op's pair is added up when the profile is taken (the device's
-//!   own time per op, launch gaps inside an op included).
+//!   own time per op, launch gaps inside an op included);
+//! - `host`: the host's time inside every op (recording or launching it; nothing
+//!   synchronised, decode steps still recorded for CUDA graphs): where the thread that
+//!   issues a step spends it, which is what bounds a step whose wall time exceeds its
+//!   time on the device. Ops nest (`moe` holds `moe: experts`), so the profile also
+//!   carries [`HOST_OUTERMOST`]: the time in outermost ops alone. The rest of a step's
+//!   wall time is the engine's own code.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
@@ -13,10 +20,20 @@ use cudarc::driver::CudaEvent;
 
 use super::runtime::{Gpu, fail};
 
+/// The entry of a host profile that holds the time in outermost ops (each op's time
+/// counted once, however deeply ops nest).
+pub const HOST_OUTERMOST: &str = "(outermost ops)";
+
+thread_local! {
+    /// How many host-profiled ops the calling thread is inside.
+    static HOST_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Sync,
     Events,
+    Host,
 }
 
 pub(crate) struct OpProfile {
@@ -31,9 +48,16 @@ impl OpProfile {
         let mode = match std::env::var("SLUICE_CUDA_PROFILE").ok()?.as_str() {
             "1" => Mode::Sync,
             "events" => Mode::Events,
+            "host" => Mode::Host,
             _ => return None,
         };
         Some(OpProfile { mode, totals: Mutex::default(), pending: Mutex::default() })
+    }
+
+    /// Whether this profile times the host (`host`): decode steps are then still
+    /// recorded for graphs, since the other modes time ops issued one by one.
+    pub fn times_host(&self) -> bool {
+        self.mode == Mode::Host
     }
 
     pub fn measure<R>(&self, gpu: &Gpu, name: &'static str, f: impl FnOnce() -> R) -> R {
@@ -57,6 +81,19 @@ impl OpProfile {
                 gpus.iter().for_each(|(_, g)| g.sync());
                 let seconds = t.elapsed().as_secs_f64();
                 gpus.iter().for_each(|(p, _)| p.add(name, seconds));
+                r
+            }
+            Mode::Host => {
+                // One thread issues the group for every GPU: its time is counted once.
+                let depth = HOST_DEPTH.replace(HOST_DEPTH.get() + 1);
+                let t = std::time::Instant::now();
+                let r = f();
+                let seconds = t.elapsed().as_secs_f64();
+                HOST_DEPTH.set(depth);
+                first.add(name, seconds);
+                if depth == 0 {
+                    first.add(HOST_OUTERMOST, seconds);
+                }
                 r
             }
             Mode::Events => {

@@ -162,8 +162,9 @@ struct Cache {
 /// captures the driver refused (those segments were issued as recorded) and the last
 /// refusal's error; ops (launches, memsets, copies, cuBLAS products) a recorded step
 /// issued after its recording had ended (a read back or a copy from the host mid-step;
-/// past the step's final read back there is normally nothing left).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// past the step's final read back there is normally nothing left); the host's time
+/// issuing the segments.
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct GraphStats {
     pub recorded: u64,
     pub segments: u64,
@@ -173,6 +174,8 @@ pub struct GraphStats {
     pub capture_failures: u64,
     pub capture_error: Option<String>,
     pub unrecorded: u64,
+    /// The host's time issuing segments (comparing, capturing, launching them).
+    pub issue_seconds: f64,
 }
 
 /// The recording state of one GPU.
@@ -191,7 +194,8 @@ pub(crate) struct Steps {
     /// cuBLAS product on the side lane; None if it could not be: that capture is then
     /// refused).
     side_blas: std::sync::OnceLock<Option<Mutex<BlasHandle>>>,
-    stats: [AtomicU64; 7],
+    /// Counts ([`GraphStats`]' fields in order), then nanoseconds spent issuing segments.
+    stats: [AtomicU64; 8],
     capture_error: Mutex<Option<String>>,
 }
 
@@ -223,6 +227,7 @@ impl Steps {
             capture_failures: t(5),
             capture_error: self.capture_error.lock().expect("capture error poisoned").take(),
             unrecorded: t(6),
+            issue_seconds: t(7) as f64 * 1e-9,
         }
     }
 
@@ -489,6 +494,7 @@ impl Gpu {
         if rec.ops.is_empty() {
             return;
         }
+        let t = std::time::Instant::now();
         s.count(1);
         let graphable = !rec.spoiled && !s.arena.overflowed();
         if !graphable {
@@ -536,6 +542,7 @@ impl Gpu {
             }
         }
         s.graveyard.lock().expect("graveyard poisoned").clear();
+        s.stats[7].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Capture `ops` into a graph (None, with a warning and graphs switched off, if the
