@@ -537,6 +537,14 @@ impl CudaBackend {
         f8wg_pair_plan(g, &op, w1, w3).map(|p| p.name).or_else(|| self.decode_v2_kernel(x, rows, 1, w1, Some(w3)))
     }
 
+    /// The kernel `matmul_many` runs the FP8 products `ws` of `rows` rows of `x` in, when
+    /// one warpgroup launch takes them all (`gemv_f8wg_many_*`; the knobs respected), for
+    /// the parity suite.
+    pub fn f8wg_many_kernel(&self, x: &CudaBuf, rows: usize, ws: &[&CudaWeight]) -> Option<&'static str> {
+        let g = &self.gpu;
+        super::gemv_f8wg::f8wg_many_plan(g, g.ptr(&x.mem), rows, ws).map(|p| p.name)
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {

@@ -1,9 +1,11 @@
 //! FP8 products of one or two decode rows on Hopper's warpgroup tensor-core instruction
 //! (cu/gemv_f8wg.cu, `wgmma` with e4m3 operands): which products they take
-//! ([`f8wg_plan`], [`f8wg_pair_plan`]) and their launch. [`super::matmul`] tries them
-//! first for FP8 products and SwiGLU pairs (the shared expert's gate and up) of 1-2 rows
-//! on sm_90; `SLUICE_CUDA_F8WG=0` leaves them to `gemv_f8mma` and v2,
-//! `SLUICE_CUDA_F8WG_PAIR=0` the pairs alone to v2.
+//! ([`f8wg_plan`], [`f8wg_pair_plan`], [`f8wg_many_plan`]) and their launch.
+//! [`super::matmul`] tries them first for FP8 products and SwiGLU pairs (the shared
+//! expert's gate and up) of 1-2 rows on sm_90, [`super::matmul_many`] for several FP8
+//! products of one input (a layer's `wq_a` and `wkv`); `SLUICE_CUDA_F8WG=0` leaves them
+//! to `gemv_f8mma` and v2, `SLUICE_CUDA_F8WG_PAIR=0` the pairs alone to v2,
+//! `SLUICE_CUDA_F8WG_MANY=0` runs several products one launch each.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -50,7 +52,21 @@ pub(crate) const F8WG_PAIR_KERNELS: [&str; 8] = [
     "gemv_f8wg_pair_r2_k4",
     "gemv_f8wg_pair_r2_k8",
 ];
-/// K splits, in the order of [`F8WG_KERNELS`] and [`F8WG_PAIR_KERNELS`].
+/// The kernels of several products of one input (ring of 4) by rows (1, 2) and K split
+/// (1, 2, 4, 8).
+pub(crate) const F8WG_MANY_KERNELS: [&str; 8] = [
+    "gemv_f8wg_many_r1_k1",
+    "gemv_f8wg_many_r1_k2",
+    "gemv_f8wg_many_r1_k4",
+    "gemv_f8wg_many_r1_k8",
+    "gemv_f8wg_many_r2_k1",
+    "gemv_f8wg_many_r2_k2",
+    "gemv_f8wg_many_r2_k4",
+    "gemv_f8wg_many_r2_k8",
+];
+/// Products one `gemv_f8wg_many_*` launch takes (`WG_MANY_MAX` in gemv_f8wg.cu).
+pub(crate) const F8WG_MANY_MAX: usize = 4;
+/// K splits, in the order of [`F8WG_KERNELS`], [`F8WG_PAIR_KERNELS`] and [`F8WG_MANY_KERNELS`].
 const SPLITS: [usize; 4] = [1, 2, 4, 8];
 
 /// Output rows of a tile (`WG_TILE`), inputs of a chunk (`WG_KC`: one FP8 scale block)
@@ -113,6 +129,31 @@ struct WgPairArgs {
 // WgPairArgs` in gemv_f8wg.cu (both 64-byte aligned, the maps first).
 unsafe impl DeviceRepr for WgPairArgs {}
 const _: () = assert!(std::mem::size_of::<WgPairArgs>() == 2 * 128 + 64 + 8 + 4 + 13 * 4, "WgPairArgs has padding");
+
+/// `WgManyArgs` in gemv_f8wg.cu: up to [`F8WG_MANY_MAX`] products' tensor maps, `F8Args`
+/// (the activations, K, rows and the tile total), then each product's scales, output,
+/// first tile (and the total after the last) and output width, their count; `pad` fills
+/// the struct to its 64-byte alignment with zeros (a recorded step compares argument bytes).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct WgManyArgs {
+    maps: [[u64; 16]; F8WG_MANY_MAX],
+    a: F8Args,
+    scales: [u64; F8WG_MANY_MAX],
+    outs: [u64; F8WG_MANY_MAX],
+    first: [i32; F8WG_MANY_MAX + 1],
+    n: [i32; F8WG_MANY_MAX],
+    count: i32,
+    pad: [u32; 6],
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers without padding, `struct WgManyArgs` in
+// gemv_f8wg.cu (both 64-byte aligned, the maps first).
+unsafe impl DeviceRepr for WgManyArgs {}
+const _: () = assert!(
+    std::mem::size_of::<WgManyArgs>() == 4 * 128 + 64 + 2 * 4 * 8 + 5 * 4 + 4 * 4 + 4 + 6 * 4,
+    "WgManyArgs has padding"
+);
 
 /// The tensor map of an FP8 weight of `n` rows × `k` bytes at device address `w`: boxes of
 /// 64 rows × 128 bytes (a chunk), copied into shared memory with the 128-byte swizzle the
@@ -184,6 +225,13 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_F8WG").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether several FP8 products of one input share a launch (`SLUICE_CUDA_F8WG_MANY=0`:
+/// one launch each, to compare).
+fn many_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_F8WG_MANY").map(|v| v != "0").unwrap_or(true))
+}
+
 /// Whether the pair kernels may take SwiGLU pairs (`SLUICE_CUDA_F8WG_PAIR=0`: never, the
 /// v2 pair kernel runs them, to compare).
 fn pairs_enabled() -> bool {
@@ -209,7 +257,25 @@ pub(crate) fn f8wg_plan(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgP
 pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Option<F8wgPlan> {
     let stages = stages();
     let names = |rows: usize| &F8WG_KERNELS[if stages == 4 { 8 } else { 0 } + 4 * (rows - 1)..][..4];
-    plan_of(gpu, op, w, stages, 1, names)
+    plan_of(gpu, op, w, w.rows, stages, 1, names)
+}
+
+/// The plan of several FP8 products of the contiguous activations `x` (`rows` rows)
+/// in one launch, when these kernels take them (`SLUICE_CUDA_F8WG` and
+/// `SLUICE_CUDA_F8WG_MANY` respected): 2 to [`F8WG_MANY_MAX`] FP8 weights of one K, each
+/// of whole 128-row scale blocks (so every product's tiles start a scale row), the
+/// rules of [`f8wg_plan_always`] over all their tiles.
+pub(crate) fn f8wg_many_plan(gpu: &Gpu, x: u64, rows: usize, ws: &[&CudaWeight]) -> Option<F8wgPlan> {
+    let k = ws.first()?.cols;
+    let fits = ws.iter().all(|w| {
+        matches!(w.data, WeightData::Fp8 { .. }) && w.cols == k && w.rows > 0 && w.rows.is_multiple_of(2 * TILE)
+    });
+    if !enabled() || !many_enabled() || !(2..=F8WG_MANY_MAX).contains(&ws.len()) || !fits {
+        return None;
+    }
+    let n = ws.iter().map(|w| w.rows).sum();
+    let op = Operand::contiguous(x, 0, rows, 1, ws[0]);
+    plan_of(gpu, &op, ws[0], n, 4, 1, |rows| &F8WG_MANY_KERNELS[4 * (rows - 1)..][..4])
 }
 
 /// The plan of a SwiGLU pair `w1`, `w3` (the same shape, both FP8) for `op`, when these
@@ -221,15 +287,17 @@ pub(crate) fn f8wg_pair_plan(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &Cuda
     if !enabled() || !pairs_enabled() || !both_fp8 || op.groups != 1 {
         return None;
     }
-    plan_of(gpu, op, w1, 4, 2, |rows| &F8WG_PAIR_KERNELS[4 * (rows - 1)..][..4])
+    plan_of(gpu, op, w1, w1.rows, 4, 2, |rows| &F8WG_PAIR_KERNELS[4 * (rows - 1)..][..4])
 }
 
-/// [`f8wg_plan_always`]'s rules for `matrices` weights of `w`'s shape a tile, the kernels
-/// of each K split (in [`SPLITS`] order) from `names(rows)`.
+/// [`f8wg_plan_always`]'s rules for `n` output rows of weights of `w`'s K and format
+/// (`matrices` of them a tile), the kernels of each K split (in [`SPLITS`] order) from
+/// `names(rows)`.
 fn plan_of(
     gpu: &Gpu,
     op: &Operand,
     w: &CudaWeight,
+    n: usize,
     stages: usize,
     matrices: usize,
     names: impl Fn(usize) -> &'static [&'static str],
@@ -237,7 +305,7 @@ fn plan_of(
     if !matches!(w.data, WeightData::Fp8 { .. }) || gpu.cc.0 != 9 || !(1..=2).contains(&op.rows) || op.groups == 0 {
         return None;
     }
-    let (n, k) = (w.rows, w.cols);
+    let k = w.cols;
     let grouped = op.groups > 1;
     let whole_tiles =
         n.is_multiple_of(TILE) && (!grouped || (n.is_multiple_of(op.groups) && (n / op.groups).is_multiple_of(TILE)));
@@ -286,6 +354,37 @@ pub(crate) fn f8wg_pair(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w1: &CudaWeight
 pub(crate) fn f8wg_gemv(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w: &CudaWeight) {
     let a = F8Args::new(gpu, &op, w, plan.tiles);
     let args = WgArgs { map: weight_map(a.w, w.rows, w.cols), a };
+    debug_assert!(plan.grid.is_multiple_of(plan.split));
+    launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), THREADS, plan.smem as u32), args);
+}
+
+/// Launch `plan` (from [`f8wg_many_plan`]) for the products `ws` (weight, contiguous
+/// output `[rows, weight rows]`) of the contiguous activations `x`.
+pub(crate) fn f8wg_many(gpu: &Gpu, plan: &F8wgPlan, x: u64, rows: usize, ws: &[(&CudaWeight, u64)]) {
+    let (w0, out0) = ws[0];
+    let mut args = WgManyArgs {
+        maps: [[0; 16]; F8WG_MANY_MAX],
+        a: F8Args::new(gpu, &Operand::contiguous(x, out0, rows, 1, w0), w0, plan.tiles),
+        scales: [0; F8WG_MANY_MAX],
+        outs: [0; F8WG_MANY_MAX],
+        first: [0; F8WG_MANY_MAX + 1],
+        n: [0; F8WG_MANY_MAX],
+        count: ws.len() as i32,
+        pad: [0; 6],
+    };
+    let mut tile = 0;
+    for (i, &(w, out)) in ws.iter().enumerate() {
+        let (wp, sp) = weight_ptrs(gpu, w);
+        args.maps[i] = weight_map(wp, w.rows, w.cols);
+        args.scales[i] = sp;
+        args.outs[i] = out;
+        args.first[i] = tile as i32;
+        args.n[i] = w.rows as i32;
+        tile += w.rows / TILE;
+    }
+    // The total after the last product (and in the unused entries' places).
+    args.first[ws.len()..].fill(tile as i32);
+    debug_assert_eq!(tile, plan.tiles);
     debug_assert!(plan.grid.is_multiple_of(plan.split));
     launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), THREADS, plan.smem as u32), args);
 }

@@ -11,8 +11,10 @@
 //! - The BF16 weights at 9-32 rows when `SLUICE_CUDA_GEMM_ROWS` routes them to
 //!   `gemm_rows`: product by product (each launch splits x as it streams it).
 //! - The BF16 weights on cuBLAS with split activations: x split once, one product each.
-//! - Other weights (FP8 `wq_a` and `wkv` of a real checkpoint) and other row counts:
-//!   product by product through [`matmul`].
+//! - The FP8 weights (`wq_a` and `wkv` of a real checkpoint) at one or two rows on sm_90:
+//!   one `gemv_f8wg_many_*` launch (`gemv_f8wg.rs`, [`f8wg_many_plan`]) where it takes
+//!   them (`SLUICE_CUDA_F8WG_MANY=0`: one launch each).
+//! - Other weights and other row counts: product by product through [`matmul`].
 //!
 //! `SLUICE_CUDA_FUSED_PRODUCTS=0` (read once) runs every product on its own, to compare.
 
@@ -20,6 +22,7 @@ use cudarc::driver::DeviceRepr;
 
 use super::cublas_bf16::{self, Bf16Activations, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
+use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_plan};
 use super::matmul::{Operand, count_product, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
@@ -75,6 +78,22 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
         }
     } else {
         alone.extend(bf16);
+    }
+    // FP8 products of whole 128-row scale blocks in one warpgroup launch (up to
+    // F8WG_MANY_MAX a launch) where it takes them.
+    let (fp8, mut alone): (Vec<_>, Vec<_>) = alone
+        .into_iter()
+        .partition(|(w, _)| fused_enabled() && matches!(w.data, WeightData::Fp8 { .. }) && w.rows.is_multiple_of(128));
+    for group in fp8.chunks(F8WG_MANY_MAX) {
+        let weights: Vec<&CudaWeight> = group.iter().map(|&&(w, _)| w).collect();
+        match f8wg_many_plan(gpu, x, rows, &weights) {
+            Some(plan) => {
+                weights.iter().for_each(|w| count_product(gpu, rows, w));
+                let products: Vec<(&CudaWeight, u64)> = group.iter().map(|&&p| p).collect();
+                f8wg_many(gpu, &plan, x, rows, &products);
+            }
+            None => alone.extend(group),
+        }
     }
     for &(w, out) in alone {
         matmul(gpu, Operand::contiguous(x, out, rows, 1, w), w);

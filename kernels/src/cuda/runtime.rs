@@ -192,6 +192,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::gemv_f8mma::F8MMA_KERNELS.iter().map(|&n| (n, super::gemv_f8mma::F8MMA_MAX_SMEM)));
     v.extend(super::gemv_f8wg::F8WG_KERNELS.iter().map(|&n| (n, super::gemv_f8wg::F8WG_MAX_SMEM)));
     v.extend(super::gemv_f8wg::F8WG_PAIR_KERNELS.iter().map(|&n| (n, super::gemv_f8wg::F8WG_MAX_SMEM)));
+    v.extend(super::gemv_f8wg::F8WG_MANY_KERNELS.iter().map(|&n| (n, super::gemv_f8wg::F8WG_MAX_SMEM)));
     v.extend(super::moe_wgmma::WGMOE_KERNELS.iter().map(|&n| (n, super::moe_wgmma::WGMOE_MAX_SMEM)));
     v.extend(super::gemm_rows::GEMM_ROWS_KERNELS.iter().map(|&n| (n, super::gemm_rows::GEMM_ROWS_SMEM)));
     v
@@ -206,6 +207,7 @@ fn loaded_kernels() -> impl Iterator<Item = &'static str> {
         .chain(super::gemv_f8mma::F8MMA_KERNELS.iter())
         .chain(super::gemv_f8wg::F8WG_KERNELS.iter())
         .chain(super::gemv_f8wg::F8WG_PAIR_KERNELS.iter())
+        .chain(super::gemv_f8wg::F8WG_MANY_KERNELS.iter())
         .chain(super::moe_wgmma::WGMOE_KERNELS.iter())
         .chain(super::gemm_rows::GEMM_ROWS_KERNELS.iter())
         .copied()

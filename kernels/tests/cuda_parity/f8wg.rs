@@ -2,6 +2,7 @@
 //! thread-block clusters) against the CPU, and the engine's FP8 decode path taking it.
 
 use super::*;
+use kernels::cuda::{CudaBuf, CudaWeight};
 
 /// Allowed max|Δ|/max|CPU| of a row of the warpgroup gemv: its activations are the same
 /// three e4m3 parts as `gemv_f8mma`'s (~2^-12 of each value) and each wgmma's 32 products
@@ -147,6 +148,72 @@ fn cuda_f8wg_swiglu_pairs_match_cpu() {
                     let e = err / scale;
                     eprintln!("PARITY f8wg pair {n}x{k} limit={limit} rows={rows} row {r} ({kernel}) {e:.2e}");
                     assert!(e <= F8WG_TOL, "{kernel} pair {n}x{k} row {r} of {rows}: {e:.3e} above {F8WG_TOL:.0e}");
+                }
+            }
+        }
+    }
+}
+
+/// Several FP8 products of one input in one launch (`gemv_f8wg_many_*`, what
+/// `Backend::matmul_many` runs a layer's `wq_a` and `wkv` in at decode) at 1 and 2 rows of
+/// very different magnitudes, on poisoned outputs: V4-Flash's `wq_a` + `wkv` (1,024 and
+/// 512 × 4,096: few tiles, K split by a cluster), three products of 128 / 2,048 / 384
+/// rows over K 384 (a product of two tiles, clusters over a product boundary), four of 1,024
+/// × 7,168, and a BF16 weight among two FP8 ones (it runs on its own). Blocky weights, so a
+/// tile reading another product's map or scales shows. Checks that one launch takes the
+/// FP8 products (skipped under `SLUICE_CUDA_F8WG=0`, `SLUICE_CUDA_F8WG_MANY=0` or
+/// `SLUICE_CUDA_FUSED_PRODUCTS=0`).
+#[test]
+fn cuda_f8wg_many_products_match_cpu() {
+    let Some(g) = gpu("cuda_f8wg_many_products_match_cpu") else { return };
+    if g.compute_capability().0 != 9 {
+        eprintln!(
+            "cuda_f8wg_many_products_match_cpu: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)"
+        );
+        return;
+    }
+    let knobs = ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_MANY", "SLUICE_CUDA_FUSED_PRODUCTS"];
+    if knobs.iter().any(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
+        eprintln!("cuda_f8wg_many_products_match_cpu: skipped, a knob turns the kernels off");
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = rng("f8wg many products");
+    // (output rows of each product, K, a BF16 product among them)
+    let cases: [(&[usize], usize, bool); 4] = [
+        (&[1024, 512], 4096, false),
+        (&[128, 2048, 384], 384, false),
+        (&[1024; 4], 7168, false),
+        (&[512, 256], 2048, true),
+    ];
+    for (ns, k, with_bf16) in cases {
+        let mut ws: Vec<TestWeight> = ns.iter().map(|&n| blocky_fp8(&mut rng, n, k)).collect();
+        if with_bf16 {
+            let host = HostMatrix::new(192, k, rand_vec(&mut rng, 192 * k, 0.05));
+            ws.insert(1, TestWeight { stored: Some(OwnedWeight::quantize(&host, OwnedFormat::Bf16)), host });
+        }
+        let gws: Vec<CudaWeight> = ws.iter().map(|w| g.weight(w.view())).collect();
+        let cws: Vec<_> = ws.iter().map(|w| c.weight(w.view())).collect();
+        for rows in [1, 2] {
+            let x: Vec<f32> = (0..rows).flat_map(|r| rand_vec(&mut rng, k, [1.0, 3e-3][r])).collect();
+            let gx = g.upload(&x);
+            let fp8: Vec<&CudaWeight> = gws.iter().filter(|w| w.format() == "fp8").collect();
+            let kernel = g.f8wg_many_kernel(&gx, rows, &fp8);
+            let kernel = kernel.unwrap_or_else(|| panic!("no many-product launch takes {ns:?} x {k} at {rows} rows"));
+            let mut outs: Vec<CudaBuf> = gws.iter().map(|w| poisoned(g, rows * w.rows)).collect();
+            g.matmul_many(&gx, rows, &gws.iter().collect::<Vec<_>>(), &mut outs.iter_mut().collect::<Vec<_>>());
+            for (i, (cw, out)) in cws.iter().zip(&outs).enumerate() {
+                let n = gws[i].rows;
+                let got = g.download(out);
+                let mut want = vec![0f32; rows * n];
+                c.matmul(&x, rows, cw, &mut want);
+                for r in 0..rows {
+                    let span = r * n..(r + 1) * n;
+                    let e = rel_err(&got[span.clone()], &want[span]);
+                    let what =
+                        format!("{kernel} {ns:?} x {k} product {i} ({n} rows, {}) row {r} of {rows}", gws[i].format());
+                    eprintln!("PARITY f8wg many {what}: {e:.2e}");
+                    assert!(e <= F8WG_TOL, "{what}: {e:.3e} above {F8WG_TOL:.0e}");
                 }
             }
         }

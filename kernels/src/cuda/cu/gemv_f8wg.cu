@@ -52,7 +52,10 @@
 // the activations when a tile starts a new group. SwiGLU pairs (NM 2, the shared
 // expert's gate and up): each chunk of w1 is followed in the ring by the same chunk of
 // w3 (its own tensor map and scales), the two keep separate sums, and the tile's output
-// is SwiGLU of the pair's (cluster-summed) results.
+// is SwiGLU of the pair's (cluster-summed) results. Several products of one input
+// (MANY: a layer's `wq_a` and `wkv` at decode, `gemv_f8wg_many_*`) are one walk over their
+// tiles in order, each tile reading its own matrix's tensor map, scales and output: one
+// launch's ramp and tail instead of one a product (the small ones are latency-bound).
 
 #define WG_THREADS 128
 #define WG_TILE 64
@@ -90,6 +93,23 @@ struct __align__(64) WgPairArgs {
     const float* scales3;
     float limit;
     unsigned pad[13];  // zero (the host's struct has no undefined padding bytes)
+};
+
+// Up to WG_MANY_MAX products of the same activations in one launch (`WgManyArgs` in
+// gemv_f8wg.rs): matrix m's tiles are [first[m], first[m + 1]) of the walk (every matrix
+// but the last has whole 128-row scale blocks, so a tile's scale row is its matrix's
+// (tile - first[m]) / 2), its output `outs[m]` of `n[m]` values a row. `a` carries the
+// activations, K, the rows and the tile total; its `out`, `w` and `scales` are unused.
+#define WG_MANY_MAX 4
+struct __align__(64) WgManyArgs {
+    WgTensorMap maps[WG_MANY_MAX];
+    F8Args a;
+    const float* scales[WG_MANY_MAX];
+    float* outs[WG_MANY_MAX];
+    int first[WG_MANY_MAX + 1];
+    int n[WG_MANY_MAX];
+    int count;
+    unsigned pad[6];  // zero (the host's struct has no undefined padding bytes)
 };
 
 // mbarriers (sm_90): init with an arrival count, arrive announcing the bytes a copy will
@@ -244,10 +264,12 @@ __device__ void wg_stage_activations(u8* act, const float* x, int x_stride, int 
 }
 
 // One block's walk over its tiles (KS: blocks of a cluster splitting K, 1: no cluster;
-// NM 2: a SwiGLU pair, each chunk of w1 followed by the same chunk of w3).
-template <int R, int KS, int S, int NM = 1>
+// NM 2: a SwiGLU pair, each chunk of w1 followed by the same chunk of w3; MANY: the tiles
+// of several products, `many`).
+template <int R, int KS, int S, int NM = 1, bool MANY = false>
 struct F8wg {
     const F8Args& a;
+    const WgManyArgs* many;  // MANY: the products
     u8* act;
     float* red;      // [NM][WG_TILE][9]
     float* part_sm;  // [2][NM][R][WG_TILE]
@@ -271,12 +293,44 @@ struct F8wg {
     const float* scale_row3;  // NM 2: the same of w3
     float next_sc;            // the scale of the chunk the next step multiplies
 
+    // MANY: the product tile `tt` of the walk belongs to.
+    __device__ __forceinline__ int product_of(int tt) const {
+        int p = 0;
+        if constexpr (MANY) {
+#pragma unroll
+            for (int i = 1; i < WG_MANY_MAX; i++) p += i < many->count && tt >= many->first[i];
+        }
+        return p;
+    }
+    // The scales of tile `tt`'s row of 128-row blocks, from this block's K part on.
+    __device__ __forceinline__ const float* scale_row_of(int tt) const {
+        if constexpr (MANY) {
+            const int p = product_of(tt);
+            return many->scales[p] + (long long)((tt - many->first[p]) >> 1) * (K / WG_KC) + kbase / WG_KC;
+        }
+        return a.scales + (long long)(tt >> 1) * (K / WG_KC) + kbase / WG_KC;
+    }
+    // Row r, output o of the current tile.
+    __device__ __forceinline__ float* out_at(int r, int o) const {
+        if constexpr (MANY) {
+            const int p = product_of(t);
+            return many->outs[p] + (long long)r * many->n[p] + (t - many->first[p]) * WG_TILE + o;
+        }
+        return a.out + (long long)r * a.out_stride + t * WG_TILE + o;
+    }
+
     __device__ void request_next() {
         if (tid == 0 && requested < items) {
             const u32 bar = bar_base + 8 * req_slot;
             wg_mbar_expect(bar, WG_CHUNK);
-            wg_tma_load(ring_base + req_slot * WG_CHUNK, NM == 2 && req_m == 1 ? map3 : map, kbase + req_c * WG_KC,
-                        req_t * WG_TILE, bar);
+            const WgTensorMap* mp = NM == 2 && req_m == 1 ? map3 : map;
+            int y = req_t * WG_TILE;
+            if constexpr (MANY) {
+                const int p = product_of(req_t);
+                mp = &many->maps[p];
+                y = (req_t - many->first[p]) * WG_TILE;
+            }
+            wg_tma_load(ring_base + req_slot * WG_CHUNK, mp, kbase + req_c * WG_KC, y, bar);
             req_m++;
             if (req_m == NM) {
                 req_m = 0;
@@ -335,7 +389,7 @@ struct F8wg {
                 v[mm] = (p[0] + p[1] + p[2]) * inv_s[r];
                 if (KS > 1) part_sm[((buf * NM + mm) * R + r) * WG_TILE + o] = v[mm];
             }
-            if (KS == 1) a.out[(long long)r * a.out_stride + t * WG_TILE + o] = emit_value(v);
+            if (KS == 1) *out_at(r, o) = emit_value(v);
         }
         if (KS > 1) {
             // Every block's part of the tile, then this block's rows of it summed in rank
@@ -353,7 +407,7 @@ struct F8wg {
 #pragma unroll
                     for (int s = 0; s < KS; s++) v[mm] += gr_cluster_load(local, s);
                 }
-                a.out[(long long)r * a.out_stride + t * WG_TILE + o] = emit_value(v);
+                *out_at(r, o) = emit_value(v);
             }
             buf ^= 1;
         }
@@ -378,9 +432,10 @@ struct F8wg {
         if (more) {
             // The next step: this chunk of w3 (a pair's first matrix done), else the next
             // chunk of w1 (or of the next tile, whose scale row follows when t is odd).
-            const float* next = NM == 2 && m == 0
-                                    ? scale_row3 + c
-                                    : (c + 1 < chunks ? scale_row + c + 1 : scale_row + (t & 1 ? K / WG_KC : 0));
+            const float* next = NM == 2 && m == 0 ? scale_row3 + c
+                                : c + 1 < chunks      ? scale_row + c + 1
+                                : MANY                ? scale_row_of(t + 1)
+                                                      : scale_row + (t & 1 ? K / WG_KC : 0);
             next_sc = __ldg(next);
         }
         const u32 a_addr = ring_base + slot * WG_CHUNK;
@@ -399,7 +454,7 @@ struct F8wg {
             finish_tile();
             c = 0;
             t++;
-            scale_row = a.scales + (long long)(t >> 1) * (K / WG_KC) + kbase / WG_KC;
+            scale_row = scale_row_of(t);
             if (NM == 2) scale_row3 = scales3 + (long long)(t >> 1) * (K / WG_KC) + kbase / WG_KC;
         } else {
             m = 0;
@@ -410,8 +465,8 @@ struct F8wg {
     }
 };
 
-// ARGS: WgArgs (one matrix) or WgPairArgs (a SwiGLU pair, NM 2).
-template <int R, int KS, int S, int NM, typename ARGS>
+// ARGS: WgArgs (one matrix), WgPairArgs (a SwiGLU pair, NM 2) or WgManyArgs (MANY).
+template <int R, int KS, int S, int NM, typename ARGS, bool MANY = false>
 __device__ void f8wg_gemv(const ARGS& args) {
     const F8Args& a = args.a;
     extern __shared__ __align__(128) u8 wg_smem[];
@@ -420,8 +475,12 @@ __device__ void f8wg_gemv(const ARGS& args) {
     __shared__ float red_max[(WG_THREADS / 32) * R];
     __shared__ float inv_s[R];
     __shared__ __align__(8) u64 bars[S];
-    F8wg<R, KS, S, NM> b{a};
-    b.map = &args.map;
+    F8wg<R, KS, S, NM, MANY> b{a};
+    if constexpr (MANY) {
+        b.many = &args;
+    } else {
+        b.map = &args.map;
+    }
     if constexpr (NM == 2) {
         b.map3 = &args.map3;
         b.scales3 = args.scales3;
@@ -466,7 +525,7 @@ __device__ void f8wg_gemv(const ARGS& args) {
     b.group = a.g_out > 0 ? t0 * WG_TILE / a.g_out : 0;
     b.group_end = a.g_out > 0 ? (b.group + 1) * a.g_out : 1 << 30;  // first output row of the next group
     b.t = t0;
-    b.scale_row = a.scales + (long long)(t0 >> 1) * (b.K / WG_KC) + b.kbase / WG_KC;
+    b.scale_row = b.scale_row_of(t0);
     if constexpr (NM == 2) b.scale_row3 = args.scales3 + (long long)(t0 >> 1) * (b.K / WG_KC) + b.kbase / WG_KC;
     b.next_sc = __ldg(b.scale_row);
     b.stage();
@@ -490,6 +549,12 @@ __device__ void f8wg_gemv(const ARGS& args) {
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) CLUSTER NAME(                   \
         const __grid_constant__ WgPairArgs args) {                                              \
         f8wg_gemv<R, KS, 4, 2>(args);                                                           \
+    }
+
+#define WG_MANY_KERNEL(NAME, R, KS, CLUSTER)                                                    \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) CLUSTER NAME(                   \
+        const __grid_constant__ WgManyArgs args) {                                              \
+        f8wg_gemv<R, KS, 4, 1, WgManyArgs, true>(args);                                         \
     }
 
 // Every row count and K split of a ring: a ring of 8 chunks (gemv_f8wg_*) and of 4
@@ -516,3 +581,13 @@ WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k1, 2, 1, )
 WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k2, 2, 2, WG_CLUSTER(2))
 WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k4, 2, 4, WG_CLUSTER(4))
 WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k8, 2, 8, WG_CLUSTER(8))
+
+// Several products of one input (a layer's wq_a and wkv at decode), rings of 4.
+WG_MANY_KERNEL(gemv_f8wg_many_r1_k1, 1, 1, )
+WG_MANY_KERNEL(gemv_f8wg_many_r1_k2, 1, 2, WG_CLUSTER(2))
+WG_MANY_KERNEL(gemv_f8wg_many_r1_k4, 1, 4, WG_CLUSTER(4))
+WG_MANY_KERNEL(gemv_f8wg_many_r1_k8, 1, 8, WG_CLUSTER(8))
+WG_MANY_KERNEL(gemv_f8wg_many_r2_k1, 2, 1, )
+WG_MANY_KERNEL(gemv_f8wg_many_r2_k2, 2, 2, WG_CLUSTER(2))
+WG_MANY_KERNEL(gemv_f8wg_many_r2_k4, 2, 4, WG_CLUSTER(4))
+WG_MANY_KERNEL(gemv_f8wg_many_r2_k8, 2, 8, WG_CLUSTER(8))
