@@ -104,7 +104,7 @@ pub(crate) fn gemm_rows_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> 
 
 /// Launch `plan` for `op` over `w`.
 pub(crate) fn gemm_rows(gpu: &Gpu, plan: &GemmRowsPlan, op: Operand, w: &CudaWeight) {
-    let (wp, _) = weight_ptrs(gpu, w);
+    let (wp, _) = weight_ptrs(w);
     let args = GrArgs {
         out: op.out,
         x: op.x,

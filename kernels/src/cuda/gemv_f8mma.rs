@@ -75,8 +75,8 @@ const _: () = assert!(std::mem::size_of::<F8Args>() == 4 * 8 + 8 * 4, "F8Args ha
 
 impl F8Args {
     /// The arguments of `op` over `w` in `tiles` tiles.
-    pub(crate) fn new(gpu: &Gpu, op: &Operand, w: &CudaWeight, tiles: usize) -> Self {
-        let (wp, sp) = weight_ptrs(gpu, w);
+    pub(crate) fn new(op: &Operand, w: &CudaWeight, tiles: usize) -> Self {
+        let (wp, sp) = weight_ptrs(w);
         F8Args {
             out: op.out,
             x: op.x,
@@ -149,6 +149,6 @@ pub(crate) fn f8mma_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Opti
 
 /// Launch `plan` for `op` over `w`.
 pub(crate) fn f8mma_gemv(gpu: &Gpu, plan: &F8Plan, op: Operand, w: &CudaWeight) {
-    let args = F8Args::new(gpu, &op, w, plan.tiles);
+    let args = F8Args::new(&op, w, plan.tiles);
     launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), (WARPS * 32) as u32, plan.smem as u32), args);
 }

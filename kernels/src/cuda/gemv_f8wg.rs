@@ -336,8 +336,8 @@ fn plan_of(
 
 /// Launch `plan` (from [`f8wg_pair_plan`]) for `op` over the SwiGLU pair `w1`, `w3`.
 pub(crate) fn f8wg_pair(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w1: &CudaWeight, w3: &CudaWeight, limit: f32) {
-    let a = F8Args::new(gpu, &op, w1, plan.tiles);
-    let (w3p, s3) = weight_ptrs(gpu, w3);
+    let a = F8Args::new(&op, w1, plan.tiles);
+    let (w3p, s3) = weight_ptrs(w3);
     let args = WgPairArgs {
         map: weight_map(a.w, w1.rows, w1.cols),
         map3: weight_map(w3p, w3.rows, w3.cols),
@@ -352,7 +352,7 @@ pub(crate) fn f8wg_pair(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w1: &CudaWeight
 
 /// Launch `plan` for `op` over `w`.
 pub(crate) fn f8wg_gemv(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w: &CudaWeight) {
-    let a = F8Args::new(gpu, &op, w, plan.tiles);
+    let a = F8Args::new(&op, w, plan.tiles);
     let args = WgArgs { map: weight_map(a.w, w.rows, w.cols), a };
     debug_assert!(plan.grid.is_multiple_of(plan.split));
     launch!(gpu, plan.name, cfg((plan.grid as u32, 1, 1), THREADS, plan.smem as u32), args);
@@ -364,7 +364,7 @@ pub(crate) fn f8wg_many(gpu: &Gpu, plan: &F8wgPlan, x: u64, rows: usize, ws: &[(
     let (w0, out0) = ws[0];
     let mut args = WgManyArgs {
         maps: [[0; 16]; F8WG_MANY_MAX],
-        a: F8Args::new(gpu, &Operand::contiguous(x, out0, rows, 1, w0), w0, plan.tiles),
+        a: F8Args::new(&Operand::contiguous(x, out0, rows, 1, w0), w0, plan.tiles),
         scales: [0; F8WG_MANY_MAX],
         outs: [0; F8WG_MANY_MAX],
         first: [0; F8WG_MANY_MAX + 1],
@@ -374,7 +374,7 @@ pub(crate) fn f8wg_many(gpu: &Gpu, plan: &F8wgPlan, x: u64, rows: usize, ws: &[(
     };
     let mut tile = 0;
     for (i, &(w, out)) in ws.iter().enumerate() {
-        let (wp, sp) = weight_ptrs(gpu, w);
+        let (wp, sp) = weight_ptrs(w);
         args.maps[i] = weight_map(wp, w.rows, w.cols);
         args.scales[i] = sp;
         args.outs[i] = out;

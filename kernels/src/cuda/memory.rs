@@ -57,6 +57,9 @@ pub struct CudaWeight {
     pub rows: usize,
     pub cols: usize,
     pub(crate) data: WeightData,
+    /// The device addresses of the values and of the scales (0 without), read once: a
+    /// decode step names every expert's (a routed layer's weight table, `moe.rs`).
+    ptrs: (u64, u64),
 }
 
 impl std::fmt::Debug for CudaWeight {
@@ -66,6 +69,21 @@ impl std::fmt::Debug for CudaWeight {
 }
 
 impl CudaWeight {
+    pub(crate) fn new(gpu: &Gpu, rows: usize, cols: usize, data: WeightData) -> Self {
+        let ptrs = match &data {
+            WeightData::F32(d) => (gpu.ptr(d), 0),
+            WeightData::Bf16(d) => (gpu.ptr(d), 0),
+            WeightData::Fp8 { codes, scales } => (gpu.ptr(codes), gpu.ptr(scales)),
+            WeightData::Fp4 { packed, scales, .. } => (gpu.ptr(packed), gpu.ptr(scales)),
+        };
+        CudaWeight { rows, cols, data, ptrs }
+    }
+
+    /// Device addresses of the values and of the scales (0 for F32 and BF16).
+    pub(crate) fn ptrs(&self) -> (u64, u64) {
+        self.ptrs
+    }
+
     /// "f32", "bf16", "fp8" or "fp4".
     pub fn format(&self) -> &'static str {
         match self.data {
@@ -161,7 +179,7 @@ pub(crate) fn upload_weight(gpu: &Gpu, staging: &Staging, w: &WeightView<'_>) ->
             }
         },
     };
-    CudaWeight { rows, cols, data }
+    CudaWeight::new(gpu, rows, cols, data)
 }
 
 /// Entry storage: pages, window rings, or (always f32) compressor slots.

@@ -303,8 +303,8 @@ pub(crate) fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: b
         let mut t = Vec::with_capacity(4 * w.experts.len());
         for e in &w.experts {
             let (first, second) = if down { (&e.w2, None) } else { (&e.w1, Some(&e.w3)) };
-            let (wp, sp) = weight_ptrs(g, first);
-            let (wp3, sp3) = second.map(|w3| weight_ptrs(g, w3)).unwrap_or((0, 0));
+            let (wp, sp) = weight_ptrs(first);
+            let (wp3, sp3) = second.map(weight_ptrs).unwrap_or((0, 0));
             t.extend_from_slice(&[wp, wp3, sp, sp3]);
         }
         g.constant_table(&t)

@@ -139,7 +139,7 @@ fn projection_table(
         .experts
         .iter()
         .flat_map(|e| {
-            let (wp, sp) = weight_ptrs(g, pick(e));
+            let (wp, sp) = weight_ptrs(pick(e));
             [wp, sp]
         })
         .collect();

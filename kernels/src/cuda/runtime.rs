@@ -242,6 +242,9 @@ impl Traffic {
     }
 }
 
+/// A constant table's words on the host (to tell tables of one hash apart) and its device copy.
+type TableCopy = (Vec<u64>, CudaSlice<u64>);
+
 pub(crate) struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
@@ -267,8 +270,9 @@ pub(crate) struct Gpu {
     scratch: Mutex<HashMap<(&'static str, bool), CudaSlice<u32>>>,
     /// Resident blocks per SM by (kernel, threads, dynamic shared memory).
     occupancy: Mutex<HashMap<(&'static str, u32, u32), usize>>,
-    /// Device copies of small constant tables (per-expert weight pointers), by content.
-    tables: Mutex<HashMap<u64, CudaSlice<u64>>>,
+    /// Device copies of small constant tables (per-expert weight pointers), by content:
+    /// buckets by a hash of the words.
+    tables: Mutex<HashMap<u64, Vec<TableCopy>>>,
     /// Pinned buffers of large reads.
     download: super::download::Download,
     /// Decode steps recorded and replayed as CUDA graphs (`step_graph`).
@@ -401,15 +405,22 @@ impl Gpu {
 
     /// Device address of a copy of `table`, uploaded once per distinct content and kept
     /// for the GPU's lifetime (tables of weight pointers are the same every step; a
-    /// decode step then issues no host-to-device copy for them).
+    /// decode step then issues no host-to-device copy for them). Looked up by a cheap
+    /// hash of the words and their comparison with the cached copy (a routed layer's
+    /// tables are 1,024 words, looked up twice a layer and step).
     pub fn constant_table(&self, table: &[u64]) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        table.hash(&mut h);
-        let key = h.finish();
+        let key =
+            table.iter().fold(table.len() as u64, |h, &w| (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95));
         let mut map = self.tables.lock().expect("table map poisoned");
-        let buf = map.entry(key).or_insert_with(|| self.upload_owned(table));
-        self.ptr(buf)
+        // Tables of the same hash share a bucket.
+        let bucket = map.entry(key).or_default();
+        if let Some((_, buf)) = bucket.iter().find(|(host, _)| host.as_slice() == table) {
+            return self.ptr(buf);
+        }
+        let buf = self.upload_owned(table);
+        let ptr = self.ptr(&buf);
+        bucket.push((table.to_vec(), buf));
+        ptr
     }
 
     /// How many blocks of `name` with `threads` threads and `smem` bytes of dynamic shared
