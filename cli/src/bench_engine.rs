@@ -68,7 +68,7 @@ pub struct GpuBenchArgs {
     /// step's recorded segments become CUDA graphs the second time they are seen, and the
     /// compressors' entries make steps differ with the position (every 4th and 128th
     /// token), so the first steps of a batch capture graphs (a capture costs the host
-    /// ~0.3 ms); 8 covers two rounds of the 4-token cycle, so what is timed is the steady
+    /// ~0.4 ms); 8 covers two rounds of the 4-token cycle, so what is timed is the steady
     /// state a long generation runs in.
     #[arg(long, default_value_t = 8)]
     pub warmup_steps: usize,
