@@ -557,37 +557,24 @@ __device__ void f8wg_gemv(const ARGS& args) {
         f8wg_gemv<R, KS, 4, 1, WgManyArgs, true>(args);                                         \
     }
 
-// Every row count and K split of a ring: a ring of 8 chunks (gemv_f8wg_*) and of 4
-// (gemv_f8wg_s4_*).
-#define WG_KERNELS(P, S)                              \
-    WG_KERNEL(P##r1_k1, 1, 1, S, )                    \
-    WG_KERNEL(P##r1_k2, 1, 2, S, WG_CLUSTER(2))       \
-    WG_KERNEL(P##r1_k4, 1, 4, S, WG_CLUSTER(4))       \
-    WG_KERNEL(P##r1_k8, 1, 8, S, WG_CLUSTER(8))       \
-    WG_KERNEL(P##r2_k1, 2, 1, S, )                    \
-    WG_KERNEL(P##r2_k2, 2, 2, S, WG_CLUSTER(2))       \
-    WG_KERNEL(P##r2_k4, 2, 4, S, WG_CLUSTER(4))       \
-    WG_KERNEL(P##r2_k8, 2, 8, S, WG_CLUSTER(8))
+// Every row count (1, 2) and K split (1, 2, 4, 8: blocks of a cluster) of one kind of
+// kernel: KERNEL(NAME, R, KS, CLUSTER) for the names P r{1,2}_k{1,2,4,8}.
+#define WG_EVERY_SPLIT(KERNEL, P)                \
+    KERNEL(P##r1_k1, 1, 1, )                     \
+    KERNEL(P##r1_k2, 1, 2, WG_CLUSTER(2))        \
+    KERNEL(P##r1_k4, 1, 4, WG_CLUSTER(4))        \
+    KERNEL(P##r1_k8, 1, 8, WG_CLUSTER(8))        \
+    KERNEL(P##r2_k1, 2, 1, )                     \
+    KERNEL(P##r2_k2, 2, 2, WG_CLUSTER(2))        \
+    KERNEL(P##r2_k4, 2, 4, WG_CLUSTER(4))        \
+    KERNEL(P##r2_k8, 2, 8, WG_CLUSTER(8))
+#define WG_RING8(NAME, R, KS, CLUSTER) WG_KERNEL(NAME, R, KS, 8, CLUSTER)
+#define WG_RING4(NAME, R, KS, CLUSTER) WG_KERNEL(NAME, R, KS, 4, CLUSTER)
 
-WG_KERNELS(gemv_f8wg_, 8)
-WG_KERNELS(gemv_f8wg_s4_, 4)
-
+// Plain products with a ring of 8 chunks (gemv_f8wg_*) and of 4 (gemv_f8wg_s4_*).
+WG_EVERY_SPLIT(WG_RING8, gemv_f8wg_)
+WG_EVERY_SPLIT(WG_RING4, gemv_f8wg_s4_)
 // SwiGLU pairs (the shared expert's gate and up projections at decode), rings of 4.
-WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k1, 1, 1, )
-WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k2, 1, 2, WG_CLUSTER(2))
-WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k4, 1, 4, WG_CLUSTER(4))
-WG_PAIR_KERNEL(gemv_f8wg_pair_r1_k8, 1, 8, WG_CLUSTER(8))
-WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k1, 2, 1, )
-WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k2, 2, 2, WG_CLUSTER(2))
-WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k4, 2, 4, WG_CLUSTER(4))
-WG_PAIR_KERNEL(gemv_f8wg_pair_r2_k8, 2, 8, WG_CLUSTER(8))
-
+WG_EVERY_SPLIT(WG_PAIR_KERNEL, gemv_f8wg_pair_)
 // Several products of one input (a layer's wq_a and wkv at decode), rings of 4.
-WG_MANY_KERNEL(gemv_f8wg_many_r1_k1, 1, 1, )
-WG_MANY_KERNEL(gemv_f8wg_many_r1_k2, 1, 2, WG_CLUSTER(2))
-WG_MANY_KERNEL(gemv_f8wg_many_r1_k4, 1, 4, WG_CLUSTER(4))
-WG_MANY_KERNEL(gemv_f8wg_many_r1_k8, 1, 8, WG_CLUSTER(8))
-WG_MANY_KERNEL(gemv_f8wg_many_r2_k1, 2, 1, )
-WG_MANY_KERNEL(gemv_f8wg_many_r2_k2, 2, 2, WG_CLUSTER(2))
-WG_MANY_KERNEL(gemv_f8wg_many_r2_k4, 2, 4, WG_CLUSTER(4))
-WG_MANY_KERNEL(gemv_f8wg_many_r2_k8, 2, 8, WG_CLUSTER(8))
+WG_EVERY_SPLIT(WG_MANY_KERNEL, gemv_f8wg_many_)
