@@ -11,6 +11,22 @@ use kernels::cuda::{CudaBuf, CudaWeight};
 /// errors of order 1.
 const F8WG_TOL: f32 = 2e-4;
 
+/// The GPU for a test of these kernels, or None (the reason printed) when there is none,
+/// it is not an sm_90 GPU (the warpgroup kernels run there only), or one of `knobs` is `0`
+/// (it turns the kernels the test checks off).
+fn wgmma_gpu(test: &str, knobs: &[&str]) -> Option<&'static CudaBackend> {
+    let g = gpu(test)?;
+    if g.compute_capability().0 != 9 {
+        eprintln!("{test}: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)");
+        return None;
+    }
+    if let Some(k) = knobs.iter().find(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
+        eprintln!("{test}: skipped, {k}=0 turns the kernels off");
+        return None;
+    }
+    Some(g)
+}
+
 /// An FP8 weight whose 128 × 128 blocks have magnitudes 2^-2 .. 2^2 apart, so every
 /// block gets its own scale and a scale read from the wrong block is seen.
 fn blocky_fp8(rng: &mut ChaCha8Rng, n: usize, k: usize) -> TestWeight {
@@ -35,11 +51,7 @@ fn blocky_fp8(rng: &mut ChaCha8Rng, n: usize, k: usize) -> TestWeight {
 /// the same bits (it runs this kernel) unless `SLUICE_CUDA_F8WG=0`.
 #[test]
 fn cuda_f8wg_products_match_cpu() {
-    let Some(g) = gpu("cuda_f8wg_products_match_cpu") else { return };
-    if g.compute_capability().0 != 9 {
-        eprintln!("cuda_f8wg_products_match_cpu: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)");
-        return;
-    }
+    let Some(g) = wgmma_gpu("cuda_f8wg_products_match_cpu", &[]) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("f8wg products");
     let engine_takes_it = std::env::var("SLUICE_CUDA_F8WG").map(|v| v != "0").unwrap_or(true);
@@ -96,17 +108,8 @@ fn cuda_f8wg_products_match_cpu() {
 /// pair kernel takes each case (skipped under `SLUICE_CUDA_F8WG=0` or `SLUICE_CUDA_F8WG_PAIR=0`).
 #[test]
 fn cuda_f8wg_swiglu_pairs_match_cpu() {
-    let Some(g) = gpu("cuda_f8wg_swiglu_pairs_match_cpu") else { return };
-    if g.compute_capability().0 != 9 {
-        eprintln!(
-            "cuda_f8wg_swiglu_pairs_match_cpu: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)"
-        );
-        return;
-    }
-    if ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_PAIR"].iter().any(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
-        eprintln!("cuda_f8wg_swiglu_pairs_match_cpu: skipped, SLUICE_CUDA_F8WG(_PAIR)=0 turns the kernels off");
-        return;
-    }
+    let knobs = ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_PAIR"];
+    let Some(g) = wgmma_gpu("cuda_f8wg_swiglu_pairs_match_cpu", &knobs) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("f8wg swiglu pairs");
     for (n, k) in [(2048, 4096), (1024, 7168), (65 * 64, 384), (64, 1024)] {
@@ -165,18 +168,8 @@ fn cuda_f8wg_swiglu_pairs_match_cpu() {
 /// `SLUICE_CUDA_FUSED_PRODUCTS=0`).
 #[test]
 fn cuda_f8wg_many_products_match_cpu() {
-    let Some(g) = gpu("cuda_f8wg_many_products_match_cpu") else { return };
-    if g.compute_capability().0 != 9 {
-        eprintln!(
-            "cuda_f8wg_many_products_match_cpu: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)"
-        );
-        return;
-    }
     let knobs = ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_MANY", "SLUICE_CUDA_FUSED_PRODUCTS"];
-    if knobs.iter().any(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
-        eprintln!("cuda_f8wg_many_products_match_cpu: skipped, a knob turns the kernels off");
-        return;
-    }
+    let Some(g) = wgmma_gpu("cuda_f8wg_many_products_match_cpu", &knobs) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("f8wg many products");
     // (output rows of each product, K, a BF16 product among them)
