@@ -179,6 +179,19 @@ __device__ __forceinline__ void wg_wait() {
 __device__ __forceinline__ void wg_hold(float (&d)[4]) {
     asm volatile("" : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])::"memory");
 }
+// A tile's m64n8 sums `acc` (thread (w, l) holds rows 16w + l/4 and + 8, columns 2(l%4)
+// and + 1) into `rd` (64 rows of 9 floats: padded against bank conflicts), then zeroed for
+// the next tile. Every thread of the warpgroup calls it; a barrier must follow.
+__device__ __forceinline__ void wg_sums_to_shared(float* rd, float (&acc)[4]) {
+    const int lane = threadIdx.x & 31, row = (threadIdx.x >> 5) * 16 + (lane >> 2), q = lane & 3;
+    rd[row * 9 + 2 * q] = acc[0];
+    rd[row * 9 + 2 * q + 1] = acc[1];
+    rd[(row + 8) * 9 + 2 * q] = acc[2];
+    rd[(row + 8) * 9 + 2 * q + 1] = acc[3];
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = 0.0f;
+}
+
 // Shared-memory writes of ordinary stores (the staged activations) seen by the wgmmas.
 __device__ __forceinline__ void wg_proxy_fence() {
 #if __CUDA_ARCH__ >= 900
@@ -367,18 +380,9 @@ struct F8wg {
 
     // The tile's sums to the output (through the cluster when K is split).
     __device__ void finish_tile() {
-        // Thread (w, l) holds rows 16w + l/4 and + 8, parts 2(l%4) and + 1.
-        const int row = warp * 16 + (lane >> 2), q = lane & 3;
+        // (Column n of the sums is part n % 3 of row n / 3.)
 #pragma unroll
-        for (int mm = 0; mm < NM; mm++) {
-            float* rd = red + mm * WG_TILE * 9;
-            rd[row * 9 + 2 * q] = acc[mm][0];
-            rd[row * 9 + 2 * q + 1] = acc[mm][1];
-            rd[(row + 8) * 9 + 2 * q] = acc[mm][2];
-            rd[(row + 8) * 9 + 2 * q + 1] = acc[mm][3];
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[mm][i] = 0.0f;
-        }
+        for (int mm = 0; mm < NM; mm++) wg_sums_to_shared(red + mm * WG_TILE * 9, acc[mm]);
         __syncthreads();
         if (tid < WG_TILE * R) {
             const int o = tid & (WG_TILE - 1), r = tid / WG_TILE;

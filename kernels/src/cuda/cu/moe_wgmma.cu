@@ -253,17 +253,8 @@ __device__ void wm_body(const WgMoeArgs& a) {
 
     // The unit's sums to the output (through the cluster when K is split).
     auto finish = [&](int u) {
-        const int row = warp * 16 + g;
 #pragma unroll
-        for (int m = 0; m < NM; m++) {
-            float* rd = red[buf][m];
-            rd[row * 9 + 2 * t] = acc[m][0];
-            rd[row * 9 + 2 * t + 1] = acc[m][1];
-            rd[(row + 8) * 9 + 2 * t] = acc[m][2];
-            rd[(row + 8) * 9 + 2 * t + 1] = acc[m][3];
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[m][i] = 0.0f;
-        }
+        for (int m = 0; m < NM; m++) wg_sums_to_shared(red[buf][m], acc[m]);
         __syncthreads();
         const int s = u / a.tiles, p0 = a.segs[s], len = a.segs[a.max_segs + s];
         const long long o0 = (long long)(u % a.tiles) * WM_TILE;
