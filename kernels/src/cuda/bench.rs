@@ -249,7 +249,7 @@ impl CudaBackend {
         let table: Vec<u64> = ws
             .iter()
             .flat_map(|w| {
-                let (wp, sp) = super::matmul::weight_ptrs(w);
+                let (wp, sp) = w.ptrs();
                 [wp, sp]
             })
             .collect();

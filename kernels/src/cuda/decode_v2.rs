@@ -6,7 +6,7 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::matmul::{GEMV_MAX_ROWS, Operand, weight_ptrs};
+use super::matmul::{GEMV_MAX_ROWS, Operand};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -257,8 +257,8 @@ fn d2_grouped() -> bool {
 
 /// Launch a v2 product (one launch: at most 8 rows, plain products [`d2_max_rows`]).
 pub(crate) fn d2_gemv(gpu: &Gpu, plan: &D2Plan, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, limit: f32) {
-    let (wp, sp) = weight_ptrs(w);
-    let (wp3, sp3) = w3.map(weight_ptrs).unwrap_or((0, 0));
+    let (wp, sp) = w.ptrs();
+    let (wp3, sp3) = w3.map(CudaWeight::ptrs).unwrap_or((0, 0));
     let dual = w3.is_some();
     let cols = D2Cols::for_rows(op.rows).sums();
     let (partials, tickets) = if plan.parts > 1 {

@@ -11,7 +11,7 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::matmul::{Operand, weight_ptrs};
+use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -104,7 +104,7 @@ pub(crate) fn gemm_rows_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> 
 
 /// Launch `plan` for `op` over `w`.
 pub(crate) fn gemm_rows(gpu: &Gpu, plan: &GemmRowsPlan, op: Operand, w: &CudaWeight) {
-    let (wp, _) = weight_ptrs(w);
+    let (wp, _) = w.ptrs();
     let args = GrArgs {
         out: op.out,
         x: op.x,

@@ -5,7 +5,7 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::matmul::{Operand, weight_ptrs};
+use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -76,7 +76,7 @@ const _: () = assert!(std::mem::size_of::<F8Args>() == 4 * 8 + 8 * 4, "F8Args ha
 impl F8Args {
     /// The arguments of `op` over `w` in `tiles` tiles.
     pub(crate) fn new(op: &Operand, w: &CudaWeight, tiles: usize) -> Self {
-        let (wp, sp) = weight_ptrs(w);
+        let (wp, sp) = w.ptrs();
         F8Args {
             out: op.out,
             x: op.x,

@@ -17,7 +17,7 @@ use cudarc::driver::sys::{
 };
 
 use super::gemv_f8mma::F8Args;
-use super::matmul::{Operand, weight_ptrs};
+use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -267,15 +267,19 @@ pub(crate) fn f8wg_plan_always(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> Optio
 /// rules of [`f8wg_plan_always`] over all their tiles.
 pub(crate) fn f8wg_many_plan(gpu: &Gpu, x: u64, rows: usize, ws: &[&CudaWeight]) -> Option<F8wgPlan> {
     let k = ws.first()?.cols;
-    let fits = ws.iter().all(|w| {
-        matches!(w.data, WeightData::Fp8 { .. }) && w.cols == k && w.rows > 0 && w.rows.is_multiple_of(2 * TILE)
-    });
+    let fits = ws.iter().all(|w| f8wg_many_member(w) && w.cols == k);
     if !enabled() || !many_enabled() || !(2..=F8WG_MANY_MAX).contains(&ws.len()) || !fits {
         return None;
     }
     let n = ws.iter().map(|w| w.rows).sum();
     let op = Operand::contiguous(x, 0, rows, 1, ws[0]);
     plan_of(gpu, &op, ws[0], n, 4, 1, |rows| &F8WG_MANY_KERNELS[4 * (rows - 1)..][..4])
+}
+
+/// Whether `w` may be one of the products of a `gemv_f8wg_many_*` launch: FP8, of whole
+/// 128-row scale blocks (so every product's tiles start a scale row).
+pub(crate) fn f8wg_many_member(w: &CudaWeight) -> bool {
+    matches!(w.data, WeightData::Fp8 { .. }) && w.rows > 0 && w.rows.is_multiple_of(2 * TILE)
 }
 
 /// The plan of a SwiGLU pair `w1`, `w3` (the same shape, both FP8) for `op`, when these
@@ -337,7 +341,7 @@ fn plan_of(
 /// Launch `plan` (from [`f8wg_pair_plan`]) for `op` over the SwiGLU pair `w1`, `w3`.
 pub(crate) fn f8wg_pair(gpu: &Gpu, plan: &F8wgPlan, op: Operand, w1: &CudaWeight, w3: &CudaWeight, limit: f32) {
     let a = F8Args::new(&op, w1, plan.tiles);
-    let (w3p, s3) = weight_ptrs(w3);
+    let (w3p, s3) = w3.ptrs();
     let args = WgPairArgs {
         map: weight_map(a.w, w1.rows, w1.cols),
         map3: weight_map(w3p, w3.rows, w3.cols),
@@ -374,7 +378,7 @@ pub(crate) fn f8wg_many(gpu: &Gpu, plan: &F8wgPlan, x: u64, rows: usize, ws: &[(
     };
     let mut tile = 0;
     for (i, &(w, out)) in ws.iter().enumerate() {
-        let (wp, sp) = weight_ptrs(w);
+        let (wp, sp) = w.ptrs();
         args.maps[i] = weight_map(wp, w.rows, w.cols);
         args.scales[i] = sp;
         args.outs[i] = out;

@@ -169,11 +169,6 @@ pub(crate) fn family(w: &CudaWeight) -> (&'static str, usize) {
     }
 }
 
-/// Device addresses of a weight's values and scales (0 when it has none).
-pub(crate) fn weight_ptrs(w: &CudaWeight) -> (u64, u64) {
-    w.ptrs()
-}
-
 /// Outputs per block so the grid has about two blocks per multiprocessor or more.
 pub(crate) fn outputs_per_block(gpu: &Gpu, n: usize) -> usize {
     let want = 2 * gpu.sms;
@@ -249,8 +244,8 @@ fn tc_gemv(gpu: &Gpu, fam: &str, op: Operand, w: &CudaWeight, w3: Option<&CudaWe
     let dual = w3.is_some();
     let (partials, tickets) = tc_scratch(gpu, ks * 8 * n * if dual { 2 } else { 1 }, bx);
     let name = format!("{}_{fam}", if dual { "tcswiglu" } else { "tcgemv" });
-    let (wp, sp) = weight_ptrs(w);
-    let (wp3, sp3) = w3.map(weight_ptrs).unwrap_or((0, 0));
+    let (wp, sp) = w.ptrs();
+    let (wp3, sp3) = w3.map(CudaWeight::ptrs).unwrap_or((0, 0));
     for r0 in (0..op.rows).step_by(GEMV_ROWS) {
         launch!(
             gpu,
@@ -328,8 +323,8 @@ fn gemv_launch(gpu: &Gpu, op: Operand, w: &CudaWeight, w3: Option<&CudaWeight>, 
     let g_out = n / op.groups;
     let vec = gemv_vectorised(&op, w);
     let opb = outputs_per_block(gpu, n);
-    let (wp, sp) = weight_ptrs(w);
-    let (wp3, sp3) = w3.map(weight_ptrs).unwrap_or((0, 0));
+    let (wp, sp) = w.ptrs();
+    let (wp3, sp3) = w3.map(CudaWeight::ptrs).unwrap_or((0, 0));
     launch!(
         gpu,
         name.as_str(),
@@ -393,7 +388,7 @@ pub(crate) fn split_x(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, cols: usi
 /// over the listed tiles; `op.x` is unused (the split holds the activations).
 pub(crate) fn gemm_split(gpu: &Gpu, name: &str, op: Operand, xs: &SplitX, w: &CudaWeight, tiles: Option<&Tiles>) {
     let (n, k) = (w.rows, w.cols);
-    let (wp, sp) = weight_ptrs(w);
+    let (wp, sp) = w.ptrs();
     let row_tiles = tiles.map(|t| t.count).unwrap_or_else(|| op.rows.div_ceil(GEMM_BM));
     if row_tiles == 0 {
         return;
@@ -451,7 +446,7 @@ pub(crate) fn gemm_fp4_f8(gpu: &Gpu, op: Operand, w: &CudaWeight, tiles: Option<
         k as i32,
         op.x_stride as i32
     );
-    let (wp, sp) = weight_ptrs(w);
+    let (wp, sp) = w.ptrs();
     launch!(
         gpu,
         "gemm_fp4_f8",

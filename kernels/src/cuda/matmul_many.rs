@@ -22,7 +22,7 @@ use cudarc::driver::DeviceRepr;
 
 use super::cublas_bf16::{self, Bf16Activations, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
-use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_plan};
+use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
 use super::matmul::{Operand, count_product, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
@@ -81,9 +81,8 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
     }
     // FP8 products of whole 128-row scale blocks in one warpgroup launch (up to
     // F8WG_MANY_MAX a launch) where it takes them.
-    let (fp8, mut alone): (Vec<_>, Vec<_>) = alone
-        .into_iter()
-        .partition(|(w, _)| fused_enabled() && matches!(w.data, WeightData::Fp8 { .. }) && w.rows.is_multiple_of(128));
+    let (fp8, mut alone): (Vec<_>, Vec<_>) =
+        alone.into_iter().partition(|(w, _)| fused_enabled() && f8wg_many_member(w));
     for group in fp8.chunks(F8WG_MANY_MAX) {
         let weights: Vec<&CudaWeight> = group.iter().map(|&&(w, _)| w).collect();
         match f8wg_many_plan(gpu, x, rows, &weights) {

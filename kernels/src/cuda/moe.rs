@@ -21,9 +21,8 @@ use cudarc::driver::DeviceRepr;
 use super::CudaBackend;
 use super::matmul::{
     Decode, GEMV_MAX_ROWS, Operand, family, matmul_as, outputs_per_block, swiglu_pair, tc_family, tc_scratch,
-    weight_ptrs,
 };
-use super::memory::CudaBuf;
+use super::memory::{CudaBuf, CudaWeight};
 use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan};
 use super::runtime::{cfg, cfg_elems, launch};
@@ -303,8 +302,8 @@ pub(crate) fn expert_table(b: &CudaBackend, w: &MoeWeights<CudaBackend>, down: b
         let mut t = Vec::with_capacity(4 * w.experts.len());
         for e in &w.experts {
             let (first, second) = if down { (&e.w2, None) } else { (&e.w1, Some(&e.w3)) };
-            let (wp, sp) = weight_ptrs(first);
-            let (wp3, sp3) = second.map(weight_ptrs).unwrap_or((0, 0));
+            let (wp, sp) = first.ptrs();
+            let (wp3, sp3) = second.map(CudaWeight::ptrs).unwrap_or((0, 0));
             t.extend_from_slice(&[wp, wp3, sp, sp3]);
         }
         g.constant_table(&t)

@@ -6,7 +6,7 @@
 //! then each row's weighted sum in list order, as the CPU adds them.
 
 use super::CudaBackend;
-use super::matmul::{Decode, GEMM_BM, Operand, Tiles, gemm, gemm_kernel, gemm_split, split_x, swiglu_act, weight_ptrs};
+use super::matmul::{Decode, GEMM_BM, Operand, Tiles, gemm, gemm_kernel, gemm_split, split_x, swiglu_act};
 use super::memory::CudaBuf;
 use super::moe::expert;
 use super::moe_cublas;
@@ -139,7 +139,7 @@ fn projection_table(
         .experts
         .iter()
         .flat_map(|e| {
-            let (wp, sp) = weight_ptrs(pick(e));
+            let (wp, sp) = pick(e).ptrs();
             [wp, sp]
         })
         .collect();
