@@ -287,6 +287,20 @@ impl CudaBackend {
             flops,
             cublas_us: Some(cublas),
         });
+        // The same products on `wgmma` (the engine's on sm_90), the parts' staging included.
+        if super::moe_fp4wg::available(g) {
+            let t = self.time_kernel_us(reps, || {
+                let parts = super::moe_fp4wg::parts(g, op.x, k, total, k);
+                super::moe_fp4wg::product(g, &parts, &ws[0], &over, op.out);
+            });
+            out.push(ProductTime {
+                what: format!("grouped gemm fp4 {experts} experts x {per} rows, {n}x{k} (e4m3 parts, wgmma)"),
+                us: t.gpu_us,
+                bytes: 0.0,
+                flops,
+                cublas_us: Some(cublas),
+            });
+        }
         self.take_traffic();
         out
     }
@@ -554,6 +568,12 @@ impl CudaBackend {
     /// Whether v2 runs the routed experts of a decode batch of `rows` rows (else v1 does).
     pub fn decode_v2_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
         experts_v2_plan(rows, w).is_some() || segments_plan(rows, w).is_some()
+    }
+
+    /// Whether the routed experts of a prefill-sized batch run on the grouped FP4 `wgmma`
+    /// products (`moe_fp4wg`), for the parity suite.
+    pub fn grouped_fp4wg(&self, w: &MoeWeights<Self>) -> bool {
+        super::moe_fp4wg::takes(&self.gpu, w)
     }
 
     /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the

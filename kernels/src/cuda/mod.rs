@@ -32,6 +32,8 @@
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
+//! - `moe_fp4wg`: those experts' FP4 products on Hopper's `wgmma` (grouped over tiles of
+//!   one expert's rows, activations as three e4m3 parts; cu/moe_fp4wg.cu).
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `moe_wgmma`: routed FP4 experts of 1-8 decode rows on Hopper's `wgmma` (e2m1 codes
 //!   turned into e4m3 in registers; cu/moe_wgmma.cu), tried before the v2 segments.
@@ -65,6 +67,7 @@ mod matmul_many;
 mod memory;
 mod moe;
 mod moe_cublas;
+mod moe_fp4wg;
 mod moe_host;
 mod moe_v2;
 mod moe_wgmma;

@@ -1,7 +1,8 @@
 //! The routed experts of a batch whose routing was read back to the host (prefill-sized
 //! batches, and decode batches the device-routed paths do not take; [`super::moe`]
 //! decides): every routed row gathered once in expert order and each projection run as
-//! one grouped tensor-core launch over tiles of one expert's rows, or one cuBLAS product
+//! one grouped tensor-core launch over tiles of one expert's rows (FP4 experts on sm_90:
+//! `wgmma`, [`moe_fp4wg`]), or one cuBLAS product
 //! an expert for BF16 experts with many rows each, or one product per expert otherwise;
 //! then each row's weighted sum in list order, as the CPU adds them.
 
@@ -9,8 +10,8 @@ use super::CudaBackend;
 use super::matmul::{Decode, GEMM_BM, Operand, Tiles, gemm, gemm_kernel, gemm_split, split_x, swiglu_act};
 use super::memory::CudaBuf;
 use super::moe::expert;
-use super::moe_cublas;
 use super::runtime::{cfg, cfg_elems, launch};
+use super::{moe_cublas, moe_fp4wg};
 use crate::backend::{ExpertWeights, MoeWeights};
 
 /// The routed experts with the routing read back. Experts of one format and shape
@@ -201,16 +202,25 @@ fn experts_grouped(
             .expect("checked by grouped_experts");
     let over = |table: u64| Tiles { tiles: g.ptr(&tile_dev), count, wtab: table };
     let in_x = Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
-    let xs = split_x(g, in_x.x, d, n, d);
-    let t1 = projection_table(b, w, |e| &e.w1);
-    gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));
-    let t3 = projection_table(b, w, |e| &e.w3);
-    gemm_split(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &xs, &first.w3, Some(&over(t3)));
-    drop(xs);
-    swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
-    let t2 = projection_table(b, w, |e| &e.w2);
-    let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
-    gemm(g, name_down, in_h, &first.w2, Some(&over(t2)));
+    let (t1, t3, t2) =
+        (projection_table(b, w, |e| &e.w1), projection_table(b, w, |e| &e.w3), projection_table(b, w, |e| &e.w2));
+    if moe_fp4wg::takes(g, w) {
+        let px = moe_fp4wg::parts(g, in_x.x, d, n, d);
+        moe_fp4wg::product(g, &px, &first.w1, &over(t1), g.ptr(&h.mem));
+        moe_fp4wg::product(g, &px, &first.w3, &over(t3), g.ptr(&u.mem));
+        drop(px);
+        swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
+        let ph = moe_fp4wg::parts(g, g.ptr(&h.mem), inter, n, inter);
+        moe_fp4wg::product(g, &ph, &first.w2, &over(t2), g.ptr(&y.mem));
+    } else {
+        let xs = split_x(g, in_x.x, d, n, d);
+        gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));
+        gemm_split(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &xs, &first.w3, Some(&over(t3)));
+        drop(xs);
+        swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
+        let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
+        gemm(g, name_down, in_h, &first.w2, Some(&over(t2)));
+    }
     launch!(
         g,
         "moe_combine_rows",

@@ -195,11 +195,12 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::gemv_f8wg::F8WG_MANY_KERNELS.iter().map(|&n| (n, super::gemv_f8wg::F8WG_MAX_SMEM)));
     v.extend(super::moe_wgmma::WGMOE_KERNELS.iter().map(|&n| (n, super::moe_wgmma::WGMOE_MAX_SMEM)));
     v.extend(super::gemm_rows::GEMM_ROWS_KERNELS.iter().map(|&n| (n, super::gemm_rows::GEMM_ROWS_SMEM)));
+    v.push((super::moe_fp4wg::FP4WG_KERNELS[0], super::moe_fp4wg::FP4WG_SMEM));
     v
 }
 
 /// The kernels a backend looks up at start: [`KERNELS`], the v2 products, the FP8
-/// tensor-core gemv and the BF16 products of 9-32 rows.
+/// tensor-core gemv, the BF16 products of 9-32 rows and the grouped FP4 `wgmma` products.
 fn loaded_kernels() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
@@ -210,6 +211,7 @@ fn loaded_kernels() -> impl Iterator<Item = &'static str> {
         .chain(super::gemv_f8wg::F8WG_MANY_KERNELS.iter())
         .chain(super::moe_wgmma::WGMOE_KERNELS.iter())
         .chain(super::gemm_rows::GEMM_ROWS_KERNELS.iter())
+        .chain(super::moe_fp4wg::FP4WG_KERNELS.iter())
         .copied()
 }
 

@@ -35,6 +35,8 @@ mod f8wg;
 mod gemm_rows;
 /// Products of one input in one launch or one split.
 mod many;
+/// Routed FP4 experts of prefill-sized batches on `wgmma` (sm_90).
+mod moe_fp4wg;
 /// Routed FP4 experts of decode batches on `wgmma` (sm_90).
 mod moe_wgmma;
 /// The greedy read-out picked on the device.

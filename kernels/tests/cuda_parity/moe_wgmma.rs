@@ -16,7 +16,7 @@ const WGMOE_TOL: f32 = 5e-4;
 /// An FP4 weight whose 32-input scale groups differ in magnitude by up to 2^4 (a pattern
 /// over rows and groups), so every group gets its own ue8m0 scale and a scale byte read
 /// for the wrong group or row is seen.
-fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> TestWeight {
+pub(super) fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> TestWeight {
     let mut host = HostMatrix::new(n, k, rand_vec(rng, n * k, std));
     for r in 0..n {
         for c in 0..k {

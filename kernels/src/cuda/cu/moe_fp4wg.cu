@@ -1,0 +1,246 @@
+// Grouped FP4 expert products of prefill-sized batches on Hopper's warpgroup instruction
+// (wgmma, sm_90a): kernels/src/cuda/moe_fp4wg.rs plans and launches them; docs/cuda.md
+// ("fp4wg") says when they run.
+//
+// Why: the grouped `gemm_fp4` tiles (gemm.cu) dequantise each weight tile to bf16 in
+// shared memory and run the warp-level mma on split activations: ~91 TFLOP/s, 28.6% of an
+// 8K prefill on 20 Flash layers. Here each lane turns its FP4 codes into bf16 A fragments
+// in registers and the tokens are wgmma's B operand, brought into shared memory by the
+// tensor memory accelerator: the weights never pass through shared memory as bf16.
+//
+// Precision: bf16 products with f32 sums, as the tiles', so the results match them.
+// A first version on e4m3 (codes as e4m3, rows as three e4m3 parts) measured 4-5e-4 of
+// the CPU's products (the tensor core adds FP8 products in fewer bits than f32 — DeepSeek-V3
+// report §3.3.2 — and its sums had to be scaled a 32-input group at a time) and changed
+// greedy tokens of the small FP4 checkpoint against the CPU engine; bf16 sums need neither.
+//
+// e2m1 → bf16: a nibble s.e1 e0.m placed as the bf16 bits s at 15, e1 e0 m at 8..6 is the
+// code's value times 2^-126, exactly (a normal code 2^(e-1)·(1 + m/2) reads as
+// 2^(e-127)·(1 + m/2); the subnormal 0.5 becomes bf16's subnormal 2^-127); one bf16x2 multiply by 2^(s - 1) (the
+// group's ue8m0 scale s times 2^126, exact: the scales this path takes lie in 2^-23..2^1)
+// gives the weight. Activations: each routed row (list position) as two bf16 parts
+// (x = hi + lo, hi the rounding of x, lo of what is left: ~16 significant bits), one plane
+// a part: parts[p][row][K], written by `fp4wg_parts` in the A fragments' input order:
+// within each group of 32 inputs, k-step s (16 inputs) holds logical inputs 2t, 2t + 1 =
+// inputs 8t + 4s, + 1 and logical 2t + 8, 2t + 9 = inputs 8t + 4s + 2, + 3 — so a lane
+// reads one u32 of codes a row and group (inputs 8t..8t+7), byte 2s for the first pair
+// and 2s + 1 for the second, and the sums are unchanged.
+//
+// Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
+// × one token tile of up to 128 list positions of one expert (the host's tile list, as
+// the `gemm_*` tiles: expert, first position, positions). A chunk is 128 inputs: the
+// tile's two parts (each two TMA boxes of 64 inputs × 128 tokens, 128-byte swizzle as the
+// descriptors name) and the block's codes (128 rows × 64 bytes, `cp.async` by every
+// thread, 16-byte pieces permuted by (row / 2) mod 4 so that the fragment loads are free
+// of bank conflicts) with their 4 scale bytes a row. A ring of 3 chunks, one block
+// barrier a chunk (the codes come from every thread's copies); a warpgroup converts the
+// chunk's codes, then issues its 16 wgmmas (8 k-steps × 2 parts) into one chain of sums
+// and waits for them before the next chunk. Tokens of a tile past its positions read
+// whatever rows follow (or the map's zero fill): their columns are never written.
+
+#define FW_BN 128                            // outputs a block
+#define FW_BT 128                            // list positions a token tile (GEMM_BM on the host)
+#define FW_KC 128                            // inputs a chunk
+#define FW_BOX (FW_BT * 128)                 // one TMA box: 64 bf16 inputs × 128 tokens, 16 KiB
+#define FW_B_BYTES (4 * FW_BOX)              // two parts × two boxes
+#define FW_A_BYTES (FW_BN * FW_KC / 2)       // the block's codes: 8 KiB
+#define FW_STAGE (FW_B_BYTES + FW_A_BYTES + 1024)  // + 4 scale bytes a row, to 1 KiB
+#define FW_S 3                               // ring stages
+#define FW_THREADS 256
+
+// Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
+struct __align__(64) Fp4wgArgs {
+    WgTensorMap parts;   // bf16 [2 · plane][K], boxes of 64 inputs × 128 rows
+    float* out;          // [position][N]
+    const u64* wtab;     // (codes, scale bytes) per expert
+    const int* tiles;    // (expert, first position, positions) per token tile
+    int N, K, plane;     // outputs, inputs, rows of one part's plane
+    unsigned pad[23];    // zero (the host's struct has no undefined padding bytes)
+};
+
+// D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
+__device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// wg_hold for the 64 sums of fw_mma: their reads are tied to after the wait.
+__device__ __forceinline__ void fw_hold(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; i += 4)
+        asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
+}
+
+// Byte b of a u32 of codes (b a constant after unrolling): its two nibbles as bf16 (low
+// nibble in the low half) times 2^-126, then times `f` (2^(s - 1) in both halves).
+__device__ __forceinline__ u32 fw_codes_bf16(u32 lo_nibbles, u32 hi_nibbles, int b, u32 f) {
+    const u32 u = __byte_perm(lo_nibbles, hi_nibbles, b | ((4 + b) << 8));
+    const u32 v = ((u << 6) & 0x01C001C0u) | ((u << 12) & 0x80008000u);
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(f), "r"(0x80008000u));
+    return r;
+}
+
+// 2^(s - 1) as bf16 in both halves, s the ue8m0 byte b of `word`.
+__device__ __forceinline__ u32 fw_scale2(u32 word, int b) {
+    const u32 e = (((word >> (8 * b)) & 0xFFu) + 126u) << 7;
+    return e | (e << 16);
+}
+
+// Rows of x (f32, `x_stride` apart) as two bf16 parts each in the A fragments' input
+// order (above). A block of 128 threads a row.
+extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const float* x, int rows, int K,
+                                                              int x_stride, int plane) {
+    pdl_begin();
+    const int r = blockIdx.x, tid = threadIdx.x;
+    if (r >= rows) return;
+    const float* xr = x + (long long)r * x_stride;
+    // A thread takes 8 inputs (8t..8t+7 of a group): k-step s gets 8t + 4s, + 1 at logical
+    // 2t, 2t + 1 and 8t + 4s + 2, + 3 at 2t + 8, 2t + 9.
+    for (int j = tid; j < K / 8; j += 128) {
+        const float4 a = *(const float4*)(xr + 8 * j), b = *(const float4*)(xr + 8 * j + 4);
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const long long at = (long long)r * K + (j >> 2) * 32 + 2 * (j & 3);
+#pragma unroll
+        for (int s = 0; s < 2; s++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const float x0 = v[4 * s + 2 * h], x1 = v[4 * s + 2 * h + 1];
+                const u16 h0 = f2bf(x0), h1 = f2bf(x1);
+                const u16 l0 = f2bf(x0 - bf2f(h0)), l1 = f2bf(x1 - bf2f(h1));
+                const long long e = at + 16 * s + 8 * h;
+                *(u32*)(parts + e) = (u32)h0 | ((u32)h1 << 16);
+                *(u32*)(parts + (long long)plane * K + e) = (u32)l0 | ((u32)l1 << 16);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp4wg_gemm(const __grid_constant__ Fp4wgArgs a) {
+    extern __shared__ __align__(128) u8 fw_smem[];
+    __shared__ __align__(8) u64 bars[FW_S];
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int half = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in it
+    const int n0 = blockIdx.x * FW_BN, K = a.K, chunks = K / FW_KC;
+    const u32 base = (smem_addr(fw_smem) + 1023) & ~1023u;
+    const u8* gbase = fw_smem + (base - smem_addr(fw_smem));
+    const u32 bar0 = smem_addr(bars);
+    if (tid == 0) {
+        for (int i = 0; i < FW_S; i++) wg_mbar_init(bar0 + 8 * i, 1);
+#if __CUDA_ARCH__ >= 900
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+    }
+    pdl_begin();  // the parts come from the kernel before
+    const int* tile = a.tiles + 3 * blockIdx.y;
+    const int expert = tile[0], p0 = tile[1], count = tile[2];
+    const u8* w = (const u8*)a.wtab[2 * expert];
+    const u8* sc = (const u8*)a.wtab[2 * expert + 1];
+    __syncthreads();  // the barriers are initialised
+
+    // Chunk c into stage c % FW_S: thread 0 the parts (four boxes on the stage's
+    // mbarrier), every thread two 16-byte pieces of codes, threads 0-127 a row's scales.
+    const long long row_bytes = K / 2, scale_bytes = K / 32;
+    auto request = [&](int c) {
+        if (c < chunks) {
+            const int st = c % FW_S;
+            const u32 stage = base + st * FW_STAGE;
+            if (tid == 0) {
+                wg_mbar_expect(bar0 + 8 * st, FW_B_BYTES);
+#pragma unroll
+                for (int i = 0; i < 4; i++)  // part i / 2, inputs 64 (i % 2) ..
+                    wg_tma_load(stage + i * FW_BOX, &a.parts, c * FW_KC + 64 * (i & 1), (i >> 1) * a.plane + p0,
+                                bar0 + 8 * st);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                const int piece = tid + i * FW_THREADS, row = piece >> 2, q = piece & 3;
+                const u32 dst = stage + FW_B_BYTES + row * 64 + ((q ^ ((row >> 1) & 3)) << 4);
+                cp_async<16>(dst, w + (n0 + row) * row_bytes + c * (FW_KC / 2) + q * 16);
+            }
+            if (tid < FW_BN) cp_async<4>(stage + FW_B_BYTES + FW_A_BYTES + tid * 4, sc + (n0 + tid) * scale_bytes + c * 4);
+        }
+        cp_async_commit();  // one group a chunk, empty past the end, so the waits count chunks
+    };
+    for (int c = 0; c < FW_S - 1; c++) request(c);
+
+    const int rlo = half * 64 + wq * 16 + g;  // this thread's rows of the block: rlo, rlo + 8
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    for (int c = 0; c < chunks; c++) {
+        const int st = c % FW_S;
+        cp_async_wait<FW_S - 2>();                    // this thread's copies of chunk c
+        __syncthreads();                              // everyone's; chunk c - 1 is done
+        wg_mbar_wait(bar0 + 8 * st, (c / FW_S) & 1);  // the parts of chunk c
+        request(c + FW_S - 1);                        // into chunk c - 1's stage
+        const u32 stage = base + st * FW_STAGE;
+        const u8* codes = gbase + st * FW_STAGE + FW_B_BYTES;
+        const u32 s_lo = *(const u32*)(codes + FW_A_BYTES + rlo * 4);
+        const u32 s_hi = *(const u32*)(codes + FW_A_BYTES + (rlo + 8) * 4);
+        const int swz = (rlo >> 1) & 3;  // rows rlo and rlo + 8 share it
+        u32 f[4][2][4];                  // [group][k-step][fragment register]
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int off = ((q ^ swz) << 4) + 4 * t;
+            const u32 wl = *(const u32*)(codes + rlo * 64 + off), wh = *(const u32*)(codes + (rlo + 8) * 64 + off);
+            const u32 fl = fw_scale2(s_lo, q), fh = fw_scale2(s_hi, q);
+            const u32 ll = wl & 0x0F0F0F0Fu, lh = (wl >> 4) & 0x0F0F0F0Fu;
+            const u32 hl = wh & 0x0F0F0F0Fu, hh = (wh >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                f[q][s][0] = fw_codes_bf16(ll, lh, 2 * s, fl);
+                f[q][s][1] = fw_codes_bf16(hl, hh, 2 * s, fh);
+                f[q][s][2] = fw_codes_bf16(ll, lh, 2 * s + 1, fl);
+                f[q][s][3] = fw_codes_bf16(hl, hh, 2 * s + 1, fh);
+            }
+        }
+        wg_fence();
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+#pragma unroll
+            for (int s = 0; s < 2; s++) {
+                const int j = 2 * q + s;  // k-step of the chunk: box j / 4, 32 bytes (j % 4) in
+                const u32 b = stage + (j >> 2) * FW_BOX + (j & 3) * 32;
+                fw_mma(acc, f[q][s], wg_desc(b, 16, 1024, 1));
+                fw_mma(acc, f[q][s], wg_desc(b + 2 * FW_BOX, 16, 1024, 1));
+            }
+        wg_commit();
+        wg_wait<0>();
+        fw_hold(acc);
+    }
+    cp_async_wait<0>();
+    // Sums j (j = 4i + e): token 8i + 2t + (e & 1), row rlo + 8 (e >> 1).
+    const int o = n0 + rlo;
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int tok = 8 * i + 2 * t + e;
+            if (tok < count) {
+                float* dst = a.out + (long long)(p0 + tok) * a.N + o;
+                dst[0] = acc[4 * i + e];
+                dst[8] = acc[4 * i + 2 + e];
+            }
+        }
+    }
+}

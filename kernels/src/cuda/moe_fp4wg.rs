@@ -1,0 +1,156 @@
+//! Grouped FP4 expert products of prefill-sized batches on Hopper's warpgroup
+//! instruction (cu/moe_fp4wg.cu): the routed rows as two bf16 parts (`fp4wg_parts`),
+//! then one `fp4wg_gemm` launch a projection over tiles of one expert's rows, each
+//! block 128 outputs × one tile. [`super::moe_host`] takes them for FP4 experts on sm_90
+//! instead of the `gemm_fp4` tiles; `SLUICE_CUDA_FP4WG=0` keeps the tiles.
+
+use cudarc::driver::DeviceRepr;
+use cudarc::driver::sys::{
+    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
+    CUtensorMapSwizzle, cuTensorMapEncodeTiled,
+};
+
+use super::CudaBackend;
+use super::matmul::{GEMM_BM, Tiles};
+use super::memory::{CudaWeight, WeightData};
+use super::runtime::{DevBuf, Gpu, cfg, launch};
+use crate::backend::MoeWeights;
+
+/// The kernels (the product needs its shared memory opted in at load).
+pub(crate) const FP4WG_KERNELS: [&str; 2] = ["fp4wg_gemm", "fp4wg_parts"];
+/// Outputs of a block (`FW_BN`), positions of a token tile (`FW_BT`, the host's
+/// [`GEMM_BM`]), inputs of a chunk (`FW_KC`).
+const BLOCK_OUTPUTS: usize = 128;
+const TILE_ROWS: usize = 128;
+const CHUNK_INPUTS: usize = 128;
+const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the grouped tiles' row tiles");
+/// Dynamic shared memory of `fp4wg_gemm`: three stages of `FW_STAGE` bytes (the tile's
+/// two bf16 parts, the block's codes, their scales) and 1 KiB to align them.
+pub(crate) const FP4WG_SMEM: usize =
+    3 * (2 * 2 * TILE_ROWS * CHUNK_INPUTS + BLOCK_OUTPUTS * CHUNK_INPUTS / 2 + 1024) + 1024;
+
+/// `Fp4wgArgs` in moe_fp4wg.cu.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Fp4wgArgs {
+    parts: [u64; 16],
+    out: u64,
+    wtab: u64,
+    tiles: u64,
+    n: i32,
+    k: i32,
+    plane: i32,
+    /// Zero: no undefined padding bytes in a launch's arguments.
+    pad: [u32; 23],
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers without padding, `struct Fp4wgArgs` in
+// moe_fp4wg.cu (both 64-byte aligned, the map first).
+unsafe impl DeviceRepr for Fp4wgArgs {}
+const _: () = assert!(std::mem::size_of::<Fp4wgArgs>() == 128 + 3 * 8 + 26 * 4, "Fp4wgArgs has padding");
+
+fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG").map(|v| v != "0").unwrap_or(true))
+}
+
+/// Whether the routed experts' products take these kernels: an sm_90 GPU (compiled for
+/// compute_90a there), every projection of every expert FP4 with scales in 2^-23..2^1
+/// (the codes' bf16 scaling is exact there), widths multiples of the block's 128 outputs
+/// and the 128-input chunk (V4-Flash: 2048 and 4096).
+pub(crate) fn takes(gpu: &Gpu, w: &MoeWeights<CudaBackend>) -> bool {
+    let fits = |m: &CudaWeight| {
+        matches!(m.data, WeightData::Fp4 { tc: true, .. })
+            && m.rows.is_multiple_of(BLOCK_OUTPUTS)
+            && m.cols.is_multiple_of(CHUNK_INPUTS)
+            && m.rows * m.cols < 1 << 31
+    };
+    available(gpu) && w.experts.iter().all(|e| fits(&e.w1) && fits(&e.w3) && fits(&e.w2))
+}
+
+/// Whether the kernels run here at all: an sm_90 GPU and `SLUICE_CUDA_FP4WG` not 0.
+pub(crate) fn available(gpu: &Gpu) -> bool {
+    enabled() && gpu.cc.0 == 9
+}
+
+/// Rows as two bf16 parts (two planes of `rows × k` values), in the kernel's input order.
+pub(crate) struct Parts {
+    /// Held while the parts are in use: the map points into it.
+    _values: DevBuf<u16>,
+    rows: usize,
+    k: usize,
+    map: [u64; 16],
+}
+
+/// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`].
+pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize) -> Parts {
+    assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
+    let values = gpu.alloc::<u16>(2 * rows * k);
+    launch!(
+        gpu,
+        "fp4wg_parts",
+        cfg((rows as u32, 1, 1), 128, 0),
+        gpu.ptr(&values),
+        x,
+        rows as i32,
+        k as i32,
+        x_stride as i32,
+        rows as i32
+    );
+    let map = parts_map(gpu.ptr(&values), 2 * rows, k);
+    Parts { _values: values, rows, k, map }
+}
+
+/// `out[position][w.rows] = parts · Wᵀ` over the listed tiles of one expert's positions
+/// (`tiles.wtab`: (codes, scale bytes) of each expert's matrix; `w` any one of them, for
+/// the shape).
+pub(crate) fn product(gpu: &Gpu, parts: &Parts, w: &CudaWeight, tiles: &Tiles, out: u64) {
+    assert_eq!(w.cols, parts.k, "fp4wg_gemm: the weight's inputs are not the parts'");
+    if tiles.count == 0 {
+        return;
+    }
+    let args = Fp4wgArgs {
+        parts: parts.map,
+        out,
+        wtab: tiles.wtab,
+        tiles: tiles.tiles,
+        n: w.rows as i32,
+        k: w.cols as i32,
+        plane: parts.rows as i32,
+        pad: [0; 23],
+    };
+    let grid = ((w.rows / BLOCK_OUTPUTS) as u32, tiles.count as u32, 1);
+    launch!(gpu, "fp4wg_gemm", cfg(grid, 256, FP4WG_SMEM as u32), args);
+}
+
+/// The tensor map of the parts (`rows` rows of `k` bf16 values at `at`): boxes of 64
+/// values (128 bytes) × 128 rows, copied into shared memory with the 128-byte swizzle the kernel's wgmma
+/// descriptors name; rows past the end read as zeros.
+fn parts_map(at: u64, rows: usize, k: usize) -> [u64; 16] {
+    let dims = [k as u64, rows as u64];
+    let strides = [2 * k as u64];
+    let boxes = [64u32, TILE_ROWS as u32];
+    let elements = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
+    // SAFETY: the arrays outlive the call and hold the rank (2) entries the driver reads
+    // (one stride: the outermost dimension's is implied); `map` is written by the driver.
+    let r = unsafe {
+        cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            at as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elements.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuTensorMapEncodeTiled for fp4wg parts of {rows} x {k} (address {at:#x})");
+    // SAFETY: initialised by the successful call above.
+    unsafe { map.assume_init() }.opaque
+}
