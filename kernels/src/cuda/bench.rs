@@ -290,7 +290,7 @@ impl CudaBackend {
         // The same products on `wgmma` (the engine's on sm_90), the parts' staging included.
         if super::moe_fp4wg::available(g) {
             let t = self.time_kernel_us(reps, || {
-                let parts = super::moe_fp4wg::parts(g, op.x, k, total, k);
+                let parts = super::moe_fp4wg::parts(g, op.x, k, total, k, false);
                 super::moe_fp4wg::product(g, &parts, &ws[0], &over, op.out);
             });
             out.push(ProductTime {
@@ -574,6 +574,13 @@ impl CudaBackend {
     /// products (`moe_fp4wg`), for the parity suite.
     pub fn grouped_fp4wg(&self, w: &MoeWeights<Self>) -> bool {
         super::moe_fp4wg::takes(&self.gpu, w)
+    }
+
+    /// Whether a product of `rows` rows over the FP8 weight `w` in `groups` groups runs on
+    /// `fp8wg_gemm` (past the gemv launches' rows), for the parity suite.
+    pub fn fp8wg_takes(&self, rows: usize, groups: usize, w: &CudaWeight) -> bool {
+        let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        super::moe_fp4wg::fp8_takes(&self.gpu, &op, w)
     }
 
     /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the

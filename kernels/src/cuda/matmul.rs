@@ -499,6 +499,9 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
         }
         return;
     }
+    if super::moe_fp4wg::fp8_takes(gpu, &op, w) {
+        return super::moe_fp4wg::fp8_product(gpu, op, w);
+    }
     if let Some(name) = gemm_kernel(&op, w) {
         return gemm(gpu, name, op, w, None);
     }

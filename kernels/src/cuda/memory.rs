@@ -37,10 +37,13 @@ impl CudaBuf {
 pub(crate) enum WeightData {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<u16>),
-    /// FP8 e4m3 codes and one f32 (power-of-two) scale per 128×128 block.
+    /// FP8 e4m3 codes and one f32 (power-of-two) scale per 128×128 block. `bf16_exact`:
+    /// every scale is a power of two in 2^-100..2^7, where the prefill products' bf16
+    /// scaling of the codes is exact (`moe_fp4wg`).
     Fp8 {
         codes: CudaSlice<u8>,
         scales: CudaSlice<f32>,
+        bf16_exact: bool,
     },
     /// FP4 e2m1 packed two per byte (low nibble first) and one ue8m0 scale byte per 32
     /// inputs of a row. `tc`: every scale lies where the tensor-core gemv's f16 scaling
@@ -73,7 +76,7 @@ impl CudaWeight {
         let ptrs = match &data {
             WeightData::F32(d) => (gpu.ptr(d), 0),
             WeightData::Bf16(d) => (gpu.ptr(d), 0),
-            WeightData::Fp8 { codes, scales } => (gpu.ptr(codes), gpu.ptr(scales)),
+            WeightData::Fp8 { codes, scales, .. } => (gpu.ptr(codes), gpu.ptr(scales)),
             WeightData::Fp4 { packed, scales, .. } => (gpu.ptr(packed), gpu.ptr(scales)),
         };
         CudaWeight { rows, cols, data, ptrs }
@@ -162,6 +165,7 @@ pub(crate) fn upload_weight(gpu: &Gpu, staging: &Staging, w: &WeightView<'_>) ->
         })),
         Stored::Fp8 { codes, scales } => WeightData::Fp8 {
             codes: staged(gpu, staging, n, slice_fill(codes)),
+            bf16_exact: scales.to_ue8m0().is_some_and(|b| b.iter().all(|&e| (27..=134).contains(&e))),
             scales: gpu.upload_owned(&scales.to_f32()),
         },
         Stored::Fp4 { packed, scales } => match scales.to_ue8m0() {

@@ -1,8 +1,10 @@
-//! Grouped FP4 expert products of prefill-sized batches on Hopper's warpgroup
-//! instruction (cu/moe_fp4wg.cu): the routed rows as two bf16 parts (`fp4wg_parts`),
-//! then one `fp4wg_gemm` launch a projection over tiles of one expert's rows, each
-//! block 128 outputs × one tile. [`super::moe_host`] takes them for FP4 experts on sm_90
-//! instead of the `gemm_fp4` tiles; `SLUICE_CUDA_FP4WG=0` keeps the tiles.
+//! Prefill-sized products of FP4 and FP8 weights on Hopper's warpgroup instruction
+//! (cu/moe_fp4wg.cu): the rows as two bf16 parts (`fp4wg_parts`), then one launch a
+//! projection over tiles of up to 128 rows, each block 128 outputs × one tile, the codes
+//! turned into bf16 in registers. [`super::moe_host`] runs the routed FP4 experts on
+//! `fp4wg_gemm` (tiles of one expert's rows) and [`super::matmul`] FP8 products of more
+//! rows than the gemv launches take on `fp8wg_gemm`, both on sm_90 instead of the
+//! `gemm_fp4` / `gemm_fp8` tiles; `SLUICE_CUDA_FP4WG=0` keeps the tiles.
 
 use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys::{
@@ -11,23 +13,28 @@ use cudarc::driver::sys::{
 };
 
 use super::CudaBackend;
-use super::matmul::{GEMM_BM, Tiles};
+use super::matmul::{GEMM_BM, Operand, Tiles};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg, launch};
 use crate::backend::MoeWeights;
 
-/// The kernels (the product needs its shared memory opted in at load).
-pub(crate) const FP4WG_KERNELS: [&str; 2] = ["fp4wg_gemm", "fp4wg_parts"];
+/// The kernels: the products (with their dynamic shared memory, opted in at load), then
+/// the parts.
+pub(crate) const FP4WG_KERNELS: [&str; 3] = ["fp4wg_gemm", "fp8wg_gemm", "fp4wg_parts"];
 /// Outputs of a block (`FW_BN`), positions of a token tile (`FW_BT`, the host's
-/// [`GEMM_BM`]), inputs of a chunk (`FW_KC`).
+/// [`GEMM_BM`]); the parts' rows are a multiple of FP4's chunk of inputs (FP8's is 64).
 const BLOCK_OUTPUTS: usize = 128;
 const TILE_ROWS: usize = 128;
 const CHUNK_INPUTS: usize = 128;
 const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the grouped tiles' row tiles");
-/// Dynamic shared memory of `fp4wg_gemm`: three stages of `FW_STAGE` bytes (the tile's
-/// two bf16 parts, the block's codes, their scales) and 1 KiB to align them.
-pub(crate) const FP4WG_SMEM: usize =
-    3 * (2 * 2 * TILE_ROWS * CHUNK_INPUTS + BLOCK_OUTPUTS * CHUNK_INPUTS / 2 + 1024) + 1024;
+/// Dynamic shared memory of a product kernel of `chunk` inputs a chunk and `stages`
+/// stages (`FW_STAGE`: the tile's two bf16 parts, the block's codes — 64 bytes a row —
+/// and FP4's scale bytes), and 1 KiB to align them.
+const fn smem(chunk: usize, stages: usize) -> usize {
+    stages * (2 * 2 * TILE_ROWS * chunk + BLOCK_OUTPUTS * 64 + 1024) + 1024
+}
+/// Dynamic shared memory of `fp4wg_gemm` and `fp8wg_gemm`.
+pub(crate) const FP4WG_SMEM: [usize; 2] = [smem(128, 3), smem(64, 4)];
 
 /// `Fp4wgArgs` in moe_fp4wg.cu.
 #[repr(C, align(64))]
@@ -40,8 +47,10 @@ struct Fp4wgArgs {
     n: i32,
     k: i32,
     plane: i32,
+    g_out: i32,
+    out_stride: i32,
     /// Zero: no undefined padding bytes in a launch's arguments.
-    pad: [u32; 23],
+    pad: [u32; 21],
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers without padding, `struct Fp4wgArgs` in
@@ -73,7 +82,36 @@ pub(crate) fn available(gpu: &Gpu) -> bool {
     enabled() && gpu.cc.0 == 9
 }
 
-/// Rows as two bf16 parts (two planes of `rows × k` values), in the kernel's input order.
+/// Whether an FP8 product of `op` over `w` takes `fp8wg_gemm`: an sm_90 GPU, block scales
+/// where the codes' bf16 scaling is exact, whole 128-output blocks in every group, K a
+/// multiple of 128 (V4-Flash: every FP8 projection).
+pub(crate) fn fp8_takes(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
+    let g_out = w.rows / op.groups.max(1);
+    matches!(w.data, WeightData::Fp8 { bf16_exact: true, .. })
+        && available(gpu)
+        && g_out.is_multiple_of(BLOCK_OUTPUTS)
+        && w.cols.is_multiple_of(CHUNK_INPUTS)
+        && w.rows * w.cols < 1 << 31
+        && op.rows > 0
+}
+
+/// `op.out = op.x · Wᵀ` (or grouped: group g of outputs reads inputs gK..gK+K) on
+/// `fp8wg_gemm`, every row in tiles of 128 ([`fp8_takes`] holds).
+pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
+    let cols = op.groups * w.cols;
+    let parts = parts(gpu, op.x, op.x_stride, op.rows, cols, true);
+    let tiles: Vec<i32> =
+        (0..op.rows).step_by(TILE_ROWS).flat_map(|r| [0, r as i32, (op.rows - r).min(TILE_ROWS) as i32]).collect();
+    // The tile list as the i32 words of a cached device table (the same for every product
+    // of this many rows, and safe to name from a recorded decode step).
+    let words: Vec<u64> =
+        tiles.chunks(2).map(|p| u64::from(p[0] as u32) | u64::from(*p.get(1).unwrap_or(&0) as u32) << 32).collect();
+    let (wp, sp) = w.ptrs();
+    let over = Tiles { tiles: gpu.constant_table(&words), count: tiles.len() / 3, wtab: gpu.constant_table(&[wp, sp]) };
+    launch_product(gpu, "fp8wg_gemm", &parts, w, &over, (op.out, op.out_stride), w.rows / op.groups);
+}
+
+/// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order.
 pub(crate) struct Parts {
     /// Held while the parts are in use: the map points into it.
     _values: DevBuf<u16>,
@@ -82,8 +120,9 @@ pub(crate) struct Parts {
     map: [u64; 16],
 }
 
-/// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`].
-pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize) -> Parts {
+/// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`] in the FP4
+/// (`fp8` false) or the FP8 kernel's input order.
+pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, fp8: bool) -> Parts {
     assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
     let values = gpu.alloc::<u16>(2 * rows * k);
     launch!(
@@ -95,7 +134,8 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize) -
         rows as i32,
         k as i32,
         x_stride as i32,
-        rows as i32
+        rows as i32,
+        i32::from(fp8)
     );
     let map = parts_map(gpu.ptr(&values), 2 * rows, k);
     Parts { _values: values, rows, k, map }
@@ -103,24 +143,39 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize) -
 
 /// `out[position][w.rows] = parts · Wᵀ` over the listed tiles of one expert's positions
 /// (`tiles.wtab`: (codes, scale bytes) of each expert's matrix; `w` any one of them, for
-/// the shape).
+/// the shape), the parts in the FP4 order.
 pub(crate) fn product(gpu: &Gpu, parts: &Parts, w: &CudaWeight, tiles: &Tiles, out: u64) {
-    assert_eq!(w.cols, parts.k, "fp4wg_gemm: the weight's inputs are not the parts'");
+    launch_product(gpu, "fp4wg_gemm", parts, w, tiles, (out, w.rows), w.rows);
+}
+
+fn launch_product(
+    gpu: &Gpu,
+    name: &str,
+    parts: &Parts,
+    w: &CudaWeight,
+    tiles: &Tiles,
+    out: (u64, usize),
+    g_out: usize,
+) {
+    assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
     if tiles.count == 0 {
         return;
     }
     let args = Fp4wgArgs {
         parts: parts.map,
-        out,
+        out: out.0,
         wtab: tiles.wtab,
         tiles: tiles.tiles,
         n: w.rows as i32,
         k: w.cols as i32,
         plane: parts.rows as i32,
-        pad: [0; 23],
+        g_out: g_out as i32,
+        out_stride: out.1 as i32,
+        pad: [0; 21],
     };
+    let smem = FP4WG_SMEM[usize::from(name == "fp8wg_gemm")];
     let grid = ((w.rows / BLOCK_OUTPUTS) as u32, tiles.count as u32, 1);
-    launch!(gpu, "fp4wg_gemm", cfg(grid, 256, FP4WG_SMEM as u32), args);
+    launch!(gpu, name, cfg(grid, 256, smem as u32), args);
 }
 
 /// The tensor map of the parts (`rows` rows of `k` bf16 values at `at`): boxes of 64

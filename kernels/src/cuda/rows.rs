@@ -52,7 +52,7 @@ pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &m
     match &table.data {
         WeightData::F32(w) => launch!(g, "embed_f32", c, o, g.ptr(w), t, rows, cols),
         WeightData::Bf16(w) => launch!(g, "embed_bf16", c, o, g.ptr(w), t, rows, cols),
-        WeightData::Fp8 { codes, scales } => {
+        WeightData::Fp8 { codes, scales, .. } => {
             launch!(g, "embed_fp8", c, o, g.ptr(codes), g.ptr(scales), t, rows, cols)
         }
         WeightData::Fp4 { packed, scales, .. } => {

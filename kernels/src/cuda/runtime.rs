@@ -195,7 +195,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::gemv_f8wg::F8WG_MANY_KERNELS.iter().map(|&n| (n, super::gemv_f8wg::F8WG_MAX_SMEM)));
     v.extend(super::moe_wgmma::WGMOE_KERNELS.iter().map(|&n| (n, super::moe_wgmma::WGMOE_MAX_SMEM)));
     v.extend(super::gemm_rows::GEMM_ROWS_KERNELS.iter().map(|&n| (n, super::gemm_rows::GEMM_ROWS_SMEM)));
-    v.push((super::moe_fp4wg::FP4WG_KERNELS[0], super::moe_fp4wg::FP4WG_SMEM));
+    v.extend(super::moe_fp4wg::FP4WG_KERNELS.iter().zip(super::moe_fp4wg::FP4WG_SMEM).map(|(&n, s)| (n, s)));
     v
 }
 

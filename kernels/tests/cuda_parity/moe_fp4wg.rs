@@ -1,18 +1,17 @@
 //! The routed FP4 experts of prefill-sized batches on Hopper's warpgroup instruction
-//! (cu/moe_fp4wg.cu: the rows as three e4m3 parts, e2m1 codes turned into e4m3 in
-//! registers, one FP4 scale group per `wgmma`, tiles of one expert's rows) against the
-//! CPU, through the engine's MoE block (routing read back, grouped products).
+//! (cu/moe_fp4wg.cu: the rows as two bf16 parts, e2m1 codes turned into scaled bf16 A
+//! fragments in registers, tiles of one expert's rows) against the CPU, through the engine's MoE block (routing read back, grouped products); and FP8
+//! products of prefill-sized batches on the same kernel over FP8 codes (`fp8wg_gemm`).
 
 use super::decode::{experts_layer, hash_table_with_repeats};
 use super::moe_wgmma::blocky_fp4;
 use super::*;
 
-/// Allowed max|Δ|/max|CPU| of a MoE block on these kernels: the activations (the rows,
-/// then h) are three e4m3 parts each (~2^-12 of a row's largest value) and each wgmma's
-/// 32 products are summed by the tensor core in fewer bits than f32, as in the decode
-/// kernels (`WGMOE_TOL`); a wrong fragment, swizzle, scale byte, tile or part plane gives
-/// errors of order 1.
-const FP4WG_TOL: f32 = 5e-4;
+/// Allowed max|Δ|/max|CPU| of a MoE block on these kernels: bf16 products of the exact
+/// weights and the rows' two bf16 parts (~16 significant bits; then h's) summed in f32
+/// (measured 5e-6–1.4e-5); a wrong fragment, swizzle, scale byte, tile or part plane
+/// gives errors of order 1.
+const FP4WG_TOL: f32 = 1e-4;
 
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
 /// expert named twice for one token), at batches past the decode paths (257 rows and
@@ -69,6 +68,54 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
                 eprintln!("PARITY {what} {e:.2e}");
                 assert!(e <= FP4WG_TOL, "{what}: max|Δ|/max|CPU| {e:.3e} above {FP4WG_TOL:.0e}");
             }
+        }
+    }
+}
+
+/// Allowed max|Δ|/max|CPU| of an FP8 product on `fp8wg_gemm`: bf16 products of the exact
+/// weights and the rows' two bf16 parts (~16 significant bits) summed in f32, as the
+/// `gemm_fp8` tiles before it (`cuda_parity`'s f32-level bound for split activations).
+const FP8WG_TOL: f32 = 1e-4;
+
+/// FP8 products of prefill-sized batches on `fp8wg_gemm` against the CPU: V4-Flash's
+/// `wq_a` (1,024 × 4,096), `wq_b` (32,768 × 1,024), the grouped `wo_a` (8 groups of
+/// 1,024 outputs over 4,096 inputs each) and a narrow one (128 × 256), at row counts that
+/// leave a partial last tile (300, 1,000) and one tile (128); outputs start poisoned.
+#[test]
+fn cuda_fp8wg_products_match_cpu() {
+    let Some(g) = gpu("cuda_fp8wg_products_match_cpu") else { return };
+    if g.compute_capability().0 != 9 {
+        eprintln!("cuda_fp8wg_products_match_cpu: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
+        return;
+    }
+    if std::env::var("SLUICE_CUDA_FP4WG").is_ok_and(|v| v == "0") {
+        eprintln!("cuda_fp8wg_products_match_cpu: skipped, SLUICE_CUDA_FP4WG=0 turns the kernels off");
+        return;
+    }
+    let c = CpuBackend::new();
+    let mut rng = rng("fp8wg products");
+    // (groups, outputs a group, inputs a group, row counts)
+    let shapes: [(usize, usize, usize, &[usize]); 4] =
+        [(1, 1024, 4096, &[300, 1000]), (1, 32768, 1024, &[128]), (8, 1024, 4096, &[300]), (1, 128, 256, &[1000])];
+    for (groups, g_out, k, row_counts) in shapes {
+        let w = weight(&mut rng, groups * g_out, k, 0.05, "fp8");
+        let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
+        for &rows in row_counts {
+            let what = format!("fp8wg {groups}x{g_out}x{k} rows={rows}");
+            assert!(g.fp8wg_takes(rows, groups, &gw), "{what}: not taken");
+            let x = rand_vec(&mut rng, rows * groups * k, 1.0);
+            let mut want = vec![0f32; rows * groups * g_out];
+            let mut out = poisoned(g, rows * groups * g_out);
+            if groups == 1 {
+                c.matmul(&x, rows, &cw, &mut want);
+                g.matmul(&g.upload(&x), rows, &gw, &mut out);
+            } else {
+                c.grouped_matmul(&x, rows, groups, &cw, &mut want);
+                g.grouped_matmul(&g.upload(&x), rows, groups, &gw, &mut out);
+            }
+            let e = rel_err(&g.download(&out), &want);
+            eprintln!("PARITY {what} {e:.2e}");
+            assert!(e <= FP8WG_TOL, "{what}: max|Δ|/max|CPU| {e:.3e} above {FP8WG_TOL:.0e}");
         }
     }
 }

@@ -40,22 +40,25 @@
 
 #define FW_BN 128                            // outputs a block
 #define FW_BT 128                            // list positions a token tile (GEMM_BM on the host)
-#define FW_KC 128                            // inputs a chunk
 #define FW_BOX (FW_BT * 128)                 // one TMA box: 64 bf16 inputs × 128 tokens, 16 KiB
-#define FW_B_BYTES (4 * FW_BOX)              // two parts × two boxes
-#define FW_A_BYTES (FW_BN * FW_KC / 2)       // the block's codes: 8 KiB
-#define FW_STAGE (FW_B_BYTES + FW_A_BYTES + 1024)  // + 4 scale bytes a row, to 1 KiB
-#define FW_S 3                               // ring stages
+#define FW_A_BYTES (FW_BN * 64)              // the block's codes of a chunk: 64 bytes a row
 #define FW_THREADS 256
+// Inputs a chunk and ring stages: FP4 128 and 3, FP8 64 and 4 (64 bytes of codes a row
+// either way); a stage is the parts' boxes, the codes and (FP4) their scale bytes.
+#define FW_KC(FP8) ((FP8) ? 64 : 128)
+#define FW_S(FP8) ((FP8) ? 4 : 3)
+#define FW_STAGE(FP8) (2 * (FW_KC(FP8) / 64) * FW_BOX + FW_A_BYTES + 1024)
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
 struct __align__(64) Fp4wgArgs {
-    WgTensorMap parts;   // bf16 [2 · plane][K], boxes of 64 inputs × 128 rows
-    float* out;          // [position][N]
-    const u64* wtab;     // (codes, scale bytes) per expert
-    const int* tiles;    // (expert, first position, positions) per token tile
-    int N, K, plane;     // outputs, inputs, rows of one part's plane
-    unsigned pad[23];    // zero (the host's struct has no undefined padding bytes)
+    WgTensorMap parts;   // bf16 [2 · plane][x_cols], boxes of 64 inputs × 128 rows
+    float* out;          // [row][out_stride]
+    const u64* wtab;     // (codes, scales) per expert (FP8: one entry, f32 block scales)
+    const int* tiles;    // (expert, first row, rows) per token tile
+    int N, K, plane;     // outputs, inputs (of a group), rows of one part's plane
+    int g_out;           // outputs a group (FP8 grouped products; else N): group g reads inputs gK..
+    int out_stride;
+    unsigned pad[21];    // zero (the host's struct has no undefined padding bytes)
 };
 
 // D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
@@ -90,11 +93,22 @@ __device__ __forceinline__ void fw_hold(float (&d)[64]) {
         asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
 }
 
-// Byte b of a u32 of codes (b a constant after unrolling): its two nibbles as bf16 (low
-// nibble in the low half) times 2^-126, then times `f` (2^(s - 1) in both halves).
+// Byte b of a u32 of FP4 codes (b a constant after unrolling): its two nibbles as bf16
+// (low nibble in the low half) times 2^-126, then times `f` (2^(s - 1) in both halves).
 __device__ __forceinline__ u32 fw_codes_bf16(u32 lo_nibbles, u32 hi_nibbles, int b, u32 f) {
     const u32 u = __byte_perm(lo_nibbles, hi_nibbles, b | ((4 + b) << 8));
     const u32 v = ((u << 6) & 0x01C001C0u) | ((u << 12) & 0x80008000u);
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(f), "r"(0x80008000u));
+    return r;
+}
+
+// Bytes 2h, 2h + 1 of a u32 of e4m3 codes as bf16 (placed: sign to bit 15, the seven
+// other bits to 13..4, the value times 2^-120 — e4m3's subnormals become bf16's), times
+// `f` (2^120 times the block's scale in both halves).
+__device__ __forceinline__ u32 fw_e4m3_bf16(u32 w, int h, u32 f) {
+    const u32 u = __byte_perm(w, 0u, h ? 0x4342u : 0x4140u);
+    const u32 v = ((u & 0x007F007Fu) << 4) | ((u & 0x00800080u) << 8);
     u32 r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(f), "r"(0x80008000u));
     return r;
@@ -106,20 +120,27 @@ __device__ __forceinline__ u32 fw_scale2(u32 word, int b) {
     return e | (e << 16);
 }
 
-// Rows of x (f32, `x_stride` apart) as two bf16 parts each in the A fragments' input
-// order (above). A block of 128 threads a row.
+// 2^120 · s as bf16 in both halves, s an f32 power of two (the host checks the range).
+__device__ __forceinline__ u32 fw_block_scale2(float s) {
+    const u32 e = (__float_as_uint(s) + (120u << 23)) >> 16;
+    return e | (e << 16);
+}
+
+// Rows of x (f32, `x_stride` apart, `K` inputs) as two bf16 parts each in the A
+// fragments' input order: FP4 (`fp8` 0) within each group of 32 inputs, k-step s holds
+// inputs 8t + 4s, + 1 at logical 2t, 2t + 1 and 8t + 4s + 2, + 3 at 2t + 8, 2t + 9; FP8
+// within each k-step of 16 inputs, inputs 4t, + 1 at 2t, 2t + 1 and 4t + 2, + 3 at
+// 2t + 8, 2t + 9. A block of 128 threads a row, a thread 8 inputs at a time.
 extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const float* x, int rows, int K,
-                                                              int x_stride, int plane) {
+                                                              int x_stride, int plane, int fp8) {
     pdl_begin();
     const int r = blockIdx.x, tid = threadIdx.x;
     if (r >= rows) return;
     const float* xr = x + (long long)r * x_stride;
-    // A thread takes 8 inputs (8t..8t+7 of a group): k-step s gets 8t + 4s, + 1 at logical
-    // 2t, 2t + 1 and 8t + 4s + 2, + 3 at 2t + 8, 2t + 9.
     for (int j = tid; j < K / 8; j += 128) {
         const float4 a = *(const float4*)(xr + 8 * j), b = *(const float4*)(xr + 8 * j + 4);
         const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        const long long at = (long long)r * K + (j >> 2) * 32 + 2 * (j & 3);
+        const long long row = (long long)r * K;
 #pragma unroll
         for (int s = 0; s < 2; s++) {
 #pragma unroll
@@ -127,7 +148,8 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
                 const float x0 = v[4 * s + 2 * h], x1 = v[4 * s + 2 * h + 1];
                 const u16 h0 = f2bf(x0), h1 = f2bf(x1);
                 const u16 l0 = f2bf(x0 - bf2f(h0)), l1 = f2bf(x1 - bf2f(h1));
-                const long long e = at + 16 * s + 8 * h;
+                const long long e = row + (fp8 ? (j >> 1) * 16 + 8 * h + 2 * ((2 * j + s) & 3)
+                                               : (j >> 2) * 32 + 16 * s + 8 * h + 2 * (j & 3));
                 *(u32*)(parts + e) = (u32)h0 | ((u32)h1 << 16);
                 *(u32*)(parts + (long long)plane * K + e) = (u32)l0 | ((u32)l1 << 16);
             }
@@ -135,17 +157,21 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp4wg_gemm(const __grid_constant__ Fp4wgArgs a) {
+template <bool FP8>
+__device__ void fw_gemm(const Fp4wgArgs& a) {
+    constexpr int KC = FW_KC(FP8), S = FW_S(FP8), STAGE = FW_STAGE(FP8), NB = KC / 64, STEPS = KC / 16;
+    constexpr int B_BYTES = 2 * NB * FW_BOX;
     extern __shared__ __align__(128) u8 fw_smem[];
-    __shared__ __align__(8) u64 bars[FW_S];
+    __shared__ __align__(8) u64 bars[S];
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int half = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in it
-    const int n0 = blockIdx.x * FW_BN, K = a.K, chunks = K / FW_KC;
+    const int n0 = blockIdx.x * FW_BN, K = a.K, chunks = K / KC;
+    const int xk0 = (n0 / a.g_out) * K;  // the group's first input in the parts' rows
     const u32 base = (smem_addr(fw_smem) + 1023) & ~1023u;
     const u8* gbase = fw_smem + (base - smem_addr(fw_smem));
     const u32 bar0 = smem_addr(bars);
     if (tid == 0) {
-        for (int i = 0; i < FW_S; i++) wg_mbar_init(bar0 + 8 * i, 1);
+        for (int i = 0; i < S; i++) wg_mbar_init(bar0 + 8 * i, 1);
 #if __CUDA_ARCH__ >= 900
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #endif
@@ -157,73 +183,86 @@ extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp4wg_gemm(const __g
     const u8* sc = (const u8*)a.wtab[2 * expert + 1];
     __syncthreads();  // the barriers are initialised
 
-    // Chunk c into stage c % FW_S: thread 0 the parts (four boxes on the stage's
-    // mbarrier), every thread two 16-byte pieces of codes, threads 0-127 a row's scales.
-    const long long row_bytes = K / 2, scale_bytes = K / 32;
+    // Chunk c into stage c % S: thread 0 the parts (2 · NB boxes on the stage's
+    // mbarrier), every thread two 16-byte pieces of codes, FP4: threads 0-127 a row's scales.
+    const long long row_bytes = FP8 ? K : K / 2;
     auto request = [&](int c) {
         if (c < chunks) {
-            const int st = c % FW_S;
-            const u32 stage = base + st * FW_STAGE;
+            const int st = c % S;
+            const u32 stage = base + st * STAGE;
             if (tid == 0) {
-                wg_mbar_expect(bar0 + 8 * st, FW_B_BYTES);
+                wg_mbar_expect(bar0 + 8 * st, B_BYTES);
 #pragma unroll
-                for (int i = 0; i < 4; i++)  // part i / 2, inputs 64 (i % 2) ..
-                    wg_tma_load(stage + i * FW_BOX, &a.parts, c * FW_KC + 64 * (i & 1), (i >> 1) * a.plane + p0,
+                for (int i = 0; i < 2 * NB; i++)  // part i / NB, inputs 64 (i % NB) ..
+                    wg_tma_load(stage + i * FW_BOX, &a.parts, xk0 + c * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
                                 bar0 + 8 * st);
             }
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int piece = tid + i * FW_THREADS, row = piece >> 2, q = piece & 3;
-                const u32 dst = stage + FW_B_BYTES + row * 64 + ((q ^ ((row >> 1) & 3)) << 4);
-                cp_async<16>(dst, w + (n0 + row) * row_bytes + c * (FW_KC / 2) + q * 16);
+                const u32 dst = stage + B_BYTES + row * 64 + ((q ^ ((row >> 1) & 3)) << 4);
+                cp_async<16>(dst, w + (n0 + row) * row_bytes + c * 64 + q * 16);
             }
-            if (tid < FW_BN) cp_async<4>(stage + FW_B_BYTES + FW_A_BYTES + tid * 4, sc + (n0 + tid) * scale_bytes + c * 4);
+            if (!FP8 && tid < FW_BN)
+                cp_async<4>(stage + B_BYTES + FW_A_BYTES + tid * 4, sc + (n0 + tid) * (K / 32) + c * 4);
         }
         cp_async_commit();  // one group a chunk, empty past the end, so the waits count chunks
     };
-    for (int c = 0; c < FW_S - 1; c++) request(c);
+    for (int c = 0; c < S - 1; c++) request(c);
 
     const int rlo = half * 64 + wq * 16 + g;  // this thread's rows of the block: rlo, rlo + 8
+    const int swz = (rlo >> 1) & 3;           // rows rlo and rlo + 8 share it
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
     for (int c = 0; c < chunks; c++) {
-        const int st = c % FW_S;
-        cp_async_wait<FW_S - 2>();                    // this thread's copies of chunk c
-        __syncthreads();                              // everyone's; chunk c - 1 is done
-        wg_mbar_wait(bar0 + 8 * st, (c / FW_S) & 1);  // the parts of chunk c
-        request(c + FW_S - 1);                        // into chunk c - 1's stage
-        const u32 stage = base + st * FW_STAGE;
-        const u8* codes = gbase + st * FW_STAGE + FW_B_BYTES;
-        const u32 s_lo = *(const u32*)(codes + FW_A_BYTES + rlo * 4);
-        const u32 s_hi = *(const u32*)(codes + FW_A_BYTES + (rlo + 8) * 4);
-        const int swz = (rlo >> 1) & 3;  // rows rlo and rlo + 8 share it
-        u32 f[4][2][4];                  // [group][k-step][fragment register]
+        const int st = c % S;
+        cp_async_wait<S - 2>();                     // this thread's copies of chunk c
+        __syncthreads();                            // everyone's; chunk c - 1 is done
+        wg_mbar_wait(bar0 + 8 * st, (c / S) & 1);   // the parts of chunk c
+        request(c + S - 1);                         // into chunk c - 1's stage
+        const u32 stage = base + st * STAGE;
+        const u8* codes = gbase + st * STAGE + B_BYTES;
+        u32 f[STEPS][4];  // the chunk's A fragments, a k-step each
+        if constexpr (FP8) {
+            // The block's 128 rows are one scale block row; a chunk is half a scale block.
+            const float* bs = (const float*)sc + (long long)(n0 / 128) * (K / 128) + (c * KC) / 128;
+            const u32 fs = fw_block_scale2(__ldg(bs));
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int off = ((q ^ swz) << 4) + 4 * t;
-            const u32 wl = *(const u32*)(codes + rlo * 64 + off), wh = *(const u32*)(codes + (rlo + 8) * 64 + off);
-            const u32 fl = fw_scale2(s_lo, q), fh = fw_scale2(s_hi, q);
-            const u32 ll = wl & 0x0F0F0F0Fu, lh = (wl >> 4) & 0x0F0F0F0Fu;
-            const u32 hl = wh & 0x0F0F0F0Fu, hh = (wh >> 4) & 0x0F0F0F0Fu;
+            for (int q = 0; q < 4; q++) {  // k-step q: 16 bytes of a row
+                const int off = ((q ^ swz) << 4) + 4 * t;
+                const u32 wl = *(const u32*)(codes + rlo * 64 + off), wh = *(const u32*)(codes + (rlo + 8) * 64 + off);
+                f[q][0] = fw_e4m3_bf16(wl, 0, fs);
+                f[q][1] = fw_e4m3_bf16(wh, 0, fs);
+                f[q][2] = fw_e4m3_bf16(wl, 1, fs);
+                f[q][3] = fw_e4m3_bf16(wh, 1, fs);
+            }
+        } else {
+            const u32 s_lo = *(const u32*)(codes + FW_A_BYTES + rlo * 4);
+            const u32 s_hi = *(const u32*)(codes + FW_A_BYTES + (rlo + 8) * 4);
 #pragma unroll
-            for (int s = 0; s < 2; s++) {
-                f[q][s][0] = fw_codes_bf16(ll, lh, 2 * s, fl);
-                f[q][s][1] = fw_codes_bf16(hl, hh, 2 * s, fh);
-                f[q][s][2] = fw_codes_bf16(ll, lh, 2 * s + 1, fl);
-                f[q][s][3] = fw_codes_bf16(hl, hh, 2 * s + 1, fh);
+            for (int q = 0; q < 4; q++) {  // scale group q: 16 bytes of a row, two k-steps
+                const int off = ((q ^ swz) << 4) + 4 * t;
+                const u32 wl = *(const u32*)(codes + rlo * 64 + off), wh = *(const u32*)(codes + (rlo + 8) * 64 + off);
+                const u32 fl = fw_scale2(s_lo, q), fh = fw_scale2(s_hi, q);
+                const u32 ll = wl & 0x0F0F0F0Fu, lh = (wl >> 4) & 0x0F0F0F0Fu;
+                const u32 hl = wh & 0x0F0F0F0Fu, hh = (wh >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+                for (int s = 0; s < 2; s++) {
+                    f[2 * q + s][0] = fw_codes_bf16(ll, lh, 2 * s, fl);
+                    f[2 * q + s][1] = fw_codes_bf16(hl, hh, 2 * s, fh);
+                    f[2 * q + s][2] = fw_codes_bf16(ll, lh, 2 * s + 1, fl);
+                    f[2 * q + s][3] = fw_codes_bf16(hl, hh, 2 * s + 1, fh);
+                }
             }
         }
         wg_fence();
 #pragma unroll
-        for (int q = 0; q < 4; q++)
-#pragma unroll
-            for (int s = 0; s < 2; s++) {
-                const int j = 2 * q + s;  // k-step of the chunk: box j / 4, 32 bytes (j % 4) in
-                const u32 b = stage + (j >> 2) * FW_BOX + (j & 3) * 32;
-                fw_mma(acc, f[q][s], wg_desc(b, 16, 1024, 1));
-                fw_mma(acc, f[q][s], wg_desc(b + 2 * FW_BOX, 16, 1024, 1));
-            }
+        for (int j = 0; j < STEPS; j++) {
+            const u32 b = stage + (j >> 2) * FW_BOX + (j & 3) * 32;  // box j / 4, 32 bytes (j % 4) in
+            fw_mma(acc, f[j], wg_desc(b, 16, 1024, 1));
+            fw_mma(acc, f[j], wg_desc(b + NB * FW_BOX, 16, 1024, 1));
+        }
         wg_commit();
         wg_wait<0>();
         fw_hold(acc);
@@ -237,10 +276,18 @@ extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp4wg_gemm(const __g
         for (int e = 0; e < 2; e++) {
             const int tok = 8 * i + 2 * t + e;
             if (tok < count) {
-                float* dst = a.out + (long long)(p0 + tok) * a.N + o;
+                float* dst = a.out + (long long)(p0 + tok) * a.out_stride + o;
                 dst[0] = acc[4 * i + e];
                 dst[8] = acc[4 * i + 2 + e];
             }
         }
     }
+}
+
+// FP4 experts (grouped tiles) and FP8 products (plain or grouped by outputs).
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp4wg_gemm(const __grid_constant__ Fp4wgArgs a) {
+    fw_gemm<false>(a);
+}
+extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp8wg_gemm(const __grid_constant__ Fp4wgArgs a) {
+    fw_gemm<true>(a);
 }
