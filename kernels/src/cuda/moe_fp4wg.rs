@@ -20,7 +20,7 @@ use crate::backend::MoeWeights;
 
 /// The kernels: the products (with their dynamic shared memory, opted in at load), then
 /// the parts.
-pub(crate) const FP4WG_KERNELS: [&str; 3] = ["fp4wg_gemm", "fp8wg_gemm", "fp4wg_parts"];
+pub(crate) const FP4WG_KERNELS: [&str; 5] = ["fp4wg_gemm", "fp8wg_gemm", "fp4wg_gemm_p", "fp8wg_gemm_p", "fp4wg_parts"];
 /// Outputs of a block (`FW_BN`), positions of a token tile (`FW_BT`, the host's
 /// [`GEMM_BM`]); the parts' rows are a multiple of FP4's chunk of inputs (FP8's is 64).
 const BLOCK_OUTPUTS: usize = 128;
@@ -33,8 +33,8 @@ const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the gr
 const fn smem(chunk: usize, stages: usize) -> usize {
     stages * (2 * 2 * TILE_ROWS * chunk + BLOCK_OUTPUTS * 64 + 1024) + 1024
 }
-/// Dynamic shared memory of `fp4wg_gemm` and `fp8wg_gemm`.
-pub(crate) const FP4WG_SMEM: [usize; 2] = [smem(128, 3), smem(64, 4)];
+/// Dynamic shared memory of the FP4 and FP8 products (each with and without `_p`).
+pub(crate) const FP4WG_SMEM: [usize; 4] = [smem(128, 3), smem(64, 4), smem(128, 3), smem(64, 4)];
 
 /// `Fp4wgArgs` in moe_fp4wg.cu.
 #[repr(C, align(64))]
@@ -77,6 +77,14 @@ pub(crate) fn takes(gpu: &Gpu, w: &MoeWeights<CudaBackend>) -> bool {
     available(gpu) && w.experts.iter().all(|e| fits(&e.w1) && fits(&e.w3) && fits(&e.w2))
 }
 
+/// The `_p` kernels, which convert a chunk's codes while the chunk before is multiplied
+/// (only S − 2 chunks of the ring ahead); `SLUICE_CUDA_FP4WG_PIPE=0` (read once) runs the
+/// others, which wait for each chunk's products before converting the next.
+fn pipelined() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_PIPE").map(|v| v != "0").unwrap_or(true))
+}
+
 /// Whether the kernels run here at all: an sm_90 GPU and `SLUICE_CUDA_FP4WG` not 0.
 pub(crate) fn available(gpu: &Gpu) -> bool {
     enabled() && gpu.cc.0 == 9
@@ -108,7 +116,7 @@ pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
         tiles.chunks(2).map(|p| u64::from(p[0] as u32) | u64::from(*p.get(1).unwrap_or(&0) as u32) << 32).collect();
     let (wp, sp) = w.ptrs();
     let over = Tiles { tiles: gpu.constant_table(&words), count: tiles.len() / 3, wtab: gpu.constant_table(&[wp, sp]) };
-    launch_product(gpu, "fp8wg_gemm", &parts, w, &over, (op.out, op.out_stride), w.rows / op.groups);
+    launch_product(gpu, true, &parts, w, &over, (op.out, op.out_stride), w.rows / op.groups);
 }
 
 /// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order.
@@ -145,18 +153,13 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
 /// (`tiles.wtab`: (codes, scale bytes) of each expert's matrix; `w` any one of them, for
 /// the shape), the parts in the FP4 order.
 pub(crate) fn product(gpu: &Gpu, parts: &Parts, w: &CudaWeight, tiles: &Tiles, out: u64) {
-    launch_product(gpu, "fp4wg_gemm", parts, w, tiles, (out, w.rows), w.rows);
+    launch_product(gpu, false, parts, w, tiles, (out, w.rows), w.rows);
 }
 
-fn launch_product(
-    gpu: &Gpu,
-    name: &str,
-    parts: &Parts,
-    w: &CudaWeight,
-    tiles: &Tiles,
-    out: (u64, usize),
-    g_out: usize,
-) {
+/// One product launch: `fp8` picks the FP8 kernel, [`pipelined`] the `_p` one.
+fn launch_product(gpu: &Gpu, fp8: bool, parts: &Parts, w: &CudaWeight, tiles: &Tiles, out: (u64, usize), g_out: usize) {
+    let kernel = usize::from(fp8) + 2 * usize::from(pipelined());
+    let name = FP4WG_KERNELS[kernel];
     assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
     if tiles.count == 0 {
         return;
@@ -173,7 +176,7 @@ fn launch_product(
         out_stride: out.1 as i32,
         pad: [0; 21],
     };
-    let smem = FP4WG_SMEM[usize::from(name == "fp8wg_gemm")];
+    let smem = FP4WG_SMEM[kernel];
     let grid = ((w.rows / BLOCK_OUTPUTS) as u32, tiles.count as u32, 1);
     launch!(gpu, name, cfg(grid, 256, smem as u32), args);
 }

@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
     }
 }
 
-template <bool FP8>
+template <bool FP8, bool PIPE>
 __device__ void fw_gemm(const Fp4wgArgs& a) {
     constexpr int KC = FW_KC(FP8), S = FW_S(FP8), STAGE = FW_STAGE(FP8), NB = KC / 64, STEPS = KC / 16;
     constexpr int B_BYTES = 2 * NB * FW_BOX;
@@ -208,22 +208,26 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
         }
         cp_async_commit();  // one group a chunk, empty past the end, so the waits count chunks
     };
-    for (int c = 0; c < S - 1; c++) request(c);
+    // PIPE: a chunk's codes are converted while the chunk before is still multiplied, so
+    // only S - 2 chunks are requested ahead (a stage is free once its products are done).
+    constexpr int AHEAD = PIPE ? S - 2 : S - 1;
+    for (int c = 0; c < AHEAD; c++) request(c);
 
     const int rlo = half * 64 + wq * 16 + g;  // this thread's rows of the block: rlo, rlo + 8
     const int swz = (rlo >> 1) & 3;           // rows rlo and rlo + 8 share it
     float acc[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = 0.0f;
-    for (int c = 0; c < chunks; c++) {
+    // Chunk c with its A fragments in `f` (one of two sets, so that the next chunk's can be
+    // written while this one's wgmmas still read theirs).
+    auto chunk = [&](int c, u32 (&f)[STEPS][4]) {
         const int st = c % S;
-        cp_async_wait<S - 2>();                     // this thread's copies of chunk c
-        __syncthreads();                            // everyone's; chunk c - 1 is done
+        cp_async_wait<AHEAD - 1>();                 // this thread's copies of chunk c
+        __syncthreads();                            // everyone's; the stage requested next is done
         wg_mbar_wait(bar0 + 8 * st, (c / S) & 1);   // the parts of chunk c
-        request(c + S - 1);                         // into chunk c - 1's stage
+        request(c + AHEAD);                         // into the stage of chunk c + AHEAD - S, done
         const u32 stage = base + st * STAGE;
         const u8* codes = gbase + st * STAGE + B_BYTES;
-        u32 f[STEPS][4];  // the chunk's A fragments, a k-step each
         if constexpr (FP8) {
             // The block's 128 rows are one scale block row; a chunk is half a scale block.
             const float* bs = (const float*)sc + (long long)(n0 / 128) * (K / 128) + (c * KC) / 128;
@@ -264,9 +268,16 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
             fw_mma(acc, f[j], wg_desc(b + NB * FW_BOX, 16, 1024, 1));
         }
         wg_commit();
-        wg_wait<0>();
-        fw_hold(acc);
+        if (PIPE) wg_wait<1>();  // the chunk before is done: its fragments and stage are free
+        else wg_wait<0>();
+    };
+    u32 fa[STEPS][4], fb[STEPS][4];
+    for (int c = 0; c < chunks; c += 2) {
+        chunk(c, fa);
+        if (c + 1 < chunks) chunk(c + 1, fb);
     }
+    wg_wait<0>();
+    fw_hold(acc);
     cp_async_wait<0>();
     // Sums j (j = 4i + e): token 8i + 2t + (e & 1), row rlo + 8 (e >> 1).
     const int o = n0 + rlo;
@@ -284,10 +295,13 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
     }
 }
 
-// FP4 experts (grouped tiles) and FP8 products (plain or grouped by outputs).
-extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp4wg_gemm(const __grid_constant__ Fp4wgArgs a) {
-    fw_gemm<false>(a);
-}
-extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) fp8wg_gemm(const __grid_constant__ Fp4wgArgs a) {
-    fw_gemm<true>(a);
-}
+// FP4 experts (grouped tiles) and FP8 products (plain or grouped by outputs); `_p`: the
+// next chunk's codes converted while this one's products run.
+#define FW_KERNEL(NAME, FP8, PIPE)                                                                        \
+    extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) NAME(const __grid_constant__ Fp4wgArgs a) { \
+        fw_gemm<FP8, PIPE>(a);                                                                            \
+    }
+FW_KERNEL(fp4wg_gemm, false, false)
+FW_KERNEL(fp8wg_gemm, true, false)
+FW_KERNEL(fp4wg_gemm_p, false, true)
+FW_KERNEL(fp8wg_gemm_p, true, true)
