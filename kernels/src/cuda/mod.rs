@@ -32,8 +32,9 @@
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
-//! - `moe_fp4wg`: those experts' FP4 products on Hopper's `wgmma` (grouped over tiles of
-//!   one expert's rows, activations as three e4m3 parts; cu/moe_fp4wg.cu).
+//! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma`: those experts' FP4 ones
+//!   (tiles of one expert's rows) and FP8 projections, codes turned into bf16 in registers,
+//!   the rows as two bf16 parts (cu/moe_fp4wg.cu).
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `moe_wgmma`: routed FP4 experts of 1-8 decode rows on Hopper's `wgmma` (e2m1 codes
 //!   turned into e4m3 in registers; cu/moe_wgmma.cu), tried before the v2 segments.

@@ -200,7 +200,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
 }
 
 /// The kernels a backend looks up at start: [`KERNELS`], the v2 products, the FP8
-/// tensor-core gemv, the BF16 products of 9-32 rows and the grouped FP4 `wgmma` products.
+/// tensor-core gemv, the BF16 products of 9-32 rows and the prefill `wgmma` products.
 fn loaded_kernels() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
@@ -329,7 +329,12 @@ impl Gpu {
             let f = module.load_function(name).map_err(|e| CudaError::Driver(format!("kernel {name}: {e:?}")))?;
             funcs.insert(name, f);
         }
-        for (name, bytes) in big_shared() {
+        // Kernels that need more shared memory than this GPU lets a block opt in to (the
+        // sm_90-only ones on smaller parts) are never launched there: left as they are.
+        let optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv)? as usize;
+        for (name, bytes) in big_shared().into_iter().filter(|&(_, bytes)| bytes <= optin) {
             use cudarc::driver::sys::CUfunction_attribute::{
                 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
             };

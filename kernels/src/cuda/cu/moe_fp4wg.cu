@@ -1,12 +1,13 @@
-// Grouped FP4 expert products of prefill-sized batches on Hopper's warpgroup instruction
-// (wgmma, sm_90a): kernels/src/cuda/moe_fp4wg.rs plans and launches them; docs/cuda.md
-// ("fp4wg") says when they run.
+// Prefill-sized products of FP4 experts (grouped) and FP8 weights on Hopper's warpgroup
+// instruction (wgmma, sm_90a): kernels/src/cuda/moe_fp4wg.rs plans and launches them;
+// docs/cuda.md ("fp4wg_gemm") says when they run.
 //
-// Why: the grouped `gemm_fp4` tiles (gemm.cu) dequantise each weight tile to bf16 in
-// shared memory and run the warp-level mma on split activations: ~91 TFLOP/s, 28.6% of an
-// 8K prefill on 20 Flash layers. Here each lane turns its FP4 codes into bf16 A fragments
-// in registers and the tokens are wgmma's B operand, brought into shared memory by the
-// tensor memory accelerator: the weights never pass through shared memory as bf16.
+// Why: the `gemm_fp4` / `gemm_fp8` tiles (gemm.cu) dequantise each weight tile to bf16 in
+// shared memory and run the warp-level mma on split activations: ~91 TFLOP/s for the
+// experts, 28.6% of an 8K prefill on 20 Flash layers, the FP8 projections about as slow.
+// Here each lane turns its codes into bf16 A fragments in registers and the rows are
+// wgmma's B operand, brought into shared memory by the tensor memory accelerator: the
+// weights never pass through shared memory as bf16.
 //
 // Precision: bf16 products with f32 sums, as the tiles', so the results match them.
 // A first version on e4m3 (codes as e4m3, rows as three e4m3 parts) measured 4-5e-4 of
@@ -14,28 +15,36 @@
 // report §3.3.2 — and its sums had to be scaled a 32-input group at a time) and changed
 // greedy tokens of the small FP4 checkpoint against the CPU engine; bf16 sums need neither.
 //
-// e2m1 → bf16: a nibble s.e1 e0.m placed as the bf16 bits s at 15, e1 e0 m at 8..6 is the
-// code's value times 2^-126, exactly (a normal code 2^(e-1)·(1 + m/2) reads as
-// 2^(e-127)·(1 + m/2); the subnormal 0.5 becomes bf16's subnormal 2^-127); one bf16x2 multiply by 2^(s - 1) (the
-// group's ue8m0 scale s times 2^126, exact: the scales this path takes lie in 2^-23..2^1)
-// gives the weight. Activations: each routed row (list position) as two bf16 parts
-// (x = hi + lo, hi the rounding of x, lo of what is left: ~16 significant bits), one plane
-// a part: parts[p][row][K], written by `fp4wg_parts` in the A fragments' input order:
-// within each group of 32 inputs, k-step s (16 inputs) holds logical inputs 2t, 2t + 1 =
-// inputs 8t + 4s, + 1 and logical 2t + 8, 2t + 9 = inputs 8t + 4s + 2, + 3 — so a lane
-// reads one u32 of codes a row and group (inputs 8t..8t+7), byte 2s for the first pair
-// and 2s + 1 for the second, and the sums are unchanged.
+// Codes → bf16, exactly: an e2m1 nibble s.e1 e0.m placed as the bf16 bits s at 15,
+// e1 e0 m at 8..6 is its value times 2^-126 (a normal code 2^(e-1)·(1 + m/2) reads as
+// 2^(e-127)·(1 + m/2); the subnormal 0.5 becomes bf16's subnormal 2^-127), and one bf16x2
+// multiply by 2^(s - 1) (the group's ue8m0 scale s times 2^126; the scales this path
+// takes lie in 2^-23..2^1) gives the weight. An e4m3 byte placed as sign at 15 and its
+// seven other bits at 10..4 is its value times 2^-120 (subnormals too); the multiply is by
+// 2^120 times the 128×128 block's scale (a power of two in 2^-100..2^7).
+//
+// Activations: each row as two bf16 parts (x = hi + lo, hi the rounding of x, lo of what
+// is left: ~16 significant bits), one plane a part: parts[p][row][K], written by
+// `fp4wg_parts` in the A fragments' input order, so that a lane's one u32 of codes a row
+// holds exactly its fragment's inputs. FP4: within each group of 32 inputs, k-step s
+// (16 inputs) holds logical inputs 2t, 2t + 1 = inputs 8t + 4s, + 1 and logical 2t + 8,
+// 2t + 9 = inputs 8t + 4s + 2, + 3 (a lane reads inputs 8t..8t+7: byte 2s for the first
+// pair, 2s + 1 for the second). FP8: within each k-step, logical 2t, 2t + 1 = inputs 4t,
+// + 1 and 2t + 8, 2t + 9 = inputs 4t + 2, + 3 (a lane reads inputs 4t..4t+3).
 //
 // Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
-// × one token tile of up to 128 list positions of one expert (the host's tile list, as
-// the `gemm_*` tiles: expert, first position, positions). A chunk is 128 inputs: the
-// tile's two parts (each two TMA boxes of 64 inputs × 128 tokens, 128-byte swizzle as the
-// descriptors name) and the block's codes (128 rows × 64 bytes, `cp.async` by every
-// thread, 16-byte pieces permuted by (row / 2) mod 4 so that the fragment loads are free
-// of bank conflicts) with their 4 scale bytes a row. A ring of 3 chunks, one block
-// barrier a chunk (the codes come from every thread's copies); a warpgroup converts the
-// chunk's codes, then issues its 16 wgmmas (8 k-steps × 2 parts) into one chain of sums
-// and waits for them before the next chunk. Tokens of a tile past its positions read
+// × one tile of up to 128 rows (the host's tile list, as the `gemm_*` tiles: expert, first
+// row, rows; a plain FP8 product is one "expert"; a grouped one's block reads its group's
+// inputs). A chunk is 128 inputs (FP4) or 64 (FP8): the tile's two parts (TMA boxes of 64
+// inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
+// rows × 64 bytes either way, `cp.async` by every thread, 16-byte pieces permuted by
+// (row / 2) mod 4 so that the fragment loads are free of bank conflicts), FP4 with its 4
+// scale bytes a row. A ring of 3 (FP4) or 4 (FP8) chunks, one block barrier a chunk (the
+// codes come from every thread's copies); a warpgroup converts the chunk's codes, then
+// issues its 16 or 8 wgmmas (k-steps × 2 parts) into one chain of f32 sums. The plain
+// kernels wait for them before the next chunk; the `_p` ones convert the next chunk's
+// codes into a second set of fragments while these run (one chunk fewer requested ahead:
+// a stage is free once its products are done). Rows of a tile past its count read
 // whatever rows follow (or the map's zero fill): their columns are never written.
 
 #define FW_BN 128                            // outputs a block
