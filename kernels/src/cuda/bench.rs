@@ -289,9 +289,10 @@ impl CudaBackend {
         });
         // The same products on `wgmma` (the engine's on sm_90), the parts' staging included.
         if super::moe_fp4wg::available(g) {
+            let by_height = super::moe_fp4wg::upload_tiles(g, &tiles);
             let t = self.time_kernel_us(reps, || {
                 let parts = super::moe_fp4wg::parts(g, op.x, k, total, k, false);
-                super::moe_fp4wg::product(g, &parts, &ws[0], &over, op.out);
+                super::moe_fp4wg::product(g, &parts, &ws[0], &by_height, g.ptr(&table), op.out);
             });
             out.push(ProductTime {
                 what: format!("grouped gemm fp4 {experts} experts x {per} rows, {n}x{k} (e4m3 parts, wgmma)"),

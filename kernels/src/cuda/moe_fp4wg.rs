@@ -13,28 +13,49 @@ use cudarc::driver::sys::{
 };
 
 use super::CudaBackend;
-use super::matmul::{GEMM_BM, Operand, Tiles};
+use super::matmul::{GEMM_BM, Operand};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg, launch};
 use crate::backend::MoeWeights;
 
-/// The kernels: the products (with their dynamic shared memory, opted in at load), then
-/// the parts.
-pub(crate) const FP4WG_KERNELS: [&str; 5] = ["fp4wg_gemm", "fp8wg_gemm", "fp4wg_gemm_p", "fp8wg_gemm_p", "fp4wg_parts"];
-/// Outputs of a block (`FW_BN`), positions of a token tile (`FW_BT`, the host's
-/// [`GEMM_BM`]); the parts' rows are a multiple of FP4's chunk of inputs (FP8's is 64).
+/// The kernels: the products (with their dynamic shared memory, opted in at load) — FP4
+/// and FP8, each plain and `_p`, each for tiles of 128 rows and `_n64` of 64 — then the
+/// parts. A product's index: FP8 + 2 · `_p` + 4 · `_n64`.
+pub(crate) const FP4WG_KERNELS: [&str; 9] = [
+    "fp4wg_gemm",
+    "fp8wg_gemm",
+    "fp4wg_gemm_p",
+    "fp8wg_gemm_p",
+    "fp4wg_gemm_n64",
+    "fp8wg_gemm_n64",
+    "fp4wg_gemm_p_n64",
+    "fp8wg_gemm_p_n64",
+    "fp4wg_parts",
+];
+/// Outputs of a block (`FW_BN`), rows of a full tile (the host's [`GEMM_BM`]) and of a
+/// small one; the parts' rows are a multiple of FP4's chunk of inputs (FP8's is 64).
 const BLOCK_OUTPUTS: usize = 128;
 const TILE_ROWS: usize = 128;
+const SMALL_TILE_ROWS: usize = 64;
 const CHUNK_INPUTS: usize = 128;
 const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the grouped tiles' row tiles");
-/// Dynamic shared memory of a product kernel of `chunk` inputs a chunk and `stages`
-/// stages (`FW_STAGE`: the tile's two bf16 parts, the block's codes — 64 bytes a row —
-/// and FP4's scale bytes), and 1 KiB to align them.
-const fn smem(chunk: usize, stages: usize) -> usize {
-    stages * (2 * 2 * TILE_ROWS * chunk + BLOCK_OUTPUTS * 64 + 1024) + 1024
+/// Dynamic shared memory of a product kernel of `chunk` inputs a chunk, `stages` stages
+/// and tiles of `rows` rows (`FW_STAGE`: the tile's two bf16 parts, the block's codes — 64
+/// bytes a row — and FP4's scale bytes), and 1 KiB to align them.
+const fn smem(chunk: usize, stages: usize, rows: usize) -> usize {
+    stages * (2 * 2 * rows * chunk + BLOCK_OUTPUTS * 64 + 1024) + 1024
 }
-/// Dynamic shared memory of the FP4 and FP8 products (each with and without `_p`).
-pub(crate) const FP4WG_SMEM: [usize; 4] = [smem(128, 3), smem(64, 4), smem(128, 3), smem(64, 4)];
+/// Dynamic shared memory of the products, in [`FP4WG_KERNELS`]' order.
+pub(crate) const FP4WG_SMEM: [usize; 8] = [
+    smem(128, 3, 128),
+    smem(64, 4, 128),
+    smem(128, 3, 128),
+    smem(64, 4, 128),
+    smem(128, 3, 64),
+    smem(64, 4, 64),
+    smem(128, 3, 64),
+    smem(64, 4, 64),
+];
 
 /// `Fp4wgArgs` in moe_fp4wg.cu.
 #[repr(C, align(64))]
@@ -85,6 +106,47 @@ fn pipelined() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_PIPE").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether tiles of at most 64 rows take the `_n64` kernels (`SLUICE_CUDA_FP4WG_N64=0`,
+/// read once: every tile takes the 128-row ones).
+fn small_tiles() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N64").map(|v| v != "0").unwrap_or(true))
+}
+
+/// A tile list (expert, first row, rows; at most 128 rows a tile) split for the launches:
+/// tiles of more than 64 rows, then those of at most 64 (both in the first with
+/// `SLUICE_CUDA_FP4WG_N64=0`).
+fn split_tiles(tiles: &[i32]) -> [Vec<i32>; 2] {
+    let mut lists = [Vec::new(), Vec::new()];
+    for t in tiles.chunks_exact(3) {
+        let small = small_tiles() && t[2] as usize <= SMALL_TILE_ROWS;
+        lists[usize::from(small)].extend_from_slice(t);
+    }
+    lists
+}
+
+/// A product's tiles on the device, by height ([`split_tiles`]): (address, count) each.
+pub(crate) struct DeviceTiles {
+    lists: [(u64, usize); 2],
+    /// Held while the launches are queued (uploaded lists; empty for cached tables).
+    _bufs: Vec<DevBuf<i32>>,
+}
+
+/// An expert tile list (different every prefill) uploaded for the launches.
+pub(crate) fn upload_tiles(gpu: &Gpu, tiles: &[i32]) -> DeviceTiles {
+    let mut bufs = Vec::new();
+    let lists = split_tiles(tiles).map(|l| {
+        if l.is_empty() {
+            return (0, 0);
+        }
+        let buf = gpu.upload(&l);
+        let at = gpu.ptr(&buf);
+        bufs.push(buf);
+        (at, l.len() / 3)
+    });
+    DeviceTiles { lists, _bufs: bufs }
+}
+
 /// Whether the kernels run here at all: an sm_90 GPU and `SLUICE_CUDA_FP4WG` not 0.
 pub(crate) fn available(gpu: &Gpu) -> bool {
     enabled() && gpu.cc.0 == 9
@@ -110,13 +172,18 @@ pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
     let parts = parts(gpu, op.x, op.x_stride, op.rows, cols, true);
     let tiles: Vec<i32> =
         (0..op.rows).step_by(TILE_ROWS).flat_map(|r| [0, r as i32, (op.rows - r).min(TILE_ROWS) as i32]).collect();
-    // The tile list as the i32 words of a cached device table (the same for every product
-    // of this many rows, and safe to name from a recorded decode step).
-    let words: Vec<u64> =
-        tiles.chunks(2).map(|p| u64::from(p[0] as u32) | u64::from(*p.get(1).unwrap_or(&0) as u32) << 32).collect();
+    // The tile lists as the i32 words of cached device tables (the same for every product
+    // of this many rows — bounded by the largest batch — and safe to name from a recorded
+    // decode step).
+    let lists = split_tiles(&tiles).map(|l| {
+        let words: Vec<u64> =
+            l.chunks(2).map(|p| u64::from(p[0] as u32) | u64::from(*p.get(1).unwrap_or(&0) as u32) << 32).collect();
+        if l.is_empty() { (0, 0) } else { (gpu.constant_table(&words), l.len() / 3) }
+    });
     let (wp, sp) = w.ptrs();
-    let over = Tiles { tiles: gpu.constant_table(&words), count: tiles.len() / 3, wtab: gpu.constant_table(&[wp, sp]) };
-    launch_product(gpu, true, &parts, w, &over, (op.out, op.out_stride), w.rows / op.groups);
+    let wtab = gpu.constant_table(&[wp, sp]);
+    let tiles = DeviceTiles { lists, _bufs: Vec::new() };
+    launch_products(gpu, true, &parts, w, &tiles, wtab, (op.out, op.out_stride), w.rows / op.groups);
 }
 
 /// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order.
@@ -125,7 +192,8 @@ pub(crate) struct Parts {
     _values: DevBuf<u16>,
     rows: usize,
     k: usize,
-    map: [u64; 16],
+    /// Tensor maps of boxes of 128 and of 64 rows (the `_n64` kernels').
+    maps: [[u64; 16]; 2],
 }
 
 /// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`] in the FP4
@@ -145,49 +213,62 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
         rows as i32,
         i32::from(fp8)
     );
-    let map = parts_map(gpu.ptr(&values), 2 * rows, k);
-    Parts { _values: values, rows, k, map }
+    let at = gpu.ptr(&values);
+    let maps = [parts_map(at, 2 * rows, k, TILE_ROWS), parts_map(at, 2 * rows, k, SMALL_TILE_ROWS)];
+    Parts { _values: values, rows, k, maps }
 }
 
 /// `out[position][w.rows] = parts · Wᵀ` over the listed tiles of one expert's positions
-/// (`tiles.wtab`: (codes, scale bytes) of each expert's matrix; `w` any one of them, for
-/// the shape), the parts in the FP4 order.
-pub(crate) fn product(gpu: &Gpu, parts: &Parts, w: &CudaWeight, tiles: &Tiles, out: u64) {
-    launch_product(gpu, false, parts, w, tiles, (out, w.rows), w.rows);
+/// (`wtab`: (codes, scale bytes) of each expert's matrix; `w` any one of them, for the
+/// shape), the parts in the FP4 order.
+pub(crate) fn product(gpu: &Gpu, parts: &Parts, w: &CudaWeight, tiles: &DeviceTiles, wtab: u64, out: u64) {
+    launch_products(gpu, false, parts, w, tiles, wtab, (out, w.rows), w.rows);
 }
 
-/// One product launch: `fp8` picks the FP8 kernel, [`pipelined`] the `_p` one.
-fn launch_product(gpu: &Gpu, fp8: bool, parts: &Parts, w: &CudaWeight, tiles: &Tiles, out: (u64, usize), g_out: usize) {
-    let kernel = usize::from(fp8) + 2 * usize::from(pipelined());
-    let name = FP4WG_KERNELS[kernel];
-    assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
-    if tiles.count == 0 {
-        return;
+/// The launches of one product, a kernel a tile height: `fp8` picks the FP8 kernels,
+/// [`pipelined`] the `_p` ones.
+#[allow(clippy::too_many_arguments)]
+fn launch_products(
+    gpu: &Gpu,
+    fp8: bool,
+    parts: &Parts,
+    w: &CudaWeight,
+    tiles: &DeviceTiles,
+    wtab: u64,
+    out: (u64, usize),
+    g_out: usize,
+) {
+    for (small, &(at, count)) in tiles.lists.iter().enumerate() {
+        if count == 0 {
+            continue;
+        }
+        let kernel = usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small;
+        let name = FP4WG_KERNELS[kernel];
+        assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
+        let args = Fp4wgArgs {
+            parts: parts.maps[small],
+            out: out.0,
+            wtab,
+            tiles: at,
+            n: w.rows as i32,
+            k: w.cols as i32,
+            plane: parts.rows as i32,
+            g_out: g_out as i32,
+            out_stride: out.1 as i32,
+            pad: [0; 21],
+        };
+        let grid = ((w.rows / BLOCK_OUTPUTS) as u32, count as u32, 1);
+        launch!(gpu, name, cfg(grid, 256, FP4WG_SMEM[kernel] as u32), args);
     }
-    let args = Fp4wgArgs {
-        parts: parts.map,
-        out: out.0,
-        wtab: tiles.wtab,
-        tiles: tiles.tiles,
-        n: w.rows as i32,
-        k: w.cols as i32,
-        plane: parts.rows as i32,
-        g_out: g_out as i32,
-        out_stride: out.1 as i32,
-        pad: [0; 21],
-    };
-    let smem = FP4WG_SMEM[kernel];
-    let grid = ((w.rows / BLOCK_OUTPUTS) as u32, tiles.count as u32, 1);
-    launch!(gpu, name, cfg(grid, 256, smem as u32), args);
 }
 
 /// The tensor map of the parts (`rows` rows of `k` bf16 values at `at`): boxes of 64
-/// values (128 bytes) × 128 rows, copied into shared memory with the 128-byte swizzle the kernel's wgmma
+/// values (128 bytes) × `box_rows` rows, copied into shared memory with the 128-byte swizzle the kernel's wgmma
 /// descriptors name; rows past the end read as zeros.
-fn parts_map(at: u64, rows: usize, k: usize) -> [u64; 16] {
+fn parts_map(at: u64, rows: usize, k: usize, box_rows: usize) -> [u64; 16] {
     let dims = [k as u64, rows as u64];
     let strides = [2 * k as u64];
-    let boxes = [64u32, TILE_ROWS as u32];
+    let boxes = [64u32, box_rows as u32];
     let elements = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
     // SAFETY: the arrays outlive the call and hold the rank (2) entries the driver reads

@@ -205,13 +205,14 @@ fn experts_grouped(
     let (t1, t3, t2) =
         (projection_table(b, w, |e| &e.w1), projection_table(b, w, |e| &e.w3), projection_table(b, w, |e| &e.w2));
     if moe_fp4wg::takes(g, w) {
+        let by_height = moe_fp4wg::upload_tiles(g, &tiles);
         let px = moe_fp4wg::parts(g, in_x.x, d, n, d, false);
-        moe_fp4wg::product(g, &px, &first.w1, &over(t1), g.ptr(&h.mem));
-        moe_fp4wg::product(g, &px, &first.w3, &over(t3), g.ptr(&u.mem));
+        moe_fp4wg::product(g, &px, &first.w1, &by_height, t1, g.ptr(&h.mem));
+        moe_fp4wg::product(g, &px, &first.w3, &by_height, t3, g.ptr(&u.mem));
         drop(px);
         swiglu_act(g, g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
         let ph = moe_fp4wg::parts(g, g.ptr(&h.mem), inter, n, inter, false);
-        moe_fp4wg::product(g, &ph, &first.w2, &over(t2), g.ptr(&y.mem));
+        moe_fp4wg::product(g, &ph, &first.w2, &by_height, t2, g.ptr(&y.mem));
     } else {
         let xs = split_x(g, in_x.x, d, n, d);
         gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));

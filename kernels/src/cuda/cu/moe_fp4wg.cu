@@ -33,7 +33,8 @@
 // + 1 and 2t + 8, 2t + 9 = inputs 4t + 2, + 3 (a lane reads inputs 4t..4t+3).
 //
 // Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
-// × one tile of up to 128 rows (the host's tile list, as the `gemm_*` tiles: expert, first
+// × one tile of up to 128 rows (`_n64` kernels: up to 64, an expert's last few rows, with
+// `wgmma.m64n64k16` and half the parts; the host's tile list, as the `gemm_*` tiles: expert, first
 // row, rows; a plain FP8 product is one "expert"; a grouped one's block reads its group's
 // inputs). A chunk is 128 inputs (FP4) or 64 (FP8): the tile's two parts (TMA boxes of 64
 // inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
@@ -48,15 +49,14 @@
 // whatever rows follow (or the map's zero fill): their columns are never written.
 
 #define FW_BN 128                            // outputs a block
-#define FW_BT 128                            // list positions a token tile (GEMM_BM on the host)
-#define FW_BOX (FW_BT * 128)                 // one TMA box: 64 bf16 inputs × 128 tokens, 16 KiB
+#define FW_BOX(BT) ((BT) * 128)              // one TMA box: 64 bf16 inputs × BT rows (tiles of 128 or 64)
 #define FW_A_BYTES (FW_BN * 64)              // the block's codes of a chunk: 64 bytes a row
 #define FW_THREADS 256
 // Inputs a chunk and ring stages: FP4 128 and 3, FP8 64 and 4 (64 bytes of codes a row
 // either way); a stage is the parts' boxes, the codes and (FP4) their scale bytes.
 #define FW_KC(FP8) ((FP8) ? 64 : 128)
 #define FW_S(FP8) ((FP8) ? 4 : 3)
-#define FW_STAGE(FP8) (2 * (FW_KC(FP8) / 64) * FW_BOX + FW_A_BYTES + 1024)
+#define FW_STAGE(FP8, BT) (2 * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES + 1024)
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
 struct __align__(64) Fp4wgArgs {
@@ -95,10 +95,30 @@ __device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db
 #endif
 }
 
-// wg_hold for the 64 sums of fw_mma: their reads are tied to after the wait.
-__device__ __forceinline__ void fw_hold(float (&d)[64]) {
+// D += A · B over 64 × 64 × 16 (tiles of at most 64 rows: half the sums and products).
+__device__ __forceinline__ void fw_mma(float (&d)[32], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// wg_hold for the sums of fw_mma: their reads are tied to after the wait.
+template <int N>
+__device__ __forceinline__ void fw_hold(float (&d)[N]) {
 #pragma unroll
-    for (int i = 0; i < 64; i += 4)
+    for (int i = 0; i < N; i += 4)
         asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
 }
 
@@ -166,10 +186,10 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
     }
 }
 
-template <bool FP8, bool PIPE>
+template <bool FP8, bool PIPE, int BT>
 __device__ void fw_gemm(const Fp4wgArgs& a) {
-    constexpr int KC = FW_KC(FP8), S = FW_S(FP8), STAGE = FW_STAGE(FP8), NB = KC / 64, STEPS = KC / 16;
-    constexpr int B_BYTES = 2 * NB * FW_BOX;
+    constexpr int KC = FW_KC(FP8), S = FW_S(FP8), STAGE = FW_STAGE(FP8, BT), NB = KC / 64, STEPS = KC / 16;
+    constexpr int BOX = FW_BOX(BT), B_BYTES = 2 * NB * BOX;
     extern __shared__ __align__(128) u8 fw_smem[];
     __shared__ __align__(8) u64 bars[S];
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -203,7 +223,7 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
                 wg_mbar_expect(bar0 + 8 * st, B_BYTES);
 #pragma unroll
                 for (int i = 0; i < 2 * NB; i++)  // part i / NB, inputs 64 (i % NB) ..
-                    wg_tma_load(stage + i * FW_BOX, &a.parts, xk0 + c * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
+                    wg_tma_load(stage + i * BOX, &a.parts, xk0 + c * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
                                 bar0 + 8 * st);
             }
 #pragma unroll
@@ -224,9 +244,9 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
 
     const int rlo = half * 64 + wq * 16 + g;  // this thread's rows of the block: rlo, rlo + 8
     const int swz = (rlo >> 1) & 3;           // rows rlo and rlo + 8 share it
-    float acc[64];
+    float acc[BT / 2];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = 0.0f;
+    for (int i = 0; i < BT / 2; i++) acc[i] = 0.0f;
     // Chunk c with its A fragments in `f` (one of two sets, so that the next chunk's can be
     // written while this one's wgmmas still read theirs).
     auto chunk = [&](int c, u32 (&f)[STEPS][4]) {
@@ -272,9 +292,9 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
         wg_fence();
 #pragma unroll
         for (int j = 0; j < STEPS; j++) {
-            const u32 b = stage + (j >> 2) * FW_BOX + (j & 3) * 32;  // box j / 4, 32 bytes (j % 4) in
+            const u32 b = stage + (j >> 2) * BOX + (j & 3) * 32;  // box j / 4, 32 bytes (j % 4) in
             fw_mma(acc, f[j], wg_desc(b, 16, 1024, 1));
-            fw_mma(acc, f[j], wg_desc(b + NB * FW_BOX, 16, 1024, 1));
+            fw_mma(acc, f[j], wg_desc(b + NB * BOX, 16, 1024, 1));
         }
         wg_commit();
         if (PIPE) wg_wait<1>();  // the chunk before is done: its fragments and stage are free
@@ -291,7 +311,7 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
     // Sums j (j = 4i + e): token 8i + 2t + (e & 1), row rlo + 8 (e >> 1).
     const int o = n0 + rlo;
 #pragma unroll
-    for (int i = 0; i < 16; i++) {
+    for (int i = 0; i < BT / 8; i++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int tok = 8 * i + 2 * t + e;
@@ -305,12 +325,17 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
 }
 
 // FP4 experts (grouped tiles) and FP8 products (plain or grouped by outputs); `_p`: the
-// next chunk's codes converted while this one's products run.
-#define FW_KERNEL(NAME, FP8, PIPE)                                                                        \
+// next chunk's codes converted while this one's products run; `_n64`: tiles of at most
+// 64 rows (an expert's last rows), half the products of a 128-row tile.
+#define FW_KERNEL(NAME, FP8, PIPE, BT)                                                                    \
     extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) NAME(const __grid_constant__ Fp4wgArgs a) { \
-        fw_gemm<FP8, PIPE>(a);                                                                            \
+        fw_gemm<FP8, PIPE, BT>(a);                                                                        \
     }
-FW_KERNEL(fp4wg_gemm, false, false)
-FW_KERNEL(fp8wg_gemm, true, false)
-FW_KERNEL(fp4wg_gemm_p, false, true)
-FW_KERNEL(fp8wg_gemm_p, true, true)
+FW_KERNEL(fp4wg_gemm, false, false, 128)
+FW_KERNEL(fp8wg_gemm, true, false, 128)
+FW_KERNEL(fp4wg_gemm_p, false, true, 128)
+FW_KERNEL(fp8wg_gemm_p, true, true, 128)
+FW_KERNEL(fp4wg_gemm_n64, false, false, 64)
+FW_KERNEL(fp8wg_gemm_n64, true, false, 64)
+FW_KERNEL(fp4wg_gemm_p_n64, false, true, 64)
+FW_KERNEL(fp8wg_gemm_p_n64, true, true, 64)
