@@ -159,9 +159,23 @@ const _: () = assert!(
 /// 64 rows × 128 bytes (a chunk), copied into shared memory with the 128-byte swizzle the
 /// kernel's wgmma descriptors name.
 fn weight_map(w: u64, n: usize, k: usize) -> [u64; 16] {
-    let dims = [k as u64, n as u64];
-    let strides = [k as u64];
-    let boxes = [CHUNK_INPUTS as u32, TILE as u32];
+    let dtype = CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8;
+    swizzled_map(w, (dtype, 1), (k, n), [CHUNK_INPUTS as u32, TILE as u32], "an FP8 weight")
+}
+
+/// A 2-D tensor map of `rows` rows × `cols` elements (`element`: the driver's type and its
+/// bytes) at device address `at`, boxes of `boxes` (elements, rows; 128 bytes wide at
+/// most) copied into shared memory with the 128-byte swizzle wgmma descriptors name; rows
+/// past the end read as zeros. `what` names the tensor in the panic of a refused map.
+pub(crate) fn swizzled_map(
+    at: u64,
+    element: (CUtensorMapDataType, usize),
+    (cols, rows): (usize, usize),
+    boxes: [u32; 2],
+    what: &str,
+) -> [u64; 16] {
+    let dims = [cols as u64, rows as u64];
+    let strides = [(cols * element.1) as u64];
     let elements = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
     // SAFETY: the arrays outlive the call and hold the rank (2) entries the driver reads
@@ -169,9 +183,9 @@ fn weight_map(w: u64, n: usize, k: usize) -> [u64; 16] {
     let r = unsafe {
         cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+            element.0,
             2,
-            w as *mut std::ffi::c_void,
+            at as *mut std::ffi::c_void,
             dims.as_ptr(),
             strides.as_ptr(),
             boxes.as_ptr(),
@@ -182,7 +196,7 @@ fn weight_map(w: u64, n: usize, k: usize) -> [u64; 16] {
             CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
     };
-    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuTensorMapEncodeTiled for an FP8 weight of {n} x {k} (address {w:#x})");
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuTensorMapEncodeTiled for {what} of {rows} x {cols} (address {at:#x})");
     // SAFETY: initialised by the successful call above.
     unsafe { map.assume_init() }.opaque
 }

@@ -7,12 +7,10 @@
 //! `gemm_fp4` / `gemm_fp8` tiles; `SLUICE_CUDA_FP4WG=0` keeps the tiles.
 
 use cudarc::driver::DeviceRepr;
-use cudarc::driver::sys::{
-    CUresult, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
-    CUtensorMapSwizzle, cuTensorMapEncodeTiled,
-};
+use cudarc::driver::sys::CUtensorMapDataType;
 
 use super::CudaBackend;
+use super::gemv_f8wg::swizzled_map;
 use super::matmul::{GEMM_BM, Operand};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg, launch};
@@ -263,33 +261,8 @@ fn launch_products(
 }
 
 /// The tensor map of the parts (`rows` rows of `k` bf16 values at `at`): boxes of 64
-/// values (128 bytes) × `box_rows` rows, copied into shared memory with the 128-byte swizzle the kernel's wgmma
-/// descriptors name; rows past the end read as zeros.
+/// values (128 bytes) × `box_rows` rows, 128-byte swizzle; rows past the end read as zeros.
 fn parts_map(at: u64, rows: usize, k: usize, box_rows: usize) -> [u64; 16] {
-    let dims = [k as u64, rows as u64];
-    let strides = [2 * k as u64];
-    let boxes = [64u32, box_rows as u32];
-    let elements = [1u32, 1];
-    let mut map = std::mem::MaybeUninit::<CUtensorMap>::zeroed();
-    // SAFETY: the arrays outlive the call and hold the rank (2) entries the driver reads
-    // (one stride: the outermost dimension's is implied); `map` is written by the driver.
-    let r = unsafe {
-        cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            at as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elements.as_ptr(),
-            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuTensorMapEncodeTiled for fp4wg parts of {rows} x {k} (address {at:#x})");
-    // SAFETY: initialised by the successful call above.
-    unsafe { map.assume_init() }.opaque
+    let bf16 = (CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2);
+    swizzled_map(at, bf16, (k, rows), [64, box_rows as u32], "fp4wg parts")
 }

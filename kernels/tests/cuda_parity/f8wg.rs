@@ -11,22 +11,6 @@ use kernels::cuda::{CudaBuf, CudaWeight};
 /// errors of order 1.
 const F8WG_TOL: f32 = 2e-4;
 
-/// The GPU for a test of these kernels, or None (the reason printed) when there is none,
-/// it is not an sm_90 GPU (the warpgroup kernels run there only), or one of `knobs` is `0`
-/// (it turns the kernels the test checks off).
-fn wgmma_gpu(test: &str, knobs: &[&str]) -> Option<&'static CudaBackend> {
-    let g = gpu(test)?;
-    if g.compute_capability().0 != 9 {
-        eprintln!("{test}: skipped, not an sm_90 GPU (the warpgroup gemv runs on sm_90 only)");
-        return None;
-    }
-    if let Some(k) = knobs.iter().find(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
-        eprintln!("{test}: skipped, {k}=0 turns the kernels off");
-        return None;
-    }
-    Some(g)
-}
-
 /// An FP8 weight whose 128 × 128 blocks have magnitudes 2^-2 .. 2^2 apart, so every
 /// block gets its own scale and a scale read from the wrong block is seen.
 fn blocky_fp8(rng: &mut ChaCha8Rng, n: usize, k: usize) -> TestWeight {

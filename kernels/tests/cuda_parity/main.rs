@@ -57,6 +57,22 @@ fn tol(dtype: &str) -> f32 {
     TOLERANCES.iter().find(|(d, _)| *d == dtype).map(|t| t.1).expect("dtype in the table")
 }
 
+/// The GPU for a test of the warpgroup (`wgmma`) kernels, or None (the reason printed)
+/// when there is none, it is not an sm_90 GPU (those kernels run there only), or one of
+/// `knobs` is `0` (it turns the kernels the test checks off).
+fn wgmma_gpu(test: &str, knobs: &[&str]) -> Option<&'static CudaBackend> {
+    let g = gpu(test)?;
+    if g.compute_capability().0 != 9 {
+        eprintln!("{test}: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
+        return None;
+    }
+    if let Some(k) = knobs.iter().find(|k| std::env::var(k).is_ok_and(|v| v == "0")) {
+        eprintln!("{test}: skipped, {k}=0 turns the kernels off");
+        return None;
+    }
+    Some(g)
+}
+
 fn rng(test: &str) -> ChaCha8Rng {
     // Fresh inputs on every run, reproducible from the printed seed.
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;

@@ -4,7 +4,7 @@
 //! products of prefill-sized batches on the same kernel over FP8 codes (`fp8wg_gemm`).
 
 use super::decode::{experts_layer, hash_table_with_repeats};
-use super::moe_wgmma::blocky_fp4;
+use super::moe_wgmma::blocky_fp4_experts;
 use super::*;
 
 /// Allowed max|Δ|/max|CPU| of a MoE block on these kernels: bf16 products of the exact
@@ -21,15 +21,7 @@ const FP4WG_TOL: f32 = 1e-4;
 /// kernels.
 #[test]
 fn cuda_moe_fp4wg_experts_match_cpu() {
-    let Some(g) = gpu("cuda_moe_fp4wg_experts_match_cpu") else { return };
-    if g.compute_capability().0 != 9 {
-        eprintln!("cuda_moe_fp4wg_experts_match_cpu: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
-        return;
-    }
-    if std::env::var("SLUICE_CUDA_FP4WG").is_ok_and(|v| v == "0") {
-        eprintln!("cuda_moe_fp4wg_experts_match_cpu: skipped, SLUICE_CUDA_FP4WG=0 turns the kernels off");
-        return;
-    }
+    let Some(g) = wgmma_gpu("cuda_moe_fp4wg_experts_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("moe fp4wg");
     // ((hidden, expert width, experts, top-k), batch sizes)
@@ -37,16 +29,7 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
     let layers: [Layer; 2] = [((4096, 2048, 8, 6), &[300]), ((1024, 512, 64, 6), &[257, 1000])];
     for ((d, inter, n_exp, k), batches) in layers {
         let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-        let experts: Vec<[TestWeight; 3]> = (0..n_exp)
-            .map(|_| {
-                let (a, b, c) = (
-                    blocky_fp4(&mut rng, inter, d, 0.03),
-                    blocky_fp4(&mut rng, d, inter, 0.05),
-                    blocky_fp4(&mut rng, inter, d, 0.03),
-                );
-                [a, b, c]
-            })
-            .collect();
+        let experts = blocky_fp4_experts(&mut rng, n_exp, d, inter);
         let shared = expert_weights(&mut rng, d, inter, "fp8");
         let bias = rand_vec(&mut rng, n_exp, 0.2);
         let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
@@ -83,15 +66,7 @@ const FP8WG_TOL: f32 = 1e-4;
 /// leave a partial last tile (300, 1,000) and one tile (128); outputs start poisoned.
 #[test]
 fn cuda_fp8wg_products_match_cpu() {
-    let Some(g) = gpu("cuda_fp8wg_products_match_cpu") else { return };
-    if g.compute_capability().0 != 9 {
-        eprintln!("cuda_fp8wg_products_match_cpu: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
-        return;
-    }
-    if std::env::var("SLUICE_CUDA_FP4WG").is_ok_and(|v| v == "0") {
-        eprintln!("cuda_fp8wg_products_match_cpu: skipped, SLUICE_CUDA_FP4WG=0 turns the kernels off");
-        return;
-    }
+    let Some(g) = wgmma_gpu("cuda_fp8wg_products_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("fp8wg products");
     // (groups, outputs a group, inputs a group, row counts)

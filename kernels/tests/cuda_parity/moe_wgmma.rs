@@ -16,7 +16,7 @@ const WGMOE_TOL: f32 = 5e-4;
 /// An FP4 weight whose 32-input scale groups differ in magnitude by up to 2^4 (a pattern
 /// over rows and groups), so every group gets its own ue8m0 scale and a scale byte read
 /// for the wrong group or row is seen.
-pub(super) fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> TestWeight {
+fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> TestWeight {
     let mut host = HostMatrix::new(n, k, rand_vec(rng, n * k, std));
     for r in 0..n {
         for c in 0..k {
@@ -27,6 +27,14 @@ pub(super) fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> 
     TestWeight { stored: Some(OwnedWeight::quantize(&host, OwnedFormat::Fp4)), host }
 }
 
+/// `n_exp` experts of [`blocky_fp4`] weights (w1, w2, w3 of `inter` × `d`, `d` × `inter`,
+/// `inter` × `d`, at the MoE tests' scales).
+pub(super) fn blocky_fp4_experts(rng: &mut ChaCha8Rng, n_exp: usize, d: usize, inter: usize) -> Vec<[TestWeight; 3]> {
+    (0..n_exp)
+        .map(|_| [blocky_fp4(rng, inter, d, 0.03), blocky_fp4(rng, d, inter, 0.05), blocky_fp4(rng, inter, d, 0.03)])
+        .collect()
+}
+
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
 /// expert named twice for one token: a segment of two positions of one row), batches
 /// whose experts get one, two or more rows (segments of two), at SwiGLU clamps 10 and 2:
@@ -35,15 +43,7 @@ pub(super) fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> 
 /// the kernels and grids; each case first checks that the engine takes these kernels.
 #[test]
 fn cuda_moe_wgmma_experts_match_cpu() {
-    let Some(g) = gpu("cuda_moe_wgmma_experts_match_cpu") else { return };
-    if g.compute_capability().0 != 9 {
-        eprintln!("cuda_moe_wgmma_experts_match_cpu: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
-        return;
-    }
-    if std::env::var("SLUICE_CUDA_MOE_WGMMA").is_ok_and(|v| v == "0") {
-        eprintln!("cuda_moe_wgmma_experts_match_cpu: skipped, SLUICE_CUDA_MOE_WGMMA=0 turns the kernels off");
-        return;
-    }
+    let Some(g) = wgmma_gpu("cuda_moe_wgmma_experts_match_cpu", &["SLUICE_CUDA_MOE_WGMMA"]) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("moe wgmma");
     // ((hidden, expert width, experts, top-k), batch sizes)
@@ -51,16 +51,7 @@ fn cuda_moe_wgmma_experts_match_cpu() {
     let layers: [Layer; 2] = [((4096, 2048, 12, 6), &[1, 2, 3, 8]), ((1024, 512, 64, 6), &[1, 5, 8])];
     for ((d, inter, n_exp, k), batches) in layers {
         let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-        let experts: Vec<[TestWeight; 3]> = (0..n_exp)
-            .map(|_| {
-                let (a, b, c) = (
-                    blocky_fp4(&mut rng, inter, d, 0.03),
-                    blocky_fp4(&mut rng, d, inter, 0.05),
-                    blocky_fp4(&mut rng, inter, d, 0.03),
-                );
-                [a, b, c]
-            })
-            .collect();
+        let experts = blocky_fp4_experts(&mut rng, n_exp, d, inter);
         let shared = expert_weights(&mut rng, d, inter, "fp8");
         let bias = rand_vec(&mut rng, n_exp, 0.2);
         let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
