@@ -60,7 +60,7 @@
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
 struct __align__(64) Fp4wgArgs {
-    WgTensorMap parts;   // bf16 [2 · plane][x_cols], boxes of 64 inputs × 128 rows
+    WgTensorMap parts;   // bf16 [2 · plane][x_cols], boxes of 64 inputs × the tile rows (128 or 64)
     float* out;          // [row][out_stride]
     const u64* wtab;     // (codes, scales) per expert (FP8: one entry, f32 block scales)
     const int* tiles;    // (expert, first row, rows) per token tile
