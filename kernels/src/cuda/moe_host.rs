@@ -184,9 +184,7 @@ fn experts_grouped(
         pos[r * k + filled[r]] = i as i32;
         filled[r] += 1;
     }
-    let tile_dev = g.upload(&tiles);
     let pos_dev = g.upload(&pos);
-    let count = tiles.len() / 3;
     g.traffic.add_weights(used * (first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes()));
 
     let lp = g.ptr(list_dev);
@@ -195,12 +193,6 @@ fn experts_grouped(
     let h = b.alloc_buf(n * inter);
     let u = b.alloc_buf(n * inter);
     let y = b.alloc_buf(n * d);
-    let name_up = gemm_kernel(&Operand { x: 0, x_stride: d, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w1)
-        .expect("checked by grouped_experts");
-    let name_down =
-        gemm_kernel(&Operand { x: 0, x_stride: inter, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w2)
-            .expect("checked by grouped_experts");
-    let over = |table: u64| Tiles { tiles: g.ptr(&tile_dev), count, wtab: table };
     let in_x = Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
     let (t1, t3, t2) =
         (projection_table(b, w, |e| &e.w1), projection_table(b, w, |e| &e.w3), projection_table(b, w, |e| &e.w2));
@@ -214,6 +206,13 @@ fn experts_grouped(
         let ph = moe_fp4wg::parts(g, g.ptr(&h.mem), inter, n, inter, false);
         moe_fp4wg::product(g, &ph, &first.w2, &by_height, t2, g.ptr(&y.mem));
     } else {
+        let name_up = gemm_kernel(&Operand { x: 0, x_stride: d, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w1)
+            .expect("checked by grouped_experts");
+        let name_down =
+            gemm_kernel(&Operand { x: 0, x_stride: inter, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w2)
+                .expect("checked by grouped_experts");
+        let tile_dev = g.upload(&tiles);
+        let over = |table: u64| Tiles { tiles: g.ptr(&tile_dev), count: tiles.len() / 3, wtab: table };
         let xs = split_x(g, in_x.x, d, n, d);
         gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));
         gemm_split(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &xs, &first.w3, Some(&over(t3)));
