@@ -1,10 +1,10 @@
 //! The routed FP4 experts of prefill-sized batches on Hopper's warpgroup instruction
 //! (cu/moe_fp4wg.cu: the rows as two bf16 parts, e2m1 codes turned into scaled bf16 A
-//! fragments in registers, tiles of one expert's rows) against the CPU, through the engine's MoE block (routing read back, grouped products); and FP8
-//! products of prefill-sized batches on the same kernel over FP8 codes (`fp8wg_gemm`).
+//! fragments in registers, tiles of one expert's rows) against the CPU, through the
+//! engine's MoE block (routing read back, grouped products); and FP8 products of
+//! prefill-sized batches on the same kernel over FP8 codes (`fp8wg_gemm`).
 
-use super::decode::{experts_layer, hash_table_with_repeats};
-use super::moe_wgmma::blocky_fp4_experts;
+use super::moe_wgmma::Fp4Moe;
 use super::*;
 
 /// Allowed max|Δ|/max|CPU| of a MoE block on these kernels: bf16 products of the exact
@@ -28,26 +28,15 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
     type Layer<'a> = ((usize, usize, usize, usize), &'a [usize]);
     let layers: [Layer; 2] = [((4096, 2048, 8, 6), &[300]), ((1024, 512, 64, 6), &[257, 1000])];
     for ((d, inter, n_exp, k), batches) in layers {
-        let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-        let experts = blocky_fp4_experts(&mut rng, n_exp, d, inter);
-        let shared = expert_weights(&mut rng, d, inter, "fp8");
-        let bias = rand_vec(&mut rng, n_exp, 0.2);
-        let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
+        let layer = Fp4Moe::new(&mut rng, (d, inter, n_exp, k));
         for (limit, hash) in [(10.0f32, false), (2.0, true)] {
-            let routing =
-                || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
-            let gm = experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
-            let cm = experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
+            let (gm, cm) = (layer.on(g, limit, hash), layer.on(&c, limit, hash));
             assert!(g.grouped_fp4wg(&gm), "fp4wg {n_exp}x{inter}x{d}: not taken");
             for &rows in batches {
                 let what = format!("fp4wg {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows}");
-                let x = rand_vec(&mut rng, rows * d, 1.0);
-                let tokens = batch_tokens(&mut rng, rows, vocab);
-                let mut want = vec![0f32; rows * d];
-                c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
-                let mut out = poisoned(g, rows * d);
-                g.moe(&g.upload(&x), rows, &tokens, &gm, 0..rows, &mut out);
-                let e = rel_err(&g.download(&out), &want);
+                let e = layer.error(&mut rng, g, &cm, rows, |x, tokens, out| {
+                    g.moe(&g.upload(x), rows, tokens, &gm, 0..rows, out)
+                });
                 eprintln!("PARITY {what} {e:.2e}");
                 assert!(e <= FP4WG_TOL, "{what}: max|Δ|/max|CPU| {e:.3e} above {FP4WG_TOL:.0e}");
             }

@@ -27,12 +27,62 @@ fn blocky_fp4(rng: &mut ChaCha8Rng, n: usize, k: usize, std: f32) -> TestWeight 
     TestWeight { stored: Some(OwnedWeight::quantize(&host, OwnedFormat::Fp4)), host }
 }
 
-/// `n_exp` experts of [`blocky_fp4`] weights (w1, w2, w3 of `inter` × `d`, `d` × `inter`,
-/// `inter` × `d`, at the MoE tests' scales).
-pub(super) fn blocky_fp4_experts(rng: &mut ChaCha8Rng, n_exp: usize, d: usize, inter: usize) -> Vec<[TestWeight; 3]> {
-    (0..n_exp)
-        .map(|_| [blocky_fp4(rng, inter, d, 0.03), blocky_fp4(rng, d, inter, 0.05), blocky_fp4(rng, inter, d, 0.03)])
-        .collect()
+/// A MoE layer of [`blocky_fp4`] experts (hidden `d`, expert width `inter`, `n_exp`
+/// experts, top-`k`) with an FP8 shared expert, a top-k bias and a hash table that names
+/// an expert twice for token 0: what the `wgmma` expert tests build both devices from.
+pub(super) struct Fp4Moe {
+    pub d: usize,
+    pub vocab: usize,
+    gate: TestWeight,
+    experts: Vec<[TestWeight; 3]>,
+    shared: [TestWeight; 3],
+    bias: Vec<f32>,
+    tid2eid: Vec<u32>,
+    k: usize,
+}
+
+impl Fp4Moe {
+    pub(super) fn new(rng: &mut ChaCha8Rng, (d, inter, n_exp, k): (usize, usize, usize, usize)) -> Self {
+        let gate = weight(rng, n_exp, d, 0.05, "f32");
+        let experts = (0..n_exp)
+            .map(|_| {
+                [blocky_fp4(rng, inter, d, 0.03), blocky_fp4(rng, d, inter, 0.05), blocky_fp4(rng, inter, d, 0.03)]
+            })
+            .collect();
+        let shared = expert_weights(rng, d, inter, "fp8");
+        let bias = rand_vec(rng, n_exp, 0.2);
+        let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
+        Fp4Moe { d, vocab, gate, experts, shared, bias, tid2eid, k }
+    }
+
+    /// The layer on backend `b` at SwiGLU clamp `limit`, hash or top-k routing.
+    pub(super) fn on<B: Backend>(&self, b: &B, limit: f32, hash: bool) -> MoeWeights<B> {
+        let routing = if hash {
+            Routing::Hash { tid2eid: self.tid2eid.clone() }
+        } else {
+            Routing::TopK { bias: self.bias.clone() }
+        };
+        experts_layer(b, &self.gate, routing, &self.experts, &self.shared, self.k, limit)
+    }
+
+    /// max|Δ|/max|CPU| of the layer on `rows` random rows (poisoned GPU output): the CPU's
+    /// `moe` on `cm` against the GPU's through `run(x, tokens, out)`.
+    pub(super) fn error(
+        &self,
+        rng: &mut ChaCha8Rng,
+        g: &CudaBackend,
+        cm: &MoeWeights<CpuBackend>,
+        rows: usize,
+        run: impl FnOnce(&[f32], &[u32], &mut <CudaBackend as Backend>::Buf),
+    ) -> f32 {
+        let x = rand_vec(rng, rows * self.d, 1.0);
+        let tokens = batch_tokens(rng, rows, self.vocab);
+        let mut want = vec![0f32; rows * self.d];
+        CpuBackend::new().moe(&x, rows, &tokens, cm, 0..rows, &mut want);
+        let mut out = poisoned(g, rows * self.d);
+        run(&x, &tokens, &mut out);
+        rel_err(&g.download(&out), &want)
+    }
 }
 
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
@@ -50,28 +100,16 @@ fn cuda_moe_wgmma_experts_match_cpu() {
     type Layer<'a> = ((usize, usize, usize, usize), &'a [usize]);
     let layers: [Layer; 2] = [((4096, 2048, 12, 6), &[1, 2, 3, 8]), ((1024, 512, 64, 6), &[1, 5, 8])];
     for ((d, inter, n_exp, k), batches) in layers {
-        let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
-        let experts = blocky_fp4_experts(&mut rng, n_exp, d, inter);
-        let shared = expert_weights(&mut rng, d, inter, "fp8");
-        let bias = rand_vec(&mut rng, n_exp, 0.2);
-        let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
+        let layer = Fp4Moe::new(&mut rng, (d, inter, n_exp, k));
         for limit in [10.0f32, 2.0] {
             for hash in [false, true] {
-                let routing = || {
-                    if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } }
-                };
-                let gm = experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
-                let cm = experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
+                let (gm, cm) = (layer.on(g, limit, hash), layer.on(&c, limit, hash));
                 for &rows in batches {
                     let what = format!("wgmoe {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows}");
                     let plan = g.decode_moe_wgmma(rows, &gm).unwrap_or_else(|| panic!("{what}: not taken"));
-                    let x = rand_vec(&mut rng, rows * d, 1.0);
-                    let tokens = batch_tokens(&mut rng, rows, vocab);
-                    let mut want = vec![0f32; rows * d];
-                    c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
-                    let mut out = poisoned(g, rows * d);
-                    g.decode_moe("v2", &g.upload(&x), rows, &tokens, &gm, 0..rows, &mut out);
-                    let e = rel_err(&g.download(&out), &want);
+                    let e = layer.error(&mut rng, g, &cm, rows, |x, tokens, out| {
+                        g.decode_moe("v2", &g.upload(x), rows, tokens, &gm, 0..rows, out)
+                    });
                     eprintln!("PARITY {what} [{plan}] {e:.2e}");
                     assert!(e <= WGMOE_TOL, "{what} [{plan}]: max|Δ|/max|CPU| {e:.3e} above {WGMOE_TOL:.0e}");
                 }
