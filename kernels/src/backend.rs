@@ -29,6 +29,31 @@ impl HostMatrix {
 }
 
 /// Parameters of one mHC site (attention or FFN side of a layer).
+/// One tensor of [`Backend::head_norm_rope2`]: `x[rows, heads, head_dim]`, its norm
+/// weight (none: unweighted) and the entry format it is rounded to (none: kept f32).
+pub struct HeadNormJob<'a, B: Backend + ?Sized> {
+    pub x: &'a mut B::Buf,
+    pub heads: usize,
+    pub weight: Option<&'a B::Buf>,
+    pub round: Option<&'a EntryFormat>,
+}
+
+impl<B: Backend + ?Sized> HeadNormJob<'_, B> {
+    /// This tensor's [`Backend::head_norm_rope`] on `b`.
+    pub fn run_alone(&mut self, b: &B, s: &HeadNormShared<'_>) {
+        b.head_norm_rope(self.x, self.heads, s.head_dim, self.weight, s.eps, s.positions, s.rope, self.round);
+    }
+}
+
+/// What both tensors of [`Backend::head_norm_rope2`] share: head size, norm epsilon, the
+/// rows' positions and the RoPE table.
+pub struct HeadNormShared<'a> {
+    pub head_dim: usize,
+    pub eps: f32,
+    pub positions: &'a [u32],
+    pub rope: &'a RopeTable,
+}
+
 pub struct HcWeights<B: Backend + ?Sized> {
     /// `[(2 + hc) * hc, hc * hidden]`: rows are pre, post, then comb logits.
     pub mix: B::Weight,
@@ -456,6 +481,19 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
 
+    /// [`Backend::head_norm_rope`] of two tensors at the same positions with the same
+    /// RoPE (a layer's q heads, then its new KV entry): `first`, then `second`. Backends
+    /// may run both in one pass (the CUDA one does: one launch instead of two).
+    fn head_norm_rope2(
+        &self,
+        first: &mut HeadNormJob<'_, Self>,
+        second: &mut HeadNormJob<'_, Self>,
+        shared: &HeadNormShared<'_>,
+    ) {
+        first.run_alone(self, shared);
+        second.run_alone(self, shared);
+    }
+
     /// mHC mixing before a sub-block. `streams[rows, hc, hidden]` →
     /// `collapsed[rows, hidden]` (input of the sub-block), `post[rows, hc]`,
     /// `comb[rows, hc, hc]` (Sinkhorn-projected). With `norm = Some((weight, eps))`,
@@ -552,6 +590,32 @@ pub trait Backend: Send + Sync + 'static {
         heads: usize,
         top_k: usize,
     ) -> Selection<Self>;
+
+    /// A CSA layer's indexer from its projections: `q[rows, heads, index_dim]` rotated by
+    /// [`Backend::rope`] with `rope` at the rows' positions, the head weights times
+    /// `weight_scale` ([`Backend::scale`]), then [`Backend::index_topk`]. `q` and `weights`
+    /// are used up (what they hold afterwards is unspecified): a backend may fold the
+    /// rotation and the scale into the scoring (the CUDA one does: two launches fewer on
+    /// a decode step's longest chain).
+    #[allow(clippy::too_many_arguments)]
+    fn indexer_select(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &mut Self::Buf,
+        weights: &mut Self::Buf,
+        heads: usize,
+        top_k: usize,
+        rope: &RopeTable,
+        weight_scale: f32,
+    ) -> Selection<Self> {
+        let dim = layout.layers[layer].spec.index_dim;
+        self.rope(q, heads, dim, &plan.positions, rope, false);
+        self.scale(weights, weight_scale);
+        self.index_topk(kv, layout, layer, plan, q, weights, heads, top_k)
+    }
 
     /// Attention of `q[rows, heads, head_dim]` over each row's window (ring entries
     /// before this step, `new_kv[rows, head_dim]` for this step's tokens) and its

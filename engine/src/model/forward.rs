@@ -7,7 +7,7 @@
 //! the MoE block. After the last layer the `hc_head` collapse, final norm and LM head
 //! run only on the rows whose logits the caller wants.
 
-use kernels::backend::{CompressorParams, GreedyPicks, Selection};
+use kernels::backend::{CompressorParams, GreedyPicks, HeadNormJob, HeadNormShared, Selection};
 use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
 
 use super::weights::{CompressorWeights, LayerWeights};
@@ -301,20 +301,24 @@ impl<B: Backend> Model<B> {
         let indexer = a.indexer.as_ref().zip(indexer_projections).zip(indexer_q);
         let selection: Option<Selection<B>> = indexer.map(|((ix, (projs, mut iw)), mut iq)| {
             self.run_compressor(l, Branch::Indexer, &ix.compressor, projs, kv, plan);
-            b.rope(&mut iq, c.index_heads, c.index_head_dim, pos, &self.compress_rope, false);
-            b.scale(&mut iw, c.index_weight_scale());
-            b.index_topk(&kv.view(), &self.layout, l, plan, &iq, &iw, c.index_heads, c.index_topk)
+            // (q rotated at the rows' positions and the head weights scaled on the way.)
+            let (heads, k, scale) = (c.index_heads, c.index_topk, c.index_weight_scale());
+            b.indexer_select(&kv.view(), &self.layout, l, plan, &mut iq, &mut iw, heads, k, &self.compress_rope, scale)
         });
         b.to_main();
         if let Some((cw, projs)) = main_beside {
             self.run_compressor(l, Branch::Main, cw, projs, kv, plan);
         }
-        b.head_norm_rope(&mut q, h, hd, None, eps, pos, rope, None);
-        // Normed, rotated, then rounded to exactly what the window ring will hold, so a
-        // token attends to the same values whether it is in this chunk or a later one
-        // (for fp8 that is each entry quantised with its own block scales, RoPE tail in
-        // BF16).
-        b.head_norm_rope(&mut new_kv, 1, hd, Some(&a.kv_norm), eps, pos, rope, Some(&self.layout.layers[l].main));
+        // The query's heads, and the new entry normed, rotated, then rounded to exactly
+        // what the window ring will hold, so a token attends to the same values whether
+        // it is in this chunk or a later one (for fp8 that is each entry quantised with
+        // its own block scales, RoPE tail in BF16).
+        let entry = Some(&self.layout.layers[l].main);
+        b.head_norm_rope2(
+            &mut HeadNormJob { x: &mut q, heads: h, weight: None, round: None },
+            &mut HeadNormJob { x: &mut new_kv, heads: 1, weight: Some(&a.kv_norm), round: entry },
+            &HeadNormShared { head_dim: hd, eps, positions: pos, rope },
+        );
         b.join();
 
         let mut out = b.output(rows * h * hd);

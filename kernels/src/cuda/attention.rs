@@ -5,10 +5,12 @@ use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
+use super::rows::RopeParams;
 use super::runtime::{Gpu, cfg, cfg_elems, env_rows, launch};
 use crate::backend::{KvView, KvViewMut, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
+use crate::rope::RopeTable;
 
 /// Largest head dimension the attention kernel holds per warp.
 const ATT_HD_MAX: usize = 512;
@@ -90,6 +92,45 @@ fn pow2_mask(v: usize) -> i32 {
 // SAFETY: #[repr(C)] ints and a float, laid out as the C struct.
 unsafe impl DeviceRepr for AttnGeom {}
 
+/// The indexer's preparation of its inputs that the scoring may do itself
+/// ([`crate::backend::Backend::indexer_select`]): q rotated by `rope` at the rows'
+/// positions, the head weights times `weight_scale`.
+#[derive(Clone, Copy)]
+pub(crate) struct IndexerPrep<'a> {
+    pub rope: &'a RopeTable,
+    pub weight_scale: f32,
+}
+
+/// Whether [`index_topk`] takes an [`IndexerPrep`] for this batch: its rows either see no
+/// more entries than `top_k` (nothing is scored, so nothing needs preparing) or are scored
+/// on the tensor cores with q staged in shared memory (`index_q_frags` rotates it as it
+/// stages it; `SLUICE_CUDA_INDEXER_PREP=0`: never, the rotation and the scale run as their
+/// own launches first, to compare).
+pub(crate) fn takes_prep(
+    b: &CudaBackend,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    heads: usize,
+    top_k: usize,
+) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var("SLUICE_CUDA_INDEXER_PREP").map_or(true, |v| v != "0")) {
+        return false;
+    }
+    let lk = &layout.layers[layer];
+    let (ratio, dim, rows) = (lk.spec.ratio, lk.spec.index_dim, plan.rows());
+    let most = plan.positions.iter().map(|&t| (t as usize + 1) / ratio).max().unwrap_or(0);
+    if rows == 0 || top_k == 0 || most <= top_k {
+        return true;
+    }
+    let staged = heads * dim <= INDEX_Q_STAGE;
+    staged && mma_keys_per_block(layout, layer, heads, rows, scored_candidates(most), b.gpu.sms).is_some()
+}
+
+/// Floats of a row's q `index_q_frags` stages in shared memory (`IDX_Q_STAGE`).
+const INDEX_Q_STAGE: usize = 8192;
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn index_topk(
     b: &CudaBackend,
@@ -101,7 +142,12 @@ pub(crate) fn index_topk(
     weights: &CudaBuf,
     heads: usize,
     top_k: usize,
+    prep: Option<IndexerPrep<'_>>,
 ) -> Selection<CudaBackend> {
+    assert!(
+        prep.is_none() || takes_prep(b, layout, layer, plan, heads, top_k),
+        "the indexer's scoring cannot rotate q and scale its weights for this batch (takes_prep)"
+    );
     let lk = &layout.layers[layer];
     assert_eq!(lk.kind(), AttnKind::Csa, "layer {layer} has no indexer");
     let dim = lk.spec.index_dim;
@@ -143,6 +189,10 @@ pub(crate) fn index_topk(
             // Blocks a row for its fragments (dim / 16 k-steps × 16 n-tiles × 32 lanes):
             // one a 1,024 of them (V4: 4 a row) while the rows alone do not fill the SMs.
             let frag_blocks = if rows < g.sms { (dim * 32).div_ceil(1024).max(1) } else { 1 };
+            let (rope_at, rope) = match prep {
+                Some(p) => (g.ptr(&dp.positions), RopeParams::new(p.rope)),
+                None => (0, RopeParams::none()),
+            };
             launch!(
                 g,
                 "index_q_frags",
@@ -153,6 +203,8 @@ pub(crate) fn index_topk(
                 heads as i32,
                 dim as i32,
                 bf16 as i32,
+                rope_at,
+                rope,
             );
             launch!(
                 g,
@@ -169,6 +221,7 @@ pub(crate) fn index_topk(
                 g.ptr(&scores.mem),
                 geom,
                 kpb as i32,
+                prep.map_or(1.0f32, |p| p.weight_scale),
             );
         } else {
             // Few rows (decode): heads across warps, 32 candidates a block, so the grid

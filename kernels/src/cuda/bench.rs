@@ -25,11 +25,13 @@ use super::matmul::{
     Decode, GEMM_BM, Operand, Tiles, gemm, gemm_fp4_f8, gemm_kernel, gemv_simt, matmul, matmul_as, swiglu_pair,
 };
 use super::memory::CudaWeight;
-use super::moe::{experts_routed_on_device, moe_as};
+use super::moe::{ListsRouting, experts_routed_on_device, moe_as, with_routing_apart};
 use super::moe_v2::{experts_v2_plan, segments_plan};
 use super::moe_wgmma::{wgmoe_plan, without_wgmoe};
-use super::{CudaBackend, CudaBuf};
+use super::{CudaBackend, CudaBuf, KernelTime, attention};
 use crate::backend::{Backend, ExpertWeights, MoeWeights, Routing};
+use crate::kv_layout::KvLayout;
+use crate::plan::BatchPlan;
 use crate::stored::{OwnedFormat, OwnedWeight};
 
 /// One row of the table.
@@ -348,7 +350,10 @@ impl CudaBackend {
             let mut i = 0;
             let t = self.time_kernel_us(reps * sets, || {
                 let set = &chosen[i % sets];
-                let mut run = || experts_routed_on_device(self, &x, 1, &[0], &w, set, &weights, &mut y, variant, None);
+                let mut run = || {
+                    let routing = ListsRouting::Chosen(set);
+                    experts_routed_on_device(self, &x, 1, &[0], &w, routing, &weights, &mut y, variant, None)
+                };
                 if wgmma {
                     run()
                 } else {
@@ -459,7 +464,8 @@ impl CudaBackend {
     }
 
     /// The MoE block ([`Backend::moe`]) with decode kernels `variant` (`v1`, `v2`, or
-    /// `v2-segments`: v2 with the routed experts kept off `wgmma`), for the parity suite.
+    /// `v2-segments`: v2 with the routed experts kept off `wgmma` and routed by `moe_route` and
+    /// `moe_lists` as two launches), for the parity suite.
     #[allow(clippy::too_many_arguments)]
     pub fn decode_moe(
         &self,
@@ -472,10 +478,60 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) {
         if variant == "v2-segments" {
-            without_wgmoe(|| moe_as(self, x, rows, tokens, w, shared_rows, out, Decode::V2));
+            // (Routed by two launches too, so the parity suite reaches that form.)
+            with_routing_apart(|| without_wgmoe(|| moe_as(self, x, rows, tokens, w, shared_rows, out, Decode::V2)));
         } else {
             moe_as(self, x, rows, tokens, w, shared_rows, out, decode_variant(variant));
         }
+    }
+
+    /// The indexer's top-k selection alone over given scores (`scores[rows, n_max]`,
+    /// row r choosing among its first `(positions[r] + 1) / ratio`), as `index_topk`
+    /// runs it: ascending ids, -1 past the visible count. For parity tests of the
+    /// selection on inputs the indexer would rarely produce (ties, one repeated value).
+    pub fn topk_of_scores(&self, scores: &[f32], n_max: usize, positions: &[u32], ratio: usize, k: usize) -> Vec<i32> {
+        let g = &self.gpu;
+        let rows = positions.len();
+        assert_eq!(scores.len(), rows * n_max, "scores are not [rows, n_max]");
+        let (s, pos, out) = (g.upload(scores), g.upload(positions), g.alloc::<i32>(rows * k));
+        attention::select_topk(g, g.ptr(&s), n_max, g.ptr(&pos), rows, ratio, k, g.ptr(&out));
+        let mut host = vec![0i32; rows * k];
+        g.read(&out, 0, &mut host);
+        host
+    }
+
+    /// Time of the indexer's top-k selection alone (radix select and ordered ids, one
+    /// block or several per row as `index_topk` chooses) for one row of `n` random
+    /// scores keeping `k`.
+    pub fn time_topk(&self, n: usize, k: usize, reps: usize) -> KernelTime {
+        let g = &self.gpu;
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let scores: Vec<f32> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32
+            })
+            .collect();
+        let s = g.upload(&scores);
+        let pos = g.upload(&[(4 * n - 1) as u32]);
+        let out = g.alloc::<i32>(k);
+        self.time_kernel_us(reps, || attention::select_topk(g, g.ptr(&s), n, g.ptr(&pos), 1, 4, k, g.ptr(&out)))
+    }
+
+    /// Whether [`Backend::indexer_select`] folds q's rotation and the weights' scale into
+    /// the scoring's launches for this batch (`SLUICE_CUDA_INDEXER_PREP` respected), for
+    /// the parity suite.
+    pub fn indexer_prep_fused(
+        &self,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        heads: usize,
+        top_k: usize,
+    ) -> bool {
+        super::attention::takes_prep(self, layout, layer, plan, heads, top_k)
     }
 
     /// The `wgmma` routed-expert kernels (and their K splits) the v2 path runs for a

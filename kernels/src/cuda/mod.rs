@@ -63,6 +63,8 @@ mod gemv_f8mma;
 mod gemv_f8wg;
 mod hc;
 mod kv_buffer;
+#[cfg(test)]
+mod launch_names;
 mod matmul;
 mod matmul_many;
 mod memory;
@@ -82,7 +84,8 @@ mod upload;
 
 use crate::EntryDtype;
 use crate::backend::{
-    Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, KvView, KvViewMut, MoeWeights, Selection,
+    Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, KvView, KvViewMut,
+    MoeWeights, Selection,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -320,41 +323,6 @@ impl CudaBackend {
         }
         times.sort_by(f64::total_cmp);
         2.0 * bytes as f64 / (times[times.len() / 2] / 1e3) / 1e9
-    }
-
-    /// The indexer's top-k selection alone over given scores (`scores[rows, n_max]`,
-    /// row r choosing among its first `(positions[r] + 1) / ratio`), as `index_topk`
-    /// runs it: ascending ids, -1 past the visible count. For parity tests of the
-    /// selection on inputs the indexer would rarely produce (ties, one repeated value).
-    pub fn topk_of_scores(&self, scores: &[f32], n_max: usize, positions: &[u32], ratio: usize, k: usize) -> Vec<i32> {
-        let g = &self.gpu;
-        let rows = positions.len();
-        assert_eq!(scores.len(), rows * n_max, "scores are not [rows, n_max]");
-        let (s, pos, out) = (g.upload(scores), g.upload(positions), g.alloc::<i32>(rows * k));
-        attention::select_topk(g, g.ptr(&s), n_max, g.ptr(&pos), rows, ratio, k, g.ptr(&out));
-        let mut host = vec![0i32; rows * k];
-        g.read(&out, 0, &mut host);
-        host
-    }
-
-    /// Time of the indexer's top-k selection alone (radix select and ordered ids, one
-    /// block or several per row as `index_topk` chooses) for one row of `n` random
-    /// scores keeping `k`.
-    pub fn time_topk(&self, n: usize, k: usize, reps: usize) -> KernelTime {
-        let g = &self.gpu;
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let scores: Vec<f32> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32
-            })
-            .collect();
-        let s = g.upload(&scores);
-        let pos = g.upload(&[(4 * n - 1) as u32]);
-        let out = g.alloc::<i32>(k);
-        self.time_kernel_us(reps, || attention::select_topk(g, g.ptr(&s), n, g.ptr(&pos), 1, 4, k, g.ptr(&out)))
     }
 
     /// Per-op `(name, seconds, calls)` since the last call, when profiling is on
@@ -677,6 +645,18 @@ impl Backend for CudaBackend {
         }
     }
 
+    fn head_norm_rope2(
+        &self,
+        first: &mut HeadNormJob<'_, Self>,
+        second: &mut HeadNormJob<'_, Self>,
+        shared: &HeadNormShared<'_>,
+    ) {
+        if !self.prof("head_norm_rope", || rows::head_norm_rope2(self, first, second, shared)) {
+            first.run_alone(self, shared);
+            second.run_alone(self, shared);
+        }
+    }
+
     fn hc_pre(
         &self,
         streams: &CudaBuf,
@@ -750,7 +730,33 @@ impl Backend for CudaBackend {
         heads: usize,
         top_k: usize,
     ) -> Selection<Self> {
-        self.prof("index_topk", || attention::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k))
+        self.prof("index_topk", || attention::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k, None))
+    }
+
+    fn indexer_select(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &mut CudaBuf,
+        weights: &mut CudaBuf,
+        heads: usize,
+        top_k: usize,
+        rope: &RopeTable,
+        weight_scale: f32,
+    ) -> Selection<Self> {
+        if !attention::takes_prep(self, layout, layer, plan, heads, top_k) {
+            let dim = layout.layers[layer].spec.index_dim;
+            self.rope(q, heads, dim, &plan.positions, rope, false);
+            self.scale(weights, weight_scale);
+            return self.index_topk(kv, layout, layer, plan, q, weights, heads, top_k);
+        }
+        // The rotation and the scale inside the scoring's own launches.
+        let prep = attention::IndexerPrep { rope, weight_scale };
+        self.prof("index_topk", || {
+            attention::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k, Some(prep))
+        })
     }
 
     fn attention(

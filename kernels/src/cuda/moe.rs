@@ -25,7 +25,7 @@ use super::matmul::{
 use super::memory::{CudaBuf, CudaWeight};
 use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan};
-use super::runtime::{cfg, cfg_elems, launch};
+use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
 use super::{cublas_bf16, moe_cublas, moe_host};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
 
@@ -116,7 +116,7 @@ pub(crate) fn moe_as(
         }
         y
     });
-    let (chosen, weights) = b.prof("moe: router", || {
+    let route = b.prof("moe: router", || {
         let logits = b.alloc_buf(rows * n_exp);
         let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
         matmul_as(g, op, &w.gate, variant);
@@ -138,24 +138,25 @@ pub(crate) fn moe_as(
                 Some(g.upload(&rows_k))
             }
         };
-        let experts = g.alloc::<i32>(rows * k);
-        let weights = b.alloc_buf(rows * k);
-        launch!(
-            g,
-            "moe_route",
-            cfg((rows as u32, 1, 1), 256, 0),
-            g.ptr(&logits.mem),
-            rows as i32,
-            n_exp as i32,
-            k as i32,
-            hash_rows.as_ref().map(|h| g.ptr(h)).unwrap_or(0),
+        RouteLaunch {
+            logits,
+            hash_rows,
             bias,
-            w.route_scale,
-            g.ptr(&experts),
-            g.ptr(&weights.mem),
-        );
-        (experts, weights)
+            scale: w.route_scale,
+            experts: g.alloc::<i32>(rows * k),
+            weights: b.alloc_buf(rows * k),
+            rows,
+            n_exp,
+            k,
+        }
     });
+    let on_device = device_routable(rows, w, variant);
+    // Routed on the device over every expert, the lists kernel takes the routing into its
+    // launch (`moe_route_lists`); otherwise the routing runs now.
+    let route_with_lists = on_device && n_exp == w.experts.len() && route_lists_fused();
+    if !route_with_lists {
+        route.launch(g);
+    }
     // The shared expert's rows go into the combine kernel where the routed experts end in
     // one (after the branch's join there).
     let shared_add = shared.as_ref().map(|y| SharedAdd {
@@ -164,14 +165,16 @@ pub(crate) fn moe_as(
         rows: shared_rows.len(),
         join: branch,
     });
-    let added = if device_routable(rows, w, variant) {
+    let added = if on_device {
         b.prof("moe: experts", || {
-            experts_routed_on_device(b, x, rows, tokens, w, &chosen, &weights, out, variant, shared_add)
+            let routing =
+                if route_with_lists { ListsRouting::Fused(&route) } else { ListsRouting::Chosen(&route.experts) };
+            experts_routed_on_device(b, x, rows, tokens, w, routing, &route.weights, out, variant, shared_add)
         })
     } else {
         let mut host = vec![0i32; rows * k];
-        g.read(&chosen, 0, &mut host);
-        b.prof("moe: experts", || moe_host::experts_routed_on_host(b, x, rows, w, &host, &weights, out, variant));
+        g.read(&route.experts, 0, &mut host);
+        b.prof("moe: experts", || moe_host::experts_routed_on_host(b, x, rows, w, &host, &route.weights, out, variant));
         false
     };
     if let Some(y) = shared.filter(|_| !added) {
@@ -208,6 +211,87 @@ impl SharedAdd {
             None => (0, 0, 0),
         }
     }
+}
+
+/// A batch's routing kernel, built but not yet launched: the router product's logits
+/// (and a hash layer's table rows) it reads, kept alive until it is, and the chosen
+/// experts and weights it writes.
+pub(crate) struct RouteLaunch {
+    logits: CudaBuf,
+    hash_rows: Option<DevBuf<u32>>,
+    bias: F512,
+    scale: f32,
+    experts: DevBuf<i32>,
+    weights: CudaBuf,
+    rows: usize,
+    n_exp: usize,
+    k: usize,
+}
+
+impl RouteLaunch {
+    /// The arguments `moe_route` and `moe_route_lists` open with.
+    fn args(&self, g: &Gpu) -> (u64, i32, i32, i32, u64, F512, f32, u64, u64) {
+        let hash = self.hash_rows.as_ref().map(|h| g.ptr(h)).unwrap_or(0);
+        let (rows, n_exp, k) = (self.rows as i32, self.n_exp as i32, self.k as i32);
+        (
+            g.ptr(&self.logits.mem),
+            rows,
+            n_exp,
+            k,
+            hash,
+            self.bias,
+            self.scale,
+            g.ptr(&self.experts),
+            g.ptr(&self.weights.mem),
+        )
+    }
+
+    /// `moe_route` alone: a block a row.
+    fn launch(&self, g: &Gpu) {
+        let (logits, rows, n_exp, k, hash, bias, scale, experts, weights) = self.args(g);
+        launch!(
+            g,
+            "moe_route",
+            cfg((rows as u32, 1, 1), 256, 0),
+            logits,
+            rows,
+            n_exp,
+            k,
+            hash,
+            bias,
+            scale,
+            experts,
+            weights
+        );
+    }
+}
+
+/// Where `experts_routed_on_device` gets each row's chosen experts: already on the device
+/// (`Chosen`), or from the routing kernel it runs in one launch with the lists (`Fused`).
+pub(crate) enum ListsRouting<'a> {
+    Chosen(&'a cudarc::driver::CudaSlice<i32>),
+    Fused(&'a RouteLaunch),
+}
+
+/// Whether a decode batch routed on the device runs its routing and lists kernels as one
+/// launch (`moe_route_lists`; `SLUICE_CUDA_ROUTE_LISTS=0`: two, to compare).
+fn route_lists_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !ROUTE_LISTS_OFF_HERE.get()
+        && *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ROUTE_LISTS").map(|v| v != "0").unwrap_or(true))
+}
+
+thread_local! {
+    static ROUTE_LISTS_OFF_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `f` with this thread's device-routed batches routed by `moe_route` and `moe_lists` as
+/// two launches, so the parity suite checks both forms in one run.
+pub(crate) fn with_routing_apart<T>(f: impl FnOnce() -> T) -> T {
+    let before = ROUTE_LISTS_OFF_HERE.replace(true);
+    let out = f();
+    ROUTE_LISTS_OFF_HERE.set(before);
+    out
 }
 
 /// Most rows whose shared expert runs as a branch beside the routed experts
@@ -320,7 +404,7 @@ pub(crate) fn experts_routed_on_device(
     rows: usize,
     tokens: &[u32],
     w: &MoeWeights<CudaBackend>,
-    chosen: &cudarc::driver::CudaSlice<i32>,
+    routing: ListsRouting<'_>,
     weights: &CudaBuf,
     out: &mut CudaBuf,
     variant: Decode,
@@ -336,8 +420,13 @@ pub(crate) fn experts_routed_on_device(
     g.traffic.add_flops(n * n_exp / w.gate.rows * 2 * (3 * inter * d));
     // A slice of the experts (expert parallelism): ids renumbered to the slice, -1 for
     // experts held elsewhere, which the lists then leave out.
+    let (chosen, fused) = match routing {
+        ListsRouting::Chosen(c) => (c, None),
+        ListsRouting::Fused(r) => (&*r.experts, Some(r)),
+    };
     let localized;
     let chosen = if n_exp < w.gate.rows {
+        assert!(fused.is_none(), "the routing kernel fused with the lists takes every expert, not a slice");
         localized = g.alloc::<i32>(n);
         launch!(
             g,
@@ -381,27 +470,58 @@ pub(crate) fn experts_routed_on_device(
     // The routing and each pair's position are staged in shared memory (2n ints beside
     // the kernel's 4 KiB of counters, under the 48 KiB a block gets by default).
     assert!(8 * n <= 40 * 1024, "moe_lists takes at most 5,120 routed pairs, not {n}");
-    launch!(
-        g,
-        "moe_lists",
-        cfg((1, 1, 1), 256, (8 * n) as u32),
-        g.ptr(chosen),
-        rows as i32,
-        k as i32,
-        n_exp as i32,
-        g.ptr(&counts),
-        g.ptr(&offsets),
-        list_rows,
-        list_widx,
-        active_list,
-        n_active,
-        expert_bytes as u64,
-        g.traffic_counter(),
-        segs_ptr,
-        seg_rows,
-        n as i32,
-        pos_ptr,
-    );
+    if let Some(route) = fused {
+        let (logits, r_rows, r_exp, r_k, hash, bias, scale, experts, route_weights) = route.args(g);
+        launch!(
+            g,
+            "moe_route_lists",
+            cfg((rows as u32, 1, 1), 256, (8 * n) as u32),
+            logits,
+            r_rows,
+            r_exp,
+            r_k,
+            hash,
+            bias,
+            scale,
+            experts,
+            route_weights,
+            g.scratch("route_tickets", 1),
+            g.ptr(&counts),
+            g.ptr(&offsets),
+            list_rows,
+            list_widx,
+            active_list,
+            n_active,
+            expert_bytes as u64,
+            g.traffic_counter(),
+            segs_ptr,
+            seg_rows,
+            n as i32,
+            pos_ptr,
+        );
+    } else {
+        launch!(
+            g,
+            "moe_lists",
+            cfg((1, 1, 1), 256, (8 * n) as u32),
+            g.ptr(chosen),
+            rows as i32,
+            k as i32,
+            n_exp as i32,
+            g.ptr(&counts),
+            g.ptr(&offsets),
+            list_rows,
+            list_widx,
+            active_list,
+            n_active,
+            expert_bytes as u64,
+            g.traffic_counter(),
+            segs_ptr,
+            seg_rows,
+            n as i32,
+            pos_ptr,
+        );
+    }
     if let (Some(plan), Some(lists)) = (&wg, &lists) {
         experts_wgmma(b, plan, x, rows, w, lists, weights, out, shared);
         return shared.is_some();

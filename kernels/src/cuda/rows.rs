@@ -7,6 +7,7 @@ use super::CudaBackend;
 use super::memory::{CudaBuf, CudaWeight, WeightData};
 use super::runtime::{cfg, cfg_elems, launch};
 use crate::EntryDtype;
+use crate::backend::{HeadNormJob, HeadNormShared};
 use crate::kv_layout::{EntryFormat, FP8_SCALE_BLOCK};
 use crate::rope::RopeTable;
 
@@ -32,6 +33,11 @@ impl RopeParams {
         let mut inv_freq = [0f32; ROPE_MAX_PAIRS];
         inv_freq[..n].copy_from_slice(&t.inv_freq);
         RopeParams { inv_freq, attention_factor: t.attention_factor, pairs: n as i32 }
+    }
+
+    /// No rotation (for kernels that rotate only when given positions).
+    pub(crate) fn none() -> Self {
+        RopeParams { inv_freq: [0.0; ROPE_MAX_PAIRS], attention_factor: 1.0, pairs: 0 }
     }
 }
 
@@ -147,23 +153,21 @@ pub(crate) fn fuse_norms() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FUSE_NORMS").map(|v| v != "0").unwrap_or(true))
 }
 
-/// RMSNorm + RoPE (+ rounding to `round`) of `x[rows, heads, head_dim]` in one launch of
-/// `head_norm_rope` when its shape allows (head_dim a multiple of 128 up to 1,024, the
-/// FP8 part of an FP8 format whole 64-value blocks, the BF16 tail whole 16-byte chunks);
-/// false when it does not, and the caller runs the three ops.
+/// `head_norm_rope`'s form of one tensor's job, if the kernel takes its shape (head_dim a
+/// multiple of 128 up to 1,024, the FP8 part of an FP8 format whole 64-value blocks, the
+/// BF16 tail whole 16-byte chunks): (weight address, round dtype code, tail).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn head_norm_rope(
+fn hnr_job(
     b: &CudaBackend,
-    x: &mut CudaBuf,
+    x: &CudaBuf,
+    rows: usize,
     heads: usize,
     head_dim: usize,
     weight: Option<&CudaBuf>,
-    eps: f32,
-    positions: &[u32],
     table: &RopeTable,
     round: Option<&EntryFormat>,
-) -> bool {
-    assert_eq!(x.len, positions.len() * heads * head_dim, "head_norm_rope input is not [rows, heads, head_dim]");
+) -> Option<(u64, i32, i32)> {
+    assert_eq!(x.len, rows * heads * head_dim, "head_norm_rope input is not [rows, heads, head_dim]");
     let (round_dtype, tail): (i32, usize) = match round {
         None => (-1, 0),
         Some(f) => {
@@ -182,16 +186,33 @@ pub(crate) fn head_norm_rope(
         && (head_dim - tail).is_multiple_of(FP8_SCALE_BLOCK)
         && tail.is_multiple_of(4)
         && weight.is_none_or(|w| w.len == head_dim);
-    if !fits {
+    fits.then(|| (weight.map(|w| b.gpu.ptr(&w.mem)).unwrap_or(0), round_dtype, tail as i32))
+}
+
+/// RMSNorm + RoPE (+ rounding to `round`) of `x[rows, heads, head_dim]` in one launch of
+/// `head_norm_rope` when its shape allows ([`hnr_job`]); false when it does not, and the
+/// caller runs the three ops.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn head_norm_rope(
+    b: &CudaBackend,
+    x: &mut CudaBuf,
+    heads: usize,
+    head_dim: usize,
+    weight: Option<&CudaBuf>,
+    eps: f32,
+    positions: &[u32],
+    table: &RopeTable,
+    round: Option<&EntryFormat>,
+) -> bool {
+    let Some((w, round_dtype, tail)) = hnr_job(b, x, positions.len(), heads, head_dim, weight, table, round) else {
         return false;
-    }
+    };
     let n = positions.len() * heads;
     if n == 0 {
         return true;
     }
     let g = &b.gpu;
     let (pos, _held) = positions_on_device(b, positions);
-    let w = weight.map(|w| g.ptr(&w.mem)).unwrap_or(0);
     launch!(
         g,
         "head_norm_rope",
@@ -205,7 +226,54 @@ pub(crate) fn head_norm_rope(
         eps,
         RopeParams::new(table),
         round_dtype,
-        tail as i32
+        tail
+    );
+    true
+}
+
+/// [`head_norm_rope`] of two tensors at the same positions with the same RoPE in one
+/// launch of `head_norm_rope2` (`SLUICE_CUDA_HNR_PAIR=0`: one launch each), when the
+/// kernel takes both shapes; false when it does not, and the caller runs them apart.
+pub(crate) fn head_norm_rope2(
+    b: &CudaBackend,
+    first: &mut HeadNormJob<'_, CudaBackend>,
+    second: &mut HeadNormJob<'_, CudaBackend>,
+    shared: &HeadNormShared<'_>,
+) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var("SLUICE_CUDA_HNR_PAIR").map(|v| v != "0").unwrap_or(true)) {
+        return false;
+    }
+    let (rows, hd, table) = (shared.positions.len(), shared.head_dim, shared.rope);
+    let job = |j: &HeadNormJob<'_, CudaBackend>| hnr_job(b, j.x, rows, j.heads, hd, j.weight, table, j.round);
+    let (Some((w1, round1, tail1)), Some((w2, round2, tail2))) = (job(first), job(second)) else {
+        return false;
+    };
+    let n = rows * (first.heads + second.heads);
+    if n == 0 {
+        return true;
+    }
+    let g = &b.gpu;
+    let (pos, _held) = positions_on_device(b, shared.positions);
+    launch!(
+        g,
+        "head_norm_rope2",
+        cfg_elems(n * 32),
+        g.ptr(&first.x.mem),
+        w1,
+        first.heads as i32,
+        round1,
+        tail1,
+        g.ptr(&second.x.mem),
+        w2,
+        second.heads as i32,
+        round2,
+        tail2,
+        pos,
+        rows as i32,
+        hd as i32,
+        shared.eps,
+        RopeParams::new(table),
     );
     true
 }

@@ -44,6 +44,7 @@ const KERNELS: &[&str] = &[
     "rms_norm",
     "rope",
     "head_norm_rope",
+    "head_norm_rope2",
     "scale_f32",
     "greedy_parts",
     "greedy_finish",
@@ -118,6 +119,7 @@ const KERNELS: &[&str] = &[
     "moe_slots_swiglu",
     "moe_slots_out",
     "moe_lists",
+    "moe_route_lists",
     "moe_localize",
     "moe_combine",
     "moe_combine_rows",
@@ -201,7 +203,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
 
 /// The kernels a backend looks up at start: [`KERNELS`], the v2 products, the FP8
 /// tensor-core gemv, the BF16 products of 9-32 rows and the prefill `wgmma` products.
-fn loaded_kernels() -> impl Iterator<Item = &'static str> {
+pub(super) fn loaded_kernels() -> impl Iterator<Item = &'static str> {
     KERNELS
         .iter()
         .chain(super::decode_v2::D2_KERNELS.iter())

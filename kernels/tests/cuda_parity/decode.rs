@@ -240,7 +240,8 @@ fn check_experts(
                 let mut want = vec![0f32; rows * d];
                 c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
                 // 1-8 rows: "v2" runs the `wgmma` kernels on sm_90 (moe_wgmma.rs's own test),
-                // "v2-segments" the segment kernels everywhere.
+                // "v2-segments" the segment kernels everywhere; "v1" and "v2" route in one launch
+                // with the lists (`moe_route_lists`), "v2-segments" in two.
                 let variants: &[&str] = if rows <= 8 { &["v1", "v2", "v2-segments"] } else { &["v1", "v2"] };
                 for &variant in variants {
                     let mut out = poisoned(g, rows * d);

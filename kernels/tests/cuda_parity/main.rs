@@ -11,7 +11,10 @@
 //! [`TOLERANCES`]. Without a GPU every test prints that it is skipped and passes.
 #![cfg(feature = "cuda")]
 
-use kernels::backend::{CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, MoeWeights, Routing, Selection};
+use kernels::backend::{
+    CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, MoeWeights, Routing,
+    Selection,
+};
 use kernels::cuda::CudaBackend;
 use kernels::quant::f32_to_bf16;
 use kernels::rope::Yarn;
@@ -268,6 +271,31 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
                 c.round_to(&mut want, &fmt);
                 assert_eq!(g.download(&gx), want, "head_norm_rope's {dtype:?} rounding must be round_to's");
             }
+        }
+    }
+    // Both at once (head_norm_rope2: the q heads, then the weighted, rounded entry, one
+    // launch): the same bits as the two calls.
+    for rows in [1, 5, 40] {
+        let positions: Vec<u32> = (0..rows).map(|_| rng.random_range(0..1_048_576)).collect();
+        let (q, kv, w) = (
+            rand_vec(&mut rng, rows * 64 * 512, 1.0),
+            rand_vec(&mut rng, rows * 512, 1.0),
+            g.upload(&rand_vec(&mut rng, 512, 1.0)),
+        );
+        for dtype in [EntryDtype::Bf16, EntryDtype::Fp8] {
+            let fmt = EntryFormat { dtype, dim: 512, tail: 64 };
+            let shared = HeadNormShared { head_dim: 512, eps: 1e-6, positions: &positions, rope: &table };
+            let (mut gq, mut gkv) = (g.upload(&q), g.upload(&kv));
+            g.head_norm_rope2(
+                &mut HeadNormJob { x: &mut gq, heads: 64, weight: None, round: None },
+                &mut HeadNormJob { x: &mut gkv, heads: 1, weight: Some(&w), round: Some(&fmt) },
+                &shared,
+            );
+            let (mut aq, mut akv) = (g.upload(&q), g.upload(&kv));
+            g.head_norm_rope(&mut aq, 64, 512, None, 1e-6, &positions, &table, None);
+            g.head_norm_rope(&mut akv, 1, 512, Some(&w), 1e-6, &positions, &table, Some(&fmt));
+            assert_eq!(g.download(&gq), g.download(&aq), "head_norm_rope2's q heads ({rows} rows, {dtype:?})");
+            assert_eq!(g.download(&gkv), g.download(&akv), "head_norm_rope2's entry ({rows} rows, {dtype:?})");
         }
     }
 

@@ -124,3 +124,67 @@ fn cuda_topk_long_rows_equal_the_definition() {
         eprintln!("PARITY topk {name}: {rows} rows of up to {n_max} candidates identical to the definition");
     }
 }
+
+/// `indexer_select` (q rotated and the head weights scaled inside the tensor-core
+/// scoring's own launches) picks exactly what rotating q, scaling the weights and then
+/// `index_topk` pick on the same device — the same rotation of the same values, the same
+/// rounding of the weights — for FP8 and BF16 keys, decode rows and a prefill chunk; and,
+/// on the CPU, `indexer_select` is that sequence by definition, so the GPU's other
+/// parity tests of `index_topk` carry over.
+#[test]
+fn cuda_indexer_select_equals_rope_scale_then_topk() {
+    let Some(g) = gpu("cuda_indexer_select_equals_rope_scale_then_topk") else { return };
+    let mut rng = rng("indexer_select");
+    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
+    let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
+    let scale = 0.125 * (IDX_HEADS as f32).powf(-0.5);
+    for dtype in [EntryDtype::Fp8, EntryDtype::Bf16] {
+        let layout = KvLayout::new(128, 128, dtype, &spec);
+        let ctx = 16_384usize;
+        let pages = ctx / 128;
+        let raw = vec![[vec![0.0; 4 * 2 * HD], vec![1.0; HD], vec![0.0; 4 * 2 * IDX_DIM], vec![1.0; IDX_DIM]]];
+        let mut s = side(g, &layout, pages, 2, &raw, &vec![0.0; HEADS]);
+        // Random indexer keys in the layer's entry format, straight into the pages.
+        let lk = &layout.layers[0];
+        for p in 0..pages {
+            for e in 0..lk.entries_per_page(layout.block) {
+                let at = p * layout.page_elems + lk.page_offset(Branch::Indexer) + e * lk.stride(Branch::Indexer);
+                let key = rand_vec(&mut rng, IDX_DIM, 1.0);
+                let mut bytes = vec![0u8; lk.index.bytes()];
+                kv_entry::encode(&lk.index, &key, &mut bytes);
+                s.b.kv_write(&mut s.kv.pages, at, &bytes);
+            }
+        }
+        let table: Vec<u32> = (0..pages as u32).collect();
+        let toks = [0u32; 64];
+        let plans = [
+            BatchPlan::new(vec![(0, table.clone(), ctx - 1, &toks[..1])]),
+            BatchPlan::new(vec![(0, table.clone(), 9_000, &toks[..1]), (1, table.clone(), ctx - 2, &toks[1..2])]),
+            BatchPlan::new(vec![(0, table, ctx - 64, &toks[..])]),
+        ];
+        for plan in &plans {
+            let rows = plan.rows();
+            let q = rand_vec(&mut rng, rows * IDX_HEADS * IDX_DIM, 0.3);
+            let w = rand_vec(&mut rng, rows * IDX_HEADS, 1.0);
+            let knob_off = std::env::var("SLUICE_CUDA_INDEXER_PREP").is_ok_and(|v| v == "0");
+            assert!(
+                knob_off || g.indexer_prep_fused(&layout, 0, plan, IDX_HEADS, TOP_K),
+                "{} keys, {rows} rows: the scoring does not take the rotation and the scale",
+                dtype.name()
+            );
+            let (mut fq, mut fw) = (s.b.upload(&q), s.b.upload(&w));
+            let kv = s.kv.view();
+            let fused = s.b.indexer_select(&kv, &layout, 0, plan, &mut fq, &mut fw, IDX_HEADS, TOP_K, &rope, scale);
+            let (mut q2, mut w2) = (s.b.upload(&q), s.b.upload(&w));
+            s.b.rope(&mut q2, IDX_HEADS, IDX_DIM, &plan.positions, &rope, false);
+            s.b.scale(&mut w2, scale);
+            let apart = s.b.index_topk(&kv, &layout, 0, plan, &q2, &w2, IDX_HEADS, TOP_K);
+            let (fused, apart) = (g.idx_download(&fused.indices), g.idx_download(&apart.indices));
+            let same = fused.iter().zip(&apart).filter(|(a, b)| a == b).count();
+            eprintln!("PARITY indexer_select {} keys, {rows} rows: {same}/{} ids identical", dtype.name(), fused.len());
+            assert_eq!(fused, apart, "{} keys, {rows} rows: the fused selection differs", dtype.name());
+            assert!(fused.iter().any(|&i| i > 0), "nothing selected");
+        }
+    }
+}

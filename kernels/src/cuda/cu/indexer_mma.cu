@@ -31,8 +31,13 @@
 // gridDim.y blocks a row share its fragments (each stages the row and takes its maximum,
 // the same value in each; block 0 writes qscale): a decode row's 4,096 fragments took
 // one block 8.7 µs, a serial step on the indexer's chain.
+// With `positions` (not null; the row staged, which the host checks) each head's last
+// 2·p.pairs dims are rotated at the row's position as they are staged, as the `rope`
+// kernel would have done to q first (the same rope_pair on the same values: the same
+// bits), one launch fewer on that chain.
 extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q, uint2* frags, float* qscale, int heads,
-                                                                 int dim, int bf16) {
+                                                                 int dim, int bf16, const u32* positions,
+                                                                 RopeParams p) {
     pdl_begin();
     __shared__ float red[32];
     // The row staged once (V4: 64 heads × 128 dims): the fragments below read it in
@@ -42,11 +47,26 @@ extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q,
     const bool staged = heads * dim <= IDX_Q_STAGE;
     const float* qg = q + (long long)r * heads * dim;
     float m = 0.0f;
+    if (positions) {
+        // Pairs (2j, 2j + 1) of the row; dim is even.
+        const float pos = (float)positions[r];
+        const int r0 = dim - 2 * p.pairs;
+#pragma unroll 4
+        for (int i = tid; i < heads * dim / 2; i += blockDim.x) {
+            float2 v = reinterpret_cast<const float2*>(qg)[i];
+            const int d0 = (2 * i) % dim;
+            if (d0 >= r0) rope_pair(&v.x, &v.y, pos, p.inv_freq[(d0 - r0) >> 1], p.attention_factor, false);
+            q_sh[2 * i] = v.x;
+            q_sh[2 * i + 1] = v.y;
+            m = fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y)));
+        }
+    } else {
 #pragma unroll 8
-    for (int i = tid; i < heads * dim; i += blockDim.x) {
-        const float v = qg[i];
-        if (staged) q_sh[i] = v;
-        m = fmaxf(m, fabsf(v));
+        for (int i = tid; i < heads * dim; i += blockDim.x) {
+            const float v = qg[i];
+            if (staged) q_sh[i] = v;
+            m = fmaxf(m, fabsf(v));
+        }
     }
     const float* qr = staged ? q_sh : qg;
     m = warp_max(m);
@@ -82,7 +102,7 @@ extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q,
 template <bool BF16>
 __device__ void index_scores_mma_body(const uint2* frags, const float* qscale, const float* w, const u32* positions,
                                       const int* row_seq, const int* seqs, const u32* pages, const u8* page_base,
-                                      float* scores, IndexGeom geo, int keys_per_block) {
+                                      float* scores, IndexGeom geo, int keys_per_block, float wscale) {
     pdl_begin();
     extern __shared__ __align__(16) unsigned char idx_smem[];
     const int ks_n = geo.dim / 16, nfrag = ks_n * IDX_MMA_NT * 32;
@@ -93,7 +113,10 @@ __device__ void index_scores_mma_body(const uint2* frags, const float* qscale, c
         const uint4* src = (const uint4*)(frags + (long long)r * nfrag);
         uint4* dst = (uint4*)bf;
         for (int i = tid; i < nfrag / 2; i += blockDim.x) dst[i] = src[i];
-        for (int i = tid; i < 4 * IDX_MMA_NT; i += blockDim.x) ws[i] = i < geo.heads ? w[(long long)r * geo.heads + i] : 0.0f;
+        // (Times wscale: the head weights' scale, one rounding as a `scale_f32` launch before
+        // would have made; 1 when they come scaled.)
+        for (int i = tid; i < 4 * IDX_MMA_NT; i += blockDim.x)
+            ws[i] = i < geo.heads ? w[(long long)r * geo.heads + i] * wscale : 0.0f;
     }
     __syncthreads();
     const int n = (int)((positions[r] + 1) / (u32)geo.ratio);
@@ -208,15 +231,15 @@ __device__ void index_scores_mma_body(const uint2* frags, const float* qscale, c
 extern "C" __global__ void __launch_bounds__(256)
     index_scores_mma(const uint2* frags, const float* qscale, const float* w, const u32* positions, const int* row_seq,
                      const int* seqs, const u32* pages, const u8* page_base, float* scores, IndexGeom geo,
-                     int keys_per_block) {
+                     int keys_per_block, float wscale) {
     index_scores_mma_body<false>(frags, qscale, w, positions, row_seq, seqs, pages, page_base, scores, geo,
-                                 keys_per_block);
+                                 keys_per_block, wscale);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
     index_scores_mma_bf16(const uint2* frags, const float* qscale, const float* w, const u32* positions,
                           const int* row_seq, const int* seqs, const u32* pages, const u8* page_base, float* scores,
-                          IndexGeom geo, int keys_per_block) {
+                          IndexGeom geo, int keys_per_block, float wscale) {
     index_scores_mma_body<true>(frags, qscale, w, positions, row_seq, seqs, pages, page_base, scores, geo,
-                                keys_per_block);
+                                keys_per_block, wscale);
 }

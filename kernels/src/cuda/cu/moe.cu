@@ -12,10 +12,8 @@ __device__ __forceinline__ float softplus_(float x) { return x > 20.0f ? x : log
 // by token on the host) or by k rounds of a block-wide argmax of score + bias (ties to
 // the lower expert id, as the CPU sorts); weights = normalised chosen scores times
 // `route_scale`, summed in choice order.
-extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits, int rows, int n_exp, int k,
-                                                           const u32* hash_rows, F512 bias, float route_scale,
-                                                           int* experts, float* weights) {
-    pdl_begin();
+__device__ void moe_route_row(const float* logits, int n_exp, int k, const u32* hash_rows, const F512& bias,
+                              float route_scale, int* experts, float* weights) {
     __shared__ float score[512];
     __shared__ float key[512];
     __shared__ float best_v[8];
@@ -77,6 +75,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits,
             weights[(long long)r * k + j] = score[chosen[j]] / (sum + 1e-20f) * route_scale;
         }
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits, int rows, int n_exp, int k,
+                                                           const u32* hash_rows, F512 bias, float route_scale,
+                                                           int* experts, float* weights) {
+    pdl_begin();
+    moe_route_row(logits, n_exp, k, hash_rows, bias, route_scale, experts, weights);
 }
 
 // out[rows_of[i], :] += weights[widx[i]] · y[i, :] for i in order (one thread per column,
@@ -165,11 +170,10 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total) {
 // place: its expert's running count plus its rank among the lanes naming the same
 // expert). Each thread scanning all pairs for its experts was 33 µs at 64 rows.
 #define MOE_LIST_THREADS 256
-extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
-    moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets, int* list_rows,
-              int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
-              unsigned long long* traffic, int* segs, int seg_rows, int max_segs, int* pos) {
-    pdl_begin();
+__device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets,
+                               int* list_rows, int* list_widx, int* active, int* n_active,
+                               unsigned long long expert_bytes, unsigned long long* traffic, int* segs, int seg_rows,
+                               int max_segs, int* pos) {
     // The routing, then each pair's list position (-1: not listed), in shared memory
     // (2n ints, dynamic).
     extern __shared__ int routed[];
@@ -180,7 +184,8 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     for (int e = threadIdx.x; e < 2 * MOE_LIST_THREADS; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int e = experts[i];
+        // (From L2: under moe_route_lists other blocks of this grid wrote them.)
+        const int e = __ldcg(experts + i);
         routed[i] = e;
         pair_pos[i] = -1;
         if (e >= 0 && e < n_exp) atomicAdd(&cnt[e], 1);
@@ -260,6 +265,39 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
         }
         pos[r0 + j] = p;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
+    moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets, int* list_rows,
+              int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
+              unsigned long long* traffic, int* segs, int seg_rows, int max_segs, int* pos) {
+    pdl_begin();
+    moe_lists_body(experts, rows, k, n_exp, counts, offsets, list_rows, list_widx, active, n_active, expert_bytes,
+                   traffic, segs, seg_rows, max_segs, pos);
+}
+
+// moe_route and then moe_lists in one launch (a decode batch's routing is a chain of
+// one-block kernels, each launch ~3-4 µs of the step at batch 1): a block routes its row
+// as moe_route does, and the last block to finish (a ticket the host keeps zeroed, which
+// that block zeroes again) builds the lists from every row's choice as moe_lists does.
+// n_exp is every expert (no slice of them: moe_localize would sit between the two).
+extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
+    moe_route_lists(const float* logits, int rows, int n_exp, int k, const u32* hash_rows, F512 bias,
+                    float route_scale, int* experts, float* weights, u32* ticket, int* counts, int* offsets,
+                    int* list_rows, int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
+                    unsigned long long* traffic, int* segs, int seg_rows, int max_segs, int* pos) {
+    pdl_begin();
+    __shared__ bool last;
+    moe_route_row(logits, n_exp, k, hash_rows, bias, route_scale, experts, weights);
+    __threadfence();  // this row's choice (thread 0 wrote it) before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *ticket = 0u;
+    moe_lists_body(experts, rows, k, n_exp, counts, offsets, list_rows, list_widx, active, n_active, expert_bytes,
+                   traffic, segs, seg_rows, max_segs, pos);
 }
 
 // Expert ids as this device's experts number them: `base..base + held` become

@@ -55,11 +55,9 @@ extern "C" __global__ void rope(float* x, const u32* positions, int rows, int he
 // An FP8 block (FP8_BLOCK = 64 values) is chunk i of one half-warp, so its scale is a
 // 16-lane maximum; the host checks that the FP8 part is whole blocks.
 #define HNR_MAX_V 8
-extern "C" __global__ void head_norm_rope(float* x, const float* weight, const u32* positions, int rows, int heads,
-                                          int head_dim, float eps, RopeParams p, int round_dtype, int tail) {
-    pdl_begin();
-    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
-    if (w >= (long long)rows * heads) return;  // whole warps: blockDim.x is a multiple of 32
+// Head w (row w / heads) of x by the calling warp.
+__device__ __forceinline__ void hnr_head(float* x, const float* weight, const u32* positions, long long w, int heads,
+                                         int head_dim, float eps, const RopeParams& p, int round_dtype, int tail) {
     const int lane = threadIdx.x & 31, V = head_dim >> 7;
     float4* h = reinterpret_cast<float4*>(x + w * head_dim);
     const float4* w4 = reinterpret_cast<const float4*>(weight);
@@ -102,6 +100,29 @@ extern "C" __global__ void head_norm_rope(float* x, const float* weight, const u
             a.w = round_bf16(a.w);
         }
         h[c] = a;
+    }
+}
+
+extern "C" __global__ void head_norm_rope(float* x, const float* weight, const u32* positions, int rows, int heads,
+                                          int head_dim, float eps, RopeParams p, int round_dtype, int tail) {
+    pdl_begin();
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    if (w >= (long long)rows * heads) return;  // whole warps: blockDim.x is a multiple of 32
+    hnr_head(x, weight, positions, w, heads, head_dim, eps, p, round_dtype, tail);
+}
+
+// head_norm_rope of two tensors at the same positions with the same RoPE in one launch
+// (a layer's q heads, then its new KV entry: two one-warp-a-head kernels of ~4-6 µs a
+// decode step each): the first rows·heads warps take x, the next rows·heads2 x2.
+extern "C" __global__ void head_norm_rope2(float* x, const float* weight, int heads, int round_dtype, int tail,
+                                           float* x2, const float* weight2, int heads2, int round_dtype2, int tail2,
+                                           const u32* positions, int rows, int head_dim, float eps, RopeParams p) {
+    pdl_begin();
+    const long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / WARP, n1 = (long long)rows * heads;
+    if (w < n1) {
+        hnr_head(x, weight, positions, w, heads, head_dim, eps, p, round_dtype, tail);
+    } else if (w - n1 < (long long)rows * heads2) {
+        hnr_head(x2, weight2, positions, w - n1, heads2, head_dim, eps, p, round_dtype2, tail2);
     }
 }
 
