@@ -38,6 +38,28 @@ pub struct HeadNormJob<'a, B: Backend + ?Sized> {
     pub round: Option<&'a EntryFormat>,
 }
 
+/// [`Backend::indexer_select`] as its three ops, one call each: what backends that do not
+/// fold them run (and the CUDA one where its scoring cannot take them).
+#[allow(clippy::too_many_arguments)]
+pub fn indexer_select_apart<B: Backend + ?Sized>(
+    b: &B,
+    kv: &KvView<'_, B>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &mut B::Buf,
+    weights: &mut B::Buf,
+    heads: usize,
+    top_k: usize,
+    rope: &RopeTable,
+    weight_scale: f32,
+) -> Selection<B> {
+    let dim = layout.layers[layer].spec.index_dim;
+    b.rope(q, heads, dim, &plan.positions, rope, false);
+    b.scale(weights, weight_scale);
+    b.index_topk(kv, layout, layer, plan, q, weights, heads, top_k)
+}
+
 impl<B: Backend + ?Sized> HeadNormJob<'_, B> {
     /// This tensor's [`Backend::head_norm_rope`] on `b`.
     pub fn run_alone(&mut self, b: &B, s: &HeadNormShared<'_>) {
@@ -611,10 +633,7 @@ pub trait Backend: Send + Sync + 'static {
         rope: &RopeTable,
         weight_scale: f32,
     ) -> Selection<Self> {
-        let dim = layout.layers[layer].spec.index_dim;
-        self.rope(q, heads, dim, &plan.positions, rope, false);
-        self.scale(weights, weight_scale);
-        self.index_topk(kv, layout, layer, plan, q, weights, heads, top_k)
+        indexer_select_apart(self, kv, layout, layer, plan, q, weights, heads, top_k, rope, weight_scale)
     }
 
     /// Attention of `q[rows, heads, head_dim]` over each row's window (ring entries

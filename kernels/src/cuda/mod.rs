@@ -85,7 +85,7 @@ mod upload;
 use crate::EntryDtype;
 use crate::backend::{
     Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, KvView, KvViewMut,
-    MoeWeights, Selection,
+    MoeWeights, Selection, indexer_select_apart,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -747,10 +747,8 @@ impl Backend for CudaBackend {
         weight_scale: f32,
     ) -> Selection<Self> {
         if !attention::takes_prep(self, layout, layer, plan, heads, top_k) {
-            let dim = layout.layers[layer].spec.index_dim;
-            self.rope(q, heads, dim, &plan.positions, rope, false);
-            self.scale(weights, weight_scale);
-            return self.index_topk(kv, layout, layer, plan, q, weights, heads, top_k);
+            let (k, scale) = (top_k, weight_scale);
+            return indexer_select_apart(self, kv, layout, layer, plan, q, weights, heads, k, rope, scale);
         }
         // The rotation and the scale inside the scoring's own launches.
         let prep = attention::IndexerPrep { rope, weight_scale };

@@ -213,6 +213,28 @@ impl SharedAdd {
     }
 }
 
+/// What `moe_lists` writes and how (`struct MoeListsOut` in moe.cu): device addresses of
+/// the lists, the bytes an active expert streams, the segment size and most segments.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct ListsOut {
+    counts: u64,
+    offsets: u64,
+    list_rows: u64,
+    list_widx: u64,
+    active: u64,
+    n_active: u64,
+    traffic: u64,
+    segs: u64,
+    pos: u64,
+    expert_bytes: u64,
+    seg_rows: i32,
+    max_segs: i32,
+}
+
+// SAFETY: #[repr(C)] u64s then two i32s (no padding), laid out as the C struct.
+unsafe impl DeviceRepr for ListsOut {}
+
 /// A batch's routing kernel, built but not yet launched: the router product's logits
 /// (and a hash layer's table rows) it reads, kept alive until it is, and the chosen
 /// experts and weights it writes.
@@ -470,12 +492,29 @@ pub(crate) fn experts_routed_on_device(
     // The routing and each pair's position are staged in shared memory (2n ints beside
     // the kernel's 4 KiB of counters, under the 48 KiB a block gets by default).
     assert!(8 * n <= 40 * 1024, "moe_lists takes at most 5,120 routed pairs, not {n}");
+    let lists_out = ListsOut {
+        counts: g.ptr(&counts),
+        offsets: g.ptr(&offsets),
+        list_rows,
+        list_widx,
+        active: active_list,
+        n_active,
+        traffic: g.traffic_counter(),
+        segs: segs_ptr,
+        pos: pos_ptr,
+        expert_bytes: expert_bytes as u64,
+        seg_rows,
+        max_segs: n as i32,
+    };
+    let smem = (8 * n) as u32;
     if let Some(route) = fused {
         let (logits, r_rows, r_exp, r_k, hash, bias, scale, experts, route_weights) = route.args(g);
+        let ticket = g.scratch("route_tickets", 1);
+        let grid = cfg((rows as u32, 1, 1), 256, smem);
         launch!(
             g,
             "moe_route_lists",
-            cfg((rows as u32, 1, 1), 256, (8 * n) as u32),
+            grid,
             logits,
             r_rows,
             r_exp,
@@ -485,42 +524,12 @@ pub(crate) fn experts_routed_on_device(
             scale,
             experts,
             route_weights,
-            g.scratch("route_tickets", 1),
-            g.ptr(&counts),
-            g.ptr(&offsets),
-            list_rows,
-            list_widx,
-            active_list,
-            n_active,
-            expert_bytes as u64,
-            g.traffic_counter(),
-            segs_ptr,
-            seg_rows,
-            n as i32,
-            pos_ptr,
+            ticket,
+            lists_out
         );
     } else {
-        launch!(
-            g,
-            "moe_lists",
-            cfg((1, 1, 1), 256, (8 * n) as u32),
-            g.ptr(chosen),
-            rows as i32,
-            k as i32,
-            n_exp as i32,
-            g.ptr(&counts),
-            g.ptr(&offsets),
-            list_rows,
-            list_widx,
-            active_list,
-            n_active,
-            expert_bytes as u64,
-            g.traffic_counter(),
-            segs_ptr,
-            seg_rows,
-            n as i32,
-            pos_ptr,
-        );
+        let (k, n_exp) = (k as i32, n_exp as i32);
+        launch!(g, "moe_lists", cfg((1, 1, 1), 256, smem), g.ptr(chosen), rows as i32, k, n_exp, lists_out);
     }
     if let (Some(plan), Some(lists)) = (&wg, &lists) {
         experts_wgmma(b, plan, x, rows, w, lists, weights, out, shared);

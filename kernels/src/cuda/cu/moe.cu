@@ -170,10 +170,29 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* total) {
 // place: its expert's running count plus its rank among the lanes naming the same
 // expert). Each thread scanning all pairs for its experts was 33 µs at 64 rows.
 #define MOE_LIST_THREADS 256
-__device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets,
-                               int* list_rows, int* list_widx, int* active, int* n_active,
-                               unsigned long long expert_bytes, unsigned long long* traffic, int* segs, int seg_rows,
-                               int max_segs, int* pos) {
+// What moe_lists writes and how (a #[repr(C)] struct on the host, `ListsOut` in moe.rs;
+// pointers first, no padding).
+struct MoeListsOut {
+    int* counts;
+    int* offsets;
+    int* list_rows;
+    int* list_widx;
+    int* active;
+    int* n_active;
+    unsigned long long* traffic;
+    int* segs;
+    int* pos;
+    unsigned long long expert_bytes;
+    int seg_rows;
+    int max_segs;
+};
+
+__device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, const MoeListsOut& o) {
+    int *counts = o.counts, *offsets = o.offsets, *list_rows = o.list_rows, *list_widx = o.list_widx;
+    int *active = o.active, *n_active = o.n_active, *segs = o.segs, *pos = o.pos;
+    unsigned long long* traffic = o.traffic;
+    const unsigned long long expert_bytes = o.expert_bytes;
+    const int seg_rows = o.seg_rows, max_segs = o.max_segs;
     // The routing, then each pair's list position (-1: not listed), in shared memory
     // (2n ints, dynamic).
     extern __shared__ int routed[];
@@ -268,12 +287,9 @@ __device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, i
 }
 
 extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
-    moe_lists(const int* experts, int rows, int k, int n_exp, int* counts, int* offsets, int* list_rows,
-              int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
-              unsigned long long* traffic, int* segs, int seg_rows, int max_segs, int* pos) {
+    moe_lists(const int* experts, int rows, int k, int n_exp, MoeListsOut out) {
     pdl_begin();
-    moe_lists_body(experts, rows, k, n_exp, counts, offsets, list_rows, list_widx, active, n_active, expert_bytes,
-                   traffic, segs, seg_rows, max_segs, pos);
+    moe_lists_body(experts, rows, k, n_exp, out);
 }
 
 // moe_route and then moe_lists in one launch (a decode batch's routing is a chain of
@@ -283,9 +299,7 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
 // n_exp is every expert (no slice of them: moe_localize would sit between the two).
 extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     moe_route_lists(const float* logits, int rows, int n_exp, int k, const u32* hash_rows, F512 bias,
-                    float route_scale, int* experts, float* weights, u32* ticket, int* counts, int* offsets,
-                    int* list_rows, int* list_widx, int* active, int* n_active, unsigned long long expert_bytes,
-                    unsigned long long* traffic, int* segs, int seg_rows, int max_segs, int* pos) {
+                    float route_scale, int* experts, float* weights, u32* ticket, MoeListsOut out) {
     pdl_begin();
     __shared__ bool last;
     moe_route_row(logits, n_exp, k, hash_rows, bias, route_scale, experts, weights);
@@ -296,8 +310,7 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     if (!last) return;
     __threadfence();
     if (threadIdx.x == 0) *ticket = 0u;
-    moe_lists_body(experts, rows, k, n_exp, counts, offsets, list_rows, list_widx, active, n_active, expert_bytes,
-                   traffic, segs, seg_rows, max_segs, pos);
+    moe_lists_body(experts, rows, k, n_exp, out);
 }
 
 // Expert ids as this device's experts number them: `base..base + held` become
