@@ -28,7 +28,6 @@ impl HostMatrix {
     }
 }
 
-/// Parameters of one mHC site (attention or FFN side of a layer).
 /// One tensor of [`Backend::head_norm_rope2`]: `x[rows, heads, head_dim]`, its norm
 /// weight (none: unweighted) and the entry format it is rounded to (none: kept f32).
 pub struct HeadNormJob<'a, B: Backend + ?Sized> {
@@ -76,6 +75,7 @@ pub struct HeadNormShared<'a> {
     pub rope: &'a RopeTable,
 }
 
+/// Parameters of one mHC site (attention or FFN side of a layer).
 pub struct HcWeights<B: Backend + ?Sized> {
     /// `[(2 + hc) * hc, hc * hidden]`: rows are pre, post, then comb logits.
     pub mix: B::Weight,
