@@ -24,7 +24,7 @@ use super::matmul::{
 };
 use super::memory::{CudaBuf, CudaWeight};
 use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
-use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan};
+use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan, with_flag_set};
 use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
 use super::{cublas_bf16, moe_cublas, moe_host};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
@@ -310,10 +310,7 @@ thread_local! {
 /// `f` with this thread's device-routed batches routed by `moe_route` and `moe_lists` as
 /// two launches, so the parity suite checks both forms in one run.
 pub(crate) fn with_routing_apart<T>(f: impl FnOnce() -> T) -> T {
-    let before = ROUTE_LISTS_OFF_HERE.replace(true);
-    let out = f();
-    ROUTE_LISTS_OFF_HERE.set(before);
-    out
+    with_flag_set(&ROUTE_LISTS_OFF_HERE, f)
 }
 
 /// Most rows whose shared expert runs as a branch beside the routed experts

@@ -125,9 +125,18 @@ thread_local! {
 /// `f` with these kernels kept off this thread's routed experts (the segment kernels
 /// run instead), so the parity suite and the kernel table reach both paths in one run.
 pub(crate) fn without_wgmoe<T>(f: impl FnOnce() -> T) -> T {
-    let before = OFF_HERE.replace(true);
+    with_flag_set(&OFF_HERE, f)
+}
+
+/// `f` with the thread-local `flag` set, restored afterwards: the parity suite's way of
+/// keeping one path off this thread's ops to reach the other in the same run.
+pub(crate) fn with_flag_set<T>(
+    flag: &'static std::thread::LocalKey<std::cell::Cell<bool>>,
+    f: impl FnOnce() -> T,
+) -> T {
+    let before = flag.replace(true);
     let out = f();
-    OFF_HERE.set(before);
+    flag.set(before);
     out
 }
 
