@@ -63,13 +63,12 @@ struct Fp4wgArgs {
     out: u64,
     wtab: u64,
     tiles: u64,
-    n: i32,
     k: i32,
     plane: i32,
     g_out: i32,
     out_stride: i32,
     /// Zero: no undefined padding bytes in a launch's arguments.
-    pad: [u32; 21],
+    pad: [u32; 22],
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers without padding, `struct Fp4wgArgs` in
@@ -248,12 +247,11 @@ fn launch_products(
             out: out.0,
             wtab,
             tiles: at,
-            n: w.rows as i32,
             k: w.cols as i32,
             plane: parts.rows as i32,
             g_out: g_out as i32,
             out_stride: out.1 as i32,
-            pad: [0; 21],
+            pad: [0; 22],
         };
         let grid = ((w.rows / BLOCK_OUTPUTS) as u32, count as u32, 1);
         launch!(gpu, name, cfg(grid, 256, FP4WG_SMEM[kernel] as u32), args);

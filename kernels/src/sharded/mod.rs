@@ -32,7 +32,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::EntryDtype;
 use crate::backend::{
-    Backend, CompressorParams, HcHeadWeights, HcWeights, HostPin, KvView, KvViewMut, MoeWeights, Selection,
+    Backend, CompressorParams, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, HostPin, KvView, KvViewMut,
+    MoeWeights, Selection,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -373,6 +374,15 @@ impl<B: Backend> Backend for Sharded<B> {
         })
     }
 
+    fn head_norm_rope2(
+        &self,
+        first: &mut HeadNormJob<'_, Self>,
+        second: &mut HeadNormJob<'_, Self>,
+        shared: &HeadNormShared<'_>,
+    ) {
+        ops::head_norm_rope2(self, first, second, shared)
+    }
+
     fn hc_pre(
         &self,
         streams: &ShardBuf<B>,
@@ -458,6 +468,22 @@ impl<B: Backend> Backend for Sharded<B> {
         top_k: usize,
     ) -> Selection<Self> {
         seq_ops::index_topk(self, kv, layout, layer, plan, q, weights, heads, top_k)
+    }
+
+    fn indexer_select(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &mut ShardBuf<B>,
+        weights: &mut ShardBuf<B>,
+        heads: usize,
+        top_k: usize,
+        rope: &RopeTable,
+        weight_scale: f32,
+    ) -> Selection<Self> {
+        seq_ops::indexer_select(self, kv, layout, layer, plan, q, weights, heads, top_k, rope, weight_scale)
     }
 
     fn attention(

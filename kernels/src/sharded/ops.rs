@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::Sharded;
 use super::buf::{ShardBuf, ShardIdx, ShardWeight};
 use super::split::RowSplit;
-use crate::backend::Backend;
+use crate::backend::{Backend, HeadNormJob, HeadNormShared};
 use crate::plan::BatchPlan;
 
 /// Make `out` a batch buffer with `split`'s rows (`out.len()` values over
@@ -261,5 +261,32 @@ pub(super) fn hc_pre<B: Backend>(
         if n > 0 {
             b.hc_pre(&parts[r], n, &w[r], norm.map(|(nw, eps)| (nw.on(r), eps)), &mut c[r], &mut p[r], &mut m[r]);
         }
+    }
+}
+
+/// [`Backend::head_norm_rope2`](crate::backend::Backend::head_norm_rope2) on every
+/// device holding rows: both tensors' parts there in one call, so a device that fuses
+/// the two (CUDA) does here too.
+pub(super) fn head_norm_rope2<B: Backend>(
+    s: &Sharded<B>,
+    first: &mut HeadNormJob<'_, Sharded<B>>,
+    second: &mut HeadNormJob<'_, Sharded<B>>,
+    shared: &HeadNormShared<'_>,
+) {
+    let rows = shared.positions.len();
+    let split = first.x.rows_at(rows).0;
+    assert_eq!(split.held, second.x.rows_at(rows).0.held, "head_norm_rope2 of tensors split differently");
+    let (_, xs) = first.x.rows_mut();
+    let (_, ys) = second.x.rows_mut();
+    for (r, (b, (x, y))) in s.ranks.iter().zip(xs.iter_mut().zip(ys.iter_mut())).enumerate() {
+        if split.held[r].is_empty() {
+            continue;
+        }
+        let positions: Vec<u32> = split.held[r].iter().map(|&g| shared.positions[g]).collect();
+        let here = HeadNormShared { positions: &positions, ..*shared };
+        let mut a = HeadNormJob { x, heads: first.heads, weight: first.weight.map(|w| w.on(r)), round: first.round };
+        let mut c =
+            HeadNormJob { x: y, heads: second.heads, weight: second.weight.map(|w| w.on(r)), round: second.round };
+        b.head_norm_rope2(&mut a, &mut c, &here);
     }
 }

@@ -10,6 +10,7 @@ use super::split::StepSplit;
 use crate::backend::{Backend, CompressorParams, KvView, KvViewMut, Selection};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
+use crate::rope::RopeTable;
 
 /// Device `r`'s KV regions.
 fn view<'a, B: Backend>(kv: &'a KvView<'_, Sharded<B>>, r: usize) -> KvView<'a, B> {
@@ -75,6 +76,41 @@ pub(super) fn index_topk<B: Backend>(
         .map(|(r, b)| {
             (!step.plans[r].seqs.is_empty())
                 .then(|| b.index_topk(&view(kv, r), layout, layer, &step.plans[r], &qp[r], &wp[r], heads, top_k))
+        })
+        .collect();
+    Selection { indices: ShardIdx { split: step.rows.clone(), parts }, top_k }
+}
+
+/// [`Backend::indexer_select`](crate::backend::Backend::indexer_select) on every device
+/// holding rows (with its rows' positions), so a device that folds the query's rotation
+/// and the weights' scale into its scoring (CUDA) does here too.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn indexer_select<B: Backend>(
+    s: &Sharded<B>,
+    kv: &KvView<'_, Sharded<B>>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &mut ShardBuf<B>,
+    weights: &mut ShardBuf<B>,
+    heads: usize,
+    top_k: usize,
+    rope: &RopeTable,
+    weight_scale: f32,
+) -> Selection<Sharded<B>> {
+    let step = step(s, plan, q);
+    let (_, qp) = q.rows_mut();
+    let (_, wp) = weights.rows_mut();
+    let parts = s
+        .ranks
+        .iter()
+        .zip(qp.iter_mut().zip(wp.iter_mut()))
+        .enumerate()
+        .map(|(r, (b, (qr, wr)))| {
+            (!step.plans[r].seqs.is_empty()).then(|| {
+                let local = &step.plans[r];
+                b.indexer_select(&view(kv, r), layout, layer, local, qr, wr, heads, top_k, rope, weight_scale)
+            })
         })
         .collect();
     Selection { indices: ShardIdx { split: step.rows.clone(), parts }, top_k }

@@ -64,10 +64,10 @@ struct __align__(64) Fp4wgArgs {
     float* out;          // [row][out_stride]
     const u64* wtab;     // (codes, scales) per expert (FP8: one entry, f32 block scales)
     const int* tiles;    // (expert, first row, rows) per token tile
-    int N, K, plane;     // outputs, inputs (of a group), rows of one part's plane
-    int g_out;           // outputs a group (FP8 grouped products; else N): group g reads inputs gK..
+    int K, plane;        // inputs (of a group), rows of one part's plane
+    int g_out;           // outputs a group (FP8 grouped products; else all): group g reads inputs gK..
     int out_stride;
-    unsigned pad[21];    // zero (the host's struct has no undefined padding bytes)
+    unsigned pad[22];    // zero (the host's struct has no undefined padding bytes)
 };
 
 // D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
