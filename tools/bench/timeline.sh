@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One decode step as the device really ran it: every kernel's start and end, overlaps
+# included (CUPTI concurrent-kernel records through an injection library; the device
+# machines have no Nsight Systems, and Nsight Compute serialises kernels). Builds
+# tools/bench/timeline/cupti_trace.c with the machine's CUPTI, runs `sluice bench
+# engine` with it loaded, and prints tools/bench/timeline.py's breakdown of a step.
+#
+#   tools/bench/timeline.sh MODEL [BATCH] [CONTEXT]      (device machine, repo root)
+# Env: B (executables, default .device), KV (kv dtype, default fp8), OUT (default /tmp),
+#      TAG (file names, default b$BATCH), EXTRA (more `bench engine` flags), ORDER
+#      (kernels of the step listed in order, default 60).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+model=$1
+batch=${2:-1}
+ctx=${3:-8192}
+B=${B:-.device}
+OUT=${OUT:-/tmp}
+tag=${TAG:-b$batch}
+lib=$OUT/libcupti_trace.so
+
+if [ ! -f "$lib" ]; then
+  roots="/usr/local/cuda/extras/CUPTI /usr/local/cuda $(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)"
+  inc=$(find $roots -name cupti.h -path '*include*' 2>/dev/null | head -1 || true)
+  so=$(find $roots -name 'libcupti.so*' 2>/dev/null | sort -V | tail -1 || true)
+  if [ -z "$inc" ] || [ -z "$so" ]; then
+    echo "timeline: no CUPTI here (cupti.h: '${inc}', libcupti: '${so}'); it comes with the CUDA toolkit or PyPI's nvidia-cuda-cupti" >&2
+    exit 1
+  fi
+  incdir=$(dirname "$inc")
+  # The newest kernel record the header declares: the one this CUPTI writes.
+  rec=$(grep -rhoE 'CUpti_ActivityKernel[0-9]+' "$incdir" | sort -uV | tail -1)
+  cudainc=/usr/local/cuda/include
+  cc -shared -fPIC -O2 -DKERNEL_RECORD="$rec" -I"$incdir" -I"$cudainc" tools/bench/timeline/cupti_trace.c \
+    "$so" -Wl,-rpath,"$(dirname "$so")" -o "$lib"
+  echo "timeline: built with $so ($rec)"
+fi
+
+log=$OUT/timeline_$tag.log
+csv=$OUT/timeline_$tag.csv
+# Few steps: the recording keeps every kernel of the run.
+CUDA_INJECTION64_PATH=$lib SLUICE_TIMELINE=$csv "$B/sluice" bench engine --device cuda:0 --model "$model" \
+  --kv-dtype "${KV:-fp8}" --prefill-tokens 512 --chunk-tokens 8192 --contexts "$ctx" --batches "$batch" \
+  --decode-steps 4 --repeat 1 --skip-products --topk-candidates 0 --compress-tokens 0 ${EXTRA:-} >/dev/null 2>"$log" ||
+  { tail -20 "$log"; exit 1; }
+grep -E 'cupti_trace|ms/step' "$log" || true
+python3 tools/bench/timeline.py "$csv" "$log" --order "${ORDER:-60}"
