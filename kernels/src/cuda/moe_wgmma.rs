@@ -1,4 +1,4 @@
-//! Routed FP4 experts of decode batches of 1-8 rows on Hopper's warpgroup instruction
+//! Routed FP4 experts of decode batches of 1-64 rows on Hopper's warpgroup instruction
 //! (cu/moe_wgmma.cu: the e2m1 codes turned into e4m3 in registers, `wgmma` with A from
 //! registers, one FP4 scale group per instruction): which batches they take
 //! ([`wgmoe_plan`]) and their launches ([`experts_wgmma`]). [`super::moe`] tries them
@@ -9,7 +9,6 @@ use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
 use super::gemv_f8wg::resident;
-use super::matmul::GEMV_MAX_ROWS;
 use super::memory::CudaBuf;
 use super::moe::{combine_in_list_order, expert_table, tc_experts};
 use super::moe_v2::SegmentLists;
@@ -150,14 +149,15 @@ pub(crate) fn wgmoe_plan(gpu: &Gpu, rows: usize, w: &MoeWeights<CudaBackend>) ->
 }
 
 /// [`wgmoe_plan`] whatever `SLUICE_CUDA_MOE_WGMMA` says: an sm_90 GPU (the kernels are
-/// compiled for compute_90a there), 1-8 rows (beyond, an expert's rows would be cut
-/// into more segments of two, each streaming the expert again), every expert FP4 with
+/// compiled for compute_90a there), 1 to [`max_rows`] rows (an expert's rows are cut
+/// into segments of two, each streaming the expert again: past 64 rows that repeats too
+/// much of it), every expert FP4 with
 /// the tensor-core scales, widths multiples of the 256-input chunk and of the 64-row
 /// tile, the down projection back to the hidden width.
 pub(crate) fn wgmoe_plan_always(gpu: &Gpu, rows: usize, w: &MoeWeights<CudaBackend>) -> Option<WgMoePlan> {
     let first = w.experts.first()?;
     let (d, inter) = (w.gate.cols, first.w1.rows);
-    if gpu.cc.0 != 9 || !(1..=GEMV_MAX_ROWS).contains(&rows) || first.w2.rows != d || first.w2.cols != inter {
+    if gpu.cc.0 != 9 || !(1..=max_rows()).contains(&rows) || first.w2.rows != d || first.w2.cols != inter {
         return None;
     }
     let fits = |n: usize, k: usize| n.is_multiple_of(TILE) && k.is_multiple_of(CHUNK_INPUTS) && n * k < 1 << 31;
@@ -171,6 +171,19 @@ pub(crate) fn wgmoe_plan_always(gpu: &Gpu, rows: usize, w: &MoeWeights<CudaBacke
         down: launch_plan(gpu, kernels_from + 3, max_segs * (d / TILE), inter, 1)?,
     })
 }
+
+/// Most rows of a batch these kernels take (`SLUICE_CUDA_MOE_WGMMA_ROWS`, read once;
+/// default [`WGMOE_MAX_ROWS`]).
+fn max_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_MOE_WGMMA_ROWS").unwrap_or(WGMOE_MAX_ROWS))
+}
+
+/// Default most rows: on 20 Flash layers batches of 16, 32 and 64 ran 12%, 9% and 4%
+/// faster a step here than on the segment kernels, though an expert with three or more of
+/// a batch's rows is streamed once a segment of two (docs/perf.md, "A decode step as the
+/// device ran it"); at 8 rows and fewer these were already the default.
+const WGMOE_MAX_ROWS: usize = 64;
 
 /// The K split of one projection (`first`: its kernels' place in [`WGMOE_KERNELS`]) of
 /// at most `units` units over `k` inputs and `matrices` weights a unit: the one that

@@ -239,10 +239,10 @@ fn check_experts(
                 let gx = g.upload(&x);
                 let mut want = vec![0f32; rows * d];
                 c.moe(&x, rows, &tokens, &cm, 0..rows, &mut want);
-                // 1-8 rows: "v2" runs the `wgmma` kernels on sm_90 (moe_wgmma.rs's own test),
-                // "v2-segments" the segment kernels everywhere; "v1" and "v2" route in one launch
-                // with the lists (`moe_route_lists`), "v2-segments" in two.
-                let variants: &[&str] = if rows <= 8 { &["v1", "v2", "v2-segments"] } else { &["v1", "v2"] };
+                // 1-64 rows: "v2" runs the `wgmma` kernels on sm_90 (moe_wgmma.rs's own test
+                // covers 1-8), "v2-segments" the segment kernels everywhere; "v1" and "v2" route
+                // in one launch with the lists (`moe_route_lists`), "v2-segments" in two.
+                let variants: &[&str] = if rows <= 64 { &["v1", "v2", "v2-segments"] } else { &["v1", "v2"] };
                 for &variant in variants {
                     let mut out = poisoned(g, rows * d);
                     g.decode_moe(variant, &gx, rows, &tokens, &gm, 0..rows, &mut out);

@@ -1,7 +1,8 @@
 //! The routed FP4 experts of decode batches on Hopper's warpgroup instruction
 //! (cu/moe_wgmma.cu: e2m1 codes turned into e4m3 in registers, one FP4 scale group per
 //! `wgmma`, K split by thread-block clusters) against the CPU, through the engine's MoE
-//! block (the v2 path takes these kernels on sm_90 for 1-8 rows).
+//! block (the v2 path takes these kernels on sm_90 for 1-64 rows; `cuda_parity decode`'s
+//! experts test runs them at 9-64 rows).
 
 use super::decode::{experts_layer, hash_table_with_repeats};
 use super::*;
