@@ -640,6 +640,13 @@ impl CudaBackend {
         super::moe_fp4wg::fp8_takes(&self.gpu, &op, w)
     }
 
+    /// Whether a product of `rows` decode rows (9 to 32) over `w` runs on `fp8wg_gemm`
+    /// rather than the gemv loops (`matmul::fp8_rows_on_wgmma`).
+    pub fn fp8wg_takes_decode_rows(&self, rows: usize, groups: usize, w: &CudaWeight) -> bool {
+        let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        super::matmul::fp8_rows_on_wgmma(&self.gpu, &op, w)
+    }
+
     /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the
     /// engine uses (split activations) and the FP8 tensor-core variant (e4m3
     /// activations), for the parity suite's comparison of their errors.

@@ -11,7 +11,8 @@
 //!   same gemv kernels, each launch streaming the weight again — up to 32 rows a launch
 //!   where the v2 kernels take the weight ([`gemv_launch_rows`]: FP8, FP4 up to 16), else
 //!   8 — which beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too
-//!   when the GEMM would have few output tiles ([`gemv_loops`]).
+//!   when the GEMM would have few output tiles ([`gemv_loops`]). FP8 weights whose GEMM
+//!   has tiles enough take `fp8wg_gemm` from 9 rows instead ([`fp8_rows_on_wgmma`]).
 //! - BF16 weights of 9 to 32 rows when `SLUICE_CUDA_GEMM_ROWS` asks (`gemm_rows_plan`):
 //!   one tensor-core launch that splits the activations itself (cu/gemm_rows.cu; off by
 //!   default, slower than cuBLAS on the H200); then BF16 weights from 9 rows
@@ -85,6 +86,23 @@ const SMALL_GRID_GEMV_MAX_ROWS: usize = 64;
 /// 123 µs on 2 (H200, tools/bench/step_trace.sh; docs/perf.md).
 pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
     rows <= gemv_loop_max_rows() || small_gemm_grid(gpu, rows, n_out)
+}
+
+/// Whether an FP8 product of a decode batch past [`GEMV_MAX_ROWS`] rows runs on
+/// `fp8wg_gemm` (the prefill kernel: the weight streamed once, its codes turned into bf16
+/// in registers, `wgmma` over the rows' two bf16 parts, tiles of at most 64 rows) instead
+/// of the gemv loops: where that kernel takes the weight and the product has tiles
+/// enough to fill the GPU ([`small_gemm_grid`] keeps the narrow ones — `wq_a`, `wo_b`, the
+/// shared expert's down — on the loops). On 20 Flash layers a batch-32 step ran 6% faster
+/// (`wq_b` and the grouped `wo_a` here; docs/perf.md, "A decode step as the device ran
+/// it"), batches 16 and 64 the same. `SLUICE_CUDA_FP8WG_DECODE=0` keeps the loops.
+pub(crate) fn fp8_rows_on_wgmma(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    op.rows > GEMV_MAX_ROWS
+        && op.rows <= gemv_loop_max_rows()
+        && *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_DECODE").map_or(true, |v| v != "0"))
+        && !small_gemm_grid(gpu, op.rows, w.rows)
+        && super::moe_fp4wg::fp8_takes(gpu, op, w)
 }
 
 /// Up to [`SMALL_GRID_GEMV_MAX_ROWS`] rows whose tiled GEMM would have at most a quarter
@@ -490,6 +508,9 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     }
     if cublas_bf16::takes(op.rows, w) {
         return cublas_bf16::product(gpu, op, w);
+    }
+    if fp8_rows_on_wgmma(gpu, &op, w) {
+        return super::moe_fp4wg::fp8_product(gpu, op, w);
     }
     if gemv_loops(gpu, op.rows, w.rows) {
         // One launch up to 8 rows (the v2 kernels: up to 32); past that each launch

@@ -558,6 +558,8 @@ impl Backend for CudaBackend {
         let op = matmul::Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, 1, w);
         let label = if gemm_rows::gemm_rows_plan(g, &op, w).is_some() {
             "matmul (rows)"
+        } else if matmul::fp8_rows_on_wgmma(g, &op, w) {
+            "matmul (fp8wg)"
         } else if matmul::gemv_loops(g, rows, w.rows) && !cublas_bf16::takes(rows, w) {
             "matmul (gemv)"
         } else {

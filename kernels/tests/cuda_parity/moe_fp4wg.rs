@@ -58,15 +58,23 @@ fn cuda_fp8wg_products_match_cpu() {
     let Some(g) = wgmma_gpu("cuda_fp8wg_products_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("fp8wg products");
-    // (groups, outputs a group, inputs a group, row counts)
-    let shapes: [(usize, usize, usize, &[usize]); 4] =
-        [(1, 1024, 4096, &[300, 1000]), (1, 32768, 1024, &[128]), (8, 1024, 4096, &[300]), (1, 128, 256, &[1000])];
+    // (groups, outputs a group, inputs a group, row counts); 9-32 rows: decode batches,
+    // which the engine's products of `wq_b` and the grouped `wo_a` send here too.
+    let shapes: [(usize, usize, usize, &[usize]); 4] = [
+        (1, 1024, 4096, &[300, 1000]),
+        (1, 32768, 1024, &[9, 32, 128]),
+        (8, 1024, 4096, &[17, 300]),
+        (1, 128, 256, &[1000]),
+    ];
     for (groups, g_out, k, row_counts) in shapes {
         let w = weight(&mut rng, groups * g_out, k, 0.05, "fp8");
         let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
         for &rows in row_counts {
             let what = format!("fp8wg {groups}x{g_out}x{k} rows={rows}");
             assert!(g.fp8wg_takes(rows, groups, &gw), "{what}: not taken");
+            if rows <= 32 {
+                assert!(g.fp8wg_takes_decode_rows(rows, groups, &gw), "{what}: a decode batch left on the gemv loops");
+            }
             let x = rand_vec(&mut rng, rows * groups * k, 1.0);
             let mut want = vec![0f32; rows * groups * g_out];
             let mut out = poisoned(g, rows * groups * g_out);
