@@ -315,8 +315,10 @@ pub(crate) fn with_routing_apart<T>(f: impl FnOnce() -> T) -> T {
 
 /// Most rows whose shared expert runs as a branch beside the routed experts
 /// (`SLUICE_CUDA_MOE_BRANCH_ROWS`, read once; default 1). At 8 rows on 20 Flash layers
-/// (FP8 shared expert, FP4 routed experts on the v2 kernels, each sized to fill the
-/// GPU once) running both at once made the step 4% slower; at one row it was faster.
+/// with the routed experts on the v2 segment kernels running both at once made the step
+/// 4% slower; with them on `wgmoe` it made batches 2-8 2.5-5% faster (docs/perf.md, "A
+/// decode step as the device ran it"), which awaits the graph and conformance tests at
+/// that setting before it becomes the default.
 fn moe_branch_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_MOE_BRANCH_ROWS").unwrap_or(1))
