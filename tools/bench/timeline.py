@@ -23,7 +23,6 @@ import argparse
 import csv
 import gzip
 import re
-import statistics
 import sys
 from collections import defaultdict
 
@@ -108,33 +107,33 @@ def main():
           f"{(spans[pick] - busy) / 1e3:.1f} µs; kernels' start-to-end times sum to "
           f"{sum(k[1] - k[0] for k in run) / 1e6:.3f} ms")
 
-    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
-    order = []
+    # Each kernel's exposed time (and the idle part of it), by its index in `run`: the
+    # kernels sorted by end, each one's end minus the latest end before it.
+    exposed, idle = [0] * len(run), [0] * len(run)
     latest = hold_end
-    for k in sorted(run, key=lambda k: k[1]):
-        inc = max(0, k[1] - latest)
-        idle = inc - covered(segs, latest, latest + inc) if inc else 0
-        latest = max(latest, k[1])
+    for i in sorted(range(len(run)), key=lambda i: run[i][1]):
+        inc = max(0, run[i][1] - latest)
+        exposed[i] = inc
+        idle[i] = inc - covered(segs, latest, latest + inc) if inc else 0
+        latest = max(latest, run[i][1])
+
+    by = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
+    for i, k in enumerate(run):
         e = by[short(k[2])]
         e[0] += 1
         e[1] += k[1] - k[0]
-        e[2] += inc
-        e[3] += idle
+        e[2] += exposed[i]
+        e[3] += idle[i]
     total = spans[pick]
     print(f"\n{'kernel':34} {'calls':>5} {'start-end µs':>12} {'exposed µs':>10} {'share':>6} {'idle µs':>8} {'exposed/call':>12}")
-    for name, (n, dur, inc, idle) in sorted(by.items(), key=lambda kv: -kv[1][2]):
-        print(f"{name[:34]:34} {n:5} {dur / 1e3:12.1f} {inc / 1e3:10.1f} {100 * inc / total:5.1f}% {idle / 1e3:8.1f} {inc / n / 1e3:12.2f}")
+    for name, (n, dur, inc, idl) in sorted(by.items(), key=lambda kv: -kv[1][2]):
+        print(f"{name[:34]:34} {n:5} {dur / 1e3:12.1f} {inc / 1e3:10.1f} {100 * inc / total:5.1f}% {idl / 1e3:8.1f} {inc / n / 1e3:12.2f}")
 
     print(f"\nin order ({a.order} from kernel {a.skip}): start µs, end µs from the hold's end, start-to-end, exposed, grid×block")
-    latest = hold_end
-    exposed = {}
-    for k in sorted(run, key=lambda k: k[1]):
-        exposed[k] = max(0, k[1] - latest)
-        latest = max(latest, k[1])
-    for k in run[a.skip : a.skip + a.order]:
+    for i in range(a.skip, min(a.skip + a.order, len(run))):
+        k = run[i]
         print(f"{(k[0] - hold_end) / 1e3:9.1f} {(k[1] - hold_end) / 1e3:9.1f} {(k[1] - k[0]) / 1e3:7.1f} "
-              f"{exposed[k] / 1e3:7.1f}  {short(k[2])[:40]} {k[3]}x{k[4]}")
-
+              f"{exposed[i] / 1e3:7.1f}  {short(k[2])[:40]} {k[3]}x{k[4]}")
 
 if __name__ == "__main__":
     main()
