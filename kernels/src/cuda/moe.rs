@@ -314,14 +314,13 @@ pub(crate) fn with_routing_apart<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// Most rows whose shared expert runs as a branch beside the routed experts
-/// (`SLUICE_CUDA_MOE_BRANCH_ROWS`, read once; default 1). At 8 rows on 20 Flash layers
-/// with the routed experts on the v2 segment kernels running both at once made the step
-/// 4% slower; with them on `wgmoe` it made batches 2-8 2.5-5% faster (docs/perf.md, "A
-/// decode step as the device ran it"), which awaits the graph and conformance tests at
-/// that setting before it becomes the default.
+/// (`SLUICE_CUDA_MOE_BRANCH_ROWS`, read once; default 8). With the routed experts on the
+/// v2 segment kernels running both at once made an 8-row step 4% slower; with them on
+/// `wgmoe` it makes batches 2-8 2.5-5% faster (docs/perf.md, "A decode step as the device
+/// ran it"); `cuda_graphs` and `cuda_conformance` passed at 8 before it became the default.
 fn moe_branch_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_MOE_BRANCH_ROWS").unwrap_or(1))
+    *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_MOE_BRANCH_ROWS").unwrap_or(8))
 }
 
 /// Whether the batch's experts can run routed on the device: a decode batch (the gemv
