@@ -640,11 +640,44 @@ impl CudaBackend {
         super::moe_fp4wg::fp8_takes(&self.gpu, &op, w)
     }
 
-    /// Whether a product of `rows` decode rows (9 to 32) over `w` runs on `fp8wg_gemm`
+    /// Whether a product of `rows` decode rows (9 to 64) over `w` runs on `fp8wg_gemm`
     /// rather than the gemv loops (`matmul::fp8_rows_on_wgmma`).
     pub fn fp8wg_takes_decode_rows(&self, rows: usize, groups: usize, w: &CudaWeight) -> bool {
         let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
         super::matmul::fp8_rows_on_wgmma(&self.gpu, &op, w)
+    }
+
+    /// `out = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)` of any number of rows through
+    /// the engine's SwiGLU pair (`matmul::swiglu_pair`), and whether the pair ran as two
+    /// products on `fp8wg_gemm` (`matmul::swiglu_on_wgmma`).
+    pub fn swiglu_rows(
+        &self,
+        x: &CudaBuf,
+        rows: usize,
+        w1: &CudaWeight,
+        w3: &CudaWeight,
+        limit: f32,
+        out: &mut CudaBuf,
+    ) -> bool {
+        assert_eq!((x.len, out.len), (rows * w1.cols, rows * w1.rows), "swiglu_rows shapes");
+        let g = &self.gpu;
+        let op =
+            Operand { x: g.ptr(&x.mem), x_stride: w1.cols, out: g.ptr(&out.mem), out_stride: w1.rows, rows, groups: 1 };
+        let on_wgmma = super::matmul::swiglu_on_wgmma(g, &op, w1, w3);
+        swiglu_pair(g, op, w1, w3, limit, super::matmul::Decode::from_env());
+        on_wgmma
+    }
+
+    /// The GPU's streaming multiprocessors.
+    pub fn sms(&self) -> usize {
+        self.gpu.sms
+    }
+
+    /// Into how many slices along K the engine cuts a decode product of `rows` rows over
+    /// `w` on `fp8wg_gemm` (`matmul::fp8_splits`; 1: not split).
+    pub fn fp8wg_decode_splits(&self, rows: usize, groups: usize, w: &CudaWeight) -> usize {
+        let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        super::matmul::fp8_splits(&self.gpu, &op, w)
     }
 
     /// `x[rows, K] · Wᵀ` for an FP4 weight both ways: the BF16 tensor-core GEMM the

@@ -11,8 +11,9 @@
 //!   same gemv kernels, each launch streaming the weight again — up to 32 rows a launch
 //!   where the v2 kernels take the weight ([`gemv_launch_rows`]: FP8, FP4 up to 16), else
 //!   8 — which beats a GEMM whose 128-row tiles would be mostly empty; up to 64 rows too
-//!   when the GEMM would have few output tiles ([`gemv_loops`]). FP8 weights whose GEMM
-//!   has tiles enough take `fp8wg_gemm` from 9 rows instead ([`fp8_rows_on_wgmma`]).
+//!   when the GEMM would have few output tiles ([`gemv_loops`]). FP8 weights take
+//!   `fp8wg_gemm` from 9 rows instead ([`fp8_rows_on_wgmma`]), the narrow ones split
+//!   along K ([`fp8_splits`]).
 //! - BF16 weights of 9 to 32 rows when `SLUICE_CUDA_GEMM_ROWS` asks (`gemm_rows_plan`):
 //!   one tensor-core launch that splits the activations itself (cu/gemm_rows.cu; off by
 //!   default, slower than cuBLAS on the H200); then BF16 weights from 9 rows
@@ -88,21 +89,55 @@ pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
     rows <= gemv_loop_max_rows() || small_gemm_grid(gpu, rows, n_out)
 }
 
-/// Whether an FP8 product of a decode batch past [`GEMV_MAX_ROWS`] rows runs on
+/// Whether an FP8 product of a decode batch past [`GEMV_MAX_ROWS`] rows (up to 64) runs on
 /// `fp8wg_gemm` (the prefill kernel: the weight streamed once, its codes turned into bf16
 /// in registers, `wgmma` over the rows' two bf16 parts, tiles of at most 64 rows) instead
-/// of the gemv loops: where that kernel takes the weight and the product has tiles
-/// enough to fill the GPU ([`small_gemm_grid`] keeps the narrow ones — `wq_a`, `wo_b`, the
-/// shared expert's down — on the loops). On 20 Flash layers a batch-32 step ran 6% faster
-/// (`wq_b` and the grouped `wo_a` here; docs/perf.md, "A decode step as the device ran
-/// it"), batches 16 and 64 the same. `SLUICE_CUDA_FP8WG_DECODE=0` keeps the loops.
+/// of the gemv loops, where that kernel takes the weight, split along K where its blocks
+/// would not fill the GPU ([`fp8_splits`]). On 20 Flash layers a batch-32 step ran 6%
+/// faster with `wq_b` and the grouped `wo_a` here (docs/perf.md, "A decode step as the
+/// device ran it"), and 9-14% faster at 32-64 rows with the narrow ones — `wq_a`, `wkv`,
+/// `wo_b`, the shared expert's down, whose GEMM has few tiles ([`small_gemm_grid`]) — split
+/// (docs/perf.md, "Narrow FP8 products split along K"). `SLUICE_CUDA_FP8WG_DECODE=0`
+/// keeps up to 32 rows on the loops, `SLUICE_CUDA_FP8WG_SPLIT_BLOCKS=0` the narrow ones.
 pub(crate) fn fp8_rows_on_wgmma(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     op.rows > GEMV_MAX_ROWS
-        && op.rows <= gemv_loop_max_rows()
+        && op.rows <= SMALL_GRID_GEMV_MAX_ROWS.max(gemv_loop_max_rows())
+        && (split_blocks(gpu) > 0 || !small_gemm_grid(gpu, op.rows, w.rows))
         && *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_DECODE").map_or(true, |v| v != "0"))
-        && !small_gemm_grid(gpu, op.rows, w.rows)
         && super::moe_fp4wg::fp8_takes(gpu, op, w)
+}
+
+/// Blocks a narrow FP8 product split along K aims for (`SLUICE_CUDA_FP8WG_SPLIT_BLOCKS`,
+/// read once; default the GPU's SMs, 0 = no split: narrow products of decode batches stay
+/// on the gemv loops).
+fn split_blocks(gpu: &Gpu) -> usize {
+    static ONCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_SPLIT_BLOCKS").ok().and_then(|v| v.parse().ok()))
+        .unwrap_or(gpu.sms)
+}
+
+/// Most slices a product is split into along K, and fewest chunks (64 inputs) a slice:
+/// each slice's plane of partial sums costs a write and a read, and a slice of few chunks
+/// leaves the block's ring of stages mostly filling.
+const MAX_SPLITS: usize = 16;
+const MIN_SLICE_CHUNKS: usize = 4;
+
+/// Slices along K for an FP8 product of `op` on `fp8wg_gemm`: at decode batch sizes (up
+/// to [`SMALL_GRID_GEMV_MAX_ROWS`] rows) whose blocks (128 outputs × a tile of rows) fall
+/// short of [`split_blocks`], enough to reach it, at most [`MAX_SPLITS`] and at least
+/// [`MIN_SLICE_CHUNKS`] chunks a slice; else 1. At 64 rows on the gemv loops `wo_b` took
+/// ~140 µs, `wq_a` and `wkv` ~100 and the shared expert's down ~75 of a ~1.9 ms layer,
+/// and the grouped `wo_a` unsplit (64 blocks) ~105 (docs/perf.md, "Narrow FP8 products
+/// split along K").
+pub(crate) fn fp8_splits(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> usize {
+    let target = split_blocks(gpu);
+    let blocks = (w.rows / GEMM_BN).max(1) * op.rows.div_ceil(GEMM_BM);
+    if target == 0 || op.rows > SMALL_GRID_GEMV_MAX_ROWS || blocks >= target {
+        return 1;
+    }
+    let most = (w.cols / super::moe_fp4wg::FP8_CHUNK_INPUTS / MIN_SLICE_CHUNKS).clamp(1, MAX_SPLITS);
+    target.div_ceil(blocks).clamp(1, most)
 }
 
 /// Up to [`SMALL_GRID_GEMV_MAX_ROWS`] rows whose tiled GEMM would have at most a quarter
@@ -510,7 +545,8 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
         return cublas_bf16::product(gpu, op, w);
     }
     if fp8_rows_on_wgmma(gpu, &op, w) {
-        return super::moe_fp4wg::fp8_product(gpu, op, w);
+        let splits = fp8_splits(gpu, &op, w);
+        return super::moe_fp4wg::fp8_product(gpu, op, w, splits);
     }
     if gemv_loops(gpu, op.rows, w.rows) {
         // One launch up to 8 rows (the v2 kernels: up to 32); past that each launch
@@ -521,7 +557,8 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
         return;
     }
     if super::moe_fp4wg::fp8_takes(gpu, &op, w) {
-        return super::moe_fp4wg::fp8_product(gpu, op, w);
+        let splits = fp8_splits(gpu, &op, w);
+        return super::moe_fp4wg::fp8_product(gpu, op, w, splits);
     }
     if let Some(name) = gemm_kernel(&op, w) {
         return gemm(gpu, name, op, w, None);
@@ -548,6 +585,19 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
         return;
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
+    if swiglu_on_wgmma(gpu, &op, w1, w3) {
+        // Both products from one set of the rows' parts.
+        count_product(gpu, op.rows, w1);
+        count_product(gpu, op.rows, w3);
+        let parts = super::moe_fp4wg::parts(gpu, op.x, op.x_stride, op.rows, w1.cols, true);
+        let n = op.rows * w1.rows;
+        let up = gpu.alloc::<f32>(n);
+        super::moe_fp4wg::fp8_product_of(gpu, &parts, op, w1, fp8_splits(gpu, &op, w1));
+        let op_up = Operand { out: gpu.ptr(&up), out_stride: w3.rows, ..op };
+        super::moe_fp4wg::fp8_product_of(gpu, &parts, op_up, w3, fp8_splits(gpu, &op_up, w3));
+        swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
+        return;
+    }
     let gemv_rows =
         (op.rows <= SWIGLU_GEMV_MAX_ROWS || small_gemm_grid(gpu, op.rows, w1.rows)) && !cublas_bf16::takes(op.rows, w1);
     if gemv_rows && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
@@ -563,6 +613,19 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     matmul_as(gpu, op, w1, variant);
     matmul_as(gpu, Operand { out: gpu.ptr(&up), ..op }, w3, variant);
     swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
+}
+
+/// Whether an FP8 SwiGLU pair of a decode batch past [`GEMV_MAX_ROWS`] rows runs as two
+/// products on `fp8wg_gemm` from one set of the rows' parts ([`fp8_rows_on_wgmma`], split
+/// along K where narrow) and `swiglu_act`, instead of the pair's gemv loop (8 rows a
+/// launch, the weights streamed again each time): the shared expert of 16-64 rows on 20
+/// Flash layers, 1-4% of the step (docs/perf.md, "Narrow FP8 products split along K").
+/// `SLUICE_CUDA_FP8WG_SWIGLU=0` (read once) keeps the loop.
+pub(crate) fn swiglu_on_wgmma(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &CudaWeight) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_SWIGLU").map_or(true, |v| v != "0"))
+        && fp8_rows_on_wgmma(gpu, op, w1)
+        && fp8_rows_on_wgmma(gpu, op, w3)
 }
 
 /// `g = silu(min(g, limit)) * clamp(u, ±limit)` over `n` values, in place in `g`.

@@ -13,13 +13,13 @@ use super::CudaBackend;
 use super::gemv_f8wg::swizzled_map;
 use super::matmul::{GEMM_BM, Operand};
 use super::memory::{CudaWeight, WeightData};
-use super::runtime::{DevBuf, Gpu, cfg, launch};
+use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
 use crate::backend::MoeWeights;
 
 /// The kernels: the products (with their dynamic shared memory, opted in at load) — FP4
 /// and FP8, each plain and `_p`, each for tiles of 128 rows and `_n64` of 64 — then the
-/// parts. A product's index: FP8 + 2 · `_p` + 4 · `_n64`.
-pub(crate) const FP4WG_KERNELS: [&str; 9] = [
+/// parts and the sum of a product split along K. A product's index: FP8 + 2 · `_p` + 4 · `_n64`.
+pub(crate) const FP4WG_KERNELS: [&str; 10] = [
     "fp4wg_gemm",
     "fp8wg_gemm",
     "fp4wg_gemm_p",
@@ -29,6 +29,7 @@ pub(crate) const FP4WG_KERNELS: [&str; 9] = [
     "fp4wg_gemm_p_n64",
     "fp8wg_gemm_p_n64",
     "fp4wg_parts",
+    "fw_split_sum",
 ];
 /// Outputs of a block (`FW_BN`), rows of a full tile (the host's [`GEMM_BM`]) and of a
 /// small one; the parts' rows are a multiple of FP4's chunk of inputs (FP8's is 64).
@@ -36,6 +37,8 @@ const BLOCK_OUTPUTS: usize = 128;
 const TILE_ROWS: usize = 128;
 const SMALL_TILE_ROWS: usize = 64;
 const CHUNK_INPUTS: usize = 128;
+/// Inputs of an FP8 chunk (`FW_KC`): the unit a product split along K is cut in.
+pub(crate) const FP8_CHUNK_INPUTS: usize = 64;
 const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the grouped tiles' row tiles");
 /// Dynamic shared memory of a product kernel of `chunk` inputs a chunk, `stages` stages
 /// and tiles of `rows` rows (`FW_STAGE`: the tile's two bf16 parts, the block's codes — 64
@@ -67,8 +70,12 @@ struct Fp4wgArgs {
     plane: i32,
     g_out: i32,
     out_stride: i32,
+    /// Blocks along K (the launch's z): each writes its slice's sums to its own plane.
+    splits: i32,
+    /// Floats between two slices' planes in `out` (when `splits` > 1).
+    split_stride: i32,
     /// Zero: no undefined padding bytes in a launch's arguments.
-    pad: [u32; 22],
+    pad: [u32; 20],
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers without padding, `struct Fp4wgArgs` in
@@ -163,10 +170,21 @@ pub(crate) fn fp8_takes(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
 }
 
 /// `op.out = op.x · Wᵀ` (or grouped: group g of outputs reads inputs gK..gK+K) on
-/// `fp8wg_gemm`, every row in tiles of 128 ([`fp8_takes`] holds).
-pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
-    let cols = op.groups * w.cols;
-    let parts = parts(gpu, op.x, op.x_stride, op.rows, cols, true);
+/// `fp8wg_gemm`, every row in tiles of 128 ([`fp8_takes`] holds), its inputs cut into
+/// `splits` slices of whole chunks ([`fp8_product_of`]).
+pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight, splits: usize) {
+    let parts = parts(gpu, op.x, op.x_stride, op.rows, op.groups * w.cols, true);
+    fp8_product_of(gpu, &parts, op, w, splits);
+}
+
+/// [`fp8_product`] from the rows' parts made already (`op.x` unread: products of one
+/// input share them). With more than one slice along K (at most one a chunk) each
+/// slice's blocks write partial sums to a plane of their own and `fw_split_sum` adds the
+/// planes in order into `op.out`: the few blocks of a narrow product at decode batch
+/// sizes then still fill the GPU ([`super::matmul::fp8_splits`]).
+pub(crate) fn fp8_product_of(gpu: &Gpu, parts: &Parts, op: Operand, w: &CudaWeight, splits: usize) {
+    assert_eq!((parts.rows, parts.k), (op.rows, op.groups * w.cols), "fp8wg: parts of another shape");
+    let splits = splits.clamp(1, w.cols / FP8_CHUNK_INPUTS);
     let tiles: Vec<i32> =
         (0..op.rows).step_by(TILE_ROWS).flat_map(|r| [0, r as i32, (op.rows - r).min(TILE_ROWS) as i32]).collect();
     // The tile lists as the i32 words of cached device tables (the same for every product
@@ -180,7 +198,34 @@ pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
     let (wp, sp) = w.ptrs();
     let wtab = gpu.constant_table(&[wp, sp]);
     let tiles = DeviceTiles { lists, _bufs: Vec::new() };
-    launch_products(gpu, true, &parts, w, &tiles, wtab, (op.out, op.out_stride), w.rows / op.groups);
+    if splits == 1 {
+        let out = Output { at: op.out, stride: op.out_stride, splits: 1, split_stride: 0 };
+        return launch_products(gpu, true, parts, w, &tiles, wtab, out, w.rows / op.groups);
+    }
+    let plane = op.rows * w.rows;
+    let partial = gpu.alloc::<f32>(splits * plane);
+    let out = Output { at: gpu.ptr(&partial), stride: w.rows, splits, split_stride: plane };
+    launch_products(gpu, true, parts, w, &tiles, wtab, out, w.rows / op.groups);
+    launch!(
+        gpu,
+        "fw_split_sum",
+        cfg_elems(plane),
+        op.out,
+        op.out_stride as i32,
+        gpu.ptr(&partial),
+        op.rows as i32,
+        w.rows as i32,
+        splits as i32
+    );
+}
+
+/// Where a product's sums go: `stride` floats a row, and with `splits` slices along K a
+/// plane of partial sums a slice, `split_stride` floats apart.
+struct Output {
+    at: u64,
+    stride: usize,
+    splits: usize,
+    split_stride: usize,
 }
 
 /// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order.
@@ -194,14 +239,15 @@ pub(crate) struct Parts {
 }
 
 /// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`] in the FP4
-/// (`fp8` false) or the FP8 kernel's input order.
+/// (`fp8` false) or the FP8 kernel's input order: a block a row, and at decode batch
+/// sizes several ([`parts_slices`]).
 pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, fp8: bool) -> Parts {
     assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
     let values = gpu.alloc::<u16>(2 * rows * k);
     launch!(
         gpu,
         "fp4wg_parts",
-        cfg((rows as u32, 1, 1), 128, 0),
+        cfg((rows as u32, parts_slices(gpu, rows, k) as u32, 1), 128, 0),
         gpu.ptr(&values),
         x,
         rows as i32,
@@ -215,11 +261,24 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
     Parts { _values: values, rows, k, maps }
 }
 
+/// Blocks a row of `fp4wg_parts`: enough for `SLUICE_CUDA_FP4WG_PARTS_BLOCKS` blocks in
+/// all (read once; default twice the SMs; 0 or 1: a block a row), each at least 1,024
+/// inputs (a pass of its 128 threads). A block a row left a decode batch's 64 rows of
+/// `wo_a`'s 32,768 inputs ~65 µs on 64 SMs (docs/perf.md).
+fn parts_slices(gpu: &Gpu, rows: usize, k: usize) -> usize {
+    static ONCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let target = ONCE
+        .get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_PARTS_BLOCKS").ok().and_then(|v| v.parse().ok()))
+        .unwrap_or(2 * gpu.sms);
+    target.div_ceil(rows).clamp(1, (k / 1024).max(1))
+}
+
 /// `out[position][w.rows] = parts · Wᵀ` over the listed tiles of one expert's positions
 /// (`wtab`: (codes, scale bytes) of each expert's matrix; `w` any one of them, for the
 /// shape), the parts in the FP4 order.
 pub(crate) fn product(gpu: &Gpu, parts: &Parts, w: &CudaWeight, tiles: &DeviceTiles, wtab: u64, out: u64) {
-    launch_products(gpu, false, parts, w, tiles, wtab, (out, w.rows), w.rows);
+    let out = Output { at: out, stride: w.rows, splits: 1, split_stride: 0 };
+    launch_products(gpu, false, parts, w, tiles, wtab, out, w.rows);
 }
 
 /// The launches of one product, a kernel a tile height: `fp8` picks the FP8 kernels,
@@ -232,7 +291,7 @@ fn launch_products(
     w: &CudaWeight,
     tiles: &DeviceTiles,
     wtab: u64,
-    out: (u64, usize),
+    out: Output,
     g_out: usize,
 ) {
     for (small, &(at, count)) in tiles.lists.iter().enumerate() {
@@ -244,16 +303,18 @@ fn launch_products(
         assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
         let args = Fp4wgArgs {
             parts: parts.maps[small],
-            out: out.0,
+            out: out.at,
             wtab,
             tiles: at,
             k: w.cols as i32,
             plane: parts.rows as i32,
             g_out: g_out as i32,
-            out_stride: out.1 as i32,
-            pad: [0; 22],
+            out_stride: out.stride as i32,
+            splits: out.splits as i32,
+            split_stride: out.split_stride as i32,
+            pad: [0; 20],
         };
-        let grid = ((w.rows / BLOCK_OUTPUTS) as u32, count as u32, 1);
+        let grid = ((w.rows / BLOCK_OUTPUTS) as u32, count as u32, out.splits as u32);
         launch!(gpu, name, cfg(grid, 256, FP4WG_SMEM[kernel] as u32), args);
     }
 }

@@ -4,7 +4,8 @@
 //! of K = 4096), at one and two rows (one `gemv_many_bf16` launch), 3-8 rows (each on
 //! its own), 9-300 rows (cuBLAS on one split of x; with `SLUICE_CUDA_GEMM_ROWS=9`, 9-32
 //! rows `gemm_rows_bf16` product by product), more products than one launch
-//! takes, and a list with an FP8 weight in it (each on its own).
+//! takes, a list with an FP8 weight in it (each on its own), and `wq_a` + `wkv` in FP8
+//! (past 8 rows two `fp8wg_gemm` products split along K from one set of the rows' parts).
 
 use super::*;
 
@@ -16,10 +17,11 @@ fn cuda_products_of_one_input_match_cpu() {
     let k = 4096;
     let csa = [1024, 512, 1024, 1024, 256, 256, 64];
     let nine = [1024, 512, 1024, 1024, 256, 256, 64, 512, 8];
-    let cases: [(&str, &[usize], &[&str]); 3] = [
+    let cases: [(&str, &[usize], &[&str]); 4] = [
         ("csa", &csa, &["bf16"; 7]),
         ("nine", &nine, &["bf16"; 9]),
         ("mixed", &[1024, 512, 64], &["bf16", "fp8", "bf16"]),
+        ("fp8", &[1024, 512], &["fp8", "fp8"]),
     ];
     for (what, outputs, dtypes) in cases {
         let ws: Vec<TestWeight> = outputs.iter().zip(dtypes).map(|(&n, d)| weight(&mut rng, n, k, 0.02, d)).collect();

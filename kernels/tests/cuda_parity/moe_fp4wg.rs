@@ -49,33 +49,50 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
 /// `gemm_fp8` tiles before it (`cuda_parity`'s f32-level bound for split activations).
 const FP8WG_TOL: f32 = 1e-4;
 
-/// FP8 products of prefill-sized batches on `fp8wg_gemm` against the CPU: V4-Flash's
-/// `wq_a` (1,024 × 4,096), `wq_b` (32,768 × 1,024), the grouped `wo_a` (8 groups of
-/// 1,024 outputs over 4,096 inputs each) and a narrow one (128 × 256), at row counts that
-/// leave a partial last tile (300, 1,000) and one tile (128); outputs start poisoned.
+/// FP8 products on `fp8wg_gemm` against the CPU: V4-Flash's `wq_a` (1,024 × 4,096), `wq_b`
+/// (32,768 × 1,024), the grouped `wo_a` (8 groups of 1,024 outputs over 4,096 inputs
+/// each) and a narrow one (128 × 256), at prefill row counts that leave a partial last
+/// tile (300, 1,000) and one tile (128); and decode batches of 9-64 rows, which the
+/// engine sends here too: `wq_b` whole, and split along K where the blocks would not fill
+/// the GPU, the grouped `wo_a`, `wq_a`, `wkv` (512 × 4,096), `wo_b` (4,096 × 8,192) and the
+/// shared expert's down (4,096 × 2,048) (each checked to be dispatched so). Outputs start
+/// poisoned.
 #[test]
 fn cuda_fp8wg_products_match_cpu() {
     let Some(g) = wgmma_gpu("cuda_fp8wg_products_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
     let c = CpuBackend::new();
     let mut rng = rng("fp8wg products");
-    // (groups, outputs a group, inputs a group, row counts); 9-32 rows: decode batches,
-    // which the engine's products of `wq_b` and the grouped `wo_a` send here too.
-    let shapes: [(usize, usize, usize, &[usize]); 4] = [
-        (1, 1024, 4096, &[300, 1000]),
-        (1, 32768, 1024, &[9, 32, 128]),
-        (8, 1024, 4096, &[17, 300]),
-        (1, 128, 256, &[1000]),
+    // (groups, outputs a group, inputs a group, row counts, split along K at decode rows:
+    // fewer blocks than SMs)
+    type Shape<'a> = (usize, usize, usize, &'a [usize], bool);
+    let shapes: [Shape; 7] = [
+        (1, 1024, 4096, &[16, 64, 300, 1000], true),
+        (1, 32768, 1024, &[9, 32, 128], false),
+        (8, 1024, 4096, &[17, 64, 300], true),
+        (1, 128, 256, &[1000], false),
+        (1, 512, 4096, &[9], true),
+        (1, 4096, 8192, &[33, 64], true),
+        (1, 4096, 2048, &[32], true),
     ];
-    for (groups, g_out, k, row_counts) in shapes {
+    // (Unless SLUICE_CUDA_FP8WG_DECODE=0 or SLUICE_CUDA_FP8WG_SPLIT_BLOCKS=0 keep decode
+    // batches on the gemv loops.)
+    let env_on = |name: &str| std::env::var(name).map_or(true, |v| v != "0");
+    let decode_here = env_on("SLUICE_CUDA_FP8WG_DECODE");
+    let split_here = env_on("SLUICE_CUDA_FP8WG_SPLIT_BLOCKS");
+    for (groups, g_out, k, row_counts, split) in shapes {
         let w = weight(&mut rng, groups * g_out, k, 0.05, "fp8");
         let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
         for &rows in row_counts {
             let what = format!("fp8wg {groups}x{g_out}x{k} rows={rows}");
             assert!(g.fp8wg_takes(rows, groups, &gw), "{what}: not taken");
-            // (Unless SLUICE_CUDA_FP8WG_DECODE=0 keeps decode batches on the gemv loops.)
-            let decode_here = std::env::var("SLUICE_CUDA_FP8WG_DECODE").map_or(true, |v| v != "0");
-            if rows <= 32 && decode_here {
+            let decode_rows = rows <= 64 && (split_here || !split);
+            if decode_rows && decode_here && g.sms() >= 128 {
                 assert!(g.fp8wg_takes_decode_rows(rows, groups, &gw), "{what}: a decode batch left on the gemv loops");
+            }
+            // (The split shapes are split on GPUs of 128 SMs or more, as the H200's 132.)
+            let splits = g.fp8wg_decode_splits(rows, groups, &gw);
+            if g.sms() >= 128 {
+                assert_eq!(splits > 1, split && rows <= 64 && split_here, "{what}: {splits} slices along K");
             }
             let x = rand_vec(&mut rng, rows * groups * k, 1.0);
             let mut want = vec![0f32; rows * groups * g_out];
@@ -88,8 +105,42 @@ fn cuda_fp8wg_products_match_cpu() {
                 g.grouped_matmul(&g.upload(&x), rows, groups, &gw, &mut out);
             }
             let e = rel_err(&g.download(&out), &want);
-            eprintln!("PARITY {what} {e:.2e}");
+            eprintln!("PARITY {what} splits={splits} {e:.2e}");
             assert!(e <= FP8WG_TOL, "{what}: max|Δ|/max|CPU| {e:.3e} above {FP8WG_TOL:.0e}");
+        }
+    }
+}
+
+/// The shared expert's SwiGLU pair (V4-Flash: 2,048 × 4,096 FP8) at decode batches of
+/// 9-64 rows through the engine's pair, which runs it as two products on `fp8wg_gemm`
+/// (split along K, one set of the rows' parts) and the SwiGLU (checked to be dispatched
+/// so unless `SLUICE_CUDA_FP8WG_SWIGLU=0`); clamps 10 and 0.5; outputs start poisoned.
+#[test]
+fn cuda_fp8wg_swiglu_pairs_match_cpu() {
+    let Some(g) = wgmma_gpu("cuda_fp8wg_swiglu_pairs_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
+    let c = CpuBackend::new();
+    let mut rng = rng("fp8wg swiglu pairs");
+    let (n, k) = (2048, 4096);
+    let (w1, w3) = (weight(&mut rng, n, k, 0.05, "fp8"), weight(&mut rng, n, k, 0.05, "fp8"));
+    let (g1, g3) = (g.weight(w1.view()), g.weight(w3.view()));
+    let (c1, c3) = (c.weight(w1.view()), c.weight(w3.view()));
+    let here = ["SLUICE_CUDA_FP8WG_SWIGLU", "SLUICE_CUDA_FP8WG_DECODE"]
+        .iter()
+        .all(|knob| std::env::var(knob).map_or(true, |v| v != "0"));
+    for rows in [9, 32, 64] {
+        let x = rand_vec(&mut rng, rows * k, 1.0);
+        let gx = g.upload(&x);
+        let (mut gate, mut up) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+        c.matmul(&x, rows, &c1, &mut gate);
+        c.matmul(&x, rows, &c3, &mut up);
+        for limit in [10.0f32, 0.5] {
+            let mut out = poisoned(g, rows * n);
+            let on_wgmma = g.swiglu_rows(&gx, rows, &g1, &g3, limit, &mut out);
+            assert_eq!(on_wgmma, here, "the pair at {rows} rows on fp8wg_gemm: {on_wgmma}");
+            let want = swiglu_reference(&gate, &up, limit);
+            let e = rel_err(&g.download(&out), &want);
+            eprintln!("PARITY fp8wg pair {n}x{k} rows={rows} limit={limit} {e:.2e}");
+            assert!(e <= FP8WG_TOL, "fp8wg pair rows={rows} limit={limit}: {e:.3e} above {FP8WG_TOL:.0e}");
         }
     }
 }

@@ -67,7 +67,9 @@ struct __align__(64) Fp4wgArgs {
     int K, plane;        // inputs (of a group), rows of one part's plane
     int g_out;           // outputs a group (FP8 grouped products; else all): group g reads inputs gK..
     int out_stride;
-    unsigned pad[22];    // zero (the host's struct has no undefined padding bytes)
+    int splits;          // blocks along K (gridDim.z): block z sums chunks z·n/splits .. (z+1)·n/splits
+    int split_stride;    // floats between two K slices' partial sums in `out` (splits > 1)
+    unsigned pad[20];    // zero (the host's struct has no undefined padding bytes)
 };
 
 // D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
@@ -159,14 +161,15 @@ __device__ __forceinline__ u32 fw_block_scale2(float s) {
 // fragments' input order: FP4 (`fp8` 0) within each group of 32 inputs, k-step s holds
 // inputs 8t + 4s, + 1 at logical 2t, 2t + 1 and 8t + 4s + 2, + 3 at 2t + 8, 2t + 9; FP8
 // within each k-step of 16 inputs, inputs 4t, + 1 at 2t, 2t + 1 and 4t + 2, + 3 at
-// 2t + 8, 2t + 9. A block of 128 threads a row, a thread 8 inputs at a time.
+// 2t + 8, 2t + 9. A block of 128 threads a row (gridDim.y blocks a row at decode batch
+// sizes, each a strided share of its inputs), a thread 8 inputs at a time.
 extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const float* x, int rows, int K,
                                                               int x_stride, int plane, int fp8) {
     pdl_begin();
     const int r = blockIdx.x, tid = threadIdx.x;
     if (r >= rows) return;
     const float* xr = x + (long long)r * x_stride;
-    for (int j = tid; j < K / 8; j += 128) {
+    for (int j = blockIdx.y * 128 + tid; j < K / 8; j += 128 * gridDim.y) {
         const float4 a = *(const float4*)(xr + 8 * j), b = *(const float4*)(xr + 8 * j + 4);
         const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         const long long row = (long long)r * K;
@@ -194,7 +197,11 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
     __shared__ __align__(8) u64 bars[S];
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int half = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in it
-    const int n0 = blockIdx.x * FW_BN, K = a.K, chunks = K / KC;
+    const int n0 = blockIdx.x * FW_BN, K = a.K;
+    // This block's slice of the chunks (all of them unless the product is split along K):
+    // chunk c below is the slice's c-th, c0 + c of the row.
+    const int z = blockIdx.z, all_chunks = K / KC;
+    const int c0 = z * all_chunks / a.splits, chunks = (z + 1) * all_chunks / a.splits - c0;
     const int xk0 = (n0 / a.g_out) * K;  // the group's first input in the parts' rows
     const u32 base = (smem_addr(fw_smem) + 1023) & ~1023u;
     const u8* gbase = fw_smem + (base - smem_addr(fw_smem));
@@ -223,17 +230,17 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
                 wg_mbar_expect(bar0 + 8 * st, B_BYTES);
 #pragma unroll
                 for (int i = 0; i < 2 * NB; i++)  // part i / NB, inputs 64 (i % NB) ..
-                    wg_tma_load(stage + i * BOX, &a.parts, xk0 + c * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
+                    wg_tma_load(stage + i * BOX, &a.parts, xk0 + (c0 + c) * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
                                 bar0 + 8 * st);
             }
 #pragma unroll
             for (int i = 0; i < 2; i++) {
                 const int piece = tid + i * FW_THREADS, row = piece >> 2, q = piece & 3;
                 const u32 dst = stage + B_BYTES + row * 64 + ((q ^ ((row >> 1) & 3)) << 4);
-                cp_async<16>(dst, w + (n0 + row) * row_bytes + c * 64 + q * 16);
+                cp_async<16>(dst, w + (n0 + row) * row_bytes + (c0 + c) * 64 + q * 16);
             }
             if (!FP8 && tid < FW_BN)
-                cp_async<4>(stage + B_BYTES + FW_A_BYTES + tid * 4, sc + (n0 + tid) * (K / 32) + c * 4);
+                cp_async<4>(stage + B_BYTES + FW_A_BYTES + tid * 4, sc + (n0 + tid) * (K / 32) + (c0 + c) * 4);
         }
         cp_async_commit();  // one group a chunk, empty past the end, so the waits count chunks
     };
@@ -259,7 +266,7 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
         const u8* codes = gbase + st * STAGE + B_BYTES;
         if constexpr (FP8) {
             // The block's 128 rows are one scale block row; a chunk is half a scale block.
-            const float* bs = (const float*)sc + (long long)(n0 / 128) * (K / 128) + (c * KC) / 128;
+            const float* bs = (const float*)sc + (long long)(n0 / 128) * (K / 128) + ((c0 + c) * KC) / 128;
             const u32 fs = fw_block_scale2(__ldg(bs));
 #pragma unroll
             for (int q = 0; q < 4; q++) {  // k-step q: 16 bytes of a row
@@ -308,15 +315,17 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
     wg_wait<0>();
     fw_hold(acc);
     cp_async_wait<0>();
-    // Sums j (j = 4i + e): token 8i + 2t + (e & 1), row rlo + 8 (e >> 1).
+    // Sums j (j = 4i + e): token 8i + 2t + (e & 1), row rlo + 8 (e >> 1); a K slice's
+    // into its own plane of partial sums (fw_split_sum adds them).
     const int o = n0 + rlo;
+    float* out = a.out + (long long)z * a.split_stride;
 #pragma unroll
     for (int i = 0; i < BT / 8; i++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int tok = 8 * i + 2 * t + e;
             if (tok < count) {
-                float* dst = a.out + (long long)(p0 + tok) * a.out_stride + o;
+                float* dst = out + (long long)(p0 + tok) * a.out_stride + o;
                 dst[0] = acc[4 * i + e];
                 dst[8] = acc[4 * i + 2 + e];
             }
@@ -339,3 +348,15 @@ FW_KERNEL(fp4wg_gemm_n64, false, false, 64)
 FW_KERNEL(fp8wg_gemm_n64, true, false, 64)
 FW_KERNEL(fp4wg_gemm_p_n64, false, true, 64)
 FW_KERNEL(fp8wg_gemm_p_n64, true, true, 64)
+
+// out[r][c] (out_stride apart) = the sum over z in order of part[z][r][c] (each plane
+// rows × n, the K slices' sums of a product split along K): one thread an output.
+extern "C" __global__ void fw_split_sum(float* out, int out_stride, const float* part, int rows, int n, int splits) {
+    pdl_begin();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * n) return;
+    const int plane = rows * n;
+    float acc = part[i];
+    for (int z = 1; z < splits; z++) acc += part[(long long)z * plane + i];
+    out[(long long)(i / n) * out_stride + i % n] = acc;
+}
