@@ -24,7 +24,7 @@ use super::matmul::{
 };
 use super::memory::{CudaBuf, CudaWeight};
 use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
-use super::moe_wgmma::{SEGMENT_ROWS as WGMOE_SEGMENT_ROWS, experts_wgmma, wgmoe_plan, with_flag_set};
+use super::moe_wgmma::{experts_wgmma, wgmoe_plan, with_flag_set};
 use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
 use super::{cublas_bf16, moe_cublas, moe_host};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
@@ -471,11 +471,11 @@ pub(crate) fn experts_routed_on_device(
     let active = g.alloc::<i32>(n_exp + 1);
     let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
     // Decode batches run by segments of one expert's list positions: on `wgmma` (sm_90,
-    // 1-64 rows, segments of two), else on the v2 segment kernels.
+    // 1-64 rows, segments of two, or four from 16 rows), else on the v2 segment kernels.
     let wg = if variant == Decode::V2 { wgmoe_plan(g, rows, w) } else { None };
     let by_segments = if variant == Decode::V2 && wg.is_none() { segments_plan(rows, w) } else { None };
     let seg_rows = match (&wg, &by_segments) {
-        (Some(_), _) => Some(WGMOE_SEGMENT_ROWS),
+        (Some(p), _) => Some(p.seg_rows),
         (None, Some(p)) => Some(p.seg_rows),
         (None, None) => None,
     };

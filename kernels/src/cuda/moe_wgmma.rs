@@ -17,8 +17,9 @@ use crate::backend::MoeWeights;
 
 /// The kernels: gate/up (SwiGLU into h) and down, each with K split over clusters of 1,
 /// 2 or 4 blocks (the order of [`SPLITS`]); then the same with the next step's fragments
-/// converted while the tensor core works (`_p_`, [`pipelined`], the default).
-pub(crate) const WGMOE_KERNELS: [&str; 12] = [
+/// converted while the tensor core works (`_p_`, [`pipelined`], the default); then those
+/// with segments of 4 list positions (`_p_r4_`, [`r4_rows`]).
+pub(crate) const WGMOE_KERNELS: [&str; 18] = [
     "wgmoe_swiglu_k1",
     "wgmoe_swiglu_k2",
     "wgmoe_swiglu_k4",
@@ -31,12 +32,20 @@ pub(crate) const WGMOE_KERNELS: [&str; 12] = [
     "wgmoe_p_down_k1",
     "wgmoe_p_down_k2",
     "wgmoe_p_down_k4",
+    "wgmoe_p_r4_swiglu_k1",
+    "wgmoe_p_r4_swiglu_k2",
+    "wgmoe_p_r4_swiglu_k4",
+    "wgmoe_p_r4_down_k1",
+    "wgmoe_p_r4_down_k2",
+    "wgmoe_p_r4_down_k4",
 ];
 const SPLITS: [usize; 3] = [1, 2, 4];
 
-/// List positions a segment holds (`WM_R`: three e4m3 parts a row fill the instruction's
-/// 8 columns for two rows); `moe_lists` cuts the experts' lists at this length.
-pub(crate) const SEGMENT_ROWS: usize = 2;
+/// List positions a segment holds (the kernels' `R`: three e4m3 parts a row fill 6 of the
+/// instruction's 8 columns for two rows, 12 of 16 for four); `moe_lists` cuts the experts'
+/// lists at the plan's length ([`WgMoePlan::seg_rows`]).
+const SEGMENT_ROWS: usize = 2;
+const SEGMENT_ROWS_R4: usize = 4;
 /// Output rows of a tile (`WM_TILE`), inputs of a chunk (`WM_KC`: 8 FP4 scale groups),
 /// bytes of a ring slot (`WM_SLOT`: the chunk's codes and scales), ring slots (the
 /// kernels' `S`) and threads of a block (one warpgroup).
@@ -90,6 +99,8 @@ struct Launch {
 pub(crate) struct WgMoePlan {
     swiglu: Launch,
     down: Launch,
+    /// List positions a segment (2 or 4), what `moe_lists` cuts the lists at.
+    pub(crate) seg_rows: usize,
 }
 
 impl WgMoePlan {
@@ -165,12 +176,42 @@ pub(crate) fn wgmoe_plan_always(gpu: &Gpu, rows: usize, w: &MoeWeights<CudaBacke
         return None;
     }
     let max_segs = rows * w.top_k;
-    let kernels_from = if pipelined() { 6 } else { 0 };
+    let r4 = pipelined() && rows >= r4_rows();
+    let kernels_from = if r4 {
+        12
+    } else if pipelined() {
+        6
+    } else {
+        0
+    };
+    let seg_rows = if r4 { SEGMENT_ROWS_R4 } else { SEGMENT_ROWS };
     Some(WgMoePlan {
-        swiglu: launch_plan(gpu, kernels_from, max_segs * (inter / TILE), d, 2)?,
-        down: launch_plan(gpu, kernels_from + 3, max_segs * (d / TILE), inter, 1)?,
+        swiglu: launch_plan(gpu, kernels_from, max_segs * (inter / TILE), d, 2, seg_rows)?,
+        down: launch_plan(gpu, kernels_from + 3, max_segs * (d / TILE), inter, 1, seg_rows)?,
+        seg_rows,
     })
 }
+
+/// Fewest rows of a batch whose segments hold 4 list positions (the `_p_r4_` kernels:
+/// `SLUICE_CUDA_MOE_WGMMA_R4_ROWS`, read once; 0 = never). With segments of two an expert
+/// with 3-4 of the batch's rows is streamed twice — at 64 rows (384 routed pairs over 256
+/// experts) about a quarter more expert bytes than the experts hold; four rows a segment
+/// cost a wider instruction (12 of 16 columns used) and twice the staged activations.
+fn r4_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| match std::env::var("SLUICE_CUDA_MOE_WGMMA_R4_ROWS").ok().map(|v| v.parse::<usize>()) {
+        None => R4_ROWS,
+        Some(Ok(0)) => usize::MAX,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            tracing::warn!("SLUICE_CUDA_MOE_WGMMA_R4_ROWS is not a number of rows: using {R4_ROWS}");
+            R4_ROWS
+        }
+    })
+}
+
+/// Default fewest rows for segments of 4 (docs/perf.md, "Segments of four rows").
+const R4_ROWS: usize = 16;
 
 /// Most rows of a batch these kernels take (`SLUICE_CUDA_MOE_WGMMA_ROWS`, read once;
 /// default [`WGMOE_MAX_ROWS`]).
@@ -189,13 +230,16 @@ const WGMOE_MAX_ROWS: usize = 64;
 /// at most `units` units over `k` inputs and `matrices` weights a unit: the one that
 /// gives the busiest cluster the least work when the grid is what the GPU holds at once
 /// (gemv_f8wg.rs's rule); ties go to the smaller split.
-fn launch_plan(gpu: &Gpu, first: usize, units: usize, k: usize, matrices: usize) -> Option<Launch> {
+fn launch_plan(gpu: &Gpu, first: usize, units: usize, k: usize, matrices: usize, seg_rows: usize) -> Option<Launch> {
+    // The staged activations: three e4m3 parts a row in the instruction's 8 or 16 columns,
+    // a byte a column an input.
+    let columns = if seg_rows > SEGMENT_ROWS { 16 } else { 8 };
     let mut best: Option<(usize, Launch)> = None;
     for (i, &split) in SPLITS.iter().enumerate() {
         if !k.is_multiple_of(split * CHUNK_INPUTS) {
             continue;
         }
-        let smem = STAGES * SLOT_BYTES + 8 * (k / split);
+        let smem = STAGES * SLOT_BYTES + columns * (k / split);
         if smem > WGMOE_MAX_SMEM {
             continue;
         }
@@ -210,7 +254,7 @@ fn launch_plan(gpu: &Gpu, first: usize, units: usize, k: usize, matrices: usize)
 }
 
 /// The routed experts of a decode batch on these kernels (`lists` from `moe_lists`, cut
-/// at [`SEGMENT_ROWS`]): gate/up of
+/// at the plan's `seg_rows`): gate/up of
 /// each segment into h ([list position][inter], f32), down of each segment into y ([list
 /// position][d]), then each row's weighted sum in list order into `out`.
 #[allow(clippy::too_many_arguments)]

@@ -46,7 +46,10 @@
 #define WM_ROW_BYTES (WM_KC / 2)           // 128 bytes of a row's chunk
 #define WM_WEIGHTS (WM_TILE * WM_ROW_BYTES)  // 8 KiB
 #define WM_SLOT (WM_WEIGHTS + WM_TILE * 8)   // + the 64 rows' 8 scale bytes
-#define WM_R 2                             // list positions of a segment (3 parts each ≤ n = 8)
+// List positions of a segment R: 2 (the instruction's n = 8 columns, three e4m3 parts a
+// row in 6 of them) or 4 (n = 16, 12 used: an expert with 3-4 of a batch's rows streamed
+// once instead of twice, the `_r4` kernels). WM_N(R): the columns.
+#define WM_N(R) ((R) == 2 ? 8 : 16)
 
 // Arguments (a #[repr(C)] struct on the host side: pointers first).
 struct WgMoeArgs {
@@ -81,15 +84,55 @@ __device__ __forceinline__ void wm_mma(float (&d)[4], const u32 (&a)[4], u64 db)
 #endif
 }
 
+// D = A · B (64 × 16 × 32, e4m3, f32; D's old values are not read), A from registers.
+__device__ __forceinline__ void wm_mma(float (&d)[8], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(0));
+#else
+    __trap();
+#endif
+}
+
+// A unit's sums (N columns: the accumulator layout of m64nNk32, 8-column block j in
+// registers 4j..4j+3) into `rd` (64 rows × N + 1), then zeroed.
+template <int N>
+__device__ __forceinline__ void wm_sums_to_shared(float* rd, float (&acc)[N / 2]) {
+    const int lane = threadIdx.x & 31, row = (threadIdx.x >> 5) * 16 + (lane >> 2), q = lane & 3;
+#pragma unroll
+    for (int j = 0; j < N / 8; j++) {
+        rd[row * (N + 1) + 8 * j + 2 * q] = acc[4 * j];
+        rd[row * (N + 1) + 8 * j + 2 * q + 1] = acc[4 * j + 1];
+        rd[(row + 8) * (N + 1) + 8 * j + 2 * q] = acc[4 * j + 2];
+        rd[(row + 8) * (N + 1) + 8 * j + 2 * q + 1] = acc[4 * j + 3];
+    }
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) acc[i] = 0.0f;
+}
+
+// wg_hold for N sums: their reads are tied to after the wait.
+template <int N>
+__device__ __forceinline__ void wm_hold(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
+}
+
 // 2^(s - 127) of the ue8m0 byte `b` of `word` (b a constant after unrolling: the byte
 // moved into the exponent field by one permute and a shift).
 __device__ __forceinline__ float wm_scale(u32 word, int b) {
     return __uint_as_float(__byte_perm(word, 0u, 0x0444u | (b << 12)) >> 1);
 }
 
+// Column n of a k-step's piece: 8-column blocks of 256 bytes, 16 bytes a column.
+__device__ __forceinline__ int wm_col(int n) { return (n >> 3) * 256 + 16 * (n & 7); }
+
 // Four scaled inputs as three e4m3 parts (what each part left, as gemv_f8wg.cu's staging)
-// at dst, dst + 16, dst + 32.
-__device__ __forceinline__ void wm_parts(float (&v)[4], u8* dst) {
+// in columns n0, n0 + 1, n0 + 2 of `piece`.
+__device__ __forceinline__ void wm_parts(float (&v)[4], u8* piece, int n0) {
 #pragma unroll
     for (int p = 0; p < 3; p++) {
         const u32 part = f8_pair(v[0], v[1]) | (f8_pair(v[2], v[3]) << 16);
@@ -99,20 +142,23 @@ __device__ __forceinline__ void wm_parts(float (&v)[4], u8* dst) {
         v[1] -= f16hi_to_f32(h01);
         v[2] -= f16lo_to_f32(h23);
         v[3] -= f16hi_to_f32(h23);
-        *(u32*)(dst + 16 * p) = part;
+        *(u32*)(piece + wm_col(n0 + p)) = part;
     }
 }
 
 // The segment's rows (src[r]: a row of x, or -1 for none) over inputs [kbase, kbase + KB)
-// into `act` in the fragments' input order (see the top), 1 / s_r into inv_s. Starts and
-// ends with a barrier; the caller fences the async proxy.
-__device__ void wm_stage(u8* act, const float* x, int K, const int (&src)[WM_R], int kbase, int KB, float* inv_s,
+// into `act` in the fragments' input order (see the top; a k-step is WM_N(R) / 8 blocks of
+// 256 bytes), 1 / s_r into inv_s. Starts and ends with a barrier; the caller fences the
+// async proxy.
+template <int R>
+__device__ void wm_stage(u8* act, const float* x, int K, const int (&src)[R], int kbase, int KB, float* inv_s,
                          float* red_max) {
+    constexpr int N = WM_N(R);
     const int tid = threadIdx.x;
     __syncthreads();  // the unit before has read inv_s and its wgmmas have read act
-    float m[WM_R];
+    float m[R];
 #pragma unroll
-    for (int r = 0; r < WM_R; r++) {
+    for (int r = 0; r < R; r++) {
         m[r] = 0.0f;
         if (src[r] < 0) continue;
         const float* xr = x + (long long)src[r] * K + kbase;
@@ -121,15 +167,15 @@ __device__ void wm_stage(u8* act, const float* x, int K, const int (&src)[WM_R],
             m[r] = fmaxf(m[r], fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
         }
     }
-    float s[WM_R];
-    wg_row_scales<WM_R>(m, red_max, s, inv_s);
+    float s[R];
+    wg_row_scales<R>(m, red_max, s, inv_s);
     // A thread takes eighths of groups: inputs 8j..8j+7 of group q are logical 4j..4j+3
     // (even ones) and 16+4j..16+4j+3 (odd ones) of k-step q, 256 bytes a k-step, the
     // second 16 logical inputs 128 bytes after the first, column n at 16n.
     for (int e = tid; e < KB / 8; e += WG_THREADS) {
-        u8* piece = act + (e >> 2) * 256 + 4 * (e & 3);
+        u8* piece = act + (e >> 2) * (32 * N) + 4 * (e & 3);
 #pragma unroll
-        for (int r = 0; r < WM_R; r++) {
+        for (int r = 0; r < R; r++) {
             float even[4] = {0.0f, 0.0f, 0.0f, 0.0f}, odd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             if (src[r] >= 0) {
                 const float* xr = x + (long long)src[r] * K + kbase + 8 * e;
@@ -143,13 +189,13 @@ __device__ void wm_stage(u8* act, const float* x, int K, const int (&src)[WM_R],
                 even[3] = b.z * s[r];
                 odd[3] = b.w * s[r];
             }
-            wm_parts(even, piece + 16 * 3 * r);
-            wm_parts(odd, piece + 128 + 16 * 3 * r);
+            wm_parts(even, piece, 3 * r);
+            wm_parts(odd, piece + 128, 3 * r);
         }
 #pragma unroll
-        for (int n = 3 * WM_R; n < 8; n++) {
-            *(u32*)(piece + 16 * n) = 0u;
-            *(u32*)(piece + 128 + 16 * n) = 0u;
+        for (int n = 3 * R; n < N; n++) {
+            *(u32*)(piece + wm_col(n)) = 0u;
+            *(u32*)(piece + 128 + wm_col(n)) = 0u;
         }
     }
     __syncthreads();
@@ -174,14 +220,14 @@ struct WmWalk {
     }
 };
 
-template <bool DUAL, int KS, int S, bool PIPE>
+template <bool DUAL, int KS, int S, bool PIPE, int R>
 __device__ void wm_body(const WgMoeArgs& a) {
-    constexpr int NM = DUAL ? 2 : 1;
+    constexpr int NM = DUAL ? 2 : 1, N = WM_N(R), NA = N / 2;  // NA: sums a thread a wgmma
     extern __shared__ __align__(128) u8 wm_smem[];
-    __shared__ float red[2][NM][WM_TILE * 9];
-    __shared__ float part_sm[2][NM][WM_R][WM_TILE];
-    __shared__ float red_max[(WG_THREADS / 32) * WM_R];
-    __shared__ float inv_s[WM_R];
+    __shared__ float red[2][NM][WM_TILE * (N + 1)];
+    __shared__ float part_sm[2][NM][R][WM_TILE];
+    __shared__ float red_max[(WG_THREADS / 32) * R];
+    __shared__ float inv_s[R];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int rank = KS > 1 ? (int)(blockIdx.x % KS) : 0;
     const int cluster = blockIdx.x / KS, clusters = gridDim.x / KS;
@@ -237,24 +283,24 @@ __device__ void wm_body(const WgMoeArgs& a) {
     };
     for (int i = 0; i < S - 1; i++) request();
 
-    auto segment_rows = [&](int s, int (&src)[WM_R]) {
+    auto segment_rows = [&](int s, int (&src)[R]) {
         const int p0 = a.segs[s], len = a.segs[a.max_segs + s];
 #pragma unroll
-        for (int r = 0; r < WM_R; r++) src[r] = r < len ? (DUAL ? a.list_rows[p0 + r] : p0 + r) : -1;
+        for (int r = 0; r < R; r++) src[r] = r < len ? (DUAL ? a.list_rows[p0 + r] : p0 + r) : -1;
     };
 
-    float acc[NM][4];
+    float acc[NM][NA];
 #pragma unroll
     for (int m = 0; m < NM; m++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc[m][i] = 0.0f;
+        for (int i = 0; i < NA; i++) acc[m][i] = 0.0f;
     int staged = -1, buf = 0;
-    float d[8][4] = {};  // each wgmma's result (written, never read, by the instruction)
+    float d[8][NA] = {};  // each wgmma's result (written, never read, by the instruction)
 
     // The unit's sums to the output (through the cluster when K is split).
     auto finish = [&](int u) {
 #pragma unroll
-        for (int m = 0; m < NM; m++) wg_sums_to_shared(red[buf][m], acc[m]);
+        for (int m = 0; m < NM; m++) wm_sums_to_shared<N>(red[buf][m], acc[m]);
         __syncthreads();
         const int s = u / a.tiles, p0 = a.segs[s], len = a.segs[a.max_segs + s];
         const long long o0 = (long long)(u % a.tiles) * WM_TILE;
@@ -263,14 +309,14 @@ __device__ void wm_body(const WgMoeArgs& a) {
             float* dst = a.out + (long long)(p0 + r) * a.N + o0 + o;
             *dst = DUAL ? d2_swiglu(v[0], v[NM - 1], a.limit) : v[0];
         };
-        if (tid < WM_TILE * WM_R) {
-            const int o = tid & (WM_TILE - 1), r = tid / WM_TILE;
+        for (int item = tid; item < WM_TILE * R; item += WG_THREADS) {
+            const int o = item & (WM_TILE - 1), r = item / WM_TILE;
             // The parts' sum, the activations' scale and the codes' 2^-6 undone.
             const float unscale = inv_s[r] * 64.0f;
             float v[NM];
 #pragma unroll
             for (int m = 0; m < NM; m++) {
-                const float* p = red[buf][m] + o * 9 + 3 * r;
+                const float* p = red[buf][m] + o * (N + 1) + 3 * r;
                 v[m] = (p[0] + p[1] + p[2]) * unscale;
                 if (KS > 1) part_sm[buf][m][r][o] = v[m];
             }
@@ -279,8 +325,8 @@ __device__ void wm_body(const WgMoeArgs& a) {
         if (KS > 1) {
             gr_cluster_sync();
             constexpr int SLICE = WM_TILE / KS;
-            if (tid < SLICE * WM_R) {
-                const int o = rank * SLICE + tid % SLICE, r = tid / SLICE;
+            for (int item = tid; item < SLICE * R; item += WG_THREADS) {
+                const int o = rank * SLICE + item % SLICE, r = item / SLICE;
                 float v[NM];
 #pragma unroll
                 for (int m = 0; m < NM; m++) {
@@ -316,15 +362,18 @@ __device__ void wm_body(const WgMoeArgs& a) {
     };
     // Each group's result times its scale (rows g and g + 8), into the matrix's sums
     // (indexed by constants: a run-time index would put acc in local memory).
-    auto scaled = [&](const Frags& F, float (&ac)[4]) {
+    auto scaled = [&](const Frags& F, float (&ac)[NA]) {
 #pragma unroll
         for (int q = 0; q < 8; q++) {
             const u32 w_lo = q < 4 ? F.lo.x : F.lo.y, w_hi = q < 4 ? F.hi.x : F.hi.y;
             const float lo = wm_scale(w_lo, q & 3), hi = wm_scale(w_hi, q & 3);
-            ac[0] = fmaf(d[q][0], lo, ac[0]);
-            ac[1] = fmaf(d[q][1], lo, ac[1]);
-            ac[2] = fmaf(d[q][2], hi, ac[2]);
-            ac[3] = fmaf(d[q][3], hi, ac[3]);
+#pragma unroll
+            for (int j = 0; j < NA; j += 4) {  // rows g (registers j, j + 1) and g + 8
+                ac[j] = fmaf(d[q][j], lo, ac[j]);
+                ac[j + 1] = fmaf(d[q][j + 1], lo, ac[j + 1]);
+                ac[j + 2] = fmaf(d[q][j + 2], hi, ac[j + 2]);
+                ac[j + 3] = fmaf(d[q][j + 3], hi, ac[j + 3]);
+            }
         }
     };
 
@@ -336,9 +385,9 @@ __device__ void wm_body(const WgMoeArgs& a) {
         const int u = u0 + at.u, c = at.c, mat = at.mat;
         if (c == 0 && mat == 0 && u / a.tiles != staged) {
             staged = u / a.tiles;
-            int src[WM_R];
+            int src[R];
             segment_rows(staged, src);
-            wm_stage(act, a.x, a.K, src, kbase, KB, inv_s, red_max);
+            wm_stage<R>(act, a.x, a.K, src, kbase, KB, inv_s, red_max);
             wg_proxy_fence();
             __syncthreads();
         }
@@ -349,10 +398,10 @@ __device__ void wm_body(const WgMoeArgs& a) {
             load(cur, slot_i);
             slot_i = slot_i == S - 1 ? 0 : slot_i + 1;
         }
-        const u32 b_addr = smem_addr(act) + c * (WM_KC * 8);
+        const u32 b_addr = smem_addr(act) + c * (WM_KC * N);
         wg_fence();
 #pragma unroll
-        for (int q = 0; q < 8; q++) wm_mma(d[q], cur.f[q], wg_desc(b_addr + q * 256, 128, 1024, 0));
+        for (int q = 0; q < 8; q++) wm_mma(d[q], cur.f[q], wg_desc(b_addr + q * (32 * N), 128, 256, 0));
         wg_commit();
         if (PIPE && i + 1 < steps) {
             request();  // step i + S into the slot of step i, whose fragments are in `cur`
@@ -363,7 +412,7 @@ __device__ void wm_body(const WgMoeArgs& a) {
         }
         wg_wait<0>();
 #pragma unroll
-        for (int q = 0; q < 8; q++) wg_hold(d[q]);
+        for (int q = 0; q < 8; q++) wm_hold(d[q]);
         if (mat == 0) scaled(cur, acc[0]);
         else scaled(cur, acc[NM - 1]);
         if (at.next(chunks)) finish(u);
@@ -384,21 +433,22 @@ __device__ void wm_body(const WgMoeArgs& a) {
     if (KS > 1) gr_cluster_sync();
 }
 
-#define WM_KERNEL(NAME, DUAL, KS, PIPE, CLUSTER)                                                     \
+#define WM_KERNEL(NAME, DUAL, KS, PIPE, CLUSTER, R)                                                  \
     extern "C" __global__ void __launch_bounds__(WG_THREADS) CLUSTER NAME(const WgMoeArgs a) {         \
-        wm_body<DUAL, KS, 4, PIPE>(a);                                                               \
+        wm_body<DUAL, KS, 4, PIPE, R>(a);                                                            \
     }
 
 // Gate/up and down, K split over clusters of 1, 2 or 4; `_p_`: the next step's fragments
 // converted while the tensor core works (the default; SLUICE_CUDA_MOE_WGMMA_PIPE=0 runs
-// the others).
-#define WM_KERNELS(P, PIPE)                                  \
-    WM_KERNEL(wgmoe_##P##swiglu_k1, true, 1, PIPE, )           \
-    WM_KERNEL(wgmoe_##P##swiglu_k2, true, 2, PIPE, WG_CLUSTER(2)) \
-    WM_KERNEL(wgmoe_##P##swiglu_k4, true, 4, PIPE, WG_CLUSTER(4)) \
-    WM_KERNEL(wgmoe_##P##down_k1, false, 1, PIPE, )            \
-    WM_KERNEL(wgmoe_##P##down_k2, false, 2, PIPE, WG_CLUSTER(2))  \
-    WM_KERNEL(wgmoe_##P##down_k4, false, 4, PIPE, WG_CLUSTER(4))
+// the others); `_p_r4_`: those with segments of 4 list positions.
+#define WM_KERNELS(P, PIPE, R)                                   \
+    WM_KERNEL(wgmoe_##P##swiglu_k1, true, 1, PIPE, , R)           \
+    WM_KERNEL(wgmoe_##P##swiglu_k2, true, 2, PIPE, WG_CLUSTER(2), R) \
+    WM_KERNEL(wgmoe_##P##swiglu_k4, true, 4, PIPE, WG_CLUSTER(4), R) \
+    WM_KERNEL(wgmoe_##P##down_k1, false, 1, PIPE, , R)            \
+    WM_KERNEL(wgmoe_##P##down_k2, false, 2, PIPE, WG_CLUSTER(2), R)  \
+    WM_KERNEL(wgmoe_##P##down_k4, false, 4, PIPE, WG_CLUSTER(4), R)
 
-WM_KERNELS(, false)
-WM_KERNELS(p_, true)
+WM_KERNELS(, false, 2)
+WM_KERNELS(p_, true, 2)
+WM_KERNELS(p_r4_, true, 4)
