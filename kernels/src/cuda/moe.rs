@@ -471,7 +471,7 @@ pub(crate) fn experts_routed_on_device(
     let active = g.alloc::<i32>(n_exp + 1);
     let (active_list, n_active) = (g.ptr(&active), g.ptr(&active) + 4 * n_exp as u64);
     // Decode batches run by segments of one expert's list positions: on `wgmma` (sm_90,
-    // 1-64 rows, segments of two, or four from 16 rows), else on the v2 segment kernels.
+    // 1-64 rows, segments of two, or four from 32 rows), else on the v2 segment kernels.
     let wg = if variant == Decode::V2 { wgmoe_plan(g, rows, w) } else { None };
     let by_segments = if variant == Decode::V2 && wg.is_none() { segments_plan(rows, w) } else { None };
     let seg_rows = match (&wg, &by_segments) {

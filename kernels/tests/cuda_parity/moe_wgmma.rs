@@ -88,7 +88,7 @@ impl Fp4Moe {
 
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
 /// expert named twice for one token: a segment of two positions of one row), batches
-/// whose experts get one, two or more rows (segments of two; from 16 rows segments of
+/// whose experts get one, two or more rows (segments of two; from 32 rows segments of
 /// four, the `_p_r4_` kernels, checked), at SwiGLU clamps 10 and 2: V4-Flash's widths
 /// (gate/up split over clusters of 2, down unsplit, 1-40 rows) and a narrow layer whose
 /// few units split K over clusters of 4 and 2. The printed plan names the kernels and
@@ -101,7 +101,7 @@ fn cuda_moe_wgmma_experts_match_cpu() {
     // ((hidden, expert width, experts, top-k), batch sizes)
     type Layer<'a> = ((usize, usize, usize, usize), &'a [usize]);
     let layers: [Layer; 2] = [((4096, 2048, 12, 6), &[1, 2, 3, 8, 16, 40]), ((1024, 512, 64, 6), &[1, 5, 8, 16, 33])];
-    // Segments of four from 16 rows unless a knob moves that (or runs the kernels without
+    // Segments of four from 32 rows unless a knob moves that (or runs the kernels without
     // the pipelined fragments, which have no such form).
     let r4_default =
         ["SLUICE_CUDA_MOE_WGMMA_R4_ROWS", "SLUICE_CUDA_MOE_WGMMA_PIPE"].iter().all(|knob| std::env::var(knob).is_err());
@@ -114,7 +114,7 @@ fn cuda_moe_wgmma_experts_match_cpu() {
                     let what = format!("wgmoe {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows}");
                     let plan = g.decode_moe_wgmma(rows, &gm).unwrap_or_else(|| panic!("{what}: not taken"));
                     if r4_default {
-                        assert_eq!(plan.contains("_r4_"), rows >= 16, "{what}: segments of four from 16 rows: {plan}");
+                        assert_eq!(plan.contains("_r4_"), rows >= 32, "{what}: segments of four from 32 rows: {plan}");
                     }
                     let e = layer.error(&mut rng, g, &cm, rows, |x, tokens, out| {
                         g.decode_moe("v2", &g.upload(x), rows, tokens, &gm, 0..rows, out)
