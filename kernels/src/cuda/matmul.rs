@@ -95,10 +95,12 @@ pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
 /// of the gemv loops, where that kernel takes the weight, split along K where its blocks
 /// would not fill the GPU ([`fp8_splits`]). On 20 Flash layers a batch-32 step ran 6%
 /// faster with `wq_b` and the grouped `wo_a` here (docs/perf.md, "A decode step as the
-/// device ran it"), and 9-14% faster at 32-64 rows with the narrow ones — `wq_a`, `wkv`,
-/// `wo_b`, the shared expert's down, whose GEMM has few tiles ([`small_gemm_grid`]) — split
-/// (docs/perf.md, "Narrow FP8 products split along K"). `SLUICE_CUDA_FP8WG_DECODE=0`
-/// keeps up to 32 rows on the loops, `SLUICE_CUDA_FP8WG_SPLIT_BLOCKS=0` the narrow ones.
+/// device ran it"), and batches of 16 / 32 / 64 rows 10% / 15% / 20% faster with the narrow
+/// ones — `wq_a`, `wkv`, `wo_b`, the shared expert's, whose GEMM has few tiles
+/// ([`small_gemm_grid`]) — and the grouped `wo_a` split (with the shared expert's pair here
+/// too and the parts sliced; docs/perf.md, "Narrow FP8 products split along K").
+/// `SLUICE_CUDA_FP8WG_DECODE=0` keeps up to 32 rows on the loops,
+/// `SLUICE_CUDA_FP8WG_SPLIT_BLOCKS=0` the narrow ones.
 pub(crate) fn fp8_rows_on_wgmma(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     op.rows > GEMV_MAX_ROWS
@@ -108,9 +110,9 @@ pub(crate) fn fp8_rows_on_wgmma(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool
         && super::moe_fp4wg::fp8_takes(gpu, op, w)
 }
 
-/// Blocks a narrow FP8 product split along K aims for (`SLUICE_CUDA_FP8WG_SPLIT_BLOCKS`,
-/// read once; default the GPU's SMs, 0 = no split: narrow products of decode batches stay
-/// on the gemv loops).
+/// Blocks an FP8 product of a decode batch split along K aims for
+/// (`SLUICE_CUDA_FP8WG_SPLIT_BLOCKS`, read once; default the GPU's SMs, 0 = no split:
+/// narrow products of decode batches stay on the gemv loops).
 fn split_blocks(gpu: &Gpu) -> usize {
     static ONCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     ONCE.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_SPLIT_BLOCKS").ok().and_then(|v| v.parse().ok()))
@@ -618,8 +620,8 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
 /// Whether an FP8 SwiGLU pair of a decode batch past [`GEMV_MAX_ROWS`] rows runs as two
 /// products on `fp8wg_gemm` from one set of the rows' parts ([`fp8_rows_on_wgmma`], split
 /// along K where narrow) and `swiglu_act`, instead of the pair's gemv loop (8 rows a
-/// launch, the weights streamed again each time): the shared expert of 16-64 rows on 20
-/// Flash layers, 1-4% of the step (docs/perf.md, "Narrow FP8 products split along K").
+/// launch, the weights streamed again each time): batches of 16-64 rows on 20 Flash layers
+/// 1.5-5% faster a step (docs/perf.md, "Narrow FP8 products split along K").
 /// `SLUICE_CUDA_FP8WG_SWIGLU=0` (read once) keeps the loop.
 pub(crate) fn swiglu_on_wgmma(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &CudaWeight) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

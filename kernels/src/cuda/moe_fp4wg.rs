@@ -3,8 +3,10 @@
 //! projection over tiles of up to 128 rows, each block 128 outputs × one tile, the codes
 //! turned into bf16 in registers. [`super::moe_host`] runs the routed FP4 experts on
 //! `fp4wg_gemm` (tiles of one expert's rows) and [`super::matmul`] FP8 products of more
-//! rows than the gemv launches take on `fp8wg_gemm`, both on sm_90 instead of the
-//! `gemm_fp4` / `gemm_fp8` tiles; `SLUICE_CUDA_FP4WG=0` keeps the tiles.
+//! rows than the gemv launches take on `fp8wg_gemm` (decode batches from 9 rows, split
+//! along K where their blocks would not fill the GPU, `fw_split_sum` adding the slices),
+//! both on sm_90 instead of the `gemm_fp4` / `gemm_fp8` tiles; `SLUICE_CUDA_FP4WG=0` keeps
+//! the tiles.
 
 use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys::CUtensorMapDataType;
