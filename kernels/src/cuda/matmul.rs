@@ -103,11 +103,20 @@ pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
 /// `SLUICE_CUDA_FP8WG_SPLIT_BLOCKS=0` the narrow ones.
 pub(crate) fn fp8_rows_on_wgmma(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    op.rows > GEMV_MAX_ROWS
+    op.rows >= fp8wg_from_rows()
         && op.rows <= SMALL_GRID_GEMV_MAX_ROWS.max(gemv_loop_max_rows())
         && (split_blocks(gpu) > 0 || !small_gemm_grid(gpu, op.rows, w.rows))
         && *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_DECODE").map_or(true, |v| v != "0"))
         && super::moe_fp4wg::fp8_takes(gpu, op, w)
+}
+
+/// Fewest rows of an FP8 decode product on `fp8wg_gemm` (`SLUICE_CUDA_FP8WG_FROM_ROWS`,
+/// read once, 2 to 9; default 9: up to 8 rows the gemv kernels take it).
+fn fp8wg_from_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| {
+        super::runtime::env_rows("SLUICE_CUDA_FP8WG_FROM_ROWS").unwrap_or(GEMV_MAX_ROWS + 1).clamp(2, GEMV_MAX_ROWS + 1)
+    })
 }
 
 /// Blocks an FP8 product of a decode batch split along K aims for
