@@ -111,7 +111,8 @@ pub(crate) fn fp8_rows_on_wgmma(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool
 }
 
 /// Fewest rows of an FP8 decode product on `fp8wg_gemm` (`SLUICE_CUDA_FP8WG_FROM_ROWS`,
-/// read once, 2 to 9; default 9: up to 8 rows the gemv kernels take it).
+/// read once, 2 to 9; default 9: up to 8 rows the gemv kernels take it, 25% / 10% / 1%
+/// faster a step at batches 2 / 4 / 8 on 20 Flash layers; docs/perf.md).
 fn fp8wg_from_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ONCE.get_or_init(|| {
