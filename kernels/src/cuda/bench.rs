@@ -456,11 +456,16 @@ impl CudaBackend {
         out: &mut CudaBuf,
     ) {
         assert!(rows <= 8, "decode_swiglu takes at most 8 rows");
-        assert_eq!((x.len, out.len), (rows * w1.cols, rows * w1.rows), "decode_swiglu shapes");
+        let op = self.pair_operand(x, rows, w1, out);
+        swiglu_pair(&self.gpu, op, w1, w3, limit, decode_variant(variant));
+    }
+
+    /// The operand of a SwiGLU pair over `w1`'s shape: `x[rows, w1.cols]` into
+    /// `out[rows, w1.rows]` (shapes checked).
+    fn pair_operand(&self, x: &CudaBuf, rows: usize, w1: &CudaWeight, out: &CudaBuf) -> Operand {
+        assert_eq!((x.len, out.len), (rows * w1.cols, rows * w1.rows), "SwiGLU pair shapes");
         let g = &self.gpu;
-        let op =
-            Operand { x: g.ptr(&x.mem), x_stride: w1.cols, out: g.ptr(&out.mem), out_stride: w1.rows, rows, groups: 1 };
-        swiglu_pair(g, op, w1, w3, limit, decode_variant(variant));
+        Operand { x: g.ptr(&x.mem), x_stride: w1.cols, out: g.ptr(&out.mem), out_stride: w1.rows, rows, groups: 1 }
     }
 
     /// The MoE block ([`Backend::moe`]) with decode kernels `variant` (`v1`, `v2`, or
@@ -659,12 +664,9 @@ impl CudaBackend {
         limit: f32,
         out: &mut CudaBuf,
     ) -> bool {
-        assert_eq!((x.len, out.len), (rows * w1.cols, rows * w1.rows), "swiglu_rows shapes");
-        let g = &self.gpu;
-        let op =
-            Operand { x: g.ptr(&x.mem), x_stride: w1.cols, out: g.ptr(&out.mem), out_stride: w1.rows, rows, groups: 1 };
-        let on_wgmma = super::matmul::swiglu_on_wgmma(g, &op, w1, w3);
-        swiglu_pair(g, op, w1, w3, limit, super::matmul::Decode::from_env());
+        let op = self.pair_operand(x, rows, w1, out);
+        let on_wgmma = super::matmul::swiglu_on_wgmma(&self.gpu, &op, w1, w3);
+        swiglu_pair(&self.gpu, op, w1, w3, limit, super::matmul::Decode::from_env());
         on_wgmma
     }
 
