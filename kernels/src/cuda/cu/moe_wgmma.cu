@@ -17,7 +17,7 @@
 // normal codes (exponent bias 7 against 1) and the subnormal one (0.5 becomes 2^-7) alike.
 // The 2^6 is given back with the activations' scale at a unit's end.
 //
-// Layout (a unit is one segment — up to two list positions of one expert, moe_lists
+// Layout (a unit is one segment — up to R = 2 or 4 list positions of one expert, moe_lists
 // cuts the lists so — times one tile of 64 output rows; a block is one warpgroup):
 // - Weights: warp w multiplies rows 16w..16w+15 of the tile, and copies exactly those
 //   rows itself (`cp.async`, 16 bytes a copy) into a ring of S slots, a slot one chunk of
@@ -32,8 +32,9 @@
 //   activations are staged in the same order, so the products are unchanged.
 // - B (activations): the segment's rows as three e4m3 parts each (gemv_f8wg.cu's
 //   scheme: a power of two per row over the block's inputs, parts in n = 3r..3r+2, the
-//   rest zero) in the canonical layout without swizzle; staged by the block when its
-//   segment changes, then fenced for the async proxy once.
+//   rest of the instruction's 8 (R = 2) or 16 (R = 4) columns zero) in the canonical
+//   layout without swizzle (8-column blocks 256 bytes apart a k-step); staged by the
+//   block when its segment changes, then fenced for the async proxy once.
 // - Sums: each wgmma writes fresh registers, multiplied by the group's scale (2^(s-127))
 //   and added in f32. A unit's sums meet in shared memory; with a K split (a cluster of
 //   KS blocks, one K part each) block s then sums rows [s·64/KS, (s+1)·64/KS) of the tile
