@@ -641,14 +641,14 @@ impl CudaBackend {
     /// Whether a product of `rows` rows over the FP8 weight `w` in `groups` groups runs on
     /// `fp8wg_gemm` (past the gemv launches' rows), for the parity suite.
     pub fn fp8wg_takes(&self, rows: usize, groups: usize, w: &CudaWeight) -> bool {
-        let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        let op = shape_operand(rows, groups, w);
         super::moe_fp4wg::fp8_takes(&self.gpu, &op, w)
     }
 
     /// Whether a product of `rows` decode rows (9 to 64) over `w` runs on `fp8wg_gemm`
     /// rather than the gemv loops (`matmul::fp8_rows_on_wgmma`).
     pub fn fp8wg_takes_decode_rows(&self, rows: usize, groups: usize, w: &CudaWeight) -> bool {
-        let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        let op = shape_operand(rows, groups, w);
         super::matmul::fp8_rows_on_wgmma(&self.gpu, &op, w)
     }
 
@@ -678,7 +678,7 @@ impl CudaBackend {
     /// Into how many slices along K the engine cuts a decode product of `rows` rows over
     /// `w` on `fp8wg_gemm` (`matmul::fp8_splits`; 1: not split).
     pub fn fp8wg_decode_splits(&self, rows: usize, groups: usize, w: &CudaWeight) -> usize {
-        let op = Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups };
+        let op = shape_operand(rows, groups, w);
         super::matmul::fp8_splits(&self.gpu, &op, w)
     }
 
@@ -739,4 +739,10 @@ impl CudaBackend {
 
 fn decode_variant(v: &str) -> Decode {
     Decode::parse(v).unwrap_or_else(|| panic!("decode kernels {v:?}: v1 or v2"))
+}
+
+/// An operand with no buffers behind it, only the shape of `rows` rows over `w` in
+/// `groups` groups: what the dispatch rules read.
+fn shape_operand(rows: usize, groups: usize, w: &CudaWeight) -> Operand {
+    Operand { x: 0, x_stride: groups * w.cols, out: 0, out_stride: w.rows, rows, groups }
 }

@@ -598,15 +598,10 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
     if swiglu_on_wgmma(gpu, &op, w1, w3) {
-        // Both products from one set of the rows' parts.
-        count_product(gpu, op.rows, w1);
-        count_product(gpu, op.rows, w3);
-        let parts = super::moe_fp4wg::parts(gpu, op.x, op.x_stride, op.rows, w1.cols, true);
         let n = op.rows * w1.rows;
         let up = gpu.alloc::<f32>(n);
-        super::moe_fp4wg::fp8_product_of(gpu, &parts, op, w1, fp8_splits(gpu, &op, w1));
         let op_up = Operand { out: gpu.ptr(&up), out_stride: w3.rows, ..op };
-        super::moe_fp4wg::fp8_product_of(gpu, &parts, op_up, w3, fp8_splits(gpu, &op_up, w3));
+        fp8wg_products_sharing_parts(gpu, &[(op, w1), (op_up, w3)]);
         swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
         return;
     }
@@ -638,6 +633,23 @@ pub(crate) fn swiglu_on_wgmma(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &Cud
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_SWIGLU").map_or(true, |v| v != "0"))
         && fp8_rows_on_wgmma(gpu, op, w1)
         && fp8_rows_on_wgmma(gpu, op, w3)
+}
+
+/// FP8 products of one input on `fp8wg_gemm` from one set of the rows' bf16 parts, each
+/// split along K as [`fp8_splits`] says: the shared expert's SwiGLU pair, a layer's `wq_a`
+/// and `wkv` (`matmul_many`). The operands name the same rows and are not grouped.
+pub(crate) fn fp8wg_products_sharing_parts(gpu: &Gpu, products: &[(Operand, &CudaWeight)]) {
+    let Some(&(first, w0)) = products.first() else { return };
+    let parts = super::moe_fp4wg::parts(gpu, first.x, first.x_stride, first.rows, w0.cols, true);
+    for &(op, w) in products {
+        assert_eq!(
+            (op.x, op.x_stride, op.rows, op.groups),
+            (first.x, first.x_stride, first.rows, 1),
+            "fp8wg: products of other rows"
+        );
+        count_product(gpu, op.rows, w);
+        super::moe_fp4wg::fp8_product_of(gpu, &parts, op, w, fp8_splits(gpu, &op, w));
+    }
 }
 
 /// `g = silu(min(g, limit)) * clamp(u, ±limit)` over `n` values, in place in `g`.

@@ -23,7 +23,9 @@ use cudarc::driver::DeviceRepr;
 use super::cublas_bf16::{self, Bf16Activations, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
 use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
-use super::matmul::{Operand, count_product, fp8_rows_on_wgmma, fp8_splits, matmul, outputs_per_block};
+use super::matmul::{
+    Operand, count_product, fp8_rows_on_wgmma, fp8wg_products_sharing_parts, matmul, outputs_per_block,
+};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -98,14 +100,9 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
     // one set of the rows' parts.
     let (wg, alone): (Vec<_>, Vec<_>) =
         alone.into_iter().partition(|&&(w, out)| fp8_rows_on_wgmma(gpu, &Operand::contiguous(x, out, rows, 1, w), w));
-    if let Some(&&(first, _)) = wg.first() {
-        let parts = super::moe_fp4wg::parts(gpu, x, k, rows, first.cols, true);
-        for &&(w, out) in &wg {
-            count_product(gpu, rows, w);
-            let op = Operand::contiguous(x, out, rows, 1, w);
-            super::moe_fp4wg::fp8_product_of(gpu, &parts, op, w, fp8_splits(gpu, &op, w));
-        }
-    }
+    let wg: Vec<(Operand, &CudaWeight)> =
+        wg.iter().map(|&&(w, out)| (Operand::contiguous(x, out, rows, 1, w), w)).collect();
+    fp8wg_products_sharing_parts(gpu, &wg);
     for &(w, out) in alone {
         matmul(gpu, Operand::contiguous(x, out, rows, 1, w), w);
     }
