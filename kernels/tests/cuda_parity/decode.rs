@@ -189,13 +189,18 @@ fn cuda_decode_v2_swiglu_pairs_match_cpu() {
 /// in FP4, an FP8 shared expert, top-6 of 12), both decode versions against the CPU:
 /// 1-8 rows (every expert over the whole batch) and 9-64 rows (segments of one expert's
 /// rows: with 12 experts a 64-row batch gives each ~32 rows, several 8-row segments),
-/// then 64 narrower experts, where 9-64 row batches take 4-row segments.
+/// then 64 narrower experts, where 9-64 row batches take 4-row segments, and V4-Pro's
+/// 384 experts (the top-k warp's lanes then hold 12 each) narrowed, at a few sizes, with
+/// the experts in twins of equal router rows and biases: every top-k choice is then a
+/// tie, which both devices must give to the lower expert id (the twins' weights differ,
+/// so the other choice moves the output far past the bound).
 #[test]
 fn cuda_decode_v2_experts_match_cpu() {
     let Some(g) = gpu("cuda_decode_v2_experts_match_cpu") else { return };
     let mut rng = rng("decode v2 experts");
-    check_experts(g, &mut rng, (4096, 2048, 12, 6), &[1, 3, 8, 9, 24, 64]);
-    check_experts(g, &mut rng, (1024, 256, 64, 6), &[9, 21, 64]);
+    check_experts(g, &mut rng, (4096, 2048, 12, 6), &[1, 3, 8, 9, 24, 64], false);
+    check_experts(g, &mut rng, (1024, 256, 64, 6), &[9, 21, 64], false);
+    check_experts(g, &mut rng, (512, 128, 384, 6), &[1, 5, 40], true);
 }
 
 /// A hash-routing table over a 32-token vocabulary whose even tokens name their first
@@ -213,18 +218,26 @@ pub(super) fn hash_table_with_repeats(k: usize, n_exp: usize) -> (usize, Vec<u32
 }
 
 /// One MoE layer of (hidden, expert width, experts, top-k) under top-k and hash routing
-/// at two SwiGLU clamps, each batch size of `batches` both decode versions vs the CPU.
+/// at two SwiGLU clamps, each batch size of `batches` both decode versions vs the CPU;
+/// with `twins`, experts 2i and 2i + 1 get the same router row and bias.
 fn check_experts(
     g: &CudaBackend,
     rng: &mut ChaCha8Rng,
     (d, inter, n_exp, k): (usize, usize, usize, usize),
     batches: &[usize],
+    twins: bool,
 ) {
     let c = CpuBackend::new();
-    let gate = weight(rng, n_exp, d, 0.05, "f32");
+    let mut gate = weight(rng, n_exp, d, 0.05, "f32");
     let experts: Vec<[TestWeight; 3]> = (0..n_exp).map(|_| expert_weights(rng, d, inter, "fp4")).collect();
     let shared = expert_weights(rng, d, inter, "fp8");
-    let bias = rand_vec(rng, n_exp, 0.2);
+    let mut bias = rand_vec(rng, n_exp, 0.2);
+    if twins {
+        for e in (0..n_exp).step_by(2) {
+            gate.host.data.copy_within(e * d..(e + 1) * d, (e + 1) * d);
+            bias[e + 1] = bias[e];
+        }
+    }
     let (vocab, tid2eid) = hash_table_with_repeats(k, n_exp);
     for limit in [10.0f32, 2.0] {
         for hash in [false, true] {
