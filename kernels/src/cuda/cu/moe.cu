@@ -73,8 +73,8 @@ __device__ __forceinline__ void route_topk_warp(const float* key, int n_exp, int
 // expert in shared memory; experts by the hash table rows (`hash_rows[r*k..]`, gathered
 // by token on the host) or by k rounds of an argmax of score + bias in one warp
 // (`route_topk_warp`); weights = normalised chosen scores times `route_scale`, summed
-// in choice order.
-__device__ void moe_route_row(const float* logits, int n_exp, int k, const u32* hash_rows, const F512& bias,
+// in choice order. Returns the block's shared copy of the row's choices.
+__device__ const int* moe_route_row(const float* logits, int n_exp, int k, const u32* hash_rows, const F512& bias,
                               float route_scale, int* experts, float* weights) {
     __shared__ float score[512];
     __shared__ float key[512];
@@ -100,6 +100,7 @@ __device__ void moe_route_row(const float* logits, int n_exp, int k, const u32* 
             weights[(long long)r * k + j] = score[chosen[j]] / (sum + 1e-20f) * route_scale;
         }
     }
+    return chosen;
 }
 
 extern "C" __global__ void __launch_bounds__(256) moe_route(const float* logits, int rows, int n_exp, int k,
@@ -221,7 +222,10 @@ struct MoeListsOut {
     int max_segs;
 };
 
-__device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, const MoeListsOut& o) {
+// `chosen_here` (not null): the routing is also in this block's shared memory (one
+// block routed the only row), read from there instead of back from global memory.
+__device__ void moe_lists_body(const int* experts, const int* chosen_here, int rows, int k, int n_exp,
+                               const MoeListsOut& o) {
     int *counts = o.counts, *offsets = o.offsets, *list_rows = o.list_rows, *list_widx = o.list_widx;
     int *active = o.active, *n_active = o.n_active, *segs = o.segs, *pos = o.pos;
     unsigned long long* traffic = o.traffic;
@@ -238,7 +242,7 @@ __device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, c
     __syncthreads();
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         // (From L2: under moe_route_lists other blocks of this grid wrote them.)
-        const int e = __ldcg(experts + i);
+        const int e = chosen_here ? chosen_here[i] : __ldcg(experts + i);
         routed[i] = e;
         pair_pos[i] = -1;
         if (e >= 0 && e < n_exp) atomicAdd(&cnt[e], 1);
@@ -324,7 +328,7 @@ __device__ void moe_lists_body(const int* experts, int rows, int k, int n_exp, c
 extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     moe_lists(const int* experts, int rows, int k, int n_exp, MoeListsOut out) {
     pdl_begin();
-    moe_lists_body(experts, rows, k, n_exp, out);
+    moe_lists_body(experts, nullptr, rows, k, n_exp, out);
 }
 
 // moe_route and then moe_lists in one launch (a decode batch's routing is a chain of
@@ -337,10 +341,10 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
                     float route_scale, int* experts, float* weights, u32* ticket, MoeListsOut out) {
     pdl_begin();
     __shared__ bool last;
-    moe_route_row(logits, n_exp, k, hash_rows, bias, route_scale, experts, weights);
+    const int* chosen = moe_route_row(logits, n_exp, k, hash_rows, bias, route_scale, experts, weights);
     if (gridDim.x == 1) {
-        // The only block is the last: no ticket, no fences (~2.5 µs at batch 1); the
-        // barrier makes thread 0's choice visible to the block's reads of it.
+        // The only block is the last: no ticket, no fences (~2.5 µs at batch 1), and the
+        // lists read the choice from shared memory (the barrier orders it).
         __syncthreads();
     } else {
         __threadfence();  // this row's choice (thread 0 wrote it) before the ticket
@@ -351,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
         __threadfence();
         if (threadIdx.x == 0) *ticket = 0u;
     }
-    moe_lists_body(experts, rows, k, n_exp, out);
+    moe_lists_body(experts, gridDim.x == 1 ? chosen : nullptr, rows, k, n_exp, out);
 }
 
 // Expert ids as this device's experts number them: `base..base + held` become
