@@ -86,20 +86,26 @@ __device__ const int* moe_route_row(const float* logits, int n_exp, int k, const
         key[e] = score[e] + bias.v[e];
     }
     __syncthreads();
-    if (hash_rows) {
-        if (tid < k) chosen[tid] = (int)hash_rows[(long long)r * k + tid];
-    } else if (warp == 0) {
-        route_topk_warp(key, n_exp, k, chosen);
-    }
-    __syncthreads();
-    if (tid == 0) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) sum += score[chosen[j]];
-        for (int j = 0; j < k; j++) {
-            experts[(long long)r * k + j] = chosen[j];
-            weights[(long long)r * k + j] = score[chosen[j]] / (sum + 1e-20f) * route_scale;
+    // The choice and the weights stay in the first warp (k <= 16): no block barrier
+    // between them, and lane j writes choice j's weight, where thread 0 wrote all k in
+    // turn (each lane adds the chosen scores in choice order, the same sum). Under the
+    // step's other kernels a batch-1 routing spent ~2 µs there on the H200.
+    if (warp == 0) {
+        if (hash_rows) {
+            if (tid < k) chosen[tid] = (int)hash_rows[(long long)r * k + tid];
+        } else {
+            route_topk_warp(key, n_exp, k, chosen);
+        }
+        __syncwarp();
+        if (tid < k) {
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++) sum += score[chosen[j]];
+            const int e = chosen[tid];
+            experts[(long long)r * k + tid] = e;
+            weights[(long long)r * k + tid] = score[e] / (sum + 1e-20f) * route_scale;
         }
     }
+    __syncthreads();
     return chosen;
 }
 
