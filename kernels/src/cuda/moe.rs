@@ -463,6 +463,8 @@ pub(crate) fn experts_routed_on_device(
         chosen
     };
     let expert_bytes = first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes();
+    let counts = g.alloc::<i32>(n_exp);
+    let offsets = g.alloc::<i32>(n_exp);
     let lists = g.alloc::<i32>(2 * n);
     let (list_rows, list_widx) = (g.ptr(&lists), g.ptr(&lists) + 4 * n as u64);
     // The experts that received rows (at most n of them) and their number.
@@ -485,21 +487,12 @@ pub(crate) fn experts_routed_on_device(
         (Some(l), Some(r)) => (l.segs, r as i32, l.pos),
         _ => (0, 0, 0),
     };
-    // Per-expert counts and offsets: read only by the paths without segments (the cuBLAS
-    // slots and the per-expert launches below); with segments the kernel skips them
-    // (null pointers).
-    let (counts_buf, offsets_buf) = match segs {
-        Some(_) => (None, None),
-        None => (Some(g.alloc::<i32>(n_exp)), Some(g.alloc::<i32>(n_exp))),
-    };
-    let counts = counts_buf.as_ref().map_or(0, |b| g.ptr(b));
-    let offsets = offsets_buf.as_ref().map_or(0, |b| g.ptr(b));
     // The routing and each pair's position are staged in shared memory (2n ints beside
     // the kernel's 4 KiB of counters, under the 48 KiB a block gets by default).
     assert!(8 * n <= 40 * 1024, "moe_lists takes at most 5,120 routed pairs, not {n}");
     let lists_out = ListsOut {
-        counts,
-        offsets,
+        counts: g.ptr(&counts),
+        offsets: g.ptr(&offsets),
         list_rows,
         list_widx,
         active: active_list,
@@ -551,11 +544,9 @@ pub(crate) fn experts_routed_on_device(
         experts_v2(b, &plan, x, rows, w, active_list, n_active, chosen_weights, out);
         return false;
     }
-    // (No segments past here: the counts and offsets were written.)
-    debug_assert!(counts != 0 && offsets != 0);
     let most = most_rows_per_expert(rows, tokens, w);
     if let Some(r) = moe_cublas::slot_rows(rows, most, w) {
-        let lists = moe_cublas::Lists { counts, offsets, rows: list_rows };
+        let lists = moe_cublas::Lists { counts: g.ptr(&counts), offsets: g.ptr(&offsets), rows: list_rows };
         let y = moe_cublas::experts(b, x, w, r, &lists, n);
         combine(b, &y, (rows, k, d), (list_rows, list_widx), weights, out, shared);
         return shared.is_some();
@@ -593,8 +584,8 @@ pub(crate) fn experts_routed_on_device(
                     dst,
                     src,
                     table,
-                    counts,
-                    offsets,
+                    g.ptr(&counts),
+                    g.ptr(&offsets),
                     active_list,
                     n_active,
                     part as i32,
@@ -618,8 +609,8 @@ pub(crate) fn experts_routed_on_device(
             dst,
             src,
             table,
-            counts,
-            offsets,
+            g.ptr(&counts),
+            g.ptr(&offsets),
             n_out as i32,
             k_in as i32,
             opb as i32,

@@ -192,8 +192,7 @@ __device__ __forceinline__ int3 block_exclusive_scan3(int3 v, int* tot) {
 }
 
 // The device-side routing lists of a decode batch (one block): per expert the number of
-// (row, slot) pairs routed to it and where its run starts (where `counts` and `offsets`
-// are not null), and the pairs in expert
+// (row, slot) pairs routed to it and where its run starts, and the pairs in expert
 // order, row order within an expert (the order the host-routed path uses); the experts
 // that received rows, in order (`active`, `*n_active` of them), so grouped launches
 // index only those. Adds the bytes of the experts that received rows to `traffic`
@@ -257,25 +256,18 @@ __device__ void moe_lists_body(const int* experts, const int* chosen_here, int r
     __syncthreads();
     const int e0 = 2 * threadIdx.x, e1 = e0 + 1;
     const int c0 = e0 < n_exp ? cnt[e0] : 0, c1 = e1 < n_exp ? cnt[e1] : 0;
-    // Per-expert counts and offsets only where the caller reads them (null: the decode
-    // paths by segments, which read the segments and the lists): 2·n_exp global stores
-    // fewer in a one-block chain.
-    if (counts && e0 < n_exp) counts[e0] = c0;
-    if (counts && e1 < n_exp) counts[e1] = c1;
+    if (e0 < n_exp) counts[e0] = c0;
+    if (e1 < n_exp) counts[e1] = c1;
     const int ns0 = segs ? (c0 + seg_rows - 1) / seg_rows : 0, ns1 = segs ? (c1 + seg_rows - 1) / seg_rows : 0;
     const int3 starts = block_exclusive_scan3(make_int3(c0 + c1, (c0 > 0) + (c1 > 0), ns0 + ns1), totals);
     const int at0 = starts.x, rank0 = starts.y;
     const int total = totals[0], used = totals[1];
-    // One row: its listed pairs are the list's positions 0 .. total - 1, in order, so its
-    // positions need no pass over the pairs (nor the barrier before it, ~2 µs of a
-    // batch-1 routing on the H200).
-    if (pos && rows == 1 && (int)threadIdx.x < k) pos[threadIdx.x] = (int)threadIdx.x < total ? (int)threadIdx.x : -1;
     if (e0 < n_exp) {
-        if (offsets) offsets[e0] = at0;
+        offsets[e0] = at0;
         run[e0] = at0;
         if (c0 > 0) active[rank0] = e0;
         if (e1 < n_exp) {
-            if (offsets) offsets[e1] = at0 + c0;
+            offsets[e1] = at0 + c0;
             run[e1] = at0 + c0;
             if (c1 > 0) active[rank0 + (c0 > 0)] = e1;
         }
@@ -323,7 +315,7 @@ __device__ void moe_lists_body(const int* experts, const int* chosen_here, int r
         list_rows[i] = -1;
         list_widx[i] = -1;
     }
-    if (!pos || rows == 1) return;
+    if (!pos) return;
     __syncthreads();  // pair_pos complete
     // Row r's j-th position ascending: a listed pair's j counts the row's listed pairs
     // before it in the list; the unlisted ones fill the places after them with -1.
