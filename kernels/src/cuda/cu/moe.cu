@@ -24,14 +24,8 @@ __device__ __forceinline__ u32 warp_max_u32(u32 v) {
 #endif
 }
 
-__device__ __forceinline__ u32 warp_min_u32(u32 v) {
-#if __CUDA_ARCH__ >= 800
-    return __reduce_min_sync(0xffffffffu, v);
-#else
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-#endif
-}
+// The minimum as the complement of the complements' maximum (exact for unsigned).
+__device__ __forceinline__ u32 warp_min_u32(u32 v) { return ~warp_max_u32(~v); }
 
 // The k largest of `key[0..n_exp]` (n_exp <= 512) in descending order into chosen[0..k],
 // ties to the lower expert id (as the CPU sorts), by one warp: lane l holds experts l,
