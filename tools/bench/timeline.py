@@ -15,9 +15,15 @@ included, unlike Nsight Compute's one-kernel-at-a-time durations).
   each one's end minus the latest end before it). The exposed times add up to the
   step, so they say which kernels the step really waits for; `idle` is the part of
   that when no kernel ran at all (launch gaps, dependencies resolved late);
-- the step in order, for reading a layer's chain.
+- the step in order, for reading a layer's chain;
+- with `--gap KERNEL:BEFORE` (repeatable), over the benchmark's device steps: each call of
+  KERNEL's end minus the end of the last BEFORE call on its stream that started before
+  it (how long KERNEL keeps the chain waiting after what it depends on), median and
+  range; `--gap-from N` leaves out each step's first N calls (e.g. V4's hash-routed
+  layers, whose routing differs).
 
     timeline.py TIMELINE.csv [BENCH_LOG] [--gap-us 20] [--order 60] [--skip 0] [--steps 3]
+                [--gap KERNEL:BEFORE]... [--gap-from N]
 """
 import argparse
 import csv
@@ -31,7 +37,8 @@ def load(path):
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         rows = list(csv.DictReader(f))
-    ks = [(int(r["start_ns"]), int(r["end_ns"]), r["name"], int(r["grid_x"]), int(r["block_x"])) for r in rows]
+    ks = [(int(r["start_ns"]), int(r["end_ns"]), r["name"], int(r["grid_x"]), int(r["block_x"]), r["stream"])
+          for r in rows]
     ks.sort()
     return ks
 
@@ -79,6 +86,9 @@ def main():
     ap.add_argument("--order", type=int, default=60, help="kernels of the step to list in order")
     ap.add_argument("--steps", type=int, default=3, help="the benchmark's device steps: the last holds")
     ap.add_argument("--skip", type=int, default=0, help="kernels of the step to skip before that list")
+    ap.add_argument("--gap", action="append", default=[], metavar="KERNEL:BEFORE",
+                    help="KERNEL's end minus the end of the BEFORE call it follows on its stream")
+    ap.add_argument("--gap-from", type=int, default=0, help="--gap leaves out each step's first N calls")
     a = ap.parse_args()
 
     found = steps(load(a.timeline), a.gap_us * 1e3)
@@ -134,6 +144,32 @@ def main():
         k = run[i]
         print(f"{(k[0] - hold_end) / 1e3:9.1f} {(k[1] - hold_end) / 1e3:9.1f} {(k[1] - k[0]) / 1e3:7.1f} "
               f"{exposed[i] / 1e3:7.1f}  {short(k[2])[:40]} {k[3]}x{k[4]}")
+
+    for spec in a.gap:
+        print_gap(found, spec, a.gap_from)
+
+
+def print_gap(found, spec, first):
+    """--gap KERNEL:BEFORE over every device step's kernels."""
+    kernel, _, before = spec.partition(":")
+    if not before:
+        sys.exit(f"--gap {spec}: want KERNEL:BEFORE (two kernel names)")
+    gaps = []
+    for _, run in found:
+        calls = [i for i, k in enumerate(run) if short(k[2]) == kernel][first:]
+        for i in calls:
+            k = run[i]
+            prev = [x for x in run[:i] if short(x[2]) == before and x[5] == k[5]]
+            if prev:
+                gaps.append((k[1] - prev[-1][1]) / 1e3)
+    if not gaps:
+        print(f"\n--gap {spec}: no {kernel} call follows a {before} call on its stream")
+        return
+    gaps.sort()
+    print(f"\n{kernel} end - {before} end (µs, {len(gaps)} calls over {len(found)} steps"
+          f"{f', each step from call {first}' if first else ''}): median {gaps[len(gaps) // 2]:.1f}, "
+          f"range {gaps[0]:.1f}-{gaps[-1]:.1f}")
+
 
 if __name__ == "__main__":
     main()

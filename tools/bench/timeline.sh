@@ -8,7 +8,8 @@
 #   tools/bench/timeline.sh MODEL [BATCH] [CONTEXT]      (device machine, repo root)
 # Env: B (executables, default .device), KV (kv dtype, default fp8), OUT (default /tmp),
 #      TAG (file names, default b$BATCH), EXTRA (more `bench engine` flags), ORDER
-#      (kernels of the step listed in order, default 60).
+#      (kernels of the step listed in order, default 60), GAPS (KERNEL:BEFORE pairs,
+#      space-separated: timeline.py --gap) and GAP_FROM (its --gap-from).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=$1
@@ -44,4 +45,6 @@ CUDA_INJECTION64_PATH=$lib SLUICE_TIMELINE=$csv "$B/sluice" bench engine --devic
   --decode-steps 4 --repeat 1 --skip-products --topk-candidates 0 --compress-tokens 0 ${EXTRA:-} >/dev/null 2>"$log" ||
   { tail -20 "$log"; exit 1; }
 grep -E 'cupti_trace|ms/step' "$log" || true
-python3 tools/bench/timeline.py "$csv" "$log" --order "${ORDER:-60}"
+gaps=()
+for g in ${GAPS:-}; do gaps+=(--gap "$g"); done
+python3 tools/bench/timeline.py "$csv" "$log" --order "${ORDER:-60}" --gap-from "${GAP_FROM:-0}" "${gaps[@]}"
