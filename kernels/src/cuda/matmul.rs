@@ -125,8 +125,7 @@ fn fp8wg_from_rows() -> usize {
 /// narrow products of decode batches stay on the gemv loops).
 fn split_blocks(gpu: &Gpu) -> usize {
     static ONCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    ONCE.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_SPLIT_BLOCKS").ok().and_then(|v| v.parse().ok()))
-        .unwrap_or(gpu.sms)
+    ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_FP8WG_SPLIT_BLOCKS")).unwrap_or(gpu.sms)
 }
 
 /// Most slices a product is split into along K, and fewest chunks (64 inputs) a slice:
@@ -597,17 +596,10 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
         return;
     }
     assert_eq!((w1.rows, w1.cols), (w3.rows, w3.cols), "SwiGLU gate and up shapes differ");
-    if swiglu_on_wgmma(gpu, &op, w1, w3) {
-        let n = op.rows * w1.rows;
-        let up = gpu.alloc::<f32>(n);
-        let op_up = Operand { out: gpu.ptr(&up), out_stride: w3.rows, ..op };
-        fp8wg_products_sharing_parts(gpu, &[(op, w1), (op_up, w3)]);
-        swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
-        return;
-    }
+    let on_wgmma = swiglu_on_wgmma(gpu, &op, w1, w3);
     let gemv_rows =
         (op.rows <= SWIGLU_GEMV_MAX_ROWS || small_gemm_grid(gpu, op.rows, w1.rows)) && !cublas_bf16::takes(op.rows, w1);
-    if gemv_rows && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
+    if !on_wgmma && gemv_rows && std::mem::discriminant(&w1.data) == std::mem::discriminant(&w3.data) {
         gpu.traffic.add_weights(w1.device_bytes() + w3.device_bytes());
         gpu.traffic.add_flops(4 * op.rows * w1.rows * w1.cols);
         // The v2 kernels take up to 8 rows in one launch; more go through the first version.
@@ -615,10 +607,17 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
         gemv(gpu, op, w1, Some(w3), limit, v);
         return;
     }
+    // Two products, the up one into `up` (contiguous, as `swiglu_act` reads both), then
+    // the SwiGLU in place.
     let n = op.rows * w1.rows;
     let up = gpu.alloc::<f32>(n);
-    matmul_as(gpu, op, w1, variant);
-    matmul_as(gpu, Operand { out: gpu.ptr(&up), ..op }, w3, variant);
+    let op_up = Operand { out: gpu.ptr(&up), out_stride: w3.rows, ..op };
+    if on_wgmma {
+        fp8wg_products_sharing_parts(gpu, &[(op, w1), (op_up, w3)]);
+    } else {
+        matmul_as(gpu, op, w1, variant);
+        matmul_as(gpu, op_up, w3, variant);
+    }
     swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
 }
 

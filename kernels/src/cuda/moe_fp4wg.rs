@@ -269,9 +269,7 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
 /// `wo_a`'s 32,768 inputs ~65 µs on 64 SMs (docs/perf.md).
 fn parts_slices(gpu: &Gpu, rows: usize, k: usize) -> usize {
     static ONCE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let target = ONCE
-        .get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_PARTS_BLOCKS").ok().and_then(|v| v.parse().ok()))
-        .unwrap_or(2 * gpu.sms);
+    let target = ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_FP4WG_PARTS_BLOCKS")).unwrap_or(2 * gpu.sms);
     target.div_ceil(rows).clamp(1, (k / 1024).max(1))
 }
 

@@ -687,8 +687,9 @@ pub(crate) fn arg_ptr<T: DeviceRepr>(value: &T) -> *mut std::ffi::c_void {
     value as *const T as *mut std::ffi::c_void
 }
 
-/// A row-count knob from the environment (`SLUICE_CUDA_…_FROM`), read by its caller
-/// once: the value when it parses as a count, else None (the caller's default).
+/// A count knob from the environment (rows: `SLUICE_CUDA_…_FROM`; blocks:
+/// `SLUICE_CUDA_…_BLOCKS`), read by its caller once: the value when it parses as a
+/// count, else None (the caller's default).
 pub(crate) fn env_rows(name: &str) -> Option<usize> {
     std::env::var(name).ok().and_then(|v| v.parse().ok())
 }
