@@ -19,9 +19,10 @@ use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
 use crate::backend::MoeWeights;
 
 /// The kernels: the products (with their dynamic shared memory, opted in at load) — FP4
-/// and FP8, each plain and `_p`, each for tiles of 128 rows and `_n64` of 64 — then the
-/// parts and the sum of a product split along K. A product's index: FP8 + 2 · `_p` + 4 · `_n64`.
-pub(crate) const FP4WG_KERNELS: [&str; 10] = [
+/// and FP8, each plain and `_p`, each for tiles of 128 rows and `_n64` of 64, then FP4's
+/// `_n32` of 32, plain and `_p` — then the parts and the sum of a product split along K.
+/// A product's index: FP8 + 2 · `_p` + 4 · `_n64`; `_n32`: 8 + `_p`.
+pub(crate) const FP4WG_KERNELS: [&str; 12] = [
     "fp4wg_gemm",
     "fp8wg_gemm",
     "fp4wg_gemm_p",
@@ -30,6 +31,8 @@ pub(crate) const FP4WG_KERNELS: [&str; 10] = [
     "fp8wg_gemm_n64",
     "fp4wg_gemm_p_n64",
     "fp8wg_gemm_p_n64",
+    "fp4wg_gemm_n32",
+    "fp4wg_gemm_p_n32",
     "fp4wg_parts",
     "fw_split_sum",
 ];
@@ -38,6 +41,8 @@ pub(crate) const FP4WG_KERNELS: [&str; 10] = [
 const BLOCK_OUTPUTS: usize = 128;
 const TILE_ROWS: usize = 128;
 const SMALL_TILE_ROWS: usize = 64;
+/// Rows of FP4's shortest tiles (the `_n32` kernels).
+const TINY_TILE_ROWS: usize = 32;
 const CHUNK_INPUTS: usize = 128;
 /// Inputs of an FP8 chunk (`FW_KC`): the unit a product split along K is cut in.
 pub(crate) const FP8_CHUNK_INPUTS: usize = 64;
@@ -48,16 +53,19 @@ const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the gr
 const fn smem(chunk: usize, stages: usize, rows: usize) -> usize {
     stages * (2 * 2 * rows * chunk + BLOCK_OUTPUTS * 64 + 1024) + 1024
 }
-/// Dynamic shared memory of the products, in [`FP4WG_KERNELS`]' order.
-pub(crate) const FP4WG_SMEM: [usize; 8] = [
+/// Dynamic shared memory of the products, in [`FP4WG_KERNELS`]' order (`FW_S`: FP4's
+/// shorter tiles have smaller stages and more of them).
+pub(crate) const FP4WG_SMEM: [usize; 10] = [
     smem(128, 3, 128),
     smem(64, 4, 128),
     smem(128, 3, 128),
     smem(64, 4, 128),
-    smem(128, 3, 64),
+    smem(128, 5, 64),
     smem(64, 4, 64),
-    smem(128, 3, 64),
+    smem(128, 5, 64),
     smem(64, 4, 64),
+    smem(128, 8, 32),
+    smem(128, 8, 32),
 ];
 
 /// `Fp4wgArgs` in moe_fp4wg.cu.
@@ -119,21 +127,36 @@ fn small_tiles() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N64").map(|v| v != "0").unwrap_or(true))
 }
 
+/// Whether FP4 tiles of at most 32 rows take the `_n32` kernels
+/// (`SLUICE_CUDA_FP4WG_N32=0`, read once: the `_n64` ones).
+fn tiny_tiles() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N32").map(|v| v != "0").unwrap_or(true))
+}
+
 /// A tile list (expert, first row, rows; at most 128 rows a tile) split for the launches:
-/// tiles of more than 64 rows, then those of at most 64 (both in the first with
+/// tiles of more than 64 rows, those of at most 64, and (FP4's, `fp4`) those of at most
+/// 32 (into the second with `SLUICE_CUDA_FP4WG_N32=0`, all in the first with
 /// `SLUICE_CUDA_FP4WG_N64=0`).
-fn split_tiles(tiles: &[i32]) -> [Vec<i32>; 2] {
-    let mut lists = [Vec::new(), Vec::new()];
+fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 3] {
+    let mut lists = [Vec::new(), Vec::new(), Vec::new()];
     for t in tiles.chunks_exact(3) {
-        let small = small_tiles() && t[2] as usize <= SMALL_TILE_ROWS;
-        lists[usize::from(small)].extend_from_slice(t);
+        let rows = t[2] as usize;
+        let list = if !small_tiles() || rows > SMALL_TILE_ROWS {
+            0
+        } else if fp4 && tiny_tiles() && rows <= TINY_TILE_ROWS {
+            2
+        } else {
+            1
+        };
+        lists[list].extend_from_slice(t);
     }
     lists
 }
 
 /// A product's tiles on the device, by height ([`split_tiles`]): (address, count) each.
 pub(crate) struct DeviceTiles {
-    lists: [(u64, usize); 2],
+    lists: [(u64, usize); 3],
     /// Held while the launches are queued (uploaded lists; empty for cached tables).
     _bufs: Vec<DevBuf<i32>>,
 }
@@ -141,7 +164,7 @@ pub(crate) struct DeviceTiles {
 /// An expert tile list (different every prefill) uploaded for the launches.
 pub(crate) fn upload_tiles(gpu: &Gpu, tiles: &[i32]) -> DeviceTiles {
     let mut bufs = Vec::new();
-    let lists = split_tiles(tiles).map(|l| {
+    let lists = split_tiles(tiles, true).map(|l| {
         if l.is_empty() {
             return (0, 0);
         }
@@ -192,7 +215,7 @@ pub(crate) fn fp8_product_of(gpu: &Gpu, parts: &Parts, op: Operand, w: &CudaWeig
     // The tile lists as the i32 words of cached device tables (the same for every product
     // of this many rows — bounded by the largest batch — and safe to name from a recorded
     // decode step).
-    let lists = split_tiles(&tiles).map(|l| {
+    let lists = split_tiles(&tiles, false).map(|l| {
         let words: Vec<u64> =
             l.chunks(2).map(|p| u64::from(p[0] as u32) | u64::from(*p.get(1).unwrap_or(&0) as u32) << 32).collect();
         if l.is_empty() { (0, 0) } else { (gpu.constant_table(&words), l.len() / 3) }
@@ -236,8 +259,8 @@ pub(crate) struct Parts {
     _values: DevBuf<u16>,
     rows: usize,
     k: usize,
-    /// Tensor maps of boxes of 128 and of 64 rows (the `_n64` kernels').
-    maps: [[u64; 16]; 2],
+    /// Tensor maps of boxes of 128, 64 (the `_n64` kernels') and 32 rows (`_n32`).
+    maps: [[u64; 16]; 3],
 }
 
 /// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`] in the FP4
@@ -259,7 +282,7 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
         i32::from(fp8)
     );
     let at = gpu.ptr(&values);
-    let maps = [parts_map(at, 2 * rows, k, TILE_ROWS), parts_map(at, 2 * rows, k, SMALL_TILE_ROWS)];
+    let maps = [TILE_ROWS, SMALL_TILE_ROWS, TINY_TILE_ROWS].map(|box_rows| parts_map(at, 2 * rows, k, box_rows));
     Parts { _values: values, rows, k, maps }
 }
 
@@ -298,7 +321,10 @@ fn launch_products(
         if count == 0 {
             continue;
         }
-        let kernel = usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small;
+        let kernel = match small {
+            2 => 8 + usize::from(pipelined()),
+            _ => usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small,
+        };
         let name = FP4WG_KERNELS[kernel];
         assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
         let args = Fp4wgArgs {

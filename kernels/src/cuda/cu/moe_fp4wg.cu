@@ -34,13 +34,14 @@
 //
 // Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
 // × one tile of up to 128 rows (`_n64` kernels: up to 64, an expert's last few rows, with
-// `wgmma.m64n64k16` and half the parts; the host's tile list, as the `gemm_*` tiles: expert, first
+// `wgmma.m64n64k16` and half the parts; FP4's `_n32`: up to 32, `m64n32k16`, a quarter of
+// them; the host's tile list, as the `gemm_*` tiles: expert, first
 // row, rows; a plain FP8 product is one "expert"; a grouped one's block reads its group's
 // inputs). A chunk is 128 inputs (FP4) or 64 (FP8): the tile's two parts (TMA boxes of 64
 // inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
 // rows × 64 bytes either way, `cp.async` by every thread, 16-byte pieces permuted by
 // (row / 2) mod 4 so that the fragment loads are free of bank conflicts), FP4 with its 4
-// scale bytes a row. A ring of 3 (FP4) or 4 (FP8) chunks, one block barrier a chunk (the
+// scale bytes a row. A ring of chunks (`FW_S`), one block barrier a chunk (the
 // codes come from every thread's copies); a warpgroup converts the chunk's codes, then
 // issues its 16 or 8 wgmmas (k-steps × 2 parts) into one chain of f32 sums. The plain
 // kernels wait for them before the next chunk; the `_p` ones convert the next chunk's
@@ -49,13 +50,17 @@
 // whatever rows follow (or the map's zero fill): their columns are never written.
 
 #define FW_BN 128                            // outputs a block
-#define FW_BOX(BT) ((BT) * 128)              // one TMA box: 64 bf16 inputs × BT rows (tiles of 128 or 64)
+#define FW_BOX(BT) ((BT) * 128)              // one TMA box: 64 bf16 inputs × BT rows (tiles of 128, 64 or 32)
 #define FW_A_BYTES (FW_BN * 64)              // the block's codes of a chunk: 64 bytes a row
 #define FW_THREADS 256
-// Inputs a chunk and ring stages: FP4 128 and 3, FP8 64 and 4 (64 bytes of codes a row
-// either way); a stage is the parts' boxes, the codes and (FP4) their scale bytes.
+// Inputs a chunk: FP4 128, FP8 64 (64 bytes of codes a row either way); a stage is the
+// parts' boxes, the codes and (FP4) their scale bytes. Stages: FP8 4; FP4 3 for tiles of
+// 128 rows, and for the smaller stages of FP4's short tiles as many as ~200 KiB hold (5
+// of 64 rows, 8 of 32): one block an SM streams its expert's codes with S - 2 chunks in
+// flight, so a small prefill's experts of a few rows each (all 256 streamed once) ran at
+// ~1 TB/s with one (docs/perf.md, "Small prefills").
 #define FW_KC(FP8) ((FP8) ? 64 : 128)
-#define FW_S(FP8) ((FP8) ? 4 : 3)
+#define FW_S(FP8, BT) ((FP8) ? 4 : (BT) == 128 ? 3 : (BT) == 64 ? 5 : 8)
 #define FW_STAGE(FP8, BT) (2 * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES + 1024)
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
@@ -110,6 +115,23 @@ __device__ __forceinline__ void fw_mma(float (&d)[32], const u32 (&a)[4], u64 db
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// D += A · B over 64 × 32 × 16 (FP4 tiles of at most 32 rows: an expert's few rows of a
+// small prefill).
+__device__ __forceinline__ void fw_mma(float (&d)[16], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 #else
     __trap();
@@ -191,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
 
 template <bool FP8, bool PIPE, int BT>
 __device__ void fw_gemm(const Fp4wgArgs& a) {
-    constexpr int KC = FW_KC(FP8), S = FW_S(FP8), STAGE = FW_STAGE(FP8, BT), NB = KC / 64, STEPS = KC / 16;
+    constexpr int KC = FW_KC(FP8), S = FW_S(FP8, BT), STAGE = FW_STAGE(FP8, BT), NB = KC / 64, STEPS = KC / 16;
     constexpr int BOX = FW_BOX(BT), B_BYTES = 2 * NB * BOX;
     extern __shared__ __align__(128) u8 fw_smem[];
     __shared__ __align__(8) u64 bars[S];
@@ -348,6 +370,9 @@ FW_KERNEL(fp4wg_gemm_n64, false, false, 64)
 FW_KERNEL(fp8wg_gemm_n64, true, false, 64)
 FW_KERNEL(fp4wg_gemm_p_n64, false, true, 64)
 FW_KERNEL(fp8wg_gemm_p_n64, true, true, 64)
+// FP4 tiles of at most 32 rows (`_n32`): a small prefill's experts, each a few rows.
+FW_KERNEL(fp4wg_gemm_n32, false, false, 32)
+FW_KERNEL(fp4wg_gemm_p_n32, false, true, 32)
 
 // out[r][c] (out_stride apart) = the sum over z in order of part[z][r][c] (each plane
 // rows × n, the K slices' sums of a product split along K): one thread an output.
