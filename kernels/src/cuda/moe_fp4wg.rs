@@ -351,3 +351,43 @@ fn parts_map(at: u64, rows: usize, k: usize, box_rows: usize) -> [u64; 16] {
     let bf16 = (CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2);
     swizzled_map(at, bf16, (k, rows), [64, box_rows as u32], "fp4wg parts")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Tiles go to the kernels of their height: more than 64 rows to the 128-row ones, at
+    /// most 64 to `_n64`, and an FP4 expert's of at most 32 to `_n32` (FP8 products keep
+    /// theirs on `_n64`). Unless the knobs turn a height off in this process's environment.
+    #[test]
+    fn tiles_go_to_the_kernels_of_their_height() {
+        if !small_tiles() || !tiny_tiles() {
+            eprintln!("skipped: SLUICE_CUDA_FP4WG_N64 or _N32 is 0 here");
+            return;
+        }
+        // (expert, first row, rows)
+        let tiles = [0, 0, 128, 0, 128, 65, 1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 1];
+        let [big, n64, n32] = split_tiles(&tiles, true);
+        assert_eq!(big, [0, 0, 128, 0, 128, 65]);
+        assert_eq!(n64, [1, 193, 64, 2, 257, 33]);
+        assert_eq!(n32, [3, 290, 32, 4, 322, 1]);
+        let [big, n64, n32] = split_tiles(&tiles, false);
+        assert_eq!(big, [0, 0, 128, 0, 128, 65]);
+        assert_eq!(n64, [1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 1]);
+        assert!(n32.is_empty(), "FP8 products have no 32-row kernels: {n32:?}");
+    }
+
+    /// The shared memory the host opts each product kernel in to is what its ring needs
+    /// (`FW_S` stages of `FW_STAGE` bytes and the 1 KiB alignment) and fits an sm_90
+    /// block's 227 KiB.
+    #[test]
+    fn product_kernels_fit_their_shared_memory() {
+        assert_eq!(FP4WG_SMEM.len() + 2, FP4WG_KERNELS.len(), "a shared-memory size per product kernel");
+        for (name, &bytes) in FP4WG_KERNELS.iter().zip(&FP4WG_SMEM) {
+            assert!(bytes <= 227 * 1024, "{name}: {bytes} bytes of shared memory");
+        }
+        // FP4 tiles of 32 rows: 8 stages of two parts' two 32-row boxes, 8 KiB of codes
+        // and 1 KiB for the scale bytes.
+        assert_eq!(FP4WG_SMEM[8], 8 * (2 * 2 * 32 * 128 + 128 * 64 + 1024) + 1024);
+    }
+}
