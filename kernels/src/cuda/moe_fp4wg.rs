@@ -259,7 +259,8 @@ pub(crate) struct Parts {
     _values: DevBuf<u16>,
     rows: usize,
     k: usize,
-    /// Tensor maps of boxes of 128, 64 (the `_n64` kernels') and 32 rows (`_n32`).
+    /// Tensor maps of boxes of 128, 64 (the `_n64` kernels') and 32 rows (`_n32`, FP4's
+    /// order only: zeros for FP8's, whose tiles never take those kernels).
     maps: [[u64; 16]; 3],
 }
 
@@ -282,7 +283,10 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
         i32::from(fp8)
     );
     let at = gpu.ptr(&values);
-    let maps = [TILE_ROWS, SMALL_TILE_ROWS, TINY_TILE_ROWS].map(|box_rows| parts_map(at, 2 * rows, k, box_rows));
+    // (Three maps are encoded on the host for every set of parts, FP8's of each decode
+    // product of 9-64 rows too: the third only where it can be used.)
+    let tiny = if fp8 { [0; 16] } else { parts_map(at, 2 * rows, k, TINY_TILE_ROWS) };
+    let maps = [parts_map(at, 2 * rows, k, TILE_ROWS), parts_map(at, 2 * rows, k, SMALL_TILE_ROWS), tiny];
     Parts { _values: values, rows, k, maps }
 }
 
@@ -321,6 +325,7 @@ fn launch_products(
         if count == 0 {
             continue;
         }
+        assert!(small < 2 || !fp8, "FP8 products have no 32-row kernels");
         let kernel = match small {
             2 => 8 + usize::from(pipelined()),
             _ => usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small,
