@@ -342,12 +342,10 @@ extern "C" __global__ void __launch_bounds__(MOE_LIST_THREADS)
     pdl_begin();
     __shared__ bool last;
     const int* chosen = moe_route_row(logits, n_exp, k, hash_rows, bias, route_scale, experts, weights);
-    if (gridDim.x == 1) {
-        // The only block is the last: no ticket, no fences (~2.5 µs at batch 1), and the
-        // lists read the choice from shared memory (the barrier orders it).
-        __syncthreads();
-    } else {
-        __threadfence();  // this row's choice (thread 0 wrote it) before the ticket
+    // The only block is the last: no ticket, no fences (~2.5 µs at batch 1), and the
+    // lists read the choice from shared memory (moe_route_row's last barrier orders it).
+    if (gridDim.x > 1) {
+        __threadfence();  // this row's choice (the first k lanes wrote it) before the ticket
         __syncthreads();
         if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
         __syncthreads();
