@@ -10,6 +10,9 @@
 #      TAG (file names, default b$BATCH), EXTRA (more `bench engine` flags), ORDER
 #      (kernels of the step listed in order, default 60), GAPS (KERNEL:BEFORE pairs,
 #      space-separated: timeline.py --gap) and GAP_FROM (its --gap-from).
+#      TOTALS=1: per-kernel totals over the whole run instead (kernel_totals.py), e.g.
+#      of prefills: TOTALS=1 RUN="--prefill-tokens 300 --contexts 1024 --batches 1
+#      --decode-steps 1 --repeat 4" (RUN replaces the run's flags below).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=$1
@@ -40,11 +43,14 @@ fi
 log=$OUT/timeline_$tag.log
 csv=$OUT/timeline_$tag.csv
 # Few steps: the recording keeps every kernel of the run.
+run=${RUN:---prefill-tokens 512 --chunk-tokens 8192 --contexts $ctx --batches $batch --decode-steps 4 --repeat 1}
 CUDA_INJECTION64_PATH=$lib SLUICE_TIMELINE=$csv "$B/sluice" bench engine --device cuda:0 --model "$model" \
-  --kv-dtype "${KV:-fp8}" --prefill-tokens 512 --chunk-tokens 8192 --contexts "$ctx" --batches "$batch" \
-  --decode-steps 4 --repeat 1 --skip-products --topk-candidates 0 --compress-tokens 0 ${EXTRA:-} >/dev/null 2>"$log" ||
+  --kv-dtype "${KV:-fp8}" $run --skip-products --topk-candidates 0 --compress-tokens 0 ${EXTRA:-} >/dev/null 2>"$log" ||
   { tail -20 "$log"; exit 1; }
 grep -E 'cupti_trace|ms/step' "$log" || true
+if [ "${TOTALS:-0}" = 1 ]; then
+  exec python3 tools/bench/kernel_totals.py "$csv" --top "${ORDER:-30}"
+fi
 gaps=()
 for g in ${GAPS:-}; do gaps+=(--gap "$g"); done
 python3 tools/bench/timeline.py "$csv" "$log" --order "${ORDER:-60}" --gap-from "${GAP_FROM:-0}" "${gaps[@]}"

@@ -1,7 +1,7 @@
 //! Prefill-sized products of FP4 and FP8 weights on Hopper's warpgroup instruction
 //! (cu/moe_fp4wg.cu): the rows as two bf16 parts (`fp4wg_parts`), then one launch a
-//! projection over tiles of up to 128 rows, each block 128 outputs × one tile, the codes
-//! turned into bf16 in registers. [`super::moe_host`] runs the routed FP4 experts on
+//! projection over tiles of up to 128 rows, each block 128 outputs (256 on FP4's short
+//! tiles) × one tile, the codes turned into bf16 in registers. [`super::moe_host`] runs the routed FP4 experts on
 //! `fp4wg_gemm` (tiles of one expert's rows) and [`super::matmul`] FP8 products of more
 //! rows than the gemv launches take on `fp8wg_gemm` (decode batches from 9 rows, split
 //! along K where their blocks would not fill the GPU, `fw_split_sum` adding the slices),
@@ -20,9 +20,11 @@ use crate::backend::MoeWeights;
 
 /// The kernels: the products (with their dynamic shared memory, opted in at load) — FP4
 /// and FP8, each plain and `_p`, each for tiles of 128 rows and `_n64` of 64, then FP4's
-/// `_n32` of 32, plain and `_p` — then the parts and the sum of a product split along K.
-/// A product's index: FP8 + 2 · `_p` + 4 · `_n64`; `_n32`: 8 + `_p`.
-pub(crate) const FP4WG_KERNELS: [&str; 12] = [
+/// short tiles, plain and `_p`: `_n32` of 32 rows, `_n32w` (four warpgroups, 256 outputs
+/// a block), `_n16` of 16 rows and `_n16w` — then the parts and the sum of a product
+/// split along K. A product's index: FP8 + 2 · `_p` + 4 · `_n64`; FP4's short tiles
+/// [`ShortTiles::kernel`].
+pub(crate) const FP4WG_KERNELS: [&str; 18] = [
     "fp4wg_gemm",
     "fp8wg_gemm",
     "fp4wg_gemm_p",
@@ -33,40 +35,116 @@ pub(crate) const FP4WG_KERNELS: [&str; 12] = [
     "fp8wg_gemm_p_n64",
     "fp4wg_gemm_n32",
     "fp4wg_gemm_p_n32",
+    "fp4wg_gemm_n32w",
+    "fp4wg_gemm_p_n32w",
+    "fp4wg_gemm_n16",
+    "fp4wg_gemm_p_n16",
+    "fp4wg_gemm_n16w",
+    "fp4wg_gemm_p_n16w",
     "fp4wg_parts",
     "fw_split_sum",
 ];
-/// Outputs of a block (`FW_BN`), rows of a full tile (the host's [`GEMM_BM`]) and of a
-/// small one; the parts' rows are a multiple of FP4's chunk of inputs (FP8's is 64).
+/// Outputs of a block (`FW_BN`: two warpgroups; four in the `w` kernels), rows of a full
+/// tile (the host's [`GEMM_BM`]) and of a small one; the parts' rows are a multiple of
+/// FP4's chunk of inputs (FP8's is 64).
 const BLOCK_OUTPUTS: usize = 128;
+const WIDE_BLOCK_OUTPUTS: usize = 256;
 const TILE_ROWS: usize = 128;
 const SMALL_TILE_ROWS: usize = 64;
-/// Rows of FP4's shortest tiles (the `_n32` kernels).
+/// Rows of FP4's short tiles (the `_n32` and `_n16` kernels).
 const TINY_TILE_ROWS: usize = 32;
+const SHORTEST_TILE_ROWS: usize = 16;
 const CHUNK_INPUTS: usize = 128;
 /// Inputs of an FP8 chunk (`FW_KC`): the unit a product split along K is cut in.
 pub(crate) const FP8_CHUNK_INPUTS: usize = 64;
 const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the grouped tiles' row tiles");
-/// Dynamic shared memory of a product kernel of `chunk` inputs a chunk, `stages` stages
-/// and tiles of `rows` rows (`FW_STAGE`: the tile's two bf16 parts, the block's codes — 64
-/// bytes a row — and FP4's scale bytes), and 1 KiB to align them.
-const fn smem(chunk: usize, stages: usize, rows: usize) -> usize {
-    stages * (2 * 2 * rows * chunk + BLOCK_OUTPUTS * 64 + 1024) + 1024
+/// Dynamic shared memory of a product kernel of `chunk` inputs a chunk, `stages` stages,
+/// tiles of `rows` rows and `outputs` outputs a block (`FW_STAGE`: the tile's two bf16
+/// parts, the block's codes — 64 bytes a row — and FP4's scale bytes), and 1 KiB to align
+/// them.
+const fn smem(chunk: usize, stages: usize, rows: usize, outputs: usize) -> usize {
+    stages * (2 * 2 * rows * chunk + outputs * 64 + 1024) + 1024
 }
 /// Dynamic shared memory of the products, in [`FP4WG_KERNELS`]' order (`FW_S`: FP4's
 /// shorter tiles have smaller stages and more of them).
-pub(crate) const FP4WG_SMEM: [usize; 10] = [
-    smem(128, 3, 128),
-    smem(64, 4, 128),
-    smem(128, 3, 128),
-    smem(64, 4, 128),
-    smem(128, 5, 64),
-    smem(64, 4, 64),
-    smem(128, 5, 64),
-    smem(64, 4, 64),
-    smem(128, 8, 32),
-    smem(128, 8, 32),
+pub(crate) const FP4WG_SMEM: [usize; 16] = [
+    smem(128, 3, 128, 128),
+    smem(64, 4, 128, 128),
+    smem(128, 3, 128, 128),
+    smem(64, 4, 128, 128),
+    smem(128, 5, 64, 128),
+    smem(64, 4, 64, 128),
+    smem(128, 5, 64, 128),
+    smem(64, 4, 64, 128),
+    smem(128, 8, 32, 128),
+    smem(128, 8, 32, 128),
+    smem(128, 6, 32, 256),
+    smem(128, 6, 32, 256),
+    smem(128, 8, 16, 128),
+    smem(128, 8, 16, 128),
+    smem(128, 8, 16, 256),
+    smem(128, 8, 16, 256),
 ];
+
+/// Which kernels FP4's short tiles take (`SLUICE_CUDA_FP4WG_SHORT`, read once): `n16w`
+/// (the default: tiles of at most 16 rows on `_n16w`, 17-32 on `_n32w`, four warpgroups
+/// a block), `n16` (on `_n16` and `_n32`, two), `n32w` (at most 32 rows on `_n32w`),
+/// `n32` (on `_n32`); `off` (or `SLUICE_CUDA_FP4WG_N32=0`): on `_n64`. A 300-token
+/// prefill of 20 V4-Flash layers (~7 rows an expert): `n16w` 3,762 / 3,863 tokens/s
+/// against `n32`'s 3,690 / 3,602 (docs/perf.md, "Shorter and wider expert tiles").
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum ShortTiles {
+    Off,
+    N32,
+    N32Wide,
+    N16,
+    N16Wide,
+}
+
+impl ShortTiles {
+    fn from_env() -> Self {
+        static ONCE: std::sync::OnceLock<ShortTiles> = std::sync::OnceLock::new();
+        *ONCE.get_or_init(|| {
+            if std::env::var("SLUICE_CUDA_FP4WG_N32").is_ok_and(|v| v == "0") {
+                return ShortTiles::Off;
+            }
+            match std::env::var("SLUICE_CUDA_FP4WG_SHORT").as_deref() {
+                Ok("off") => ShortTiles::Off,
+                Ok("n32") => ShortTiles::N32,
+                Ok("n32w") => ShortTiles::N32Wide,
+                Ok("n16") => ShortTiles::N16,
+                _ => ShortTiles::N16Wide,
+            }
+        })
+    }
+
+    /// The kernel ([`FP4WG_KERNELS`]' index) of list `list` (2: tiles of 17-32 rows, 3: of
+    /// at most 16; [`split_tiles`]) for a product of `outputs` outputs: a wide kernel only
+    /// where the outputs are whole 256-output blocks.
+    fn kernel(self, list: usize, pipelined: bool, outputs: usize) -> usize {
+        let wide =
+            matches!(self, ShortTiles::N32Wide | ShortTiles::N16Wide) && outputs.is_multiple_of(WIDE_BLOCK_OUTPUTS);
+        let n16 = list == 3 && matches!(self, ShortTiles::N16 | ShortTiles::N16Wide);
+        8 + 4 * usize::from(n16) + 2 * usize::from(wide) + usize::from(pipelined)
+    }
+}
+
+/// Outputs a block of kernel `kernel` computes, and its threads.
+fn block_shape(kernel: usize) -> (usize, u32) {
+    if FP4WG_KERNELS[kernel].ends_with('w') { (WIDE_BLOCK_OUTPUTS, 512) } else { (BLOCK_OUTPUTS, 256) }
+}
+
+/// Rows of the tiles kernel `kernel` takes (`BT`: its name's `_n64`, `_n32`, `_n16`; else 128).
+fn tile_rows(kernel: usize) -> usize {
+    let name = FP4WG_KERNELS[kernel];
+    [SMALL_TILE_ROWS, TINY_TILE_ROWS, SHORTEST_TILE_ROWS]
+        .into_iter()
+        .find(|rows| name.contains(&format!("_n{rows}")))
+        .unwrap_or(TILE_ROWS)
+}
+
+/// Box rows of [`Parts::maps`], in order.
+const MAP_ROWS: [usize; 4] = [TILE_ROWS, SMALL_TILE_ROWS, TINY_TILE_ROWS, SHORTEST_TILE_ROWS];
 
 /// `Fp4wgArgs` in moe_fp4wg.cu.
 #[repr(C, align(64))]
@@ -127,27 +205,23 @@ fn small_tiles() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N64").map(|v| v != "0").unwrap_or(true))
 }
 
-/// Whether FP4 tiles of at most 32 rows take the `_n32` kernels
-/// (`SLUICE_CUDA_FP4WG_N32=0`, read once: the `_n64` ones).
-fn tiny_tiles() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N32").map(|v| v != "0").unwrap_or(true))
-}
-
 /// A tile list (expert, first row, rows; at most 128 rows a tile) split for the launches:
-/// tiles of more than 64 rows, those of at most 64, and (FP4's, `fp4`) those of at most
-/// 32 (into the second with `SLUICE_CUDA_FP4WG_N32=0`, all in the first with
+/// tiles of more than 64 rows, those of at most 64, and (FP4's, `fp4`) those of 17-32 and
+/// of at most 16 ([`ShortTiles`]: into the second with `off`; all in the first with
 /// `SLUICE_CUDA_FP4WG_N64=0`).
-fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 3] {
-    let mut lists = [Vec::new(), Vec::new(), Vec::new()];
+fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 4] {
+    let short = fp4 && ShortTiles::from_env() != ShortTiles::Off;
+    let mut lists = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     for t in tiles.chunks_exact(3) {
         let rows = t[2] as usize;
         let list = if !small_tiles() || rows > SMALL_TILE_ROWS {
             0
-        } else if fp4 && tiny_tiles() && rows <= TINY_TILE_ROWS {
+        } else if !short || rows > TINY_TILE_ROWS {
+            1
+        } else if rows > SHORTEST_TILE_ROWS {
             2
         } else {
-            1
+            3
         };
         lists[list].extend_from_slice(t);
     }
@@ -156,7 +230,7 @@ fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 3] {
 
 /// A product's tiles on the device, by height ([`split_tiles`]): (address, count) each.
 pub(crate) struct DeviceTiles {
-    lists: [(u64, usize); 3],
+    lists: [(u64, usize); 4],
     /// Held while the launches are queued (uploaded lists; empty for cached tables).
     _bufs: Vec<DevBuf<i32>>,
 }
@@ -259,9 +333,9 @@ pub(crate) struct Parts {
     _values: DevBuf<u16>,
     rows: usize,
     k: usize,
-    /// Tensor maps of boxes of 128, 64 (the `_n64` kernels') and 32 rows (`_n32`, FP4's
-    /// order only: zeros for FP8's, whose tiles never take those kernels).
-    maps: [[u64; 16]; 3],
+    /// Tensor maps of boxes of 128, 64 (the `_n64` kernels'), 32 and 16 rows (`_n32`,
+    /// `_n16`: FP4's order only, zeros for FP8's, whose tiles never take those kernels).
+    maps: [[u64; 16]; 4],
 }
 
 /// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`] in the FP4
@@ -283,10 +357,13 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
         i32::from(fp8)
     );
     let at = gpu.ptr(&values);
-    // (Three maps are encoded on the host for every set of parts, FP8's of each decode
-    // product of 9-64 rows too: the third only where it can be used.)
-    let tiny = if fp8 { [0; 16] } else { parts_map(at, 2 * rows, k, TINY_TILE_ROWS) };
-    let maps = [parts_map(at, 2 * rows, k, TILE_ROWS), parts_map(at, 2 * rows, k, SMALL_TILE_ROWS), tiny];
+    // (The maps are encoded on the host for every set of parts, FP8's of each decode
+    // product of 9-64 rows too: the short tiles' only where they can be used.)
+    let short = |box_rows| if fp8 { [0; 16] } else { parts_map(at, 2 * rows, k, box_rows) };
+    let maps =
+        MAP_ROWS.map(
+            |box_rows| if box_rows >= SMALL_TILE_ROWS { parts_map(at, 2 * rows, k, box_rows) } else { short(box_rows) },
+        );
     Parts { _values: values, rows, k, maps }
 }
 
@@ -325,15 +402,19 @@ fn launch_products(
         if count == 0 {
             continue;
         }
-        assert!(small < 2 || !fp8, "FP8 products have no 32-row kernels");
+        assert!(small < 2 || !fp8, "FP8 products have no short-tile kernels");
         let kernel = match small {
-            2 => 8 + usize::from(pipelined()),
-            _ => usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small,
+            0 | 1 => usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small,
+            _ => ShortTiles::from_env().kernel(small, pipelined(), w.rows),
         };
+        let (outputs, threads) = block_shape(kernel);
+        // The parts' map of the kernel's tile height: its TMA boxes must be the bytes its
+        // barrier expects (a 32-row kernel given 16-row boxes would wait forever).
+        let map = MAP_ROWS.iter().position(|&r| r == tile_rows(kernel)).expect("a map for every tile height");
         let name = FP4WG_KERNELS[kernel];
         assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
         let args = Fp4wgArgs {
-            parts: parts.maps[small],
+            parts: parts.maps[map],
             out: out.at,
             wtab,
             tiles: at,
@@ -345,8 +426,8 @@ fn launch_products(
             split_stride: out.split_stride as i32,
             pad: [0; 20],
         };
-        let grid = ((w.rows / BLOCK_OUTPUTS) as u32, count as u32, out.splits as u32);
-        launch!(gpu, name, cfg(grid, 256, FP4WG_SMEM[kernel] as u32), args);
+        let grid = ((w.rows / outputs) as u32, count as u32, out.splits as u32);
+        launch!(gpu, name, cfg(grid, threads, FP4WG_SMEM[kernel] as u32), args);
     }
 }
 
@@ -362,24 +443,52 @@ mod tests {
     use super::*;
 
     /// Tiles go to the kernels of their height: more than 64 rows to the 128-row ones, at
-    /// most 64 to `_n64`, and an FP4 expert's of at most 32 to `_n32` (FP8 products keep
-    /// theirs on `_n64`). Unless the knobs turn a height off in this process's environment.
+    /// most 64 to `_n64`, and an FP4 expert's of 17-32 and of at most 16 to the short
+    /// tiles' lists (FP8 products keep theirs on `_n64`). Unless the knobs turn a height
+    /// off in this process's environment.
     #[test]
     fn tiles_go_to_the_kernels_of_their_height() {
-        if !small_tiles() || !tiny_tiles() {
+        if !small_tiles() || ShortTiles::from_env() == ShortTiles::Off {
             eprintln!("skipped: SLUICE_CUDA_FP4WG_N64 or _N32 is 0 here");
             return;
         }
         // (expert, first row, rows)
-        let tiles = [0, 0, 128, 0, 128, 65, 1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 1];
-        let [big, n64, n32] = split_tiles(&tiles, true);
+        let tiles = [0, 0, 128, 0, 128, 65, 1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 17, 5, 339, 16, 6, 355, 1];
+        let [big, n64, n32, n16] = split_tiles(&tiles, true);
         assert_eq!(big, [0, 0, 128, 0, 128, 65]);
         assert_eq!(n64, [1, 193, 64, 2, 257, 33]);
-        assert_eq!(n32, [3, 290, 32, 4, 322, 1]);
-        let [big, n64, n32] = split_tiles(&tiles, false);
+        assert_eq!(n32, [3, 290, 32, 4, 322, 17]);
+        assert_eq!(n16, [5, 339, 16, 6, 355, 1]);
+        let [big, n64, n32, n16] = split_tiles(&tiles, false);
         assert_eq!(big, [0, 0, 128, 0, 128, 65]);
-        assert_eq!(n64, [1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 1]);
-        assert!(n32.is_empty(), "FP8 products have no 32-row kernels: {n32:?}");
+        assert_eq!(n64, [1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 17, 5, 339, 16, 6, 355, 1]);
+        assert!(n32.is_empty() && n16.is_empty(), "FP8 products have no short-tile kernels");
+    }
+
+    /// Each setting of the short tiles picks kernels of the right height and width: the
+    /// 16-row ones only for tiles of at most 16 rows, the wide ones only for whole
+    /// 256-output blocks.
+    #[test]
+    fn short_tiles_pick_their_kernels() {
+        let name = |mode: ShortTiles, list, outputs| FP4WG_KERNELS[mode.kernel(list, true, outputs)];
+        assert_eq!(name(ShortTiles::N32, 2, 4096), "fp4wg_gemm_p_n32");
+        assert_eq!(name(ShortTiles::N32, 3, 4096), "fp4wg_gemm_p_n32");
+        assert_eq!(name(ShortTiles::N32Wide, 3, 4096), "fp4wg_gemm_p_n32w");
+        assert_eq!(name(ShortTiles::N16, 2, 4096), "fp4wg_gemm_p_n32");
+        assert_eq!(name(ShortTiles::N16, 3, 4096), "fp4wg_gemm_p_n16");
+        assert_eq!(name(ShortTiles::N16Wide, 2, 4096), "fp4wg_gemm_p_n32w");
+        assert_eq!(name(ShortTiles::N16Wide, 3, 4096), "fp4wg_gemm_p_n16w");
+        assert_eq!(name(ShortTiles::N16Wide, 3, 384), "fp4wg_gemm_p_n16", "384 outputs are not whole wide blocks");
+        assert_eq!(FP4WG_KERNELS[ShortTiles::N16Wide.kernel(3, false, 4096)], "fp4wg_gemm_n16w");
+        assert_eq!(block_shape(ShortTiles::N16Wide.kernel(3, true, 4096)), (256, 512));
+        // The map each kernel is given has its tiles' height (a 16-row list on a 32-row
+        // kernel still gets the 32-row boxes).
+        assert_eq!(tile_rows(ShortTiles::N32.kernel(3, true, 4096)), 32);
+        assert_eq!(tile_rows(ShortTiles::N32Wide.kernel(3, false, 4096)), 32);
+        assert_eq!(tile_rows(ShortTiles::N16Wide.kernel(3, true, 4096)), 16);
+        assert_eq!(tile_rows(6), 64);
+        assert_eq!(tile_rows(3), 128);
+        assert_eq!(block_shape(ShortTiles::N16.kernel(3, true, 4096)), (128, 256));
     }
 
     /// The shared memory the host opts each product kernel in to is what its ring needs
@@ -392,7 +501,8 @@ mod tests {
             assert!(bytes <= 227 * 1024, "{name}: {bytes} bytes of shared memory");
         }
         // FP4 tiles of 32 rows: 8 stages of two parts' two 32-row boxes, 8 KiB of codes
-        // and 1 KiB for the scale bytes.
+        // and 1 KiB for the scale bytes; the wide blocks' 6 stages hold 16 KiB of codes.
         assert_eq!(FP4WG_SMEM[8], 8 * (2 * 2 * 32 * 128 + 128 * 64 + 1024) + 1024);
+        assert_eq!(FP4WG_SMEM[11], 6 * (2 * 2 * 32 * 128 + 256 * 64 + 1024) + 1024);
     }
 }

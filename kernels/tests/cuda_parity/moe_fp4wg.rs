@@ -16,9 +16,10 @@ const FP4WG_TOL: f32 = 1e-4;
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
 /// expert named twice for one token), at batches past the decode paths (257 rows and
 /// more) whose experts get several 128-row tiles, the last one partial, and one expert
-/// whose rows end the last part's plane: V4-Flash's widths and a narrow layer of many
-/// experts (tiles of a few rows). Each case first checks that the engine takes these
-/// kernels.
+/// whose rows end the last part's plane: V4-Flash's widths, a narrow layer of many
+/// experts (tiles of 17-32 rows) and one of 256 (~7 rows an expert, as a 300-token
+/// prefill of V4-Flash: the short tiles' kernels, their 384-output gate and up too narrow
+/// for the wide blocks). Each case first checks that the engine takes these kernels.
 #[test]
 fn cuda_moe_fp4wg_experts_match_cpu() {
     let Some(g) = wgmma_gpu("cuda_moe_fp4wg_experts_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
@@ -26,7 +27,8 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
     let mut rng = rng("moe fp4wg");
     // ((hidden, expert width, experts, top-k), batch sizes)
     type Layer<'a> = ((usize, usize, usize, usize), &'a [usize]);
-    let layers: [Layer; 2] = [((4096, 2048, 8, 6), &[300]), ((1024, 512, 64, 6), &[257, 1000])];
+    let layers: [Layer; 3] =
+        [((4096, 2048, 8, 6), &[300]), ((1024, 512, 64, 6), &[257, 1000]), ((1024, 384, 256, 6), &[300])];
     for ((d, inter, n_exp, k), batches) in layers {
         let layer = Fp4Moe::new(&mut rng, (d, inter, n_exp, k));
         for (limit, hash) in [(10.0f32, false), (2.0, true)] {

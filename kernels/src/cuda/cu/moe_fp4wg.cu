@@ -35,8 +35,9 @@
 // Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
 // × one tile of up to 128 rows (`_n64` kernels: up to 64, an expert's last few rows, with
 // `wgmma.m64n64k16` and half the parts; FP4's `_n32`: up to 32, `m64n32k16`, a quarter of
-// them; the host's tile list, as the `gemm_*` tiles: expert, first
-// row, rows; a plain FP8 product is one "expert"; a grouped one's block reads its group's
+// them, and `_n16`: up to 16, `m64n16k16`; FP4's short tiles also with four warpgroups,
+// 256 outputs (`w`: half the parts' bytes a byte of codes); the host's tile list, as the
+// `gemm_*` tiles: expert, first row, rows; a plain FP8 product is one "expert"; a grouped one's block reads its group's
 // inputs). A chunk is 128 inputs (FP4) or 64 (FP8): the tile's two parts (TMA boxes of 64
 // inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
 // rows × 64 bytes either way, `cp.async` by every thread, 16-byte pieces permuted by
@@ -49,10 +50,10 @@
 // a stage is free once its products are done). Rows of a tile past its count read
 // whatever rows follow (or the map's zero fill): their columns are never written.
 
-#define FW_BN 128                            // outputs a block
-#define FW_BOX(BT) ((BT) * 128)              // one TMA box: 64 bf16 inputs × BT rows (tiles of 128, 64 or 32)
-#define FW_A_BYTES (FW_BN * 64)              // the block's codes of a chunk: 64 bytes a row
-#define FW_THREADS 256
+#define FW_BN(WG) ((WG) * 64)               // outputs a block: 64 a warpgroup (2, or 4 for FP4's short tiles)
+#define FW_BOX(BT) ((BT) * 128)              // one TMA box: 64 bf16 inputs × BT rows (tiles of 128, 64, 32 or 16)
+#define FW_A_BYTES(WG) (FW_BN(WG) * 64)      // the block's codes of a chunk: 64 bytes a row
+#define FW_THREADS(WG) ((WG) * 128)
 // Inputs a chunk: FP4 128, FP8 64 (64 bytes of codes a row either way); a stage is the
 // parts' boxes, the codes and (FP4) their scale bytes. Stages: FP8 4; FP4 3 for tiles of
 // 128 rows, and for the smaller stages of FP4's short tiles as many as ~200 KiB hold (5
@@ -60,8 +61,8 @@
 // flight, so a small prefill's experts of a few rows each (all 256 streamed once) ran at
 // ~1 TB/s with one (docs/perf.md, "Small prefills").
 #define FW_KC(FP8) ((FP8) ? 64 : 128)
-#define FW_S(FP8, BT) ((FP8) ? 4 : (BT) == 128 ? 3 : (BT) == 64 ? 5 : 8)
-#define FW_STAGE(FP8, BT) (2 * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES + 1024)
+#define FW_S(FP8, BT, WG) ((FP8) ? 4 : (BT) == 128 ? 3 : (BT) == 64 ? 5 : (WG) == 4 && (BT) == 32 ? 6 : 8)
+#define FW_STAGE(FP8, BT, WG) (2 * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES(WG) + 1024)
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
 struct __align__(64) Fp4wgArgs {
@@ -132,6 +133,21 @@ __device__ __forceinline__ void fw_mma(float (&d)[16], const u32 (&a)[4], u64 db
         "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// D += A · B over 64 × 16 × 16 (FP4 tiles of at most 16 rows).
+__device__ __forceinline__ void fw_mma(float (&d)[8], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 #else
     __trap();
@@ -211,15 +227,16 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
     }
 }
 
-template <bool FP8, bool PIPE, int BT>
+template <bool FP8, bool PIPE, int BT, int WG>
 __device__ void fw_gemm(const Fp4wgArgs& a) {
-    constexpr int KC = FW_KC(FP8), S = FW_S(FP8, BT), STAGE = FW_STAGE(FP8, BT), NB = KC / 64, STEPS = KC / 16;
-    constexpr int BOX = FW_BOX(BT), B_BYTES = 2 * NB * BOX;
+    constexpr int KC = FW_KC(FP8), S = FW_S(FP8, BT, WG), STAGE = FW_STAGE(FP8, BT, WG), NB = KC / 64, STEPS = KC / 16;
+    constexpr int BOX = FW_BOX(BT), B_BYTES = 2 * NB * BOX, BN = FW_BN(WG), A_BYTES = FW_A_BYTES(WG);
+    static_assert(!FP8 || WG == 2, "an FP8 block's 128 rows are one scale block row");
     extern __shared__ __align__(128) u8 fw_smem[];
     __shared__ __align__(8) u64 bars[S];
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int half = tid >> 7, wq = (tid >> 5) & 3;  // warpgroup, warp in it
-    const int n0 = blockIdx.x * FW_BN, K = a.K;
+    const int n0 = blockIdx.x * BN, K = a.K;
     // This block's slice of the chunks (all of them unless the product is split along K):
     // chunk c below is the slice's c-th, c0 + c of the row.
     const int z = blockIdx.z, all_chunks = K / KC;
@@ -257,12 +274,12 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
             }
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                const int piece = tid + i * FW_THREADS, row = piece >> 2, q = piece & 3;
+                const int piece = tid + i * FW_THREADS(WG), row = piece >> 2, q = piece & 3;
                 const u32 dst = stage + B_BYTES + row * 64 + ((q ^ ((row >> 1) & 3)) << 4);
                 cp_async<16>(dst, w + (n0 + row) * row_bytes + (c0 + c) * 64 + q * 16);
             }
-            if (!FP8 && tid < FW_BN)
-                cp_async<4>(stage + B_BYTES + FW_A_BYTES + tid * 4, sc + (n0 + tid) * (K / 32) + (c0 + c) * 4);
+            if (!FP8 && tid < BN)
+                cp_async<4>(stage + B_BYTES + A_BYTES + tid * 4, sc + (n0 + tid) * (K / 32) + (c0 + c) * 4);
         }
         cp_async_commit();  // one group a chunk, empty past the end, so the waits count chunks
     };
@@ -300,8 +317,8 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
                 f[q][3] = fw_e4m3_bf16(wh, 1, fs);
             }
         } else {
-            const u32 s_lo = *(const u32*)(codes + FW_A_BYTES + rlo * 4);
-            const u32 s_hi = *(const u32*)(codes + FW_A_BYTES + (rlo + 8) * 4);
+            const u32 s_lo = *(const u32*)(codes + A_BYTES + rlo * 4);
+            const u32 s_hi = *(const u32*)(codes + A_BYTES + (rlo + 8) * 4);
 #pragma unroll
             for (int q = 0; q < 4; q++) {  // scale group q: 16 bytes of a row, two k-steps
                 const int off = ((q ^ swz) << 4) + 4 * t;
@@ -358,10 +375,11 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
 // FP4 experts (grouped tiles) and FP8 products (plain or grouped by outputs); `_p`: the
 // next chunk's codes converted while this one's products run; `_n64`: tiles of at most
 // 64 rows (an expert's last rows), half the products of a 128-row tile.
-#define FW_KERNEL(NAME, FP8, PIPE, BT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(FW_THREADS, 1) NAME(const __grid_constant__ Fp4wgArgs a) { \
-        fw_gemm<FP8, PIPE, BT>(a);                                                                        \
+#define FW_KERNEL_WG(NAME, FP8, PIPE, BT, WG)                                                                 \
+    extern "C" __global__ void __launch_bounds__(FW_THREADS(WG), 1) NAME(const __grid_constant__ Fp4wgArgs a) { \
+        fw_gemm<FP8, PIPE, BT, WG>(a);                                                                        \
     }
+#define FW_KERNEL(NAME, FP8, PIPE, BT) FW_KERNEL_WG(NAME, FP8, PIPE, BT, 2)
 FW_KERNEL(fp4wg_gemm, false, false, 128)
 FW_KERNEL(fp8wg_gemm, true, false, 128)
 FW_KERNEL(fp4wg_gemm_p, false, true, 128)
@@ -373,6 +391,15 @@ FW_KERNEL(fp8wg_gemm_p_n64, true, true, 64)
 // FP4 tiles of at most 32 rows (`_n32`): a small prefill's experts, each a few rows.
 FW_KERNEL(fp4wg_gemm_n32, false, false, 32)
 FW_KERNEL(fp4wg_gemm_p_n32, false, true, 32)
+// FP4 tiles of at most 16 rows (`_n16`) and four warpgroups a block (`w`: 256 outputs):
+// the tile's parts, read again by every block of the expert, are then fewer bytes for
+// each byte of codes.
+FW_KERNEL_WG(fp4wg_gemm_n32w, false, false, 32, 4)
+FW_KERNEL_WG(fp4wg_gemm_p_n32w, false, true, 32, 4)
+FW_KERNEL(fp4wg_gemm_n16, false, false, 16)
+FW_KERNEL(fp4wg_gemm_p_n16, false, true, 16)
+FW_KERNEL_WG(fp4wg_gemm_n16w, false, false, 16, 4)
+FW_KERNEL_WG(fp4wg_gemm_p_n16w, false, true, 16, 4)
 
 // out[r][c] (out_stride apart) = the sum over z in order of part[z][r][c] (each plane
 // rows × n, the K slices' sums of a product split along K): one thread an output.
