@@ -27,9 +27,10 @@
 // is left: ~16 significant bits), one plane a part: parts[p][row][K], written by
 // `fp4wg_parts` in the A fragments' input order, so that a lane's one u32 of codes a row
 // holds exactly its fragment's inputs. FP4: within each group of 32 inputs, k-step s
-// (16 inputs) holds logical inputs 2t, 2t + 1 = inputs 8t + 4s, + 1 and logical 2t + 8,
-// 2t + 9 = inputs 8t + 4s + 2, + 3 (a lane reads inputs 8t..8t+7: byte 2s for the first
-// pair, 2s + 1 for the second). FP8: within each k-step, logical 2t, 2t + 1 = inputs 4t,
+// (16 inputs) holds logical inputs 2t, 2t + 1 = inputs 8t + 2s, 8t + 2s + 4 and logical
+// 2t + 8, 2t + 9 = inputs 8t + 2s + 1, 8t + 2s + 5 (a lane reads inputs 8t..8t+7, one
+// nibble each: nibbles 2s and 2s + 4 of its u32 for the first pair, 2s + 1 and 2s + 5 for
+// the second — the pairs fw_codes_bf16 converts with one multiply). FP8: within each k-step, logical 2t, 2t + 1 = inputs 4t,
 // + 1 and 2t + 8, 2t + 9 = inputs 4t + 2, + 3 (a lane reads inputs 4t..4t+3).
 //
 // Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
@@ -162,11 +163,15 @@ __device__ __forceinline__ void fw_hold(float (&d)[N]) {
         asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
 }
 
-// Byte b of a u32 of FP4 codes (b a constant after unrolling): its two nibbles as bf16
-// (low nibble in the low half) times 2^-126, then times `f` (2^(s - 1) in both halves).
-__device__ __forceinline__ u32 fw_codes_bf16(u32 lo_nibbles, u32 hi_nibbles, int b, u32 f) {
-    const u32 u = __byte_perm(lo_nibbles, hi_nibbles, b | ((4 + b) << 8));
-    const u32 v = ((u << 6) & 0x01C001C0u) | ((u << 12) & 0x80008000u);
+// Two FP4 codes of a u32, at nibbles p and p + 4, as bf16 (nibble p in the low half) times
+// 2^-126, then times `f` (2^(s - 1) in both halves). `x` holds just those two nibbles, at
+// bits 0-3 and 16-19 (`SH` 6: x · 4160 = x << 6 | x << 12) or 4-7 and 20-23 (`SH` 2:
+// x · 260 = x << 2 | x << 8; the two shifted copies never overlap, so the product is
+// their OR): the magnitude lands at bits 8..6 of its half, the sign at 15 — a multiply
+// and a mask for two codes where a byte permute, two shifts and two masks were.
+template <int SH>
+__device__ __forceinline__ u32 fw_codes_bf16(u32 x, u32 f) {
+    const u32 v = (x * ((1u << SH) + (1u << (SH + 6)))) & 0x81C081C0u;
     u32 r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(f), "r"(0x80008000u));
     return r;
@@ -197,7 +202,7 @@ __device__ __forceinline__ u32 fw_block_scale2(float s) {
 
 // Rows of x (f32, `x_stride` apart, `K` inputs) as two bf16 parts each in the A
 // fragments' input order: FP4 (`fp8` 0) within each group of 32 inputs, k-step s holds
-// inputs 8t + 4s, + 1 at logical 2t, 2t + 1 and 8t + 4s + 2, + 3 at 2t + 8, 2t + 9; FP8
+// inputs 8t + 2s, + 4 at logical 2t, 2t + 1 and 8t + 2s + 1, + 5 at 2t + 8, 2t + 9; FP8
 // within each k-step of 16 inputs, inputs 4t, + 1 at 2t, 2t + 1 and 4t + 2, + 3 at
 // 2t + 8, 2t + 9. A block of 128 threads a row (gridDim.y blocks a row at decode batch
 // sizes, each a strided share of its inputs), a thread 8 inputs at a time.
@@ -215,7 +220,10 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
         for (int s = 0; s < 2; s++) {
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                const float x0 = v[4 * s + 2 * h], x1 = v[4 * s + 2 * h + 1];
+                // FP4: the pair of codes 2s + h and 2s + h + 4 (fw_codes_bf16's pairs);
+                // FP8: inputs 4s + 2h and 4s + 2h + 1.
+                const float x0 = fp8 ? v[4 * s + 2 * h] : v[2 * s + h];
+                const float x1 = fp8 ? v[4 * s + 2 * h + 1] : v[2 * s + h + 4];
                 const u16 h0 = f2bf(x0), h1 = f2bf(x1);
                 const u16 l0 = f2bf(x0 - bf2f(h0)), l1 = f2bf(x1 - bf2f(h1));
                 const long long e = row + (fp8 ? (j >> 1) * 16 + 8 * h + 2 * ((2 * j + s) & 3)
@@ -324,15 +332,16 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
                 const int off = ((q ^ swz) << 4) + 4 * t;
                 const u32 wl = *(const u32*)(codes + rlo * 64 + off), wh = *(const u32*)(codes + (rlo + 8) * 64 + off);
                 const u32 fl = fw_scale2(s_lo, q), fh = fw_scale2(s_hi, q);
-                const u32 ll = wl & 0x0F0F0F0Fu, lh = (wl >> 4) & 0x0F0F0F0Fu;
-                const u32 hl = wh & 0x0F0F0F0Fu, hh = (wh >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-                for (int s = 0; s < 2; s++) {
-                    f[2 * q + s][0] = fw_codes_bf16(ll, lh, 2 * s, fl);
-                    f[2 * q + s][1] = fw_codes_bf16(hl, hh, 2 * s, fh);
-                    f[2 * q + s][2] = fw_codes_bf16(ll, lh, 2 * s + 1, fl);
-                    f[2 * q + s][3] = fw_codes_bf16(hl, hh, 2 * s + 1, fh);
-                }
+                // k-step 2q + s: codes 2s and 2s + 4 of the lane's eight, then 2s + 1 and 2s + 5.
+                const u32 wl8 = wl >> 8, wh8 = wh >> 8;
+                f[2 * q][0] = fw_codes_bf16<6>(wl & 0x000F000Fu, fl);
+                f[2 * q][1] = fw_codes_bf16<6>(wh & 0x000F000Fu, fh);
+                f[2 * q][2] = fw_codes_bf16<2>(wl & 0x00F000F0u, fl);
+                f[2 * q][3] = fw_codes_bf16<2>(wh & 0x00F000F0u, fh);
+                f[2 * q + 1][0] = fw_codes_bf16<6>(wl8 & 0x000F000Fu, fl);
+                f[2 * q + 1][1] = fw_codes_bf16<6>(wh8 & 0x000F000Fu, fh);
+                f[2 * q + 1][2] = fw_codes_bf16<2>(wl8 & 0x00F000F0u, fl);
+                f[2 * q + 1][3] = fw_codes_bf16<2>(wh8 & 0x00F000F0u, fh);
             }
         }
         wg_fence();
