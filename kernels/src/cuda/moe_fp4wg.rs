@@ -108,12 +108,19 @@ impl ShortTiles {
             if std::env::var("SLUICE_CUDA_FP4WG_N32").is_ok_and(|v| v == "0") {
                 return ShortTiles::Off;
             }
-            match std::env::var("SLUICE_CUDA_FP4WG_SHORT").as_deref() {
-                Ok("off") => ShortTiles::Off,
-                Ok("n32") => ShortTiles::N32,
-                Ok("n32w") => ShortTiles::N32Wide,
-                Ok("n16") => ShortTiles::N16,
-                _ => ShortTiles::N16Wide,
+            match std::env::var("SLUICE_CUDA_FP4WG_SHORT").ok().as_deref() {
+                Some("off") => ShortTiles::Off,
+                Some("n32") => ShortTiles::N32,
+                Some("n32w") => ShortTiles::N32Wide,
+                Some("n16") => ShortTiles::N16,
+                None | Some("n16w") => ShortTiles::N16Wide,
+                Some(other) => {
+                    tracing::warn!(
+                        value = other,
+                        "SLUICE_CUDA_FP4WG_SHORT is none of off, n32, n32w, n16, n16w: using n16w"
+                    );
+                    ShortTiles::N16Wide
+                }
             }
         })
     }
