@@ -30,17 +30,18 @@
 // (16 inputs) holds logical inputs 2t, 2t + 1 = inputs 8t + 2s, 8t + 2s + 4 and logical
 // 2t + 8, 2t + 9 = inputs 8t + 2s + 1, 8t + 2s + 5 (a lane reads inputs 8t..8t+7, one
 // nibble each: nibbles 2s and 2s + 4 of its u32 for the first pair, 2s + 1 and 2s + 5 for
-// the second — the pairs fw_codes_bf16 converts with one multiply). FP8: within each k-step, logical 2t, 2t + 1 = inputs 4t,
-// + 1 and 2t + 8, 2t + 9 = inputs 4t + 2, + 3 (a lane reads inputs 4t..4t+3).
+// the second — the pairs fw_codes_bf16 converts with one multiply). FP8: within each
+// k-step, logical 2t, 2t + 1 = inputs 4t, + 1 and 2t + 8, 2t + 9 = inputs 4t + 2, + 3 (a
+// lane reads inputs 4t..4t+3).
 //
 // Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
 // × one tile of up to 128 rows (`_n64` kernels: up to 64, an expert's last few rows, with
 // `wgmma.m64n64k16` and half the parts; FP4's `_n32`: up to 32, `m64n32k16`, a quarter of
 // them, and `_n16`: up to 16, `m64n16k16`; FP4's short tiles also with four warpgroups,
 // 256 outputs (`w`: half the parts' bytes a byte of codes); the host's tile list, as the
-// `gemm_*` tiles: expert, first row, rows; a plain FP8 product is one "expert"; a grouped one's block reads its group's
-// inputs). A chunk is 128 inputs (FP4) or 64 (FP8): the tile's two parts (TMA boxes of 64
-// inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
+// `gemm_*` tiles: expert, first row, rows; a plain FP8 product is one "expert"; a
+// grouped one's block reads its group's inputs). A chunk is 128 inputs (FP4) or 64
+// (FP8): the tile's two parts (TMA boxes of 64 inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
 // rows × 64 bytes either way, `cp.async` by every thread, 16-byte pieces permuted by
 // (row / 2) mod 4 so that the fragment loads are free of bank conflicts), FP4 with its 4
 // scale bytes a row. A ring of chunks (`FW_S`), one block barrier a chunk (the
