@@ -34,23 +34,24 @@
 // k-step, logical 2t, 2t + 1 = inputs 4t, + 1 and 2t + 8, 2t + 9 = inputs 4t + 2, + 3 (a
 // lane reads inputs 4t..4t+3).
 //
-// Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63)
-// × one tile of up to 128 rows (`_n64` kernels: up to 64, an expert's last few rows, with
+// Block: two warpgroups, 128 outputs (weight rows; warpgroup h takes rows 64h..64h+63) ×
+// one tile of up to 128 rows (`_n64` kernels: up to 64, an expert's last few rows, with
 // `wgmma.m64n64k16` and half the parts; FP4's `_n32`: up to 32, `m64n32k16`, a quarter of
 // them, and `_n16`: up to 16, `m64n16k16`; FP4's short tiles also with four warpgroups,
 // 256 outputs (`w`: half the parts' bytes a byte of codes); the host's tile list, as the
-// `gemm_*` tiles: expert, first row, rows; a plain FP8 product is one "expert"; a
-// grouped one's block reads its group's inputs). A chunk is 128 inputs (FP4) or 64
-// (FP8): the tile's two parts (TMA boxes of 64 inputs × 128 rows, 128-byte swizzle as the descriptors name) and the block's codes (128
-// rows × 64 bytes either way, `cp.async` by every thread, 16-byte pieces permuted by
-// (row / 2) mod 4 so that the fragment loads are free of bank conflicts), FP4 with its 4
-// scale bytes a row. A ring of chunks (`FW_S`), one block barrier a chunk (the
-// codes come from every thread's copies); a warpgroup converts the chunk's codes, then
-// issues its 16 or 8 wgmmas (k-steps × 2 parts) into one chain of f32 sums. The plain
-// kernels wait for them before the next chunk; the `_p` ones convert the next chunk's
-// codes into a second set of fragments while these run (one chunk fewer requested ahead:
-// a stage is free once its products are done). Rows of a tile past its count read
-// whatever rows follow (or the map's zero fill): their columns are never written.
+// `gemm_*` tiles: expert, first row, rows; a plain FP8 product is one "expert"; a grouped
+// one's block reads its group's inputs). A chunk is 128 inputs (FP4) or 64 (FP8): the
+// tile's two parts (TMA boxes of 64 inputs × 128 rows, 128-byte swizzle as the descriptors
+// name) and the block's codes (128 rows × 64 bytes either way, `cp.async` by every thread,
+// 16-byte pieces permuted by (row / 2) mod 4 so that the fragment loads are free of bank
+// conflicts), FP4 with its 4 scale bytes a row. A ring of chunks (`FW_S`), one block
+// barrier a chunk (the codes come from every thread's copies); a warpgroup converts the
+// chunk's codes, then issues its 16 or 8 wgmmas (k-steps × 2 parts) into one chain of f32
+// sums. The plain kernels wait for them before the next chunk; the `_p` ones convert the
+// next chunk's codes into a second set of fragments while these run (one chunk fewer
+// requested ahead: a stage is free once its products are done). Rows of a tile past its
+// count read whatever rows follow (or the map's zero fill): their columns are never
+// written.
 
 #define FW_BN(WG) ((WG) * 64)               // outputs a block: 64 a warpgroup (2, or 4 for FP4's short tiles)
 #define FW_BOX(BT) ((BT) * 128)              // one TMA box: 64 bf16 inputs × BT rows (tiles of 128, 64, 32 or 16)
