@@ -1,12 +1,12 @@
 //! Prefill-sized products of FP4 and FP8 weights on Hopper's warpgroup instruction
 //! (cu/moe_fp4wg.cu): the rows as two bf16 parts (`fp4wg_parts`), then one launch a
 //! projection over tiles of up to 128 rows, each block 128 outputs (256 on FP4's short
-//! tiles) × one tile, the codes turned into bf16 in registers. [`super::moe_host`] runs the routed FP4 experts on
-//! `fp4wg_gemm` (tiles of one expert's rows) and [`super::matmul`] FP8 products of more
-//! rows than the gemv launches take on `fp8wg_gemm` (decode batches from 9 rows, split
-//! along K where their blocks would not fill the GPU, `fw_split_sum` adding the slices),
-//! both on sm_90 instead of the `gemm_fp4` / `gemm_fp8` tiles; `SLUICE_CUDA_FP4WG=0` keeps
-//! the tiles.
+//! tiles) × one tile, the codes turned into bf16 in registers. [`super::moe_host`] runs
+//! the routed FP4 experts on `fp4wg_gemm` (tiles of one expert's rows) and
+//! [`super::matmul`] FP8 products of more rows than the gemv launches take on
+//! `fp8wg_gemm` (decode batches from 9 rows, split along K where their blocks would not
+//! fill the GPU, `fw_split_sum` adding the slices), both on sm_90 instead of the
+//! `gemm_fp4` / `gemm_fp8` tiles; `SLUICE_CUDA_FP4WG=0` keeps the tiles.
 
 use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys::CUtensorMapDataType;
@@ -144,10 +144,10 @@ fn block_shape(kernel: usize) -> (usize, u32) {
 /// Rows of the tiles kernel `kernel` takes (`BT`: its name's `_n64`, `_n32`, `_n16`; else 128).
 fn tile_rows(kernel: usize) -> usize {
     let name = FP4WG_KERNELS[kernel];
-    [SMALL_TILE_ROWS, TINY_TILE_ROWS, SHORTEST_TILE_ROWS]
+    [("_n64", SMALL_TILE_ROWS), ("_n32", TINY_TILE_ROWS), ("_n16", SHORTEST_TILE_ROWS)]
         .into_iter()
-        .find(|rows| name.contains(&format!("_n{rows}")))
-        .unwrap_or(TILE_ROWS)
+        .find(|(tag, _)| name.contains(tag))
+        .map_or(TILE_ROWS, |(_, rows)| rows)
 }
 
 /// Box rows of [`Parts::maps`], in order.
