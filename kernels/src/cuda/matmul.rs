@@ -139,7 +139,7 @@ const MIN_SLICE_CHUNKS: usize = 4;
 /// leaves the narrow products few blocks too (`wq_a` 24 at 300 rows, each streaming all
 /// of K; docs/perf.md "Shorter and wider expert tiles"): the knob lets them split, not yet
 /// measured, so the default stays.
-pub(crate) fn fp8_split_max_rows() -> usize {
+fn fp8_split_max_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_FP8WG_SPLIT_ROWS").unwrap_or(SMALL_GRID_GEMV_MAX_ROWS))
 }
@@ -147,11 +147,10 @@ pub(crate) fn fp8_split_max_rows() -> usize {
 /// Slices along K for an FP8 product of `op` on `fp8wg_gemm`: up to
 /// [`fp8_split_max_rows`] rows (decode batch sizes unless set), products whose blocks
 /// (128 outputs × a tile of rows) fall short of [`split_blocks`], enough to reach it, at
-/// most [`MAX_SPLITS`] and at least
-/// [`MIN_SLICE_CHUNKS`] chunks a slice; else 1. At 64 rows on the gemv loops `wo_b` took
-/// ~140 µs, `wq_a` and `wkv` ~100 and the shared expert's down ~75 of a ~1.9 ms layer,
-/// and the grouped `wo_a` unsplit (64 blocks) ~105 (docs/perf.md, "Narrow FP8 products
-/// split along K").
+/// most [`MAX_SPLITS`] and at least [`MIN_SLICE_CHUNKS`] chunks a slice; else 1. At 64
+/// rows on the gemv loops `wo_b` took ~140 µs, `wq_a` and `wkv` ~100 and the shared
+/// expert's down ~75 of a ~1.9 ms layer, and the grouped `wo_a` unsplit (64 blocks) ~105
+/// (docs/perf.md, "Narrow FP8 products split along K").
 pub(crate) fn fp8_splits(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> usize {
     let target = split_blocks(gpu);
     let blocks = (w.rows / GEMM_BN).max(1) * op.rows.div_ceil(GEMM_BM);

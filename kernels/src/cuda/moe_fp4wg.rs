@@ -366,11 +366,8 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
     let at = gpu.ptr(&values);
     // (The maps are encoded on the host for every set of parts, FP8's of each decode
     // product of 9-64 rows too: the short tiles' only where they can be used.)
-    let short = |box_rows| if fp8 { [0; 16] } else { parts_map(at, 2 * rows, k, box_rows) };
-    let maps =
-        MAP_ROWS.map(
-            |box_rows| if box_rows >= SMALL_TILE_ROWS { parts_map(at, 2 * rows, k, box_rows) } else { short(box_rows) },
-        );
+    let maps = MAP_ROWS
+        .map(|box_rows| if fp8 && box_rows < SMALL_TILE_ROWS { [0; 16] } else { parts_map(at, 2 * rows, k, box_rows) });
     Parts { _values: values, rows, k, maps }
 }
 
