@@ -135,17 +135,19 @@ const MAX_SPLITS: usize = 16;
 const MIN_SLICE_CHUNKS: usize = 4;
 
 /// Most rows of an FP8 product split along K (`SLUICE_CUDA_FP8WG_SPLIT_ROWS`, read once;
-/// default [`SMALL_GRID_GEMV_MAX_ROWS`]: decode batches). A prefill of a few hundred rows
-/// leaves the narrow products few blocks too (`wq_a` 24 at 300 rows, each streaming all
-/// of K; docs/perf.md "Shorter and wider expert tiles"): the knob lets them split, not yet
-/// measured, so the default stays.
+/// default 1,024). Past the decode batches a prefill of a few hundred rows leaves the
+/// narrow products few blocks too (`wq_a` 24 at 300 rows, each streaming all of K): split,
+/// a 300-token prefill of 20 Flash layers went from 4,150 / 4,141 to 4,511 / 4,516
+/// tokens/s and 1,100 tokens stayed where they were (8,318 / 8,453 against 8,330 / 8,335;
+/// docs/perf.md "Narrow FP8 products of small prefills split along K").
 fn fp8_split_max_rows() -> usize {
+    const DEFAULT: usize = 1024;
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_FP8WG_SPLIT_ROWS").unwrap_or(SMALL_GRID_GEMV_MAX_ROWS))
+    *ONCE.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_FP8WG_SPLIT_ROWS").unwrap_or(DEFAULT))
 }
 
 /// Slices along K for an FP8 product of `op` on `fp8wg_gemm`: up to
-/// [`fp8_split_max_rows`] rows (decode batch sizes unless set), products whose blocks
+/// [`fp8_split_max_rows`] rows (decode batches and small prefills), products whose blocks
 /// (128 outputs × a tile of rows) fall short of [`split_blocks`], enough to reach it, at
 /// most [`MAX_SPLITS`] and at least [`MIN_SLICE_CHUNKS`] chunks a slice; else 1. At 64
 /// rows on the gemv loops `wo_b` took ~140 µs, `wq_a` and `wkv` ~100 and the shared

@@ -82,7 +82,7 @@ fn cuda_fp8wg_products_match_cpu() {
     let decode_here = env_on("SLUICE_CUDA_FP8WG_DECODE");
     let split_here = env_on("SLUICE_CUDA_FP8WG_SPLIT_BLOCKS");
     let split_rows: usize =
-        std::env::var("SLUICE_CUDA_FP8WG_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
+        std::env::var("SLUICE_CUDA_FP8WG_SPLIT_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
     for (groups, g_out, k, row_counts, split) in shapes {
         let w = weight(&mut rng, groups * g_out, k, 0.05, "fp8");
         let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
@@ -94,8 +94,8 @@ fn cuda_fp8wg_products_match_cpu() {
                 assert!(g.fp8wg_takes_decode_rows(rows, groups, &gw), "{what}: a decode batch left on the gemv loops");
             }
             // (The split shapes are split on GPUs of 128 SMs or more, as the H200's 132;
-            // past 64 rows never, unless SLUICE_CUDA_FP8WG_SPLIT_ROWS allows it — then
-            // `wq_a`'s 24 blocks at 300 rows must split.)
+            // past SLUICE_CUDA_FP8WG_SPLIT_ROWS (default 1,024) never; below it `wq_a`'s 24
+            // blocks at 300 rows must split.)
             let splits = g.fp8wg_decode_splits(rows, groups, &gw);
             if g.sms() >= 128 {
                 if rows <= split_rows.min(64) {
