@@ -9,8 +9,12 @@ once a layer, divided by the layers, say how many).
 Prints the run's span, the time some kernel ran (the union of all kernels' intervals:
 its complement is launch gaps and host waits), then per kernel name its calls, summed
 durations, share of the summed durations and mean; `--top N` rows (default 30).
+`--gaps N`: also where the device sat idle — the gaps of at least 5 µs between busy
+intervals (none next to the benchmark's own `gpu_sleep` holds), summed by the kernel that
+ended before each and the one that started after, the N largest pairs (a prefill's host
+waits, e.g. a read-back, show up as gaps after the kernel whose results the host reads).
 
-    kernel_totals.py TIMELINE.csv [--top 30]
+    kernel_totals.py TIMELINE.csv [--top 30] [--gaps 12]
 """
 import argparse
 from collections import defaultdict
@@ -22,6 +26,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("timeline")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--gaps", type=int, default=0)
     a = ap.parse_args()
     ks = load(a.timeline)
     if not ks:
@@ -39,6 +44,33 @@ def main():
     print(f"{'kernel':<34} {'calls':>7} {'ms':>9} {'share':>6} {'µs a call':>10}")
     for name, (calls, ns) in sorted(per.items(), key=lambda kv: -kv[1][1])[: a.top]:
         print(f"{name[:34]:<34} {calls:>7} {ns / 1e6:>9.2f} {100 * ns / total:>5.1f}% {ns / calls / 1e3:>10.1f}")
+    if a.gaps:
+        idle_gaps(ks, a.gaps)
+
+
+def idle_gaps(ks, top):
+    """The idle time between busy intervals, by (kernel before, kernel after)."""
+    ends = sorted((k[1], short(k[2])) for k in ks)
+    starts = sorted((k[0], short(k[2])) for k in ks)
+    segs = merged([(k[0], k[1]) for k in ks])
+    pairs = defaultdict(lambda: [0, 0])
+    import bisect
+    for (_, end), (nxt, _) in zip(segs, segs[1:]):
+        gap = nxt - end
+        if gap < 5000:
+            continue
+        before = ends[bisect.bisect_right(ends, (end, "\uffff")) - 1][1]
+        after = starts[bisect.bisect_left(starts, (nxt, ""))][1]
+        if before.startswith("gpu_sleep") or after.startswith("gpu_sleep"):
+            continue
+        p = pairs[(before, after)]
+        p[0] += 1
+        p[1] += gap
+    idle = sum(p[1] for p in pairs.values())
+    print(f"idle gaps of 5 µs or more (not next to gpu_sleep): {idle / 1e6:.1f} ms in {sum(p[0] for p in pairs.values())}")
+    print(f"{'kernel before':<30} {'kernel after':<30} {'gaps':>5} {'ms':>8} {'µs a gap':>9}")
+    for (b, n), (count, ns) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"{b[:30]:<30} {n[:30]:<30} {count:>5} {ns / 1e6:>8.2f} {ns / count / 1e3:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@
 #      space-separated: timeline.py --gap) and GAP_FROM (its --gap-from).
 #      TOTALS=1: per-kernel totals over the whole run instead (kernel_totals.py), e.g.
 #      of prefills: TOTALS=1 RUN="--prefill-tokens 300 --contexts 1024 --batches 1
-#      --decode-steps 1 --repeat 4" (RUN replaces the run's flags below).
+#      --decode-steps 1 --repeat 4" (RUN replaces the run's flags below); GAPS_TOP=N adds
+#      the N largest idle gaps by the kernels around them (kernel_totals.py --gaps).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 model=$1
@@ -49,7 +50,7 @@ CUDA_INJECTION64_PATH=$lib SLUICE_TIMELINE=$csv "$B/sluice" bench engine --devic
   { tail -20 "$log"; exit 1; }
 grep -E 'cupti_trace|ms/step' "$log" || true
 if [ "${TOTALS:-0}" = 1 ]; then
-  exec python3 tools/bench/kernel_totals.py "$csv" --top "${ORDER:-30}"
+  exec python3 tools/bench/kernel_totals.py "$csv" --top "${ORDER:-30}" --gaps "${GAPS_TOP:-0}"
 fi
 gaps=()
 for g in ${GAPS:-}; do gaps+=(--gap "$g"); done

@@ -4,6 +4,7 @@
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
+use super::cublas_bf16::Bf16Activations;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
 use super::rows::RopeParams;
 use super::runtime::{Gpu, cfg, cfg_elems, env_rows, launch};
@@ -74,6 +75,10 @@ struct AttnGeom {
     page_shift: i32,
     /// 1 when `new_kv` is passed as bf16 (the tensor-core kernel of a prefill-sized batch).
     new_bf16: i32,
+    /// 1: the tensor-core kernel multiplies q and the softmax weights as one bf16 part
+    /// each, not hi + lo (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`, the reference model's bf16
+    /// attention inputs; half the products). The SIMT kernel ignores it.
+    one_part: i32,
 }
 
 /// Fewest rows whose new entries the tensor-core kernel reads as bf16 (rounded once by
@@ -481,6 +486,7 @@ pub(crate) fn attention(
         win_mask: pow2_mask(window),
         page_shift: if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 },
         new_bf16: new_bf16.is_some() as i32,
+        one_part: i32::from(Bf16Activations::from_env() == Bf16Activations::Round),
     };
     let (kernel, threads, smem) =
         if mma { ("attention_mma", MMA_THREADS, MMA_DYN_SMEM as u32) } else { ("attention", 32 * hpb as u32, 0) };

@@ -633,17 +633,26 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     swiglu_act(gpu, op.out, gpu.ptr(&up), n, limit);
 }
 
-/// Whether an FP8 SwiGLU pair of a decode batch past [`GEMV_MAX_ROWS`] rows runs as two
-/// products on `fp8wg_gemm` from one set of the rows' parts ([`fp8_rows_on_wgmma`], split
-/// along K where narrow) and `swiglu_act`, instead of the pair's gemv loop (8 rows a
-/// launch, the weights streamed again each time): batches of 16-64 rows on 20 Flash layers
-/// 1.5-5% faster a step (docs/perf.md, "Narrow FP8 products split along K").
-/// `SLUICE_CUDA_FP8WG_SWIGLU=0` (read once) keeps the loop.
+/// Whether an FP8 SwiGLU pair runs as two products on `fp8wg_gemm` from one set of the
+/// rows' parts ([`fp8_on_fp8wg`], split along K where narrow) and `swiglu_act`: a decode
+/// batch past [`GEMV_MAX_ROWS`] rows instead of the pair's gemv loop (8 rows a launch, the
+/// weights streamed again each time; batches of 16-64 rows on 20 Flash layers 1.5-5%
+/// faster a step, docs/perf.md "Narrow FP8 products split along K"), and a prefill, whose
+/// two products would each split the rows into parts of their own.
+/// `SLUICE_CUDA_FP8WG_SWIGLU=0` (read once) keeps the loop, and two products apart.
 pub(crate) fn swiglu_on_wgmma(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &CudaWeight) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP8WG_SWIGLU").map_or(true, |v| v != "0"))
-        && fp8_rows_on_wgmma(gpu, op, w1)
-        && fp8_rows_on_wgmma(gpu, op, w3)
+        && fp8_on_fp8wg(gpu, op, w1)
+        && fp8_on_fp8wg(gpu, op, w3)
+}
+
+/// Whether [`matmul_as`] runs an FP8 product of `op` over `w` on `fp8wg_gemm`: a decode
+/// batch that [`fp8_rows_on_wgmma`] sends there, or rows past the gemv loops' that the
+/// kernel takes (prefill). Products of one input that all go there can share one set of
+/// the rows' parts ([`fp8wg_products_sharing_parts`]).
+pub(crate) fn fp8_on_fp8wg(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
+    fp8_rows_on_wgmma(gpu, op, w) || (!gemv_loops(gpu, op.rows, w.rows) && super::moe_fp4wg::fp8_takes(gpu, op, w))
 }
 
 /// FP8 products of one input on `fp8wg_gemm` from one set of the rows' bf16 parts, each

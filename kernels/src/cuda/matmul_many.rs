@@ -23,9 +23,7 @@ use cudarc::driver::DeviceRepr;
 use super::cublas_bf16::{self, Bf16Activations, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
 use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
-use super::matmul::{
-    Operand, count_product, fp8_rows_on_wgmma, fp8wg_products_sharing_parts, matmul, outputs_per_block,
-};
+use super::matmul::{Operand, count_product, fp8_on_fp8wg, fp8wg_products_sharing_parts, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
 
@@ -96,10 +94,10 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
             None => alone.extend(group),
         }
     }
-    // FP8 products of a decode batch on `fp8wg_gemm` (`wq_a` and `wkv` past 8 rows) from
-    // one set of the rows' parts.
+    // FP8 products on `fp8wg_gemm` (`wq_a` and `wkv` of a decode batch past 8 rows or of a
+    // prefill) from one set of the rows' parts.
     let (wg, alone): (Vec<_>, Vec<_>) =
-        alone.into_iter().partition(|&&(w, out)| fp8_rows_on_wgmma(gpu, &Operand::contiguous(x, out, rows, 1, w), w));
+        alone.into_iter().partition(|&&(w, out)| fp8_on_fp8wg(gpu, &Operand::contiguous(x, out, rows, 1, w), w));
     let wg: Vec<(Operand, &CudaWeight)> =
         wg.iter().map(|&&(w, out)| (Operand::contiguous(x, out, rows, 1, w), w)).collect();
     fp8wg_products_sharing_parts(gpu, &wg);

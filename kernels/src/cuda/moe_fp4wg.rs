@@ -12,6 +12,7 @@ use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys::CUtensorMapDataType;
 
 use super::CudaBackend;
+use super::cublas_bf16::Bf16Activations;
 use super::gemv_f8wg::swizzled_map;
 use super::matmul::{GEMM_BM, Operand};
 use super::memory::{CudaWeight, WeightData};
@@ -169,8 +170,10 @@ struct Fp4wgArgs {
     splits: i32,
     /// Floats between two slices' planes in `out` (when `splits` > 1).
     split_stride: i32,
+    /// Planes of parts ([`Parts::planes`]): 2, or 1 when the rows are rounded once.
+    nparts: i32,
     /// Zero: no undefined padding bytes in a launch's arguments.
-    pad: [u32; 20],
+    pad: [u32; 19],
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers without padding, `struct Fp4wgArgs` in
@@ -334,12 +337,17 @@ struct Output {
     split_stride: usize,
 }
 
-/// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order.
+/// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order;
+/// or as one, rounded once to bf16 (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`: the reference
+/// model's activations, half the parts' bytes and products, not the default because the
+/// greedy tokens of small models then drift from the f32 CPU engine's, `cublas_bf16.rs`).
 pub(crate) struct Parts {
     /// Held while the parts are in use: the map points into it.
     _values: DevBuf<u16>,
     rows: usize,
     k: usize,
+    /// Planes: 2 (hi + lo) or 1 (hi alone).
+    planes: usize,
     /// Tensor maps of boxes of 128, 64 (the `_n64` kernels'), 32 and 16 rows (`_n32`,
     /// `_n16`: FP4's order only, zeros for FP8's, whose tiles never take those kernels).
     maps: [[u64; 16]; 4],
@@ -350,7 +358,8 @@ pub(crate) struct Parts {
 /// sizes several ([`parts_slices`]).
 pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, fp8: bool) -> Parts {
     assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
-    let values = gpu.alloc::<u16>(2 * rows * k);
+    let planes = if Bf16Activations::from_env() == Bf16Activations::Round { 1 } else { 2 };
+    let values = gpu.alloc::<u16>(planes * rows * k);
     launch!(
         gpu,
         "fp4wg_parts",
@@ -361,14 +370,16 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
         k as i32,
         x_stride as i32,
         rows as i32,
-        i32::from(fp8)
+        i32::from(fp8),
+        i32::from(planes == 2)
     );
     let at = gpu.ptr(&values);
     // (The maps are encoded on the host for every set of parts, FP8's of each decode
     // product of 9-64 rows too: the short tiles' only where they can be used.)
-    let maps = MAP_ROWS
-        .map(|box_rows| if fp8 && box_rows < SMALL_TILE_ROWS { [0; 16] } else { parts_map(at, 2 * rows, k, box_rows) });
-    Parts { _values: values, rows, k, maps }
+    let maps = MAP_ROWS.map(|box_rows| {
+        if fp8 && box_rows < SMALL_TILE_ROWS { [0; 16] } else { parts_map(at, planes * rows, k, box_rows) }
+    });
+    Parts { _values: values, rows, k, planes, maps }
 }
 
 /// Blocks a row of `fp4wg_parts`: enough for `SLUICE_CUDA_FP4WG_PARTS_BLOCKS` blocks in
@@ -428,7 +439,8 @@ fn launch_products(
             out_stride: out.stride as i32,
             splits: out.splits as i32,
             split_stride: out.split_stride as i32,
-            pad: [0; 20],
+            nparts: parts.planes as i32,
+            pad: [0; 19],
         };
         let grid = ((w.rows / outputs) as u32, count as u32, out.splits as u32);
         launch!(gpu, name, cfg(grid, threads, FP4WG_SMEM[kernel] as u32), args);

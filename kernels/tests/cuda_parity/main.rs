@@ -16,7 +16,7 @@ use kernels::backend::{
     Selection,
 };
 use kernels::cuda::CudaBackend;
-use kernels::quant::f32_to_bf16;
+use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::rope::Yarn;
 use kernels::stored::{OwnedFormat, OwnedWeight, WeightView};
 use kernels::{

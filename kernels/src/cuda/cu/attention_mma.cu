@@ -13,7 +13,10 @@
 // step's new_kv was rounded to the entry dtype before attention), and the f32 operands (q
 // and the softmax weights) are split into two bf16 halves, x ≈ hi + lo, multiplied
 // separately into the same f32 accumulator: ~16 mantissa bits, so results stay within
-// f32-summation-order distance of the SIMT kernel.
+// f32-summation-order distance of the SIMT kernel. With `one_part`
+// (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`) only the hi halves are multiplied: q and the
+// weights rounded once to bf16, as the reference model's bf16 attention has them, and
+// half the products.
 //
 // Per tile of 32 keys: load keys to shared memory (double-buffered), each warp computes
 // its dim group's partial logits [16 heads × 32 keys], the partials are summed in a fixed
@@ -297,8 +300,10 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
                         ldmatrix_x4(b, kl + 16 * TC_KSTRIDE * pair + 16 * k);
                         mma_bf16_16816(sc[2 * pair], qh[k], b[0], b[1]);
                         mma_bf16_16816(sc[2 * pair + 1], qh[k], b[2], b[3]);
-                        mma_bf16_16816(sc[2 * pair], ql[k], b[0], b[1]);
-                        mma_bf16_16816(sc[2 * pair + 1], ql[k], b[2], b[3]);
+                        if (!g.one_part) {
+                            mma_bf16_16816(sc[2 * pair], ql[k], b[0], b[1]);
+                            mma_bf16_16816(sc[2 * pair + 1], ql[k], b[2], b[3]);
+                        }
                     }
                 }
             }
@@ -391,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
 #pragma unroll
                         for (int ks = 0; ks < 2; ks++) {
                             mma_bf16_16816(a, pah[ks], b[ks][2 * h], b[ks][2 * h + 1]);
-                            mma_bf16_16816(a, pal[ks], b[ks][2 * h], b[ks][2 * h + 1]);
+                            if (!g.one_part) mma_bf16_16816(a, pal[ks], b[ks][2 * h], b[ks][2 * h + 1]);
                         }
                     }
                 }

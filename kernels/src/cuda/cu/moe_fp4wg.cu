@@ -24,7 +24,9 @@
 // 2^120 times the 128×128 block's scale (a power of two in 2^-100..2^7).
 //
 // Activations: each row as two bf16 parts (x = hi + lo, hi the rounding of x, lo of what
-// is left: ~16 significant bits), one plane a part: parts[p][row][K], written by
+// is left: ~16 significant bits; or, with `SLUICE_CUDA_BF16_ACTIVATIONS=bf16`, hi alone —
+// the reference model's bf16 activations, half the products), one plane a part:
+// parts[p][row][K], written by
 // `fp4wg_parts` in the A fragments' input order, so that a lane's one u32 of codes a row
 // holds exactly its fragment's inputs. FP4: within each group of 32 inputs, k-step s
 // (16 inputs) holds logical inputs 2t, 2t + 1 = inputs 8t + 2s, 8t + 2s + 4 and logical
@@ -78,7 +80,8 @@ struct __align__(64) Fp4wgArgs {
     int out_stride;
     int splits;          // blocks along K (gridDim.z): block z sums chunks z·n/splits .. (z+1)·n/splits
     int split_stride;    // floats between two K slices' partial sums in `out` (splits > 1)
-    unsigned pad[20];    // zero (the host's struct has no undefined padding bytes)
+    int nparts;          // planes of parts: 2 (hi + lo), or 1 (x rounded once to bf16)
+    unsigned pad[19];    // zero (the host's struct has no undefined padding bytes)
 };
 
 // D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
@@ -202,14 +205,15 @@ __device__ __forceinline__ u32 fw_block_scale2(float s) {
     return e | (e << 16);
 }
 
-// Rows of x (f32, `x_stride` apart, `K` inputs) as two bf16 parts each in the A
+// Rows of x (f32, `x_stride` apart, `K` inputs) as two bf16 parts each (`lo` 0: only
+// the first, x rounded once to bf16, `SLUICE_CUDA_BF16_ACTIVATIONS=bf16`) in the A
 // fragments' input order: FP4 (`fp8` 0) within each group of 32 inputs, k-step s holds
 // inputs 8t + 2s, + 4 at logical 2t, 2t + 1 and 8t + 2s + 1, + 5 at 2t + 8, 2t + 9; FP8
 // within each k-step of 16 inputs, inputs 4t, + 1 at 2t, 2t + 1 and 4t + 2, + 3 at
 // 2t + 8, 2t + 9. A block of 128 threads a row (gridDim.y blocks a row at decode batch
 // sizes, each a strided share of its inputs), a thread 8 inputs at a time.
 extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const float* x, int rows, int K,
-                                                              int x_stride, int plane, int fp8) {
+                                                              int x_stride, int plane, int fp8, int lo) {
     pdl_begin();
     const int r = blockIdx.x, tid = threadIdx.x;
     if (r >= rows) return;
@@ -231,7 +235,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
                 const long long e = row + (fp8 ? (j >> 1) * 16 + 8 * h + 2 * ((2 * j + s) & 3)
                                                : (j >> 2) * 32 + 16 * s + 8 * h + 2 * (j & 3));
                 *(u32*)(parts + e) = (u32)h0 | ((u32)h1 << 16);
-                *(u32*)(parts + (long long)plane * K + e) = (u32)l0 | ((u32)l1 << 16);
+                if (lo) *(u32*)(parts + (long long)plane * K + e) = (u32)l0 | ((u32)l1 << 16);
             }
         }
     }
@@ -268,17 +272,20 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
     const u8* sc = (const u8*)a.wtab[2 * expert + 1];
     __syncthreads();  // the barriers are initialised
 
-    // Chunk c into stage c % S: thread 0 the parts (2 · NB boxes on the stage's
+    // Chunk c into stage c % S: thread 0 the parts (NP · NB boxes on the stage's
     // mbarrier), every thread two 16-byte pieces of codes, FP4: threads 0-127 a row's scales.
+    // With one plane of parts (rows rounded once to bf16) the lo boxes are neither copied
+    // nor multiplied: half the parts' bytes and half the tensor-core work.
     const long long row_bytes = FP8 ? K : K / 2;
+    const bool two_parts = a.nparts == 2;
     auto request = [&](int c) {
         if (c < chunks) {
             const int st = c % S;
             const u32 stage = base + st * STAGE;
             if (tid == 0) {
-                wg_mbar_expect(bar0 + 8 * st, B_BYTES);
+                wg_mbar_expect(bar0 + 8 * st, two_parts ? B_BYTES : B_BYTES / 2);
 #pragma unroll
-                for (int i = 0; i < 2 * NB; i++)  // part i / NB, inputs 64 (i % NB) ..
+                for (int i = 0; i < (two_parts ? 2 : 1) * NB; i++)  // part i / NB, inputs 64 (i % NB) ..
                     wg_tma_load(stage + i * BOX, &a.parts, xk0 + (c0 + c) * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
                                 bar0 + 8 * st);
             }
@@ -347,11 +354,16 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
             }
         }
         wg_fence();
+        if (two_parts) {
 #pragma unroll
-        for (int j = 0; j < STEPS; j++) {
-            const u32 b = stage + (j >> 2) * BOX + (j & 3) * 32;  // box j / 4, 32 bytes (j % 4) in
-            fw_mma(acc, f[j], wg_desc(b, 16, 1024, 1));
-            fw_mma(acc, f[j], wg_desc(b + NB * BOX, 16, 1024, 1));
+            for (int j = 0; j < STEPS; j++) {
+                const u32 b = stage + (j >> 2) * BOX + (j & 3) * 32;  // box j / 4, 32 bytes (j % 4) in
+                fw_mma(acc, f[j], wg_desc(b, 16, 1024, 1));
+                fw_mma(acc, f[j], wg_desc(b + NB * BOX, 16, 1024, 1));
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < STEPS; j++) fw_mma(acc, f[j], wg_desc(stage + (j >> 2) * BOX + (j & 3) * 32, 16, 1024, 1));
         }
         wg_commit();
         if (PIPE) wg_wait<1>();  // the chunk before is done: its fragments and stage are free
