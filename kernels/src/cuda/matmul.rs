@@ -139,7 +139,7 @@ const MIN_SLICE_CHUNKS: usize = 4;
 /// narrow products few blocks too (`wq_a` 24 at 300 rows, each streaming all of K): split,
 /// a 300-token prefill of 20 Flash layers went from 4,150 / 4,141 to 4,511 / 4,516
 /// tokens/s and 1,100 tokens stayed where they were (8,318 / 8,453 against 8,330 / 8,335;
-/// docs/perf.md "Narrow FP8 products of small prefills split along K").
+/// docs/perf.md "Small prefills' narrow FP8 products split").
 fn fp8_split_max_rows() -> usize {
     const DEFAULT: usize = 1024;
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
