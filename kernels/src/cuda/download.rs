@@ -6,7 +6,7 @@
 
 use std::sync::Mutex;
 
-use cudarc::driver::{CudaStream, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 
 use super::runtime::fail;
 
@@ -33,13 +33,62 @@ pub(crate) fn keep_host_allocations() {
     }
 }
 
-/// The two pinned buffers, allocated at the first large read.
+/// The two pinned buffers, allocated at the first large read; and the pinned buffers of
+/// queued reads ([`Download::queue`]), kept for the next.
 #[derive(Default)]
 pub(crate) struct Download {
     bufs: Mutex<Vec<PinnedHostSlice<u8>>>,
+    spare: Mutex<Vec<PinnedHostSlice<u8>>>,
+}
+
+/// Smallest pinned buffer of a queued read: a prefill's routing (8K rows × top-6 i32) fits.
+const QUEUED_MIN_BYTES: usize = 1 << 20;
+
+/// A device-to-host copy queued on the stream into a pinned buffer of its own, waited for
+/// by [`Download::finish`]: the host may issue more work between the two, which the device
+/// then runs while the host waits for the copy and uses what it read.
+pub(crate) struct QueuedRead {
+    buf: PinnedHostSlice<u8>,
+    done: CudaEvent,
+    bytes: usize,
 }
 
 impl Download {
+    /// Queue a copy of `bytes` bytes at device address `src` on `stream` (the range must
+    /// lie in live device memory of the stream's context until [`Download::finish`]).
+    pub fn queue(&self, stream: &CudaStream, src: u64, bytes: usize) -> QueuedRead {
+        let reused = self.spare.lock().expect("queued read buffers poisoned").pop();
+        let mut buf = match reused {
+            Some(b) if b.len() >= bytes => b,
+            _ => {
+                // SAFETY: the buffer's bytes are written by the copy below before any read.
+                unsafe { stream.context().alloc_pinned_with_flags::<u8>(bytes.max(QUEUED_MIN_BYTES), 0) }
+                    .unwrap_or_else(|e| fail("pinned read buffer", e))
+            }
+        };
+        let dst = buf.as_mut_ptr().unwrap_or_else(|e| fail("pinned buffer access", e));
+        // SAFETY: the pinned buffer holds at least `bytes` bytes and is not read by the host
+        // until the event recorded after this copy has completed (`finish`); the source
+        // range lies in live device memory (the caller's contract).
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(dst, bytes);
+            cudarc::driver::result::memcpy_dtoh_async(dst, src, stream.cu_stream())
+        }
+        .unwrap_or_else(|e| fail("device-to-host copy", e));
+        let done = stream.record_event(None).unwrap_or_else(|e| fail("event record", e));
+        QueuedRead { buf, done, bytes }
+    }
+
+    /// Wait for a queued read and copy its bytes into `out` (exactly as many).
+    pub fn finish(&self, mut read: QueuedRead, out: &mut [u8]) {
+        assert_eq!(out.len(), read.bytes, "a queued read of {} bytes into {}", read.bytes, out.len());
+        read.done.synchronize().unwrap_or_else(|e| fail("queued read event wait", e));
+        let from = read.buf.as_mut_ptr().unwrap_or_else(|e| fail("pinned buffer access", e));
+        // SAFETY: the copy into the buffer's first `bytes` bytes completed (its event above).
+        out.copy_from_slice(unsafe { std::slice::from_raw_parts(from, read.bytes) });
+        self.spare.lock().expect("queued read buffers poisoned").push(read.buf);
+    }
+
     /// Copy the bytes at device address `src` into `outs`, one after another (their
     /// lengths summed), on `stream`, and wait. The address range must lie in live device
     /// memory of the stream's context.

@@ -98,24 +98,32 @@ pub(crate) fn moe_as(
     if rows == 0 {
         return;
     }
-    // The shared expert first, as a branch beside the routed ones where both are chains
-    // of latency-bound kernels (a recorded step then runs them at once; otherwise this
-    // is just its place in the order).
+    // The shared expert, as a branch beside the routed ones where both are chains of
+    // latency-bound kernels (a recorded step then runs them at once; otherwise this is
+    // just its place in the order).
     let branch = rows <= moe_branch_rows();
-    let shared = w.shared.as_ref().filter(|_| !shared_rows.is_empty()).map(|shared| {
-        assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
-        if branch {
-            g.fork();
-        }
-        let y = b.prof("moe: shared", || {
-            let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
-            expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant)
-        });
-        if branch {
-            g.to_main();
-        }
-        y
-    });
+    let shared_expert = || {
+        w.shared.as_ref().filter(|_| !shared_rows.is_empty()).map(|shared| {
+            assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
+            if branch {
+                g.fork();
+            }
+            let y = b.prof("moe: shared", || {
+                let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
+                expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant)
+            });
+            if branch {
+                g.to_main();
+            }
+            y
+        })
+    };
+    // Routed on the device, the shared expert goes first; with the routing read back it
+    // goes after the read is queued, so that the device runs it while the host waits for
+    // the routing and builds the expert lists (those ~0.5 ms a layer of an 8K prefill
+    // left the device idle before; docs/perf.md "Where an 8K prefill waits").
+    let on_device = device_routable(rows, w, variant);
+    let mut shared = if on_device { shared_expert() } else { None };
     let route = b.prof("moe: router", || {
         let logits = b.alloc_buf(rows * n_exp);
         let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
@@ -150,13 +158,17 @@ pub(crate) fn moe_as(
             k,
         }
     });
-    let on_device = device_routable(rows, w, variant);
     // Routed on the device over every expert, the lists kernel takes the routing into its
     // launch (`moe_route_lists`); otherwise the routing runs now.
     let route_with_lists = on_device && n_exp == w.experts.len() && route_lists_fused();
     if !route_with_lists {
         route.launch(g);
     }
+    let queued = (!on_device).then(|| {
+        let read = g.read_later(&route.experts, rows * k);
+        shared = shared_expert();
+        read
+    });
     // The shared expert's rows go into the combine kernel where the routed experts end in
     // one (after the branch's join there).
     let shared_add = shared.as_ref().map(|y| SharedAdd {
@@ -173,7 +185,7 @@ pub(crate) fn moe_as(
         })
     } else {
         let mut host = vec![0i32; rows * k];
-        g.read(&route.experts, 0, &mut host);
+        g.finish_read(queued.expect("the routing's read queued"), &mut host);
         b.prof("moe: experts", || moe_host::experts_routed_on_host(b, x, rows, w, &host, &route.weights, out, variant));
         false
     };

@@ -357,6 +357,35 @@ pub(crate) struct Parts {
 /// (`fp8` false) or the FP8 kernel's input order: a block a row, and at decode batch
 /// sizes several ([`parts_slices`]).
 pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, fp8: bool) -> Parts {
+    parts_from(gpu, PartsOf { x, x_stride, rows_of: 0, up: 0, limit: 0.0 }, rows, k, fp8)
+}
+
+/// [`parts`] (FP4 order) of the rows `rows_of` names (`rows` i32 row indices of x, `k`
+/// apart, on the device): a MoE block's routed rows in expert order, gathered as they are
+/// split.
+pub(crate) fn parts_of_rows(gpu: &Gpu, x: u64, rows_of: u64, rows: usize, k: usize) -> Parts {
+    parts_from(gpu, PartsOf { x, x_stride: k, rows_of, up: 0, limit: 0.0 }, rows, k, false)
+}
+
+/// [`parts`] (FP4 order) of `silu(min(h, limit)) * clamp(up, ±limit)` over `rows` rows of
+/// `k` (the experts' SwiGLU, as `swiglu_act` computes it, bit for bit), without writing
+/// it to memory first.
+pub(crate) fn parts_of_swiglu(gpu: &Gpu, h: u64, up: u64, limit: f32, rows: usize, k: usize) -> Parts {
+    parts_from(gpu, PartsOf { x: h, x_stride: k, rows_of: 0, up, limit }, rows, k, false)
+}
+
+/// What `fp4wg_parts` splits: rows of x (`rows_of`: device row indices, or 0 for in
+/// order), or the SwiGLU of x and `up` (same layout; `up` 0: none).
+struct PartsOf {
+    x: u64,
+    x_stride: usize,
+    rows_of: u64,
+    up: u64,
+    limit: f32,
+}
+
+fn parts_from(gpu: &Gpu, of: PartsOf, rows: usize, k: usize, fp8: bool) -> Parts {
+    let PartsOf { x, x_stride, rows_of, up, limit } = of;
     assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
     let planes = if Bf16Activations::from_env() == Bf16Activations::Round { 1 } else { 2 };
     let values = gpu.alloc::<u16>(planes * rows * k);
@@ -371,7 +400,10 @@ pub(crate) fn parts(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, k: usize, f
         x_stride as i32,
         rows as i32,
         i32::from(fp8),
-        i32::from(planes == 2)
+        i32::from(planes == 2),
+        rows_of,
+        up,
+        limit
     );
     let at = gpu.ptr(&values);
     // (The maps are encoded on the host for every set of parts, FP8's of each decode

@@ -211,16 +211,32 @@ __device__ __forceinline__ u32 fw_block_scale2(float s) {
 // inputs 8t + 2s, + 4 at logical 2t, 2t + 1 and 8t + 2s + 1, + 5 at 2t + 8, 2t + 9; FP8
 // within each k-step of 16 inputs, inputs 4t, + 1 at 2t, 2t + 1 and 4t + 2, + 3 at
 // 2t + 8, 2t + 9. A block of 128 threads a row (gridDim.y blocks a row at decode batch
-// sizes, each a strided share of its inputs), a thread 8 inputs at a time.
+// sizes, each a strided share of its inputs), a thread 8 inputs at a time. `rows_of`
+// (or null): part row r is x's row rows_of[r] — a MoE block's routed rows gathered in
+// expert order as they are split, instead of copied in f32 first (`gather_rows`). `up`
+// (or null): split silu(min(x, limit)) · clamp(up, ±limit) instead (`swiglu_act`'s
+// expression: an expert's SwiGLU output never written as f32).
 extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const float* x, int rows, int K,
-                                                              int x_stride, int plane, int fp8, int lo) {
+                                                              int x_stride, int plane, int fp8, int lo,
+                                                              const int* rows_of, const float* up,
+                                                              float limit) {
     pdl_begin();
     const int r = blockIdx.x, tid = threadIdx.x;
     if (r >= rows) return;
-    const float* xr = x + (long long)r * x_stride;
+    const long long src = (long long)(rows_of ? rows_of[r] : r) * x_stride;
+    const float* xr = x + src;
     for (int j = blockIdx.y * 128 + tid; j < K / 8; j += 128 * gridDim.y) {
         const float4 a = *(const float4*)(xr + 8 * j), b = *(const float4*)(xr + 8 * j + 4);
-        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        if (up) {
+            const float4 c = *(const float4*)(up + src + 8 * j), d = *(const float4*)(up + src + 8 * j + 4);
+            const float w[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const float g = fminf(v[i], limit), u = fminf(fmaxf(w[i], -limit), limit);
+                v[i] = g / (1.0f + expf(-g)) * u;
+            }
+        }
         const long long row = (long long)r * K;
 #pragma unroll
         for (int s = 0; s < 2; s++) {
