@@ -45,6 +45,26 @@ pub(crate) const FP4WG_KERNELS: [&str; 18] = [
     "fp4wg_parts",
     "fw_split_sum",
 ];
+/// The products of [`FP4WG_KERNELS`] (the same index) over one plane of parts: the rows
+/// rounded once to bf16 (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`, [`Parts`]).
+pub(crate) const FP4WG_ONE_PART_KERNELS: [&str; 16] = [
+    "fp4wg1_gemm",
+    "fp8wg1_gemm",
+    "fp4wg1_gemm_p",
+    "fp8wg1_gemm_p",
+    "fp4wg1_gemm_n64",
+    "fp8wg1_gemm_n64",
+    "fp4wg1_gemm_p_n64",
+    "fp8wg1_gemm_p_n64",
+    "fp4wg1_gemm_n32",
+    "fp4wg1_gemm_p_n32",
+    "fp4wg1_gemm_n32w",
+    "fp4wg1_gemm_p_n32w",
+    "fp4wg1_gemm_n16",
+    "fp4wg1_gemm_p_n16",
+    "fp4wg1_gemm_n16w",
+    "fp4wg1_gemm_p_n16w",
+];
 /// Outputs of a block (`FW_BN`: two warpgroups; four in the `w` kernels), rows of a full
 /// tile (the host's [`GEMM_BM`]) and of a small one; the parts' rows are a multiple of
 /// FP4's chunk of inputs (FP8's is 64).
@@ -170,10 +190,8 @@ struct Fp4wgArgs {
     splits: i32,
     /// Floats between two slices' planes in `out` (when `splits` > 1).
     split_stride: i32,
-    /// Planes of parts ([`Parts::planes`]): 2, or 1 when the rows are rounded once.
-    nparts: i32,
     /// Zero: no undefined padding bytes in a launch's arguments.
-    pad: [u32; 19],
+    pad: [u32; 20],
 }
 
 // SAFETY: a plain #[repr(C)] struct of integers without padding, `struct Fp4wgArgs` in
@@ -458,7 +476,7 @@ fn launch_products(
         // The parts' map of the kernel's tile height: its TMA boxes must be the bytes its
         // barrier expects (a 32-row kernel given 16-row boxes would wait forever).
         let map = MAP_ROWS.iter().position(|&r| r == tile_rows(kernel)).expect("a map for every tile height");
-        let name = FP4WG_KERNELS[kernel];
+        let name = if parts.planes == 1 { FP4WG_ONE_PART_KERNELS[kernel] } else { FP4WG_KERNELS[kernel] };
         assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
         let args = Fp4wgArgs {
             parts: parts.maps[map],
@@ -471,8 +489,7 @@ fn launch_products(
             out_stride: out.stride as i32,
             splits: out.splits as i32,
             split_stride: out.split_stride as i32,
-            nparts: parts.planes as i32,
-            pad: [0; 19],
+            pad: [0; 20],
         };
         let grid = ((w.rows / outputs) as u32, count as u32, out.splits as u32);
         launch!(gpu, name, cfg(grid, threads, FP4WG_SMEM[kernel] as u32), args);
@@ -552,5 +569,15 @@ mod tests {
         // and 1 KiB for the scale bytes; the wide blocks' 6 stages hold 16 KiB of codes.
         assert_eq!(FP4WG_SMEM[8], 8 * (2 * 2 * 32 * 128 + 128 * 64 + 1024) + 1024);
         assert_eq!(FP4WG_SMEM[11], 6 * (2 * 2 * 32 * 128 + 256 * 64 + 1024) + 1024);
+    }
+
+    /// Each one-part kernel is its two-part twin's shape (same index, the `1` after the
+    /// format): the launch swaps the name only, so tile heights and block shapes agree.
+    #[test]
+    fn one_part_kernels_mirror_the_two_part_ones() {
+        assert_eq!(FP4WG_ONE_PART_KERNELS.len(), FP4WG_SMEM.len());
+        for (two, one) in FP4WG_KERNELS.iter().zip(FP4WG_ONE_PART_KERNELS) {
+            assert_eq!(one.replacen("wg1_", "wg_", 1), *two);
+        }
     }
 }

@@ -198,6 +198,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::moe_wgmma::WGMOE_KERNELS.iter().map(|&n| (n, super::moe_wgmma::WGMOE_MAX_SMEM)));
     v.extend(super::gemm_rows::GEMM_ROWS_KERNELS.iter().map(|&n| (n, super::gemm_rows::GEMM_ROWS_SMEM)));
     v.extend(super::moe_fp4wg::FP4WG_KERNELS.iter().zip(super::moe_fp4wg::FP4WG_SMEM).map(|(&n, s)| (n, s)));
+    v.extend(super::moe_fp4wg::FP4WG_ONE_PART_KERNELS.iter().zip(super::moe_fp4wg::FP4WG_SMEM).map(|(&n, s)| (n, s)));
     v
 }
 
@@ -214,6 +215,7 @@ pub(super) fn loaded_kernels() -> impl Iterator<Item = &'static str> {
         .chain(super::moe_wgmma::WGMOE_KERNELS.iter())
         .chain(super::gemm_rows::GEMM_ROWS_KERNELS.iter())
         .chain(super::moe_fp4wg::FP4WG_KERNELS.iter())
+        .chain(super::moe_fp4wg::FP4WG_ONE_PART_KERNELS.iter())
         .copied()
 }
 

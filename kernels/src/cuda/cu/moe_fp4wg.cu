@@ -80,8 +80,7 @@ struct __align__(64) Fp4wgArgs {
     int out_stride;
     int splits;          // blocks along K (gridDim.z): block z sums chunks z·n/splits .. (z+1)·n/splits
     int split_stride;    // floats between two K slices' partial sums in `out` (splits > 1)
-    int nparts;          // planes of parts: 2 (hi + lo), or 1 (x rounded once to bf16)
-    unsigned pad[19];    // zero (the host's struct has no undefined padding bytes)
+    unsigned pad[20];    // zero (the host's struct has no undefined padding bytes)
 };
 
 // D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
@@ -257,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
     }
 }
 
-template <bool FP8, bool PIPE, int BT, int WG>
+template <bool FP8, bool PIPE, int BT, int WG, int NP>
 __device__ void fw_gemm(const Fp4wgArgs& a) {
     constexpr int KC = FW_KC(FP8), S = FW_S(FP8, BT, WG), STAGE = FW_STAGE(FP8, BT, WG), NB = KC / 64, STEPS = KC / 16;
     constexpr int BOX = FW_BOX(BT), B_BYTES = 2 * NB * BOX, BN = FW_BN(WG), A_BYTES = FW_A_BYTES(WG);
@@ -290,10 +289,12 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
 
     // Chunk c into stage c % S: thread 0 the parts (NP · NB boxes on the stage's
     // mbarrier), every thread two 16-byte pieces of codes, FP4: threads 0-127 a row's scales.
-    // With one plane of parts (rows rounded once to bf16) the lo boxes are neither copied
-    // nor multiplied: half the parts' bytes and half the tensor-core work.
+    // With one plane of parts (NP 1: the rows rounded once to bf16) the lo boxes are
+    // neither copied nor multiplied: half the parts' bytes and half the tensor-core work.
+    // NP is a template parameter: as a run-time flag it cost the two-part kernels ~7% of
+    // an 8K prefill on the H200 (their SASS gained warpgroup waits and lost registers).
     const long long row_bytes = FP8 ? K : K / 2;
-    const bool two_parts = a.nparts == 2;
+    constexpr bool two_parts = NP == 2;
     auto request = [&](int c) {
         if (c < chunks) {
             const int st = c % S;
@@ -370,7 +371,7 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
             }
         }
         wg_fence();
-        if (two_parts) {
+        if constexpr (two_parts) {
 #pragma unroll
             for (int j = 0; j < STEPS; j++) {
                 const u32 b = stage + (j >> 2) * BOX + (j & 3) * 32;  // box j / 4, 32 bytes (j % 4) in
@@ -413,32 +414,37 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
 
 // FP4 experts (grouped tiles) and FP8 products (plain or grouped by outputs); `_p`: the
 // next chunk's codes converted while this one's products run; `_n64`: tiles of at most
-// 64 rows (an expert's last rows), half the products of a 128-row tile.
-#define FW_KERNEL_WG(NAME, FP8, PIPE, BT, WG)                                                                 \
+// 64 rows (an expert's last rows), half the products of a 128-row tile. Each kernel comes
+// twice: over two planes of parts (its name) and over one (`fp4wg1_…`, `fp8wg1_…`: the
+// rows rounded once to bf16).
+#define FW_KERNEL_NP(NAME, FP8, PIPE, BT, WG, NP)                                                             \
     extern "C" __global__ void __launch_bounds__(FW_THREADS(WG), 1) NAME(const __grid_constant__ Fp4wgArgs a) { \
-        fw_gemm<FP8, PIPE, BT, WG>(a);                                                                        \
+        fw_gemm<FP8, PIPE, BT, WG, NP>(a);                                                                    \
     }
-#define FW_KERNEL(NAME, FP8, PIPE, BT) FW_KERNEL_WG(NAME, FP8, PIPE, BT, 2)
-FW_KERNEL(fp4wg_gemm, false, false, 128)
-FW_KERNEL(fp8wg_gemm, true, false, 128)
-FW_KERNEL(fp4wg_gemm_p, false, true, 128)
-FW_KERNEL(fp8wg_gemm_p, true, true, 128)
-FW_KERNEL(fp4wg_gemm_n64, false, false, 64)
-FW_KERNEL(fp8wg_gemm_n64, true, false, 64)
-FW_KERNEL(fp4wg_gemm_p_n64, false, true, 64)
-FW_KERNEL(fp8wg_gemm_p_n64, true, true, 64)
+#define FW_KERNEL_WG(NAME, ONE, FP8, PIPE, BT, WG) \
+    FW_KERNEL_NP(NAME, FP8, PIPE, BT, WG, 2)       \
+    FW_KERNEL_NP(ONE, FP8, PIPE, BT, WG, 1)
+#define FW_KERNEL(NAME, ONE, FP8, PIPE, BT) FW_KERNEL_WG(NAME, ONE, FP8, PIPE, BT, 2)
+FW_KERNEL(fp4wg_gemm, fp4wg1_gemm, false, false, 128)
+FW_KERNEL(fp8wg_gemm, fp8wg1_gemm, true, false, 128)
+FW_KERNEL(fp4wg_gemm_p, fp4wg1_gemm_p, false, true, 128)
+FW_KERNEL(fp8wg_gemm_p, fp8wg1_gemm_p, true, true, 128)
+FW_KERNEL(fp4wg_gemm_n64, fp4wg1_gemm_n64, false, false, 64)
+FW_KERNEL(fp8wg_gemm_n64, fp8wg1_gemm_n64, true, false, 64)
+FW_KERNEL(fp4wg_gemm_p_n64, fp4wg1_gemm_p_n64, false, true, 64)
+FW_KERNEL(fp8wg_gemm_p_n64, fp8wg1_gemm_p_n64, true, true, 64)
 // FP4 tiles of at most 32 rows (`_n32`): a small prefill's experts, each a few rows.
-FW_KERNEL(fp4wg_gemm_n32, false, false, 32)
-FW_KERNEL(fp4wg_gemm_p_n32, false, true, 32)
+FW_KERNEL(fp4wg_gemm_n32, fp4wg1_gemm_n32, false, false, 32)
+FW_KERNEL(fp4wg_gemm_p_n32, fp4wg1_gemm_p_n32, false, true, 32)
 // FP4 tiles of at most 16 rows (`_n16`) and four warpgroups a block (`w`: 256 outputs):
 // the tile's parts, read again by every block of the expert, are then fewer bytes for
 // each byte of codes.
-FW_KERNEL_WG(fp4wg_gemm_n32w, false, false, 32, 4)
-FW_KERNEL_WG(fp4wg_gemm_p_n32w, false, true, 32, 4)
-FW_KERNEL(fp4wg_gemm_n16, false, false, 16)
-FW_KERNEL(fp4wg_gemm_p_n16, false, true, 16)
-FW_KERNEL_WG(fp4wg_gemm_n16w, false, false, 16, 4)
-FW_KERNEL_WG(fp4wg_gemm_p_n16w, false, true, 16, 4)
+FW_KERNEL_WG(fp4wg_gemm_n32w, fp4wg1_gemm_n32w, false, false, 32, 4)
+FW_KERNEL_WG(fp4wg_gemm_p_n32w, fp4wg1_gemm_p_n32w, false, true, 32, 4)
+FW_KERNEL(fp4wg_gemm_n16, fp4wg1_gemm_n16, false, false, 16)
+FW_KERNEL(fp4wg_gemm_p_n16, fp4wg1_gemm_p_n16, false, true, 16)
+FW_KERNEL_WG(fp4wg_gemm_n16w, fp4wg1_gemm_n16w, false, false, 16, 4)
+FW_KERNEL_WG(fp4wg_gemm_p_n16w, fp4wg1_gemm_p_n16w, false, true, 16, 4)
 
 // out[r][c] (out_stride apart) = the sum over z in order of part[z][r][c] (each plane
 // rows × n, the K slices' sums of a product split along K): one thread an output.
