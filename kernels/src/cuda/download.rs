@@ -2,13 +2,17 @@
 //! vocabulary) through two pinned buffers, double-buffered: the DMA of one piece runs
 //! while the host copies the previous one out, into as many destination parts as the
 //! caller has (one a sequence, so no single step-sized host buffer: glibc maps one that
-//! large afresh every step, and its page faults made the batch-128 read 44 ms).
+//! large afresh every step, and its page faults made the batch-128 read 44 ms). And
+//! reads queued now and waited for later (`Gpu::read_later`, `Gpu::finish_read`): a
+//! prefill's MoE routing, read while the device runs the shared expert.
 
 use std::sync::Mutex;
 
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
 
-use super::runtime::fail;
+use cudarc::driver::{CudaSlice, DeviceRepr};
+
+use super::runtime::{Gpu, fail};
 
 /// Bytes per pinned piece.
 const PIECE_BYTES: usize = 8 << 20;
@@ -141,5 +145,26 @@ impl Download {
             }
             pending = next;
         }
+    }
+}
+
+/// Reads queued on a GPU's stream and waited for later.
+impl Gpu {
+    /// Queue a read of the first `len` elements of `src` ([`Gpu::finish_read`] waits for
+    /// it): kernels launched between the two run while the host waits and uses the data.
+    pub(crate) fn read_later<T: DeviceRepr>(&self, src: &CudaSlice<T>, len: usize) -> QueuedRead {
+        self.flush_recording();
+        assert!(len <= src.len(), "read of {len} elements past the buffer's {}", src.len());
+        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+        self.download.queue(&self.stream, self.ptr(src), len * std::mem::size_of::<T>())
+    }
+
+    /// Wait for a read queued by [`Gpu::read_later`] and copy it into `out` (as many
+    /// elements as were queued).
+    pub(crate) fn finish_read<T: DeviceRepr>(&self, read: QueuedRead, out: &mut [T]) {
+        let bytes = std::mem::size_of_val(out);
+        // SAFETY: DeviceRepr types are plain data, so their bytes may be written as u8.
+        let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
+        self.download.finish(read, out);
     }
 }

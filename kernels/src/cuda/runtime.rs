@@ -280,7 +280,7 @@ pub(crate) struct Gpu {
     /// buckets by a hash of the words.
     tables: Mutex<HashMap<u64, Vec<TableCopy>>>,
     /// Pinned buffers of large reads.
-    download: super::download::Download,
+    pub(super) download: super::download::Download,
     /// Decode steps recorded and replayed as CUDA graphs (`step_graph`).
     pub(crate) steps: super::step_graph::Steps,
 }
@@ -492,24 +492,6 @@ impl Gpu {
             self.stream.memcpy_htod(data, &mut dst).unwrap_or_else(|e| fail("host-to-device copy", e));
         }
         dst
-    }
-
-    /// Queue a read of the first `len` elements of `src` ([`Gpu::finish_read`] waits for
-    /// it): kernels launched between the two run while the host waits and uses the data.
-    pub(crate) fn read_later<T: DeviceRepr>(&self, src: &CudaSlice<T>, len: usize) -> super::download::QueuedRead {
-        self.flush_recording();
-        assert!(len <= src.len(), "read of {len} elements past the buffer's {}", src.len());
-        self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
-        self.download.queue(&self.stream, self.ptr(src), len * std::mem::size_of::<T>())
-    }
-
-    /// Wait for a read queued by [`Gpu::read_later`] and copy it into `out` (as many
-    /// elements as were queued).
-    pub(crate) fn finish_read<T: DeviceRepr>(&self, read: super::download::QueuedRead, out: &mut [T]) {
-        let bytes = std::mem::size_of_val(out);
-        // SAFETY: DeviceRepr types are plain data, so their bytes may be written as u8.
-        let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
-        self.download.finish(read, out);
     }
 
     /// Copy `out.len()` elements starting at element `offset` to the host and wait.
