@@ -8,9 +8,7 @@
 
 use std::sync::Mutex;
 
-use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice};
-
-use cudarc::driver::{CudaSlice, DeviceRepr};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DeviceRepr, PinnedHostSlice};
 
 use super::runtime::{Gpu, fail};
 
