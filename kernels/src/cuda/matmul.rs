@@ -567,7 +567,7 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
     if cublas_bf16::takes(op.rows, w) {
         return cublas_bf16::product(gpu, op, w);
     }
-    if fp8_rows_on_wgmma(gpu, &op, w) {
+    if fp8_on_fp8wg(gpu, &op, w) {
         let splits = fp8_splits(gpu, &op, w);
         return super::moe_fp4wg::fp8_product(gpu, op, w, splits);
     }
@@ -578,10 +578,6 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
             gemv(gpu, part, w, None, 0.0, variant);
         }
         return;
-    }
-    if super::moe_fp4wg::fp8_takes(gpu, &op, w) {
-        let splits = fp8_splits(gpu, &op, w);
-        return super::moe_fp4wg::fp8_product(gpu, op, w, splits);
     }
     if let Some(name) = gemm_kernel(&op, w) {
         return gemm(gpu, name, op, w, None);
@@ -647,10 +643,11 @@ pub(crate) fn swiglu_on_wgmma(gpu: &Gpu, op: &Operand, w1: &CudaWeight, w3: &Cud
         && fp8_on_fp8wg(gpu, op, w3)
 }
 
-/// Whether [`matmul_as`] runs an FP8 product of `op` over `w` on `fp8wg_gemm`: a decode
-/// batch that [`fp8_rows_on_wgmma`] sends there, or rows past the gemv loops' that the
-/// kernel takes (prefill). Products of one input that all go there can share one set of
-/// the rows' parts ([`fp8wg_products_sharing_parts`]).
+/// Whether [`matmul_as`] runs an FP8 product of `op` over `w` on `fp8wg_gemm` (the one
+/// rule it and the products sharing parts follow): a decode batch that
+/// [`fp8_rows_on_wgmma`] sends there, or rows past the gemv loops' that the kernel takes
+/// (prefill). Products of one input that all go there can share one set of the rows'
+/// parts ([`fp8wg_products_sharing_parts`]).
 pub(crate) fn fp8_on_fp8wg(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
     fp8_rows_on_wgmma(gpu, op, w) || (!gemv_loops(gpu, op.rows, w.rows) && super::moe_fp4wg::fp8_takes(gpu, op, w))
 }
