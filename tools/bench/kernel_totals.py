@@ -2,8 +2,8 @@
 """Where a whole run's device time went, per kernel, from a timeline.sh recording (the
 CUPTI records of every kernel: real starts and ends, not serialised as Nsight Compute
 runs them). For prefill, whose kernels timeline.py's decode-step view does not cover:
-record `sluice bench engine --prefill-tokens N --decode-steps 1 ...` (kernel_totals.sh
-does) and divide by the prefills the run made (the `calls` of a kernel a prefill runs
+record `sluice bench engine --prefill-tokens N --decode-steps 1 ...` (`TOTALS=1
+RUN="..." timeline.sh` does) and divide by the prefills the run made (the `calls` of a kernel a prefill runs
 once a layer, divided by the layers, say how many).
 
 Prints the run's span, the time some kernel ran (the union of all kernels' intervals:
@@ -17,6 +17,7 @@ waits, e.g. a read-back, show up as gaps after the kernel whose results the host
     kernel_totals.py TIMELINE.csv [--top 30] [--gaps 12]
 """
 import argparse
+import bisect
 from collections import defaultdict
 
 from timeline import load, merged, short
@@ -32,7 +33,8 @@ def main():
     if not ks:
         raise SystemExit(f"{a.timeline}: no kernels recorded")
     span = max(k[1] for k in ks) - ks[0][0]
-    busy = sum(b - x for x, b in merged([(k[0], k[1]) for k in ks]))
+    segs = merged([(k[0], k[1]) for k in ks])
+    busy = sum(b - x for x, b in segs)
     per = defaultdict(lambda: [0, 0])
     for start, end, name, *_ in ks:
         p = per[short(name)]
@@ -45,16 +47,14 @@ def main():
     for name, (calls, ns) in sorted(per.items(), key=lambda kv: -kv[1][1])[: a.top]:
         print(f"{name[:34]:<34} {calls:>7} {ns / 1e6:>9.2f} {100 * ns / total:>5.1f}% {ns / calls / 1e3:>10.1f}")
     if a.gaps:
-        idle_gaps(ks, a.gaps)
+        idle_gaps(ks, segs, a.gaps)
 
 
-def idle_gaps(ks, top):
-    """The idle time between busy intervals, by (kernel before, kernel after)."""
+def idle_gaps(ks, segs, top):
+    """The idle time between the busy intervals `segs`, by (kernel before, kernel after)."""
     ends = sorted((k[1], short(k[2])) for k in ks)
     starts = sorted((k[0], short(k[2])) for k in ks)
-    segs = merged([(k[0], k[1]) for k in ks])
     pairs = defaultdict(lambda: [0, 0])
-    import bisect
     for (_, end), (nxt, _) in zip(segs, segs[1:]):
         gap = nxt - end
         if gap < 5000:
