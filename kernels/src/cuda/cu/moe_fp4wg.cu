@@ -204,39 +204,95 @@ __device__ __forceinline__ u32 fw_block_scale2(float s) {
     return e | (e << 16);
 }
 
+// Word i of w (i in 0..3) without indexing registers by a run-time value.
+__device__ __forceinline__ u32 fw_word(const u32 (&w)[4], int i) {
+    return i == 0 ? w[0] : i == 1 ? w[1] : i == 2 ? w[2] : w[3];
+}
+
+// A lane's four words of one plane (word m = 2s + h: the pair (s, h) below) rearranged
+// so that the lane holds 16 contiguous bytes of the plane's row, which it stores at
+// the returned offset (bf16 units from the row's start). FP4: the four lanes of a quad
+// (piece j, j & 3 = q) cover 32 bf16 at (j >> 2) · 32, block m (8 bf16 at 8m) holding word
+// m of lanes 0..3 in order: a 4×4 transpose over the quad, lane q keeping block q.
+// FP8: the two lanes of a pair cover 16 bf16 at (j >> 1) · 16, block h holding words
+// (s, h) = (0, h), (1, h) of the even lane then of the odd one: lane j & 1 keeps block
+// j & 1 and swaps the other two words with its partner.
+__device__ __forceinline__ int fw_gather_words(u32 (&w)[4], int j, int fp8) {
+    const unsigned all = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    if (fp8) {
+        const int odd = j & 1;
+        const u32 g0 = __shfl_xor_sync(all, odd ? w[0] : w[1], 1);
+        const u32 g1 = __shfl_xor_sync(all, odd ? w[2] : w[3], 1);
+        const u32 k0 = odd ? w[1] : w[0], k1 = odd ? w[3] : w[2];
+        w[0] = odd ? g0 : k0;
+        w[1] = odd ? g1 : k1;
+        w[2] = odd ? k0 : g0;
+        w[3] = odd ? k1 : g1;
+        return (j >> 1) * 16 + 8 * odd;
+    }
+    const int q = j & 3;
+    u32 out[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) out[i] = w[i];  // slot q: the lane's own word q
+#pragma unroll
+    for (int r = 1; r < 4; r++) {
+        // Lane p = (q - r) & 3 sends its word (p + r) & 3 = q: this lane's block.
+        const int p = (q - r) & 3;
+        const u32 got = __shfl_sync(all, fw_word(w, (q + r) & 3), (lane & ~3) | p);
+#pragma unroll
+        for (int i = 0; i < 4; i++) out[i] = i == p ? got : out[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) w[i] = out[i];
+    return (j >> 2) * 32 + 8 * q;
+}
+
 // Rows of x (f32, `x_stride` apart, `K` inputs) as two bf16 parts each (`lo` 0: only
 // the first, x rounded once to bf16, `SLUICE_CUDA_BF16_ACTIVATIONS=bf16`) in the A
 // fragments' input order: FP4 (`fp8` 0) within each group of 32 inputs, k-step s holds
 // inputs 8t + 2s, + 4 at logical 2t, 2t + 1 and 8t + 2s + 1, + 5 at 2t + 8, 2t + 9; FP8
 // within each k-step of 16 inputs, inputs 4t, + 1 at 2t, 2t + 1 and 4t + 2, + 3 at
 // 2t + 8, 2t + 9. A block of 128 threads a row (gridDim.y blocks a row at decode batch
-// sizes, each a strided share of its inputs), a thread 8 inputs at a time. `rows_of`
-// (or null): part row r is x's row rows_of[r] — a MoE block's routed rows gathered in
-// expert order as they are split, instead of copied in f32 first (`gather_rows`). `up`
-// (or null): split silu(min(x, limit)) · clamp(up, ±limit) instead (`swiglu_act`'s
-// expression: an expert's SwiGLU output never written as f32).
+// sizes, each a strided share of its inputs), a thread 8 inputs (a piece) at a time; the
+// lanes trade words (`fw_gather_words`) so that each stores 16 contiguous bytes a plane
+// (a warp's store one 512-byte run, where the words as computed would be 4-byte pieces
+// 64 bytes apart: twice the write transactions). `rows_of` (or null): part row r is x's
+// row rows_of[r] — a MoE block's routed rows gathered in expert order as they are split,
+// instead of copied in f32 first (`gather_rows`). `up` (or null): split
+// silu(min(x, limit)) · clamp(up, ±limit) instead (`swiglu_act`'s expression: an expert's
+// SwiGLU output never written as f32).
 extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const float* x, int rows, int K,
                                                               int x_stride, int plane, int fp8, int lo,
                                                               const int* rows_of, const float* up,
                                                               float limit) {
     pdl_begin();
-    const int r = blockIdx.x, tid = threadIdx.x;
+    const int r = blockIdx.x, tid = threadIdx.x, pieces = K / 8;
     if (r >= rows) return;
     const long long src = (long long)(rows_of ? rows_of[r] : r) * x_stride;
     const float* xr = x + src;
-    for (int j = blockIdx.y * 128 + tid; j < K / 8; j += 128 * gridDim.y) {
-        const float4 a = *(const float4*)(xr + 8 * j), b = *(const float4*)(xr + 8 * j + 4);
-        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        if (up) {
-            const float4 c = *(const float4*)(up + src + 8 * j), d = *(const float4*)(up + src + 8 * j + 4);
-            const float w[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+    const long long row = (long long)r * K;
+    // The warp's lanes walk their pieces together (j0 the same for all of them), so that
+    // every lane of a quad is present for the trade; a quad's pieces are all in range or
+    // all past it (K is a multiple of 64).
+    for (int j0 = blockIdx.y * 128 + (tid & ~31); j0 < pieces; j0 += 128 * gridDim.y) {
+        const int j = j0 + (tid & 31);
+        const bool on = j < pieces;
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (on) {
+            const float4 a = *(const float4*)(xr + 8 * j), b = *(const float4*)(xr + 8 * j + 4);
+            v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+            if (up) {
+                const float4 c = *(const float4*)(up + src + 8 * j), d = *(const float4*)(up + src + 8 * j + 4);
+                const float w[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float g = fminf(v[i], limit), u = fminf(fmaxf(w[i], -limit), limit);
-                v[i] = g / (1.0f + expf(-g)) * u;
+                for (int i = 0; i < 8; i++) {
+                    const float g = fminf(v[i], limit), u = fminf(fmaxf(w[i], -limit), limit);
+                    v[i] = g / (1.0f + expf(-g)) * u;
+                }
             }
         }
-        const long long row = (long long)r * K;
+        u32 hw[4], lw[4];
 #pragma unroll
         for (int s = 0; s < 2; s++) {
 #pragma unroll
@@ -247,11 +303,15 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
                 const float x1 = fp8 ? v[4 * s + 2 * h + 1] : v[2 * s + h + 4];
                 const u16 h0 = f2bf(x0), h1 = f2bf(x1);
                 const u16 l0 = f2bf(x0 - bf2f(h0)), l1 = f2bf(x1 - bf2f(h1));
-                const long long e = row + (fp8 ? (j >> 1) * 16 + 8 * h + 2 * ((2 * j + s) & 3)
-                                               : (j >> 2) * 32 + 16 * s + 8 * h + 2 * (j & 3));
-                *(u32*)(parts + e) = (u32)h0 | ((u32)h1 << 16);
-                if (lo) *(u32*)(parts + (long long)plane * K + e) = (u32)l0 | ((u32)l1 << 16);
+                hw[2 * s + h] = (u32)h0 | ((u32)h1 << 16);
+                lw[2 * s + h] = (u32)l0 | ((u32)l1 << 16);
             }
+        }
+        const long long e = row + fw_gather_words(hw, j, fp8);
+        if (lo) fw_gather_words(lw, j, fp8);
+        if (on) {
+            *(uint4*)(parts + e) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+            if (lo) *(uint4*)(parts + (long long)plane * K + e) = make_uint4(lw[0], lw[1], lw[2], lw[3]);
         }
     }
 }
