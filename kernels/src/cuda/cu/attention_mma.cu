@@ -180,6 +180,14 @@ __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, u32 b0, u
 #endif
 }
 
+// Where key `key` of head row `h` lies in a row of the partial logits `sp`: bits 3-4 of
+// the key flipped by the row's h % 4. A warp stores its [16 heads × 32 keys] partials as
+// float2s whose lanes' rows are 32 floats apart; unswizzled, the rows of a half-warp's four
+// heads fall on the same 8 banks (4-way conflicts, 8-way with scalar stores, on every
+// store of every warp a tile), swizzled on four different 8-bank groups. Pairs (key, key
+// + 1), key even, stay adjacent.
+__device__ __forceinline__ int tc_sp_key(int h, int key) { return key ^ ((h & 3) << 3); }
+
 // Dynamic shared memory: the two key tiles.
 #define TC_DYN_SMEM (2 * TC_KEYS * TC_KSTRIDE * 2)
 
@@ -310,11 +318,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
             const int ha = hg * 16 + gid;
 #pragma unroll
             for (int n8 = 0; n8 < 4; n8++) {
-                const int key = n8 * 8 + 2 * tig;
-                sp[dg][ha][key] = sc[n8][0];
-                sp[dg][ha][key + 1] = sc[n8][1];
-                sp[dg][ha + 8][key] = sc[n8][2];
-                sp[dg][ha + 8][key + 1] = sc[n8][3];
+                const int key = tc_sp_key(ha, n8 * 8 + 2 * tig);  // ha + 8: the same swizzle
+                *(float2*)&sp[dg][ha][key] = make_float2(sc[n8][0], sc[n8][1]);
+                *(float2*)&sp[dg][ha + 8][key] = make_float2(sc[n8][2], sc[n8][3]);
             }
         }
         __syncthreads();
@@ -322,13 +328,15 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
         // 3. Online softmax per head (16 threads a head, keys sk and sk + 16 each); the
         //    weights go to shared memory as bf16 halves.
         {
+            // Odd heads take their keys in the other order, so that a warp's two heads
+            // read other banks (with tc_sp_key's swizzle: none shared).
             float l[2];
 #pragma unroll
             for (int e = 0; e < 2; e++) {
-                const int kk2 = sk + 16 * e;
-                float v = sp[0][sh][kk2];
+                const int kk2 = sk + 16 * (e ^ (sh & 1)), at = tc_sp_key(sh, kk2);
+                float v = sp[0][sh][at];
 #pragma unroll
-                for (int w = 1; w < TC_DGROUPS; w++) v += sp[w][sh][kk2];
+                for (int w = 1; w < TC_DGROUPS; w++) v += sp[w][sh][at];
                 l[e] = key_ok[kk2] ? v * g.scale : NEG_INF;
             }
             float mt = fmaxf(l[0], l[1]);
@@ -344,10 +352,11 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
             s_run = s_run * c + (p0 + p1);
             m_run = m_new;
             const u16 h0 = f2bf(p0), h1 = f2bf(p1);
-            ph[0][sh * TC_PSTRIDE + sk] = h0;
-            ph[1][sh * TC_PSTRIDE + sk] = f2bf(p0 - bf2f(h0));
-            ph[0][sh * TC_PSTRIDE + sk + 16] = h1;
-            ph[1][sh * TC_PSTRIDE + sk + 16] = f2bf(p1 - bf2f(h1));
+            const int k0 = sh * TC_PSTRIDE + sk + 16 * (sh & 1), k1 = sh * TC_PSTRIDE + sk + 16 * (~sh & 1);
+            ph[0][k0] = h0;
+            ph[1][k0] = f2bf(p0 - bf2f(h0));
+            ph[0][k1] = h1;
+            ph[1][k1] = f2bf(p1 - bf2f(h1));
             if (sk == 0) corr_s[sh] = c;
         }
         __syncthreads();
