@@ -11,7 +11,7 @@ use cudarc::driver::DeviceRepr;
 use super::CudaBackend;
 use super::matmul::{GEMV_MAX_ROWS, Operand, matmul};
 use super::memory::{CudaBuf, WeightData};
-use super::runtime::{cfg, cfg_elems, env_rows, launch};
+use super::runtime::{cfg, cfg_row_cols, env_rows, launch};
 use crate::backend::{HcHeadWeights, HcWeights};
 
 /// Largest number of residual streams the kernels handle.
@@ -333,7 +333,7 @@ pub(crate) fn hc_post(
     launch!(
         g,
         "hc_post",
-        cfg_elems(rows * d),
+        cfg_row_cols(rows, d),
         g.ptr(&streams.mem),
         g.ptr(&out.mem),
         g.ptr(&post.mem),

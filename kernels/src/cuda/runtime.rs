@@ -668,6 +668,11 @@ pub(crate) fn cfg_elems(n: usize) -> cudarc::driver::LaunchConfig {
     cfg(((n.div_ceil(256)).max(1) as u32, 1, 1), 256, 0)
 }
 
+/// A thread a column (256 a block), a block row a row (≤ 65,535: kernels loop by gridDim.y).
+pub(crate) fn cfg_row_cols(rows: usize, cols: usize) -> cudarc::driver::LaunchConfig {
+    cfg((cols.div_ceil(256).max(1) as u32, rows.clamp(1, 65_535) as u32, 1), 256, 0)
+}
+
 /// Launch kernel `$name` with `$cfg` and the given arguments (device addresses as u64,
 /// ints as i32, floats as f32, `#[repr(C)]` structs by value), checking the launch; see
 /// [`Gpu::launch_raw`] for how it is ordered after the kernel before it.

@@ -231,19 +231,38 @@ __device__ __forceinline__ float hc_post_value(float p, float o, const float* c,
     return v;
 }
 
+// One column x of a row's hc streams updated in place (old values read first).
+template <int HC>
+__device__ __forceinline__ void hc_post_column(float* s, float o, const float* p, const float* c, int d, int x) {
+    float old[HC];
+#pragma unroll
+    for (int j = 0; j < HC; j++) old[j] = s[j * d + x];
+#pragma unroll
+    for (int k = 0; k < HC; k++) s[k * d + x] = hc_post_value(p[k], o, c + k, HC, old, HC);
+}
+
 // streams[r, k, :] = post[r, k] · out[r, :] + Σ_j comb[r, j, k] · streams[r, j, :].
+// grid (columns / 256, up to 65,535 rows, looped), 256 threads. V4's hc = 4 is compiled
+// with the streams' old values in registers; other counts (test models) index them at
+// run time, from the thread's stack.
 extern "C" __global__ void hc_post(float* streams, const float* out, const float* post, const float* comb, int rows,
                                    int hc, int d) {
     pdl_begin();
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * d) return;
-    int r = (int)(i / d), x = (int)(i % d);
-    float* s = streams + (long long)r * hc * d;
-    float old[HC_MAX];
-    for (int j = 0; j < hc; j++) old[j] = s[j * d + x];
-    const float o = out[i];
-    const float* c = comb + (long long)r * hc * hc;
-    for (int k = 0; k < hc; k++) s[k * d + x] = hc_post_value(post[r * hc + k], o, c + k, hc, old, hc);
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    if (x >= d) return;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        float* s = streams + (long long)r * hc * d;
+        const float o = out[(long long)r * d + x];
+        const float* p = post + (long long)r * hc;
+        const float* c = comb + (long long)r * hc * hc;
+        if (hc == 4) {
+            hc_post_column<4>(s, o, p, c, d, x);
+            continue;
+        }
+        float old[HC_MAX];
+        for (int j = 0; j < hc; j++) old[j] = s[j * d + x];
+        for (int k = 0; k < hc; k++) s[k * d + x] = hc_post_value(p[k], o, c + k, hc, old, hc);
+    }
 }
 
 // Final collapse: out[r, :] = Σ_j (sigmoid(mix_j/rms · scale + base_j) + eps) · streams[r, j, :].
