@@ -273,8 +273,8 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
     const float* xr = x + src;
     const long long row = (long long)r * K;
     // The warp's lanes walk their pieces together (j0 the same for all of them), so that
-    // every lane of a quad is present for the trade; a quad's pieces are all in range or
-    // all past it (K is a multiple of 64).
+    // every lane of a quad is present for the trade; a quad's (a pair's) pieces are all in
+    // range or all past it (K is a multiple of 128 for FP4, 64 for FP8).
     for (int j0 = blockIdx.y * 128 + (tid & ~31); j0 < pieces; j0 += 128 * gridDim.y) {
         const int j = j0 + (tid & 31);
         const bool on = j < pieces;
