@@ -20,12 +20,28 @@ fn rounded_rows() -> bool {
     std::env::var("SLUICE_CUDA_BF16_ACTIVATIONS").as_deref() == Ok("bf16")
 }
 
-/// The rows a product's reference multiplies: x, or x rounded to bf16 when the product
-/// runs on `fp8wg_gemm` (`on_fp8wg`; a knob may leave decode rows on the gemv loops, which
-/// do not round) and that rounds it ([`rounded_rows`]): the products are then bf16(x) · W exactly, summed in f32,
-/// and held to the same bound as the split rows.
+/// The rows a product's reference multiplies when the product runs on `fp8wg_gemm`
+/// (`on_fp8wg`; a knob may leave decode rows on the gemv loops, which multiply x as it
+/// is): x rounded to bf16 ([`rounded_rows`]), or x's two bf16 parts added back together
+/// (hi = bf16(x), lo = bf16(x − hi): what the kernel multiplies, `fp4wg_parts`). The
+/// products are then those rows times W, summed in f32 in another order. Against x
+/// itself the parts' residual (up to 2^-18 of x) alone took the shared expert's pair at
+/// clamp 0.5 — outputs of at most ~0.16 from products of magnitude ~10 — to 7.8e-5 of
+/// the 1e-4 bound, and once past it with fresh inputs; the split-versus-f32 distance
+/// stays checked by the MoE blocks here and by `cuda_conformance`.
 fn rows_as_multiplied(x: &[f32], on_fp8wg: bool) -> Vec<f32> {
-    if on_fp8wg && rounded_rows() { x.iter().map(|&v| bf16_to_f32(f32_to_bf16(v))).collect() } else { x.to_vec() }
+    let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
+    match (on_fp8wg, rounded_rows()) {
+        (false, _) => x.to_vec(),
+        (true, true) => x.iter().map(|&v| bf16(v)).collect(),
+        (true, false) => x
+            .iter()
+            .map(|&v| {
+                let hi = bf16(v);
+                hi + bf16(v - hi)
+            })
+            .collect(),
+    }
 }
 
 /// The bound of a MoE block: [`FP4WG_TOL`] with split rows; with rounded ones the bf16
