@@ -146,6 +146,14 @@ impl Download {
     }
 }
 
+/// The bytes of plain device data, for a copy to write them.
+pub(crate) fn bytes_mut<T: DeviceRepr>(values: &mut [T]) -> &mut [u8] {
+    let bytes = std::mem::size_of_val(values);
+    // SAFETY: DeviceRepr types are plain data, so their bytes may be written as u8; the
+    // view covers exactly the slice's values.
+    unsafe { std::slice::from_raw_parts_mut(values.as_mut_ptr() as *mut u8, bytes) }
+}
+
 /// Reads queued on a GPU's stream and waited for later.
 impl Gpu {
     /// Queue a read of the first `len` elements of `src` ([`Gpu::finish_read`] waits for
@@ -160,9 +168,6 @@ impl Gpu {
     /// Wait for a read queued by [`Gpu::read_later`] and copy it into `out` (as many
     /// elements as were queued).
     pub(crate) fn finish_read<T: DeviceRepr>(&self, read: QueuedRead, out: &mut [T]) {
-        let bytes = std::mem::size_of_val(out);
-        // SAFETY: DeviceRepr types are plain data, so their bytes may be written as u8.
-        let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
-        self.download.finish(read, out);
+        self.download.finish(read, bytes_mut(out));
     }
 }

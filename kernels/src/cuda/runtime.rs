@@ -509,11 +509,9 @@ impl Gpu {
                 src.len()
             );
             self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
+            // The range lies inside `src` (asserted above).
             let at = self.ptr(src) + (offset * std::mem::size_of::<T>()) as u64;
-            // SAFETY: DeviceRepr types are plain data, so their bytes may be written as
-            // u8; the range lies inside `src` (asserted above).
-            let out = unsafe { std::slice::from_raw_parts_mut(out.as_mut_ptr() as *mut u8, bytes) };
-            self.download.read(&self.stream, at, &mut [out]);
+            self.download.read(&self.stream, at, &mut [super::download::bytes_mut(out)]);
             return;
         }
         let view = src.slice(offset..offset + out.len());
@@ -539,11 +537,7 @@ impl Gpu {
             return;
         }
         self.ctx.bind_to_thread().unwrap_or_else(|e| fail("binding the context", e));
-        let mut outs: Vec<&mut [u8]> = parts
-            .iter_mut()
-            // SAFETY: f32 is plain data; each slice covers exactly its Vec's values.
-            .map(|p| unsafe { std::slice::from_raw_parts_mut(p.as_mut_ptr() as *mut u8, 4 * p.len()) })
-            .collect();
+        let mut outs: Vec<&mut [u8]> = parts.iter_mut().map(|p| super::download::bytes_mut(p)).collect();
         self.download.read(&self.stream, self.ptr(src), &mut outs);
     }
 
