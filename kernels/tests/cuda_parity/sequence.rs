@@ -109,8 +109,15 @@ fn f64_scores<B: Backend>(
         .collect()
 }
 
-fn sequence_ops(dtype: EntryDtype) {
-    let name = format!("cuda_sequence_ops_match_cpu_at_flash_shapes_{}", dtype.name());
+/// `kv_scale` multiplies the attention entries (and divides q, so the logits keep their
+/// size): 2^17 puts every FP8 block's scale past what the tensor-core attention's fast
+/// code conversion takes (attention_mma.cu, `TC_FAST_SCALE_MAX`).
+fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
+    let name = format!(
+        "cuda_sequence_ops_match_cpu_at_flash_shapes_{}{}",
+        dtype.name(),
+        if kv_scale == 1.0 { String::new() } else { format!("_kv_scale_{kv_scale}") }
+    );
     let Some(g) = gpu(&name) else { return };
     let mut rng = rng(&name);
     let specs = [
@@ -154,14 +161,14 @@ fn sequence_ops(dtype: EntryDtype) {
                 v
             };
             let inp = StepInputs {
-                main_kv: rand_vec(&mut rng, rows * cw, 1.0),
+                main_kv: rand_vec(&mut rng, rows * cw, kv_scale),
                 main_score: rand_vec(&mut rng, rows * cw, 1.5),
                 idx_kv: rand_vec(&mut rng, rows * 2 * IDX_DIM, 1.0),
                 idx_score: rand_vec(&mut rng, rows * 2 * IDX_DIM, 1.5),
                 idx_q: rand_vec(&mut rng, rows * IDX_HEADS * IDX_DIM, 0.3),
                 idx_w: rand_vec(&mut rng, rows * IDX_HEADS, 1.0),
-                q: rand_vec(&mut rng, rows * HEADS * HD, 0.3),
-                new_kv: round(rand_vec(&mut rng, rows * HD, 1.0)),
+                q: rand_vec(&mut rng, rows * HEADS * HD, 0.3 / kv_scale),
+                new_kv: round(rand_vec(&mut rng, rows * HD, kv_scale)),
             };
             let (gout, gsel) = run_layer(&mut gs, &layout, l, &plan, &inp, &rope, None, &|b: &CudaBackend, v| {
                 kernels::cuda::CudaIdx::from_host(b, v)
@@ -253,7 +260,7 @@ fn sequence_ops(dtype: EntryDtype) {
     let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 2 * layout.comp_elems);
     let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 2 * layout.comp_elems);
     assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
-    eprintln!("PARITY attention {} {worst:.2e}", dtype.name());
+    eprintln!("PARITY attention {}{} {worst:.2e}", dtype.name(), if kv_scale == 1.0 { "" } else { " (scaled)" });
     eprintln!(
         "PARITY indexer-selection {}: {checked} rows identical to the CPU's, {near_ties} differing rows each the \
          top-k of the GPU's keys up to f32 ties",
@@ -264,17 +271,24 @@ fn sequence_ops(dtype: EntryDtype) {
 
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_f32() {
-    sequence_ops(EntryDtype::F32);
+    sequence_ops(EntryDtype::F32, 1.0);
 }
 
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_bf16() {
-    sequence_ops(EntryDtype::Bf16);
+    sequence_ops(EntryDtype::Bf16, 1.0);
 }
 
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_fp8() {
-    sequence_ops(EntryDtype::Fp8);
+    sequence_ops(EntryDtype::Fp8, 1.0);
+}
+
+/// Entries whose FP8 block scales are above 2^7: the tensor-core attention's keys then
+/// take its f32 code conversion.
+#[test]
+fn cuda_sequence_ops_match_cpu_at_flash_shapes_fp8_wide_scales() {
+    sequence_ops(EntryDtype::Fp8, 131072.0);
 }
 
 /// Compressed fp8 entries of the two devices: the compressors' f32 sums differ in their

@@ -54,6 +54,21 @@ __device__ __forceinline__ float fp8_to_f32(u32 b) {
     return __uint_as_float(__float_as_uint(v) | s);
 }
 
+// Bytes 2h, 2h + 1 of a u32 of e4m3 codes as a bf16 pair (byte 2h in the low half), times
+// `f`: each byte placed as sign to bit 15 and its seven other bits to 10..4 is the code's
+// value times 2^-120 (e4m3's subnormals become bf16's), and one bf16x2 multiply by `f` (2^120
+// times a power-of-two scale, in both halves; the -0 addend keeps -0) gives the value
+// times the scale: exact when the product is a normal bf16 (3 significant bits fit 8).
+// Four integer operations and a multiply for two codes where fp8_to_f32, a multiply and
+// a rounding each take a dozen.
+__device__ __forceinline__ u32 e4m3x2_bf16(u32 w, int h, u32 f) {
+    const u32 u = __byte_perm(w, 0u, h ? 0x4342u : 0x4140u);
+    const u32 v = ((u & 0x007F007Fu) << 4) | ((u & 0x00800080u) << 8);
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(f), "r"(0x80008000u));
+    return r;
+}
+
 // FP4 e2m1 nibble (the low 4 bits of `nib`; bit 3 is the sign) as f32: magnitudes
 // 0, 0.5, 1, 1.5, 2, 3, 4, 6. Codes 2..7 are 2^(e-1)·(1 + m/2) with e = code >> 1 and
 // m = code & 1, i.e. f32 bits (code + 252) << 22; codes 0 and 1 are 0 and 0.5.

@@ -181,17 +181,6 @@ __device__ __forceinline__ u32 fw_codes_bf16(u32 x, u32 f) {
     return r;
 }
 
-// Bytes 2h, 2h + 1 of a u32 of e4m3 codes as bf16 (placed: sign to bit 15, the seven
-// other bits to 13..4, the value times 2^-120 — e4m3's subnormals become bf16's), times
-// `f` (2^120 times the block's scale in both halves).
-__device__ __forceinline__ u32 fw_e4m3_bf16(u32 w, int h, u32 f) {
-    const u32 u = __byte_perm(w, 0u, h ? 0x4342u : 0x4140u);
-    const u32 v = ((u & 0x007F007Fu) << 4) | ((u & 0x00800080u) << 8);
-    u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(f), "r"(0x80008000u));
-    return r;
-}
-
 // 2^(s - 1) as bf16 in both halves, s the ue8m0 byte b of `word`.
 __device__ __forceinline__ u32 fw_scale2(u32 word, int b) {
     const u32 e = (((word >> (8 * b)) & 0xFFu) + 126u) << 7;
@@ -405,10 +394,10 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
             for (int q = 0; q < 4; q++) {  // k-step q: 16 bytes of a row
                 const int off = ((q ^ swz) << 4) + 4 * t;
                 const u32 wl = *(const u32*)(codes + rlo * 64 + off), wh = *(const u32*)(codes + (rlo + 8) * 64 + off);
-                f[q][0] = fw_e4m3_bf16(wl, 0, fs);
-                f[q][1] = fw_e4m3_bf16(wh, 0, fs);
-                f[q][2] = fw_e4m3_bf16(wl, 1, fs);
-                f[q][3] = fw_e4m3_bf16(wh, 1, fs);
+                f[q][0] = e4m3x2_bf16(wl, 0, fs);
+                f[q][1] = e4m3x2_bf16(wh, 0, fs);
+                f[q][2] = e4m3x2_bf16(wl, 1, fs);
+                f[q][3] = e4m3x2_bf16(wh, 1, fs);
             }
         } else {
             const u32 s_lo = *(const u32*)(codes + A_BYTES + rlo * 4);
