@@ -52,8 +52,8 @@ __device__ __forceinline__ u32 pack_bf16x2(u16 lo, u16 hi) { return (u32)lo | ((
 // f32 new entries (decode rows: one a row) are converted when fetched, so a piece is 16
 // bytes of registers and four fit a thread's budget.
 struct KeyPiece {
-    uint4 a;  // bf16: 8 values; fp8 entry: codes in a.x, a.y
-    int how;  // PIECE_*; for PIECE_FP8 the ue8m0 scale code in bits 8..15
+    uint4 a;  // bf16: 8 values; fp8 entry: codes in a.x, a.y, the ue8m0 scale byte in a.z
+    int how;  // PIECE_*
 };
 #define PIECE_NONE 0
 #define PIECE_BF16 2
@@ -115,9 +115,12 @@ __device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnG
             p[u].a = make_uint4(x.x, x.y, y.x, y.y);
             p[u].how = PIECE_BF16;
         } else {
+            // The block's scale byte goes to a.z as loaded: folded into `how` here, it
+            // made the fetch wait for the load (Nsight Compute: the stalls of a whole
+            // tile's fetch on one byte), where the point is to leave it in flight.
             const uint2 x = *(const uint2*)(e + d0);
-            p[u].a = make_uint4(x.x, x.y, 0u, 0u);
-            p[u].how = PIECE_FP8 | ((int)e[n8 + 2 * g.tail + d0 / FP8_BLOCK] << 8);
+            p[u].a = make_uint4(x.x, x.y, (u32)e[n8 + 2 * g.tail + d0 / FP8_BLOCK], 0u);
+            p[u].how = PIECE_FP8;
         }
     }
     return true;
@@ -142,11 +145,11 @@ __device__ __forceinline__ void store_tile(const KeyPiece (&p)[TC_PIECES], u16* 
         const int c = c0 + TC_KEY_THREADS * u;
         if (c >= chunks) continue;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        const int how = p[u].how & 0xff;
+        const int how = p[u].how;
         if (how == PIECE_BF16) {
             v = p[u].a;
         } else if (how == PIECE_FP8) {
-            const u32 code = (u32)(p[u].how >> 8) & 0xffu;
+            const u32 code = p[u].a.z;
             if (code >= TC_FAST_SCALE_MIN && code <= TC_FAST_SCALE_MAX) {
                 // 2^(code - 127) · 2^120 as bf16 in both halves.
                 const u32 e = (code + 120u) << 7, f = e | (e << 16);
