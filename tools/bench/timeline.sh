@@ -6,7 +6,7 @@
 # engine` with it loaded, and prints tools/bench/timeline.py's breakdown of a step.
 #
 #   tools/bench/timeline.sh MODEL [BATCH] [CONTEXT]      (device machine, repo root)
-# Env: B (executables, default .device), KV (kv dtype, default fp8), OUT (default /tmp),
+# Env: B (executables, or the folder pack_device.sh filled; default .device), KV (kv dtype, default fp8), OUT (default /tmp),
 #      TAG (file names, default b$BATCH), EXTRA (more `bench engine` flags), ORDER
 #      (kernels of the step listed in order, default 60), GAPS (KERNEL:BEFORE pairs,
 #      space-separated: timeline.py --gap) and GAP_FROM (its --gap-from).
@@ -19,7 +19,8 @@ cd "$(dirname "$0")/../.."
 model=$1
 batch=${2:-1}
 ctx=${3:-8192}
-B=${B:-.device}
+# A packed folder (bins.txz) is unpacked first; a folder of executables is used as it is.
+B=$(tools/bench/unpack_device.sh "${B:-.device}" /tmp/b)
 OUT=${OUT:-/tmp}
 tag=${TAG:-b$batch}
 lib=$OUT/libcupti_trace.so
