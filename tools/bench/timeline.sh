@@ -7,8 +7,9 @@
 #
 #   tools/bench/timeline.sh MODEL [BATCH] [CONTEXT]      (device machine, repo root)
 # Env: B (executables, or the folder pack_device.sh filled; default .device), KV (kv
-#      dtype, default fp8), OUT (default /tmp), TAG (file names, default b$BATCH), EXTRA (more `bench engine` flags), ORDER
-#      (kernels of the step listed in order, default 60), GAPS (KERNEL:BEFORE pairs,
+#      dtype, default fp8), OUT (default /tmp), TAG (file names, default b$BATCH), EXTRA
+#      (more `bench engine` flags), ORDER (kernels of the step listed in order, default
+#      60), GAPS (KERNEL:BEFORE pairs,
 #      space-separated: timeline.py --gap) and GAP_FROM (its --gap-from).
 #      TOTALS=1: per-kernel totals over the whole run instead (kernel_totals.py), e.g.
 #      of prefills: TOTALS=1 RUN="--prefill-tokens 300 --contexts 1024 --batches 1
