@@ -14,6 +14,9 @@
 //! A sharded engine (two ranks: on both GPUs of a two-GPU machine, and on one GPU twice)
 //! the same way: every rank records, the exchanges end its segments.
 //!
+//! Six engines on six threads of one process capture their steps at once and agree with
+//! each other (captures on one device are one at a time: the driver crashed otherwise).
+//!
 //! Also the greedy read-out picked on the device (`Engine::decode_readout`): the token and
 //! log-probability the host's greedy sampler gives on the same step's logits.
 //!
@@ -30,11 +33,10 @@ use engine::{CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
 /// differences allowed are those of a kernel that sums in a run-dependent order.
 const GRAPH_TOL: f32 = 1e-5;
 
-/// This file's tests run one at a time: while one test's engine records a step into a
-/// graph, another engine of the process on the same GPU (loading weights, freeing pinned
-/// staging) can make the driver refuse the capture, and the backend then switches graphs
-/// off for good (a production worker has one engine a GPU), which the recorded-step
-/// counts below would read as a failure (`GraphStats::capture_failures` says so).
+/// This file's tests run one at a time, so that each test's graph counts are its own
+/// engines' alone. (Another engine of the process loading weights beside a capture no
+/// longer makes the driver refuse it: the calls that synchronize the context wait for
+/// captures, `kernels/src/cuda/capture_lock.rs`; the many-threads test below checks it.)
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
@@ -228,5 +230,65 @@ fn cuda_sharded_graph_steps_match_eager_steps() {
             assert!(2 * replayed >= s.segments, "rank {r}: only {replayed} of {} segments replayed", s.segments);
         }
         assert!(worst <= GRAPH_TOL, "ranks on cuda {ordinals:?}: logits {worst:.3e} off the eager steps");
+    }
+}
+
+/// Engines on several threads of one process, all on GPU 0 (one primary context), record
+/// and capture their decode steps while the others prefill and decode, as
+/// `cuda_conformance`'s parallel tests do: every thread's logits are the first thread's
+/// (one checkpoint, the same prompts), and no capture is refused. Without
+/// `kernels/src/cuda/capture_lock.rs` another thread's cuBLAS call or pinned allocation
+/// synchronized the context mid-capture: captures were refused and the driver crashed now
+/// and then (`SLUICE_CUDA_CAPTURE_LOCK=0` brings that back, for `tools/bench/crash_loop.sh`).
+#[test]
+fn cuda_engines_on_many_threads_capture_at_once() {
+    const THREADS: usize = 6;
+    let test = "cuda_engines_on_many_threads_capture_at_once";
+    let _one = one_at_a_time();
+    let Some(first) = gpu(test) else { return };
+    drop(first);
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, WeightDtype::Fp8)).unwrap();
+    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    // Every engine loads before any decodes: a load's synchronous allocations may make
+    // the driver refuse a capture running beside it, which is not what this test is about.
+    let loaded = std::sync::Barrier::new(THREADS);
+    let results: Vec<_> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..THREADS)
+            .map(|_| {
+                s.spawn(|| {
+                    let b = gpu(test).expect("GPU 0 was there a moment ago");
+                    let mut e = Engine::load(&model, b, opts.clone()).unwrap();
+                    loaded.wait();
+                    e.model.backend.take_graph_stats();
+                    let logits = [(vec![250], 40), (vec![700, 261, 5], 24), (vec![90, 31], 30)]
+                        .into_iter()
+                        .flat_map(|(lens, steps)| decode(&mut e, &lens, steps))
+                        .collect::<Vec<_>>();
+                    (logits, e.model.backend.take_graph_stats())
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().expect("a decoding thread panicked")).collect()
+    });
+    let (want, _) = &results[0];
+    for (i, (got, stats)) in results.iter().enumerate() {
+        let replayed = stats.replayed + stats.captured;
+        eprintln!(
+            "GRAPHS {test}, thread {i}: {replayed} of {} segments from graphs ({} captured, {} captures refused{})",
+            stats.segments,
+            stats.captured,
+            stats.capture_failures,
+            stats.capture_error.as_deref().map(|e| format!(": {e}")).unwrap_or_default()
+        );
+        assert_eq!(stats.capture_failures, 0, "thread {i}: a capture was refused");
+        assert!(
+            4 * replayed >= 3 * stats.segments,
+            "thread {i}: only {replayed} of {} segments replayed",
+            stats.segments
+        );
+        let worst = worst_row_error(got, want, &format!("thread {i} against thread 0"));
+        assert!(worst <= GRAPH_TOL, "thread {i}: logits {worst:.3e} off thread 0's");
     }
 }

@@ -115,6 +115,8 @@ impl PeerCopies {
     /// Let every pair of distinct GPUs read each other's memory directly (NVLink or
     /// PCIe peer access), where the hardware allows; copies work without it, staged.
     fn enable_peer_access(ranks: &[CudaBackend]) {
+        // Mapping another GPU's memory changes the contexts: not beside a capture.
+        let _sync: Vec<_> = ranks.iter().map(|b| super::capture_lock::may_sync(b.ordinal())).collect();
         for a in ranks {
             for b in ranks {
                 if a.ordinal() == b.ordinal() {
@@ -194,6 +196,8 @@ impl Nccl {
         if !unsafe { cudarc::nccl::sys::is_culib_present() } {
             return Err(CudaError::NoLibrary("libnccl"));
         }
+        // NCCL's set-up allocates device and pinned memory: not beside a capture.
+        let _sync: Vec<_> = ranks.iter().map(|b| super::capture_lock::may_sync(b.ordinal())).collect();
         let streams = ranks.iter().map(|b| b.gpu().stream.clone()).collect();
         let comms = cudarc::nccl::Comm::from_devices(streams).map_err(|e| CudaError::Driver(format!("NCCL: {e:?}")))?;
         Ok(Nccl { comms })

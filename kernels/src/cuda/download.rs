@@ -62,7 +62,10 @@ impl Download {
         let reused = self.spare.lock().expect("queued read buffers poisoned").pop();
         let mut buf = match reused {
             Some(b) if b.len() >= bytes => b,
-            _ => {
+            small => {
+                // Freeing and allocating pinned memory may synchronize the context.
+                let _sync = super::capture_lock::may_sync(stream.context().ordinal());
+                drop(small);
                 // SAFETY: the buffer's bytes are written by the copy below before any read.
                 unsafe { stream.context().alloc_pinned_with_flags::<u8>(bytes.max(QUEUED_MIN_BYTES), 0) }
                     .unwrap_or_else(|e| fail("pinned read buffer", e))
@@ -96,6 +99,7 @@ impl Download {
     /// memory of the stream's context.
     pub fn read(&self, stream: &CudaStream, src: u64, outs: &mut [&mut [u8]]) {
         let mut bufs = self.bufs.lock().expect("download buffers poisoned");
+        let _sync = (bufs.len() < 2).then(|| super::capture_lock::may_sync(stream.context().ordinal()));
         while bufs.len() < 2 {
             // SAFETY: the buffer's bytes are written by the copies below before any read.
             let b = unsafe { stream.context().alloc_pinned_with_flags::<u8>(PIECE_BYTES, 0) }

@@ -26,6 +26,8 @@ impl KvBuffer {
     pub(crate) fn zeroed(stream: &Arc<CudaStream>, bytes: usize) -> Result<Self, result::DriverError> {
         let bytes = bytes.max(1);
         stream.context().bind_to_thread()?;
+        // Synchronous allocation and memset: not beside a capture on this GPU.
+        let _sync = super::capture_lock::may_sync(stream.context().ordinal());
         // SAFETY: the context is current; the pointer is owned by the slice built from
         // it below and freed exactly once, in Drop, with cuMemFree (it came from cuMemAlloc).
         let slice = unsafe {
@@ -56,6 +58,7 @@ impl Drop for KvBuffer {
         let ptr = slice.leak();
         let _ = self.stream.context().bind_to_thread();
         let _ = self.stream.synchronize();
+        let _sync = super::capture_lock::may_sync(self.stream.context().ordinal());
         // SAFETY: allocated by cuMemAlloc in `zeroed`, freed only here.
         if let Err(e) = unsafe { result::free_sync(ptr) } {
             tracing::warn!(error = %e, "freeing KV device memory failed");

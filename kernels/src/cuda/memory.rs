@@ -298,6 +298,8 @@ impl HostRegistration {
         }
         ctx.bind_to_thread().ok()?;
         let ptr = region.as_ptr() as *mut std::ffi::c_void;
+        // Pinning host memory may synchronize the context: not beside a capture.
+        let _sync = super::capture_lock::may_sync(ctx.ordinal());
         // SAFETY: `region` is live host memory of `region.len()` bytes; the caller keeps
         // it alive while this registration exists (Backend::pin_host's contract).
         let r = unsafe { sys::cuMemHostRegister_v2(ptr, region.len(), sys::CU_MEMHOSTREGISTER_PORTABLE) };
@@ -313,6 +315,7 @@ impl crate::backend::HostPin for HostRegistration {}
 impl Drop for HostRegistration {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
+            let _sync = super::capture_lock::may_sync(self.ctx.ordinal());
             // SAFETY: `ptr` was registered by `new` in this context and not since.
             unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut std::ffi::c_void) };
         }

@@ -20,6 +20,8 @@
 //!   the handles' own workspaces.
 //! - `step_graph`, `arena`: decode steps recorded and replayed as CUDA graphs, and the
 //!   step's temporaries at repeating addresses.
+//! - `capture_lock`: a device's captures kept apart from other threads' calls that may
+//!   synchronize its context (cuBLAS, pinned memory, synchronous allocations).
 //! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
@@ -51,6 +53,7 @@ mod arena;
 mod attention;
 mod bench;
 mod blas_op;
+mod capture_lock;
 mod checksum;
 pub mod collective;
 mod compress;

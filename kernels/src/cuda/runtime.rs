@@ -9,6 +9,7 @@
 //! though the engine drives it from one.
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -256,8 +257,9 @@ pub(crate) struct Gpu {
     pub stream: Arc<CudaStream>,
     /// The main stream's cuBLAS handle, with its own workspace (`blas_op`); handles are
     /// not safe to use from two threads at once.
-    pub blas: Mutex<super::blas_op::BlasHandle>,
-    funcs: HashMap<&'static str, CudaFunction>,
+    pub blas: ManuallyDrop<Mutex<super::blas_op::BlasHandle>>,
+    /// The kernels (each holds the module, unloaded with the last of them).
+    funcs: ManuallyDrop<HashMap<&'static str, CudaFunction>>,
     pub sms: usize,
     pub name: String,
     pub cc: (i32, i32),
@@ -280,9 +282,25 @@ pub(crate) struct Gpu {
     /// buckets by a hash of the words.
     tables: Mutex<HashMap<u64, Vec<TableCopy>>>,
     /// Pinned buffers of large reads.
-    pub(super) download: super::download::Download,
+    pub(super) download: ManuallyDrop<super::download::Download>,
     /// Decode steps recorded and replayed as CUDA graphs (`step_graph`).
-    pub(crate) steps: super::step_graph::Steps,
+    pub(crate) steps: ManuallyDrop<super::step_graph::Steps>,
+}
+
+impl Drop for Gpu {
+    /// The parts whose release may synchronize the context (cuBLAS handles, pinned
+    /// buffers, graphs, the module) go first, under the device's `capture_lock`, so that
+    /// no other engine's capture on the same GPU is running meanwhile.
+    fn drop(&mut self) {
+        let _sync = super::capture_lock::may_sync(self.ordinal);
+        // SAFETY: each is dropped once, here, and never used after: this is the Gpu's drop.
+        unsafe {
+            ManuallyDrop::drop(&mut self.steps);
+            ManuallyDrop::drop(&mut self.download);
+            ManuallyDrop::drop(&mut self.blas);
+            ManuallyDrop::drop(&mut self.funcs);
+        }
+    }
 }
 
 /// Whether this process can load the CUDA driver at all (false on machines without an
@@ -314,6 +332,9 @@ impl Gpu {
         if ordinal as i32 >= count {
             return Err(CudaError::NoDevice { ordinal, count });
         }
+        // Loading a module, making a cuBLAS handle and pinning memory may synchronize the
+        // context: not while another engine of the process captures on this GPU.
+        let _sync = super::capture_lock::may_sync(ordinal);
         let ctx = CudaContext::new(ordinal).map_err(drv)?;
         // SAFETY: every launch and copy of this backend goes to the one stream below, in
         // issue order, so the per-buffer events cudarc would otherwise record are not
@@ -352,8 +373,8 @@ impl Gpu {
             total_mem: ctx.total_mem().map_err(drv)?,
             ctx,
             stream,
-            blas: Mutex::new(blas),
-            funcs,
+            blas: ManuallyDrop::new(Mutex::new(blas)),
+            funcs: ManuallyDrop::new(funcs),
             sms,
             cc,
             pdl: pdl_enabled(cc),
@@ -365,7 +386,7 @@ impl Gpu {
             occupancy: Mutex::new(HashMap::new()),
             tables: Mutex::new(HashMap::new()),
             download: Default::default(),
-            steps: super::step_graph::Steps::new(),
+            steps: ManuallyDrop::new(super::step_graph::Steps::new()),
         })
     }
 

@@ -451,6 +451,8 @@ impl Gpu {
             self.flush_recording();
         }
         self.note_unrecorded();
+        // cuBLAS may load a kernel at its first use, which synchronizes the context.
+        let _sync = super::capture_lock::may_sync(self.ordinal);
         let blas = self.blas.lock().expect("cuBLAS handle poisoned");
         // SAFETY: this function's contract; the handle is bound to the main stream.
         unsafe { op.issue(blas.handle()) }.unwrap_or_else(|e| fail("cuBLAS product", e));
@@ -464,6 +466,9 @@ impl Gpu {
             tracing::warn!(status = ?e, ?op, "a recorded cuBLAS product failed");
             cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)
         };
+        // Issued eagerly, a product may load a cuBLAS kernel (a context synchronization);
+        // inside this thread's capture this takes nothing.
+        let _sync = super::capture_lock::may_sync(self.ordinal);
         if !side {
             let blas = self.blas.lock().expect("cuBLAS handle poisoned");
             // SAFETY: the operands are those the recording call was given (`Gpu::blas`),
@@ -552,12 +557,15 @@ impl Gpu {
         let side = self.side_stream();
         if let Some(stream) = side.as_ref().filter(|_| side_lane_blas(ops)) {
             self.steps.side_blas.get_or_init(|| {
+                let _sync = super::capture_lock::may_sync(self.ordinal);
                 handle_with_workspace(stream)
                     .map_err(|e| tracing::warn!(error = %e, "no cuBLAS handle for the side lane"))
                     .ok()
                     .map(Mutex::new)
             });
         }
+        // Nothing on another thread may synchronize this context while capturing.
+        let _alone = super::capture_lock::capturing(self.ordinal);
         let result = self.stream.begin_capture(mode).and_then(|()| {
             let mut on_side = false;
             let issued = ops.iter().try_for_each(|op| match op {
@@ -582,8 +590,9 @@ impl Gpu {
             Ok(Some(graph)) => Some(graph),
             other => {
                 // The driver refuses a capture that another thread of the process broke
-                // (a capture-unsafe call of another engine on the same GPU, e.g. one
-                // loading weights, invalidates it): graphs stay off for this GPU.
+                // with a call that synchronizes the context; those this backend makes
+                // wait for captures (`capture_lock`), so a refusal means another library
+                // or an unlisted call did: graphs stay off for this GPU.
                 // Capturing again after such a refusal was tried: several engines in one
                 // process then crashed inside the driver now and then.
                 let error = format!("{:?}", other.err());

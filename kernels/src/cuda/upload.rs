@@ -75,6 +75,8 @@ impl Staging {
             if pool.made < SLOTS {
                 pool.made += 1;
                 drop(pool);
+                // Allocating pinned memory may synchronize the context.
+                let _sync = super::capture_lock::may_sync(gpu.ordinal);
                 // SAFETY: the buffer's bytes are written by `fill` before any copy reads them.
                 let buf = unsafe { gpu.ctx.alloc_pinned_with_flags::<u8>(SLOT_BYTES, 0) }
                     .unwrap_or_else(|e| fail("pinned staging allocation", e));
@@ -93,6 +95,8 @@ impl Staging {
     pub fn release(&self, stream: &Arc<CudaStream>) {
         stream.synchronize().unwrap_or_else(|e| fail("stream synchronize", e));
         let mut pool = self.slots.lock().expect("staging pool poisoned");
+        // Freeing pinned memory may synchronize the context.
+        let _sync = super::capture_lock::may_sync(stream.context().ordinal());
         pool.free.clear();
         pool.made = 0;
     }
