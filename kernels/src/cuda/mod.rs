@@ -7,6 +7,7 @@
 //! Module map:
 //! - `runtime`: context, stream, cuBLAS handle, kernel table, copies and the `launch!`
 //!   macro (every call checked).
+//! - `launch`: kernel launches (programmatic dependent launch where the GPU has it).
 //! - `nvrtc`: compilation of `cu/*.cu` and the on-disk PTX cache.
 //! - `memory`: the buffer types ([`CudaBuf`], [`CudaWeight`], [`CudaKv`], [`CudaIdx`]);
 //!   weights keep the checkpoint's format (BF16, FP8 + block scales, FP4 + ue8m0 scales).
@@ -66,6 +67,7 @@ mod gemv_f8mma;
 mod gemv_f8wg;
 mod hc;
 mod kv_buffer;
+mod launch;
 #[cfg(test)]
 mod launch_names;
 mod matmul;
