@@ -77,6 +77,12 @@ pub struct DecodeConfig {
     pub drain_timeout_s: u64,
     #[arg(long, env = "SLUICE_THREADS")]
     pub threads: Option<usize>,
+    /// Skip the start-up warm-up on GPUs: short prefills and decode steps of made-up
+    /// tokens before the worker takes requests, so that cuBLAS's kernel loading and the
+    /// first CUDA-graph captures are not paid by the first requests (CPU engines never
+    /// warm up).
+    #[arg(long, env = "SLUICE_NO_WARMUP")]
+    pub no_warmup: bool,
     /// Serve test hooks (DumpKv).
     #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
     pub debug_hooks: bool,

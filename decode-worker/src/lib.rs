@@ -65,11 +65,14 @@ pub async fn run(
     let registry = cluster::telemetry::metrics::registry("decode-worker");
     let recorder = cluster::telemetry::DecodeMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
-    let memory::DecodeMemory { engine, template, registrations } = {
+    let memory::DecodeMemory { mut engine, template, registrations } = {
         let cfg = cfg.clone();
         // Loading weights is blocking work.
         tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?
     };
+    if !cfg.no_warmup {
+        tokio::task::block_in_place(|| engine.warm_up_gpu(&engine::warm_up::WarmUpPlan::default()));
+    }
     recorder.set_kv_path(engine::with_engine!(&engine, e => e.kv_memory_path()));
     let max_position = engine.config().max_position;
     let fingerprint = engine::with_engine!(&engine, e => e.fingerprint.hex());

@@ -18,6 +18,7 @@
 //! - [`inspect`]: layer table and KV bytes per token per pool.
 //! - [`memory_plan`]: weights, workspace and the KV that fits on a device.
 //! - [`fingerprint`]: computing a model's fingerprint from its checkpoint.
+//! - [`warm_up`]: a GPU engine's one-time costs paid before the first request.
 #![forbid(unsafe_code)]
 
 pub mod checkpoint;
@@ -37,6 +38,7 @@ pub mod model;
 pub mod prefix;
 pub mod sampling;
 pub mod staging;
+pub mod warm_up;
 
 pub use device::{AnyEngine, Device, DeviceError};
 pub use engine::{Engine, EngineOptions, LaunchedDecode, Logits, ProvidedKv, StepInput};

@@ -93,6 +93,12 @@ pub struct PrefillConfig {
     /// a thread of their own); offers past it are dropped and counted.
     #[arg(long, env = "SLUICE_KVSTORE_PUT_QUEUE_BYTES", default_value = "1GiB", value_parser = engine::memory_plan::parse_size)]
     pub kvstore_put_queue_bytes: u64,
+    /// Skip the start-up warm-up on GPUs: short prefills and decode steps of made-up
+    /// tokens before the worker takes requests, so that cuBLAS's kernel loading and the
+    /// first CUDA-graph captures are not paid by the first requests (CPU engines never
+    /// warm up).
+    #[arg(long, env = "SLUICE_NO_WARMUP")]
+    pub no_warmup: bool,
     /// Serve test hooks (DumpKv).
     #[arg(long, env = "SLUICE_DEBUG_HOOKS")]
     pub debug_hooks: bool,

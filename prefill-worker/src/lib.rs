@@ -73,7 +73,10 @@ pub async fn run(
     let receiver = transfer::Receiver::start()?;
     let built = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
     recorder.set_kv_path(built.kv_path_label());
-    let memory::PrefillMemory { engine, regions, paths, registrations } = built;
+    let memory::PrefillMemory { mut engine, regions, paths, registrations } = built;
+    if !cfg.no_warmup {
+        tokio::task::block_in_place(|| engine.warm_up_gpu(&engine::warm_up::WarmUpPlan::default()));
+    }
     let (fp, layout) = engine::with_engine!(&engine, e => (e.fingerprint.clone(), e.model.layout.clone()));
     let cache = match &cfg.kvstore {
         Some(url) => Some(
