@@ -107,11 +107,17 @@ mod tests {
 
     /// A warm-up runs its prompts (clamped to the chunk) and decode steps, leaves the
     /// pool as it found it, and a request after it gives what it gives on a fresh engine.
-    #[test]
-    fn warm_up_leaves_no_trace() {
+    /// A tiny checkpoint in a temporary directory (kept alive by the first value).
+    fn tiny() -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let model = dir.path().join("m");
         write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 3, WeightDtype::Bf16)).unwrap();
+        (dir, model)
+    }
+
+    #[test]
+    fn warm_up_leaves_no_trace() {
+        let (_dir, model) = tiny();
         let opts = EngineOptions { kv_dtype: EntryDtype::F32, max_pages: 16, max_sequences: 2, max_chunk_tokens: 64 };
         let mut warmed = Engine::load(&model, CpuBackend::new(), opts.clone()).unwrap();
         let mut fresh = Engine::load(&model, CpuBackend::new(), opts).unwrap();
@@ -130,9 +136,7 @@ mod tests {
     /// An engine too small for the warm-up's prompt says so and keeps nothing.
     #[test]
     fn warm_up_that_does_not_fit_fails_cleanly() {
-        let dir = tempfile::tempdir().unwrap();
-        let model = dir.path().join("m");
-        write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 3, WeightDtype::Bf16)).unwrap();
+        let (_dir, model) = tiny();
         let opts = EngineOptions { kv_dtype: EntryDtype::F32, max_pages: 1, max_sequences: 1, max_chunk_tokens: 512 };
         let mut e = Engine::load(&model, CpuBackend::new(), opts).unwrap();
         let before = e.pool_stats();
