@@ -105,8 +105,6 @@ mod tests {
     use crate::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
     use kernels::{CpuBackend, EntryDtype};
 
-    /// A warm-up runs its prompts (clamped to the chunk) and decode steps, leaves the
-    /// pool as it found it, and a request after it gives what it gives on a fresh engine.
     /// A tiny checkpoint in a temporary directory (kept alive by the first value).
     fn tiny() -> (tempfile::TempDir, std::path::PathBuf) {
         let dir = tempfile::tempdir().unwrap();
@@ -115,6 +113,8 @@ mod tests {
         (dir, model)
     }
 
+    /// A warm-up runs its prompts (clamped to the chunk) and decode steps, leaves the
+    /// pool as it found it, and a request after it gives what it gives on a fresh engine.
     #[test]
     fn warm_up_leaves_no_trace() {
         let (_dir, model) = tiny();
