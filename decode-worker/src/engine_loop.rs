@@ -198,6 +198,9 @@ impl<B: Backend> State<B> {
         m.pages_total.set(stats.pages_total as i64);
         m.slots_used.set(stats.slots_used as i64);
         m.slots_total.set(stats.slots_total as i64);
+        if let Some(h) = self.engine.graph_health() {
+            m.set_graphs(h.on, h.refused);
+        }
     }
 
     fn handle(&mut self, cmd: Command) {

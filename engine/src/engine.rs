@@ -142,6 +142,11 @@ impl<B: Backend> Engine<B> {
         self.cache.release(seq);
     }
 
+    /// Whether decode steps replay as CUDA graphs (None on the CPU): workers export it.
+    pub fn graph_health(&self) -> Option<kernels::GraphHealth> {
+        self.model.backend.graph_health()
+    }
+
     pub fn pool_stats(&self) -> PoolStats {
         self.cache.stats()
     }

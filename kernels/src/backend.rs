@@ -249,6 +249,16 @@ pub struct Selection<B: Backend + ?Sized> {
 /// A pinned host region; dropping it unpins the region.
 pub trait HostPin: Send + Sync {}
 
+/// Whether a backend's decode steps replay as CUDA graphs ([`Backend::graph_health`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphHealth {
+    /// Steps are recorded and replayed (false: `SLUICE_CUDA_GRAPHS=0`, or turned off after
+    /// a refused capture; every op is then issued as it comes, slower at small batches).
+    pub on: bool,
+    /// Captures the driver refused since the backend was made (each turns graphs off).
+    pub refused: u64,
+}
+
 pub trait Backend: Send + Sync + 'static {
     /// Dense f32 activations.
     type Buf: Send + Sync;
@@ -267,6 +277,11 @@ pub trait Backend: Send + Sync + 'static {
 
     /// One line naming the device, for logs.
     fn describe(&self) -> String;
+
+    /// Whether decode steps replay as CUDA graphs; None for a backend without them.
+    fn graph_health(&self) -> Option<GraphHealth> {
+        None
+    }
 
     /// Run a whole forward step "on the device". The CPU backend moves it onto its
     /// worker pool so the many small parallel ops inside run there instead of each

@@ -34,7 +34,7 @@ pub mod rope;
 pub mod sharded;
 pub mod stored;
 
-pub use backend::{Backend, HostMatrix, KvState};
+pub use backend::{Backend, GraphHealth, HostMatrix, KvState};
 pub use cpu::CpuBackend;
 /// KV geometry is shared with services that never compute (transfer, kvstore, router).
 pub use model_spec::layout as kv_layout;

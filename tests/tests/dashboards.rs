@@ -18,7 +18,7 @@ const PROMTOOL_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The metric names dashboards and alerts may use (docs/metrics.md; the names are the
 /// contract with cluster's telemetry module). Histograms also expose _bucket/_count/_sum.
-const COUNTERS_AND_GAUGES: [&str; 37] = [
+const COUNTERS_AND_GAUGES: [&str; 38] = [
     "sluice_build_info",
     "sluice_requests_total",
     "sluice_prompt_tokens_total",
@@ -39,6 +39,7 @@ const COUNTERS_AND_GAUGES: [&str; 37] = [
     "sluice_decode_requests_waiting",
     "sluice_kv_state_slots_used",
     "sluice_kv_state_slots_total",
+    "sluice_decode_cuda_graph_captures_refused_total",
     "sluice_prefix_cache_recompute_tokens_total",
     "sluice_prefix_cache_errors_total",
     "sluice_prefix_cache_put_bytes_total",
@@ -216,6 +217,7 @@ fn alert_rules_are_well_formed() {
         "SluiceTTFTBudgetBurnSlow",
         "SluicePrefixCacheHitRateCollapse",
         "SluiceKVPoolExhausted",
+        "SluiceCudaGraphsOff",
         "SluiceNoHealthyWorkers",
         "SluiceWorkersLost",
         "SluiceTargetDown",

@@ -229,6 +229,10 @@ pub struct DecodeMetrics {
     pub pages_total: IntGauge,
     pub slots_used: IntGauge,
     pub slots_total: IntGauge,
+    /// 1 while a GPU engine's decode steps replay as CUDA graphs.
+    pub cuda_graphs_on: IntGauge,
+    /// Captures the driver refused (each turns graphs off for that GPU).
+    pub graph_captures_refused: IntCounter,
     commits_refused: IntCounterVec,
     kv_path: IntGaugeVec,
 }
@@ -263,6 +267,26 @@ impl DecodeMetrics {
             pages_total: metrics::gauge(registry, names::KV_PAGES_TOTAL, "KV pages in the pool."),
             slots_used: metrics::gauge(registry, names::KV_STATE_SLOTS_USED, "State-cache slots in use."),
             slots_total: metrics::gauge(registry, names::KV_STATE_SLOTS_TOTAL, "State-cache slots."),
+            cuda_graphs_on: metrics::gauge(
+                registry,
+                names::DECODE_CUDA_GRAPHS_ON,
+                "1 while decode steps replay as CUDA graphs (GPU engines; 0 on CPUs, when switched off, or after a \
+                 refused capture).",
+            ),
+            graph_captures_refused: metrics::counter(
+                registry,
+                names::DECODE_GRAPH_CAPTURES_REFUSED,
+                "CUDA-graph captures the driver refused; each turns graphs off for that GPU.",
+            ),
+        }
+    }
+
+    /// A GPU engine's graph state (`on`, and its captures refused so far, which only grow).
+    pub fn set_graphs(&self, on: bool, refused: u64) {
+        self.cuda_graphs_on.set(i64::from(on));
+        let seen = self.graph_captures_refused.get();
+        if refused > seen {
+            self.graph_captures_refused.inc_by(refused - seen);
         }
     }
 
@@ -368,8 +392,17 @@ mod tests {
         assert!(text.contains(r#"sluice_kv_memory_path{path="mirror_pageable"} 0"#), "{text}");
 
         let r = registry("decode-worker");
-        DecodeMetrics::new(&r).commit_refused("lease");
+        let m = DecodeMetrics::new(&r);
+        m.commit_refused("lease");
+        m.set_graphs(true, 0);
+        m.set_graphs(false, 2);
+        m.set_graphs(false, 2);
         let text = encode(&r);
+        assert!(text.contains("sluice_decode_cuda_graphs_on 0"), "{text}");
+        assert!(
+            text.contains("sluice_decode_cuda_graph_captures_refused_total 2"),
+            "the count follows, not adds: {text}"
+        );
         assert!(text.contains(r#"sluice_kv_commits_refused_total{reason="lease"} 1"#), "{text}");
         assert!(text.contains(r#"sluice_kv_commits_refused_total{reason="checksum"} 0"#), "{text}");
         for name in [
@@ -382,6 +415,8 @@ mod tests {
             names::KV_STATE_SLOTS_USED,
             names::KV_STATE_SLOTS_TOTAL,
             names::KV_COMMITS_REFUSED,
+            names::DECODE_CUDA_GRAPHS_ON,
+            names::DECODE_GRAPH_CAPTURES_REFUSED,
         ] {
             assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing:\n{text}");
         }

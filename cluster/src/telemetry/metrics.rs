@@ -45,6 +45,8 @@ pub mod names {
     pub const DECODE_RUNNING: &str = "sluice_decode_requests_running";
     pub const DECODE_WAITING: &str = "sluice_decode_requests_waiting";
     pub const KV_COMMITS_REFUSED: &str = "sluice_kv_commits_refused_total";
+    pub const DECODE_CUDA_GRAPHS_ON: &str = "sluice_decode_cuda_graphs_on";
+    pub const DECODE_GRAPH_CAPTURES_REFUSED: &str = "sluice_decode_cuda_graph_captures_refused_total";
 
     // Prefix cache, as prefill workers use it.
     pub const PREFIX_CACHE_RECOMPUTE: &str = "sluice_prefix_cache_recompute_tokens_total";

@@ -373,6 +373,10 @@ impl Backend for CudaBackend {
     type HcHead = HcHeadWeights<Self>;
     type Moe = MoeWeights<Self>;
 
+    fn graph_health(&self) -> Option<crate::GraphHealth> {
+        Some(self.gpu.graph_health())
+    }
+
     fn describe(&self) -> String {
         let g = &self.gpu;
         format!(

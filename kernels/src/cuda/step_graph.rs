@@ -196,6 +196,8 @@ pub(crate) struct Steps {
     side_blas: std::sync::OnceLock<Option<Mutex<BlasHandle>>>,
     /// Counts ([`GraphStats`]' fields in order), then nanoseconds spent issuing segments.
     stats: [AtomicU64; 8],
+    /// Captures refused since the GPU was set up (never reset: [`Gpu::graph_health`]).
+    refused: AtomicU64,
     capture_error: Mutex<Option<String>>,
 }
 
@@ -212,6 +214,7 @@ impl Steps {
             side: std::sync::OnceLock::new(),
             side_blas: std::sync::OnceLock::new(),
             stats: Default::default(),
+            refused: AtomicU64::new(0),
             capture_error: Mutex::new(None),
         }
     }
@@ -285,6 +288,12 @@ impl Gpu {
 
     pub(crate) fn set_graphs(&self, on: bool) {
         self.steps.on.store(u64::from(on), Ordering::Relaxed);
+    }
+
+    /// Whether steps replay as graphs now, and the captures refused so far.
+    pub(crate) fn graph_health(&self) -> crate::GraphHealth {
+        let s = &self.steps;
+        crate::GraphHealth { on: s.on.load(Ordering::Relaxed) != 0, refused: s.refused.load(Ordering::Relaxed) }
     }
 
     /// Whether a step is under way (recording, or flushed and running eagerly: recording
@@ -599,6 +608,7 @@ impl Gpu {
                 tracing::warn!(%error, "capturing a decode step failed; CUDA graphs off");
                 let s = &self.steps;
                 s.count(5);
+                s.refused.fetch_add(1, Ordering::Relaxed);
                 *s.capture_error.lock().expect("capture error poisoned") = Some(error);
                 s.on.store(0, Ordering::Relaxed);
                 None

@@ -114,6 +114,15 @@ impl<B: Backend> Backend for Sharded<B> {
         format!("{} devices [{}], rows exchanged by {}", self.ranks.len(), each.join("; "), self.comm.name())
     }
 
+    /// Graphs are on when every rank replays them; refusals add up.
+    fn graph_health(&self) -> Option<crate::GraphHealth> {
+        let ranks: Vec<_> = self.ranks.iter().filter_map(|b| b.graph_health()).collect();
+        (!ranks.is_empty()).then(|| crate::GraphHealth {
+            on: ranks.iter().all(|h| h.on),
+            refused: ranks.iter().map(|h| h.refused).sum(),
+        })
+    }
+
     fn enter<R: Send, F: FnOnce() -> R + Send>(&self, f: F) -> R {
         self.ranks[0].enter(f)
     }
