@@ -14,8 +14,9 @@
 //! A sharded engine (two ranks: on both GPUs of a two-GPU machine, and on one GPU twice)
 //! the same way: every rank records, the exchanges end its segments.
 //!
-//! Six engines on six threads of one process capture their steps at once and agree with
-//! each other (captures on one device are one at a time: the driver crashed otherwise).
+//! Six engines on six threads of one process capture their steps while the others
+//! prefill and decode, and agree with each other (calls that synchronize the context wait
+//! for captures: `kernels/src/cuda/capture_lock.rs`; the driver crashed otherwise).
 //!
 //! Also the greedy read-out picked on the device (`Engine::decode_readout`): the token and
 //! log-probability the host's greedy sampler gives on the same step's logits.
@@ -41,6 +42,20 @@ static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The `small` preset (every attention kind and both MoE kinds) with `weights`, in a
+/// temporary directory that lives as long as the first value.
+fn small_checkpoint(weights: WeightDtype) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, weights)).unwrap();
+    (dir, model)
+}
+
+/// FP8 KV, 64 pages, up to four sequences, chunks of 512 tokens.
+fn fp8_options() -> EngineOptions {
+    EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 }
 }
 
 /// Prefill `lens.len()` sequences, then decode them together greedily for `steps` steps;
@@ -86,10 +101,8 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
     let _one = one_at_a_time();
     let (Some(with), Some(without)) = (gpu(test), gpu(test)) else { return };
     without.set_graphs(false);
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
-    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, weights)).unwrap();
-    let opts = EngineOptions { kv_dtype, max_pages: 64, max_sequences: 12, max_chunk_tokens: 512 };
+    let (_dir, model) = small_checkpoint(weights);
+    let opts = EngineOptions { kv_dtype, max_sequences: 12, ..fp8_options() };
     let mut g = Engine::load(&model, with, opts.clone()).unwrap();
     let mut e = Engine::load(&model, without, opts).unwrap();
     let what = format!("{test} ({weights:?} weights, {} KV)", kv_dtype.name());
@@ -150,10 +163,8 @@ fn cuda_greedy_readout_matches_the_host_pick() {
     let test = "cuda_greedy_readout_matches_the_host_pick";
     let _one = one_at_a_time();
     let Some(b) = gpu(test) else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
-    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, WeightDtype::Fp8)).unwrap();
-    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let (_dir, model) = small_checkpoint(WeightDtype::Fp8);
+    let opts = fp8_options();
     let mut e = Engine::load(&model, b, opts).unwrap();
     let vocab = e.config().vocab_size;
     let mut seqs: Vec<_> = (0..3).map(|_| e.open_sequence().unwrap()).collect();
@@ -194,10 +205,8 @@ fn cuda_sharded_graph_steps_match_eager_steps() {
     let _one = one_at_a_time();
     let Some(one) = gpu(test) else { return };
     drop(one);
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
-    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, WeightDtype::Fp8)).unwrap();
-    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let (_dir, model) = small_checkpoint(WeightDtype::Fp8);
+    let opts = fp8_options();
     let mut layouts = vec![vec![0usize, 0]];
     if CudaBackend::device_count() >= 2 {
         layouts.push(vec![0, 1]);
@@ -247,10 +256,8 @@ fn cuda_engines_on_many_threads_capture_at_once() {
     let _one = one_at_a_time();
     let Some(first) = gpu(test) else { return };
     drop(first);
-    let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("m");
-    write_checkpoint(&model, &InitOptions::new(Preset::Small, 5, WeightDtype::Fp8)).unwrap();
-    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 4, max_chunk_tokens: 512 };
+    let (_dir, model) = small_checkpoint(WeightDtype::Fp8);
+    let opts = fp8_options();
     // Every engine loads before any decodes: a load's synchronous allocations may make
     // the driver refuse a capture running beside it, which is not what this test is about.
     let loaded = std::sync::Barrier::new(THREADS);
