@@ -258,8 +258,9 @@ fn cuda_engines_on_many_threads_capture_at_once() {
     drop(first);
     let (_dir, model) = small_checkpoint(WeightDtype::Fp8);
     let opts = fp8_options();
-    // Every engine loads before any decodes: a load's synchronous allocations may make
-    // the driver refuse a capture running beside it, which is not what this test is about.
+    // Every engine loads before any decodes, so that the captures meet the other threads'
+    // prefills and decode steps (cuBLAS's first uses, pinned read buffers): the case
+    // `cuda_conformance` hit.
     let loaded = std::sync::Barrier::new(THREADS);
     let results: Vec<_> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..THREADS)
