@@ -49,6 +49,10 @@ pub struct GpuBenchArgs {
     /// GPU benchmark: context lengths (tokens already in each sequence) of the decode steps.
     #[arg(long, value_delimiter = ',', default_value = "8192,65536")]
     pub contexts: Vec<usize>,
+    /// GPU benchmark: the activations' precision in bf16 products (bf16, the default, or
+    /// split; `SLUICE_ACTIVATIONS` when not given).
+    #[arg(long)]
+    pub activations: Option<kernels::Activations>,
     /// GPU benchmark: batch sizes (sequences decoded together).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     pub batches: Vec<usize>,
@@ -157,6 +161,9 @@ pub fn run(c: Common<'_>, a: &GpuBenchArgs) -> Result<()> {
         Some(plan)
     };
     let run = Run { sizes, plan };
+    if let Some(act) = a.activations {
+        kernels::Activations::set_process_default(act);
+    }
     match c.ordinals.as_slice() {
         [one] => run_on(&c, a, &run, engine::device::cuda_backend(*one)?),
         several => run_on(&c, a, &run, engine::device::cuda_sharded(several)?),
@@ -174,7 +181,8 @@ struct Run {
 #[cfg(feature = "cuda")]
 fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend: B) -> Result<()> {
     let describe = backend.describe();
-    eprintln!("{describe}; kernels: {}", backend.first().kernel_origin());
+    let activations = backend.first().activations();
+    eprintln!("{describe}; kernels: {}; activations: {activations}", backend.first().kernel_origin());
     let copy_gbs = backend.copy_gbs();
     // The tensor-core ceiling prefill is read against, on the first GPU.
     let peak_tflops = backend.first().bf16_peak_tflops(20);
@@ -381,6 +389,7 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
         "device": describe,
         "model": c.dir.display().to_string(),
         "kv_dtype": c.kv_dtype.name(),
+        "activations": activations.name(),
         "copy_gb_s": copy_gbs,
         "decode_kernels": engine.model.backend.first().decode_kernels(),
         "load_s": load_s,
@@ -442,7 +451,12 @@ fn print_profile<B: MeasuredGpus>(b: &B, what: &str, wall: Option<f64>) {
 
 #[cfg(feature = "cuda")]
 fn print_table(r: &Value) {
-    println!("sluice engine on {} (KV {})", r["device"].as_str().unwrap_or("?"), r["kv_dtype"].as_str().unwrap_or("?"));
+    println!(
+        "sluice engine on {} (KV {}, activations {})",
+        r["device"].as_str().unwrap_or("?"),
+        r["kv_dtype"].as_str().unwrap_or("?"),
+        r["activations"].as_str().unwrap_or("?")
+    );
     println!("  copy bandwidth        {:>10.0} GB/s", r["copy_gb_s"].as_f64().unwrap_or(0.0));
     println!(
         "  decode kernels        {:>10} (SLUICE_CUDA_DECODE_KERNELS; the product table times both)",

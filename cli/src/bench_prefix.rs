@@ -169,6 +169,7 @@ async fn measure(a: &PrefixArgs, model: &std::path::Path, vocab: usize, policy: 
         worker_devices: Vec::new(),
         tls: None,
         gpu_direct: transfer::GpuDirect::Auto,
+        activations: None,
     };
     let mut cluster = LocalCluster::start(&opts).await?;
     let result = async {

@@ -65,6 +65,10 @@ pub struct GenerateArgs {
     /// replaces --device.
     #[arg(long, conflicts_with_all = ["router", "device"])]
     devices: Option<engine::device::DeviceList>,
+    /// On GPUs, the activations' precision in bf16 products: bf16 (the reference
+    /// model's; the default) or split (f32 distance from the CPU engine).
+    #[arg(long, conflicts_with = "router")]
+    activations: Option<kernels::Activations>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -102,6 +106,9 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     let opts =
         EngineOptions { kv_dtype: a.kv_dtype, max_pages: needed_pages * n, max_sequences: n, ..Default::default() };
     let label = engine::device::devices_label(&devices);
+    if let Some(act) = a.activations {
+        kernels::Activations::set_process_default(act);
+    }
     let mut engine = AnyEngine::load_on(&model, &devices, opts)
         .with_context(|| format!("loading model from {} on {label}", model.display()))?;
     let req = GenerateRequest {

@@ -53,6 +53,8 @@ pub struct Options {
     pub tls: Option<PathBuf>,
     /// `--gpu-direct` of every worker.
     pub gpu_direct: transfer::GpuDirect,
+    /// `--activations` of every worker (None: theirs by default, bf16).
+    pub activations: Option<kernels::Activations>,
 }
 
 pub struct LocalCluster {
@@ -74,6 +76,9 @@ impl LocalCluster {
         let bins = (find_binary("router")?, find_binary("prefill-worker")?, find_binary("decode-worker")?);
         let mut common = vec!["--model".to_string(), model_arg.clone(), "--kv-dtype".into(), o.kv_dtype.name().into()];
         common.extend(["--gpu-direct".into(), o.gpu_direct.to_string()]);
+        if let Some(a) = o.activations {
+            common.extend(["--activations".into(), a.to_string()]);
+        }
         if let Some(t) = o.threads_per_worker {
             common.extend(["--threads".into(), t.to_string()]);
         }

@@ -93,6 +93,10 @@ pub struct UpArgs {
     /// transports; `on`: or refuse to start; `off`: staged through host memory).
     #[arg(long, default_value = "auto")]
     gpu_direct: transfer::GpuDirect,
+    /// GPU workers' activations in bf16 products: `bf16` (the reference model's
+    /// precision; the default) or `split` (f32 distance from the CPU engine, slower).
+    #[arg(long)]
+    activations: Option<kernels::Activations>,
 }
 
 pub fn run(a: UpArgs) -> Result<()> {
@@ -136,6 +140,7 @@ async fn up(a: UpArgs) -> Result<()> {
         worker_devices: placed.iter().map(|d| gpu_layout::flags(d)).collect(),
         tls: tls.clone(),
         gpu_direct: a.gpu_direct,
+        activations: a.activations,
     };
     let mut cluster = local::LocalCluster::start(&opts).await?;
     let procs = &mut cluster.procs;

@@ -65,6 +65,9 @@ pub async fn run(
     let registry = cluster::telemetry::metrics::registry("decode-worker");
     let recorder = cluster::telemetry::DecodeMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
+    if let Some(a) = cfg.activations {
+        kernels::Activations::set_process_default(a);
+    }
     let memory::DecodeMemory { mut engine, template, registrations } = {
         let cfg = cfg.clone();
         // Loading weights is blocking work.

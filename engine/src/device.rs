@@ -180,10 +180,22 @@ pub fn memory_bytes(device: Device) -> Result<u64, DeviceError> {
 }
 
 /// The CUDA backends of `ordinals` as one sharded backend (NCCL or peer copies between
-/// them).
+/// them), in the process's activation precision.
 #[cfg(feature = "cuda")]
 pub fn cuda_sharded(ordinals: &[usize]) -> Result<Sharded<CudaBackend>, DeviceError> {
-    let ranks = ordinals.iter().map(|&o| cuda_backend(o)).collect::<Result<Vec<_>, _>>()?;
+    cuda_sharded_in(ordinals, kernels::Activations::process_default())
+}
+
+/// [`cuda_sharded`] whose GPUs take `activations` (tests compare precisions in one process).
+#[cfg(feature = "cuda")]
+pub fn cuda_sharded_in(
+    ordinals: &[usize],
+    activations: kernels::Activations,
+) -> Result<Sharded<CudaBackend>, DeviceError> {
+    let mut ranks = ordinals.iter().map(|&o| cuda_backend(o)).collect::<Result<Vec<_>, _>>()?;
+    for r in &mut ranks {
+        r.set_activations(activations);
+    }
     let comm = kernels::cuda::collective::for_devices(&ranks);
     Ok(Sharded::new(ranks, comm))
 }
@@ -210,7 +222,12 @@ impl AnyEngine {
             #[cfg(feature = "cuda")]
             Device::Cuda(n) => {
                 let backend = cuda_backend(n)?;
-                tracing::info!(device = %device, kernels = backend.kernel_origin(), "CUDA backend ready");
+                tracing::info!(
+                    device = %device,
+                    kernels = backend.kernel_origin(),
+                    activations = %backend.activations(),
+                    "CUDA backend ready"
+                );
                 Ok(AnyEngine::Cuda(Engine::load(dir, backend, options)?))
             }
             #[cfg(not(feature = "cuda"))]
@@ -234,7 +251,12 @@ impl AnyEngine {
                 let ordinals: Vec<usize> =
                     devices.iter().map(|d| if let Device::Cuda(n) = d { *n } else { usize::MAX }).collect();
                 let backend = cuda_sharded(&ordinals)?;
-                tracing::info!(devices = %devices_label(devices), collective = backend.collective(), "GPUs ready");
+                tracing::info!(
+                    devices = %devices_label(devices),
+                    collective = backend.collective(),
+                    activations = %kernels::Activations::process_default(),
+                    "GPUs ready"
+                );
                 Ok(AnyEngine::CudaSharded(Engine::load(dir, backend, options)?))
             }
             #[cfg(not(feature = "cuda"))]

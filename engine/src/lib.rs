@@ -45,7 +45,7 @@ pub use engine::{Engine, EngineOptions, LaunchedDecode, Logits, ProvidedKv, Step
 pub use error::EngineError;
 #[cfg(feature = "cuda")]
 pub use kernels::cuda::CudaBackend;
-pub use kernels::{CpuBackend, EntryDtype};
+pub use kernels::{Activations, CpuBackend, EntryDtype};
 pub use model::Readout;
 pub use model_spec::{Fingerprint, block_hash, config};
 

@@ -1,5 +1,8 @@
-//! The CUDA engine against the reference fixtures and against the CPU engine.
+//! The CUDA engine against the reference fixtures and against the CPU engine, in split
+//! activations (f32 distance; `common::gpu`) unless a test says otherwise.
 //!
+//! - The serving precision (bf16 activations) against the CPU engine, fed its tokens:
+//!   the rows' errors within bf16 bounds by quantile, most greedy picks equal.
 //! - Every conformance fixture (tests/golden, written by tools/golden/generate.py from
 //!   transformers): one-shot, chunked and token-by-token prefill logits and greedy
 //!   decoding, as `conformance.rs` runs them on the CPU, on CUDA device 0.
@@ -21,9 +24,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{argmax, gpu, prompt};
+use common::{Bf16Rows, argmax, gpu, gpu_in, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
-use engine::{CpuBackend, CudaBackend, Engine, EngineOptions, EntryDtype, Logits, StepInput};
+use engine::{Activations, CpuBackend, CudaBackend, Engine, EngineOptions, EntryDtype, Logits, StepInput};
 use safetensors::SafeTensors;
 use serde_json::Value;
 
@@ -255,6 +258,17 @@ fn cuda_tiny_preset_written_by_sluice_model_init() {
 /// Three sequences of different lengths prefilled in uneven chunks (two of them in one
 /// batch), then decoded together greedily; returns every step's logits and the tokens.
 fn drive<B: kernels::Backend>(e: &mut Engine<B>, steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<u32>>, Vec<u8>) {
+    drive_fed(e, steps, None)
+}
+
+/// [`drive`], fed `fed`'s tokens (another engine's greedy picks) instead of its own when
+/// given, so that one differing pick does not derail every comparison after it; the
+/// tokens returned are still the engine's own picks.
+fn drive_fed<B: kernels::Backend>(
+    e: &mut Engine<B>,
+    steps: usize,
+    fed: Option<&[Vec<u32>]>,
+) -> (Vec<Vec<f32>>, Vec<Vec<u32>>, Vec<u8>) {
     let vocab = e.config().vocab_size;
     let prompts = [prompt(700, vocab, 1), prompt(260, vocab, 2), prompt(5, vocab, 3)];
     let mut seqs: Vec<_> = (0..3).map(|_| e.open_sequence().unwrap()).collect();
@@ -276,9 +290,10 @@ fn drive<B: kernels::Backend>(e: &mut Engine<B>, steps: usize) -> (Vec<Vec<f32>>
     last[2] = out[1].clone();
     let mut next: Vec<u32> = last.iter().map(|l| argmax(l)).collect();
     let mut tokens = vec![next.clone()];
-    for _ in 0..steps {
+    for step in 0..steps {
         let mut refs: Vec<_> = seqs.iter_mut().collect();
-        let out = e.decode(&mut refs, &next).unwrap();
+        let feed = fed.map_or(&next, |f| &f[step]);
+        let out = e.decode(&mut refs, feed).unwrap();
         next = out.iter().map(|l| argmax(l)).collect();
         tokens.push(next.clone());
         logits.extend(out);
@@ -329,6 +344,36 @@ fn cuda_engine_on_fp8_fp4_weights_matches_cpu_engine() {
     let test = "cuda_engine_on_fp8_fp4_weights_matches_cpu_engine";
     engine_parity(test, WeightDtype::Fp8, EntryDtype::Bf16, ENGINE_TOL);
     engine_parity(test, WeightDtype::Fp8, EntryDtype::Fp8, FP8_ENGINE_TOL);
+}
+
+/// The serving precision, bf16 activations (`Activations::Bf16`: each activation rounded
+/// once before a bf16 tensor-core product, as the reference model computes), against the
+/// f32 CPU engine on the `small` preset in the shipped formats and in BF16, fp8 KV, fed
+/// the CPU's greedy tokens (so one differing pick does not derail what follows): the
+/// rows' errors within the bounds of `common::Bf16Rows` (by quantile: routing near-ties
+/// move some rows far on a random model, a wrong kernel moves all of them).
+#[test]
+fn cuda_engine_in_bf16_activations_tracks_cpu_engine() {
+    let test = "cuda_engine_in_bf16_activations_tracks_cpu_engine";
+    for weights in [WeightDtype::Fp8, WeightDtype::Bf16] {
+        let Some(b) = gpu_in(test, Activations::Bf16) else { return };
+        let dir = small_model_in(weights);
+        let model = dir.path().join("m");
+        let mut gpu_e = Engine::load(&model, b, opts_with(EntryDtype::Fp8)).unwrap();
+        let mut cpu_e = Engine::load(&model, CpuBackend::new(), opts_with(EntryDtype::Fp8)).unwrap();
+        let steps = 24;
+        let (cl, ct, _) = drive(&mut cpu_e, steps);
+        let (gl, _, _) = drive_fed(&mut gpu_e, steps, Some(&ct[..]));
+        let vocab = gpu_e.config().vocab_size;
+        let mut rows = Bf16Rows::default();
+        for (g, c) in gl.iter().zip(&cl) {
+            let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (gr, cr) in g.chunks(vocab).zip(c.chunks(vocab)) {
+                rows.row(gr, cr, scale);
+            }
+        }
+        rows.finish(&format!("small preset ({weights:?} weights, fp8 KV) bf16 activations vs the CPU"));
+    }
 }
 
 fn engine_parity(test: &str, weights: WeightDtype, kv_dtype: EntryDtype, tol: f32) {
@@ -476,11 +521,12 @@ fn cuda_sharded_engine_matches_one_gpu() {
         eprintln!("cuda_sharded_engine_matches_one_gpu: one GPU, so the two-GPU layouts are SKIPPED");
     }
     for kv_dtype in [EntryDtype::Bf16, EntryDtype::Fp8] {
-        let mut single = Engine::load(&model, CudaBackend::new(0).unwrap(), opts(kv_dtype)).unwrap();
+        let single = gpu("cuda_sharded_engine_matches_one_gpu").expect("GPU 0 was there a moment ago");
+        let mut single = Engine::load(&model, single, opts(kv_dtype)).unwrap();
         let (want, want_tokens, _) = drive(&mut single, 16);
         drop(single);
         for ordinals in &layouts {
-            let backend = engine::device::cuda_sharded(ordinals).unwrap();
+            let backend = engine::device::cuda_sharded_in(ordinals, Activations::Split).unwrap();
             let what = format!("ranks on cuda {ordinals:?} ({}, {} KV)", backend.collective(), kv_dtype.name());
             let mut e = Engine::load(&model, backend, opts(kv_dtype)).unwrap();
             let (got, tokens, _) = drive(&mut e, 16);

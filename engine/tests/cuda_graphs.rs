@@ -28,7 +28,7 @@ mod common;
 
 use common::{argmax, gpu, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
-use engine::{CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
+use engine::{Activations, CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
 
 /// Graphs replay the kernels the eager step issues, with the same arguments: the only
 /// differences allowed are those of a kernel that sums in a run-dependent order.
@@ -214,8 +214,8 @@ fn cuda_sharded_graph_steps_match_eager_steps() {
         eprintln!("{test}: one GPU, so the two-GPU layout is SKIPPED");
     }
     for ordinals in layouts {
-        let with = engine::device::cuda_sharded(&ordinals).unwrap();
-        let without = engine::device::cuda_sharded(&ordinals).unwrap();
+        let with = engine::device::cuda_sharded_in(&ordinals, Activations::Split).unwrap();
+        let without = engine::device::cuda_sharded_in(&ordinals, Activations::Split).unwrap();
         without.devices().iter().for_each(|d| d.set_graphs(false));
         let mut g = Engine::load(&model, with, opts.clone()).unwrap();
         let mut e = Engine::load(&model, without, opts.clone()).unwrap();

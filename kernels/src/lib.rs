@@ -1,6 +1,8 @@
 //! Tensor operations for the DeepSeek-V4 forward pass.
 //!
 //! Module map:
+//! - [`activations`]: the precision GPU backends hand activations to their bf16
+//!   tensor-core products in (bf16, the reference model's; or split hi + lo parts).
 //! - [`backend`]: the [`Backend`] trait the engine's forward pass is written against,
 //!   and the weight/parameter bundles its fused ops take.
 //! - [`cpu`]: the CPU backend (GEMMs through the `gemm` crate, rayon across cores).
@@ -20,6 +22,7 @@
 //!   bytes are, GPU memory included).
 //! - [`mapped`]: read-only memory maps of weight files.
 
+pub mod activations;
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -34,6 +37,7 @@ pub mod rope;
 pub mod sharded;
 pub mod stored;
 
+pub use activations::Activations;
 pub use backend::{Backend, GraphHealth, HostMatrix, KvState};
 pub use cpu::CpuBackend;
 /// KV geometry is shared with services that never compute (transfer, kvstore, router).

@@ -647,8 +647,9 @@ mod cuda_gpu;
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use super::cuda_gpu::gpu;
+    use super::cuda_gpu::{gpu, gpu_in};
     use super::*;
+    use kernels::Activations;
 
     #[test]
     fn cuda_kv_checksums_match_reference() {
@@ -689,6 +690,16 @@ mod cuda {
     #[test]
     fn cuda_sequence_ops_match_reference_fp8_storage() {
         let Some(b) = gpu("cuda_sequence_ops_match_reference_fp8_storage") else { return };
+        check_sequence_ops(b, EntryDtype::Fp8, FP8_SEQ_TOL);
+    }
+
+    /// The serving precision: the tensor-core attention multiplies q and the softmax
+    /// weights as one bf16 part each (not hi + lo), held to the bf16 entries' bound.
+    #[test]
+    fn cuda_sequence_ops_with_bf16_activations_match_reference() {
+        let test = "cuda_sequence_ops_with_bf16_activations_match_reference";
+        let Some(b) = gpu_in(test, Activations::Bf16) else { return };
+        check_sequence_ops(b, EntryDtype::Bf16, 1e-2);
         check_sequence_ops(b, EntryDtype::Fp8, FP8_SEQ_TOL);
     }
 }

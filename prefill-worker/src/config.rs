@@ -42,6 +42,12 @@ pub struct PrefillConfig {
     /// KV entry storage (must match the decode workers').
     #[arg(long, env = "SLUICE_KV_DTYPE", default_value = "bf16", value_parser = EntryDtype::parse_arg)]
     pub kv_dtype: EntryDtype,
+    /// On GPUs, the precision of the activations in the bf16 tensor-core products: `bf16`
+    /// (rounded once, the reference model's precision; the default) or `split` (two bf16
+    /// parts: results at f32 distance from the CPU engine, prefill ~15% slower). CPU
+    /// engines compute in f32 either way.
+    #[arg(long, env = "SLUICE_ACTIVATIONS")]
+    pub activations: Option<kernels::Activations>,
     /// Device memory to plan for (e.g. `70GiB` on a shared GPU); default: the whole
     /// device. The worker refuses to start when its model, workspace and KV pool do not fit.
     #[arg(long, env = "SLUICE_GPU_MEMORY", value_parser = engine::memory_plan::parse_size)]

@@ -71,6 +71,9 @@ pub async fn run(
     let registry = cluster::telemetry::metrics::registry("prefill-worker");
     let recorder = cluster::telemetry::PrefillMetrics::new(&registry);
     let receiver = transfer::Receiver::start()?;
+    if let Some(a) = cfg.activations {
+        kernels::Activations::set_process_default(a);
+    }
     let built = tokio::task::block_in_place(|| memory::build(&cfg, &receiver))?;
     recorder.set_kv_path(built.kv_path_label());
     let memory::PrefillMemory { mut engine, regions, paths, registrations } = built;

@@ -259,6 +259,8 @@ fn all_on_values_turn_every_option_on() {
         assert_eq!(env["UCX_TLS"]["value"], "rc,sm,self");
         let gpus = "cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7";
         assert_eq!(flag(&strings(&c["args"]), "--devices"), Some(gpus), "{role} spans the pod's 8 GPUs");
+        assert_eq!(flag(&strings(&c["args"]), "--kv-dtype"), Some("fp8"), "{role}");
+        assert_eq!(flag(&strings(&c["args"]), "--activations"), Some("split"), "{role}");
         assert_eq!(env["UCX_NET_DEVICES"]["value"], "mlx5_0:1");
         assert_eq!(env["UCX_RNDV_THRESH"]["value"], "8192");
     }
@@ -313,7 +315,8 @@ fn values_violating_the_schema_are_rejected() {
     let cases = [
         ("prefill:\n  replicas: two\n", "prefill.replicas"),
         ("prefill:\n  replica: 3\n", "replica"),
-        ("workers:\n  kvDtype: fp8\n", "workers.kvDtype"),
+        ("workers:\n  kvDtype: fp16\n", "workers.kvDtype"),
+        ("workers:\n  activations: fp16\n", "workers.activations"),
         ("decode:\n  maxPages: 0\n", "decode.maxPages"),
         ("etcd:\n  replicas: 2\n", "etcd.replicas"),
         ("etcd:\n  external:\n    endpoints: [etcd:2379]\n", "etcd.external.endpoints"),

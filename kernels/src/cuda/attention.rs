@@ -4,10 +4,10 @@
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
-use super::cublas_bf16::Bf16Activations;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
 use super::rows::RopeParams;
 use super::runtime::{Gpu, cfg, cfg_elems, env_rows, launch};
+use crate::Activations;
 use crate::backend::{KvView, KvViewMut, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
@@ -486,7 +486,7 @@ pub(crate) fn attention(
         win_mask: pow2_mask(window),
         page_shift: if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 },
         new_bf16: new_bf16.is_some() as i32,
-        one_part: i32::from(Bf16Activations::from_env() == Bf16Activations::Round),
+        one_part: i32::from(g.activations == Activations::Bf16),
     };
     let (kernel, threads, smem) =
         if mma { ("attention_mma", MMA_THREADS, MMA_DYN_SMEM as u32) } else { ("attention", 32 * hpb as u32, 0) };

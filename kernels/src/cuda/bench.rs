@@ -16,7 +16,7 @@
 use cudarc::cublas::sys::cudaDataType;
 
 use super::blas_op::BlasOp;
-use super::cublas_bf16::{self, Bf16Activations};
+use super::cublas_bf16;
 use super::decode_v2::{D2_KERNELS, D2Plan, d2_gemv, d2_plan};
 use super::gemm_rows::{GemmRowsPlan, gemm_rows, gemm_rows_plan, gemm_rows_plan_always};
 use super::gemv_f8mma::{F8Plan, f8mma_gemv, f8mma_plan, f8mma_plan_always};
@@ -29,6 +29,7 @@ use super::moe::{ListsRouting, experts_routed_on_device, moe_as, with_routing_ap
 use super::moe_v2::{experts_v2_plan, segments_plan};
 use super::moe_wgmma::{wgmoe_plan, without_wgmoe};
 use super::{CudaBackend, CudaBuf, KernelTime, attention};
+use crate::Activations;
 use crate::backend::{Backend, ExpertWeights, MoeWeights, Routing};
 use crate::kv_layout::KvLayout;
 use crate::plan::BatchPlan;
@@ -192,7 +193,7 @@ impl CudaBackend {
                             Run::D2(plan) => d2_gemv(g, plan, op, w, None, 0.0),
                             Run::Simt => gemv_simt(g, op, w, None, 0.0),
                             Run::Rows(plan) => gemm_rows(g, plan, op, w),
-                            Run::Cublas => cublas_bf16::product_as(g, op, w, Bf16Activations::Split),
+                            Run::Cublas => cublas_bf16::product_as(g, op, w, Activations::Split),
                             Run::SameCopy => matmul(g, op, &ws[0]),
                         }
                         i += 1;
@@ -400,26 +401,21 @@ impl CudaBackend {
     }
 
     /// `out = x · Wᵀ` over a BF16 weight on cuBLAS (the path of BF16 products of many
-    /// rows) with the activations `split` into bf16 hi + lo or rounded once (`bf16`), for
-    /// the parity suite; `groups` > 1 makes it the grouped product.
+    /// rows) with the activations in the precision given, for the parity suite; `groups`
+    /// > 1 makes it the grouped product.
     pub fn cublas_bf16_matmul(
         &self,
-        activations: &str,
+        activations: Activations,
         x: &CudaBuf,
         rows: usize,
         groups: usize,
         w: &CudaWeight,
         out: &mut CudaBuf,
     ) {
-        let mode = match activations {
-            "split" => Bf16Activations::Split,
-            "bf16" => Bf16Activations::Round,
-            other => panic!("activations {other:?}: split or bf16"),
-        };
         assert_eq!((x.len, out.len), (rows * groups * w.cols, rows * w.rows), "cublas_bf16_matmul shapes");
         let g = &self.gpu;
         let op = Operand::contiguous(g.ptr(&x.mem), g.ptr(&out.mem), rows, groups, w);
-        cublas_bf16::product_as(g, op, w, mode);
+        cublas_bf16::product_as(g, op, w, activations);
     }
 
     /// Whether the backend's own products of `rows` rows over `w` take `gemm_rows_bf16`

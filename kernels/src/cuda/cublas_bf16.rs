@@ -2,17 +2,17 @@
 //! cuBLAS: the weight is already the BF16 matrix cuBLAS multiplies, so the library's
 //! tensor-core GEMM (several times the rate of the `gemm_bf16` tiles, docs/perf.md) takes
 //! it as stored. The f32 activations become bf16 first, as one of two precisions
-//! ([`Bf16Activations`]):
+//! ([`Activations`], the backend's `Gpu::activations`):
 //!
-//! - `Split` (the default): `x ≈ hi + lo`, two bf16 parts (~16 mantissa bits), the same
+//! - `Bf16` (the default): x rounded once to bf16 — what the reference model (BF16
+//!   activations) computes — one product, half the work.
+//! - `Split`: `x ≈ hi + lo`, two bf16 parts (~16 mantissa bits), the same
 //!   precision as the tensor-core kernels' split activations, so parity with the f32 CPU
 //!   engine stays where it was. Few rows (≤ [`STACKED_MAX_ROWS`], memory-bound decode
 //!   batches): hi and lo rows stacked as one product of twice the rows, the weight
 //!   streamed once, the two halves of the result summed by `sum_split_halves`. Many rows
 //!   (compute-bound prefill): two products into the output (`beta = 1` for the second),
 //!   no temporary of twice the output.
-//! - `Round` (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`): x rounded once to bf16 — what the
-//!   reference model (BF16 activations) computes — one product, half the work.
 //!
 //! `SLUICE_CUDA_CUBLAS_BF16_ROWS` (read once): the fewest rows that take this path (9 by
 //! default: up to 8 rows the decode gemv kernels stream the weight faster; 0 turns the
@@ -27,34 +27,11 @@ use super::blas_op::BlasOp;
 use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg_elems, launch};
+use crate::Activations;
 
 /// Most rows whose split activations are stacked into one product (the weight streamed
 /// once); more rows take two products (compute-bound: no double-height temporary).
 const STACKED_MAX_ROWS: usize = 64;
-
-/// How the f32 activations of a cuBLAS BF16 product become bf16.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Bf16Activations {
-    /// hi + lo bf16 parts (~16 mantissa bits).
-    Split,
-    /// One bf16 rounding (8 mantissa bits, the reference model's precision).
-    Round,
-}
-
-impl Bf16Activations {
-    /// `SLUICE_CUDA_BF16_ACTIVATIONS` (`split` or `bf16`; read once), `Split` by default.
-    pub(crate) fn from_env() -> Bf16Activations {
-        static ONCE: std::sync::OnceLock<Bf16Activations> = std::sync::OnceLock::new();
-        *ONCE.get_or_init(|| match std::env::var("SLUICE_CUDA_BF16_ACTIVATIONS").ok().as_deref() {
-            None | Some("split") => Bf16Activations::Split,
-            Some("bf16") => Bf16Activations::Round,
-            Some(other) => {
-                tracing::warn!(value = other, "SLUICE_CUDA_BF16_ACTIVATIONS is neither split nor bf16: using split");
-                Bf16Activations::Split
-            }
-        })
-    }
-}
 
 /// Fewest rows a BF16 product needs to take cuBLAS (0: never).
 fn min_rows() -> usize {
@@ -70,18 +47,18 @@ pub(crate) fn takes(rows: usize, w: &CudaWeight) -> bool {
 }
 
 /// `out = x · Wᵀ` (block-diagonal when `op.groups > 1`) for a BF16 weight on cuBLAS, the
-/// activations as [`Bf16Activations::from_env`] says.
+/// activations as the backend's [`Activations`] say.
 pub(crate) fn product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
-    product_as(gpu, op, w, Bf16Activations::from_env())
+    product_as(gpu, op, w, gpu.activations)
 }
 
 /// [`product`] with the activations' precision given (the parity suite runs both).
-pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Bf16Activations) {
+pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Activations) {
     let rows = op.rows;
     let cols = op.groups * w.cols;
     let n = rows * cols;
     match mode {
-        Bf16Activations::Round => {
+        Activations::Bf16 => {
             let xb = gpu.alloc::<u16>(n);
             launch!(
                 gpu,
@@ -95,7 +72,7 @@ pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Bf16Activ
             );
             bf16_gemm(gpu, op, w, gpu.ptr(&xb), op.out, op.out_stride, rows, 0.0);
         }
-        Bf16Activations::Split => {
+        Activations::Split => {
             let xs = SplitRows::new(gpu, op.x, op.x_stride, rows, cols);
             product_of_split(gpu, &xs, op, w);
         }
@@ -188,7 +165,7 @@ pub(crate) fn swiglu_expert(
     };
     let (inter, d) = (w1.rows, w1.cols);
     let fits = (w3.rows, w3.cols) == (inter, d) && w2.cols == inter && rows <= STACKED_MAX_ROWS;
-    if !(fits && takes(rows, w1) && swiglu_expert_enabled() && Bf16Activations::from_env() == Bf16Activations::Split) {
+    if !(fits && takes(rows, w1) && swiglu_expert_enabled() && gpu.activations == Activations::Split) {
         return false;
     }
     // The one-launch products, where asked for (`SLUICE_CUDA_GEMM_ROWS`), come first.

@@ -20,12 +20,13 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::cublas_bf16::{self, Bf16Activations, SplitRows};
+use super::cublas_bf16::{self, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
 use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
 use super::matmul::{Operand, count_product, fp8_on_fp8wg, fp8wg_products_sharing_parts, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{Gpu, cfg, launch};
+use crate::Activations;
 
 /// Products one `gemv_many_bf16_r*` launch takes (`GEMV_MANY_MAX` in cu/gemv.cu).
 pub(crate) const GEMV_MANY_MAX: usize = 8;
@@ -66,7 +67,7 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
         .first()
         .is_some_and(|&&(w, out)| gemm_rows_plan(gpu, &Operand::contiguous(x, out, rows, 1, w), w).is_some());
     let on_cublas = bf16.len() > 1 && !rows_kernel && cublas_bf16::takes(rows, bf16[0].0);
-    if on_cublas && Bf16Activations::from_env() == Bf16Activations::Split {
+    if on_cublas && gpu.activations == Activations::Split {
         let xs = SplitRows::new(gpu, x, k, rows, k);
         for &&(w, out) in &bf16 {
             count_product(gpu, rows, w);

@@ -24,20 +24,19 @@
 //! - `capture_lock`: a device's captures kept apart from other threads' calls that may
 //!   synchronize its context (cuBLAS, pinned memory, synchronous allocations).
 //! - `cublas_bf16`: BF16 weights of many rows (prefill, decode past 8 rows) on cuBLAS.
+//! - `activations`: the precision of the activations in bf16 products, set per backend.
 //! - `decode_v2`: the second-version decode products (cu/decode2.cu): kernel table,
 //!   argument block, the plan of a launch ([`decode_v2::d2_plan`] is crate-private).
 //! - `gemm_rows`: BF16 products of 9-32 decode rows in one tensor-core launch
 //!   (cu/gemm_rows.cu; activations split in the kernel), opt-in, tried before cuBLAS.
-//! - `gemv_f8mma`: FP8 products of 1-2 decode rows on the FP8 tensor cores
-//!   (cu/gemv_f8mma.cu), tried before v2.
+//! - `gemv_f8mma`: FP8 products of 1-2 decode rows on FP8 tensor cores, tried before v2.
 //! - `gemv_f8wg`: FP8 products of 1-2 decode rows on Hopper's `wgmma`, weights copied by
 //!   the tensor memory accelerator (cu/gemv_f8wg.cu), tried before `gemv_f8mma`.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
-//! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma`: those experts' FP4 ones
-//!   (tiles of one expert's rows) and FP8 projections, codes turned into bf16 in registers,
-//!   the rows as two bf16 parts (cu/moe_fp4wg.cu).
+//! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma` (cu/moe_fp4wg.cu): those
+//!   experts' FP4 ones and FP8 projections, codes made bf16 in registers, rows in bf16.
 //! - `moe_v2`: the v2 routed-expert kernels of decode batches (1-8 rows; more by segments).
 //! - `moe_wgmma`: routed FP4 experts of 1-8 decode rows on Hopper's `wgmma` (e2m1 codes
 //!   turned into e4m3 in registers; cu/moe_wgmma.cu), tried before the v2 segments.
@@ -50,6 +49,7 @@
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
+mod activations;
 mod arena;
 mod attention;
 mod bench;

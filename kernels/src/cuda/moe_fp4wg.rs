@@ -12,11 +12,11 @@ use cudarc::driver::DeviceRepr;
 use cudarc::driver::sys::CUtensorMapDataType;
 
 use super::CudaBackend;
-use super::cublas_bf16::Bf16Activations;
 use super::gemv_f8wg::swizzled_map;
 use super::matmul::{GEMM_BM, Operand};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
+use crate::Activations;
 use crate::backend::MoeWeights;
 
 /// The kernels: the products (with their dynamic shared memory, opted in at load) — FP4
@@ -405,7 +405,7 @@ struct PartsOf {
 fn parts_from(gpu: &Gpu, of: PartsOf, rows: usize, k: usize, fp8: bool) -> Parts {
     let PartsOf { x, x_stride, rows_of, up, limit } = of;
     assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
-    let planes = if Bf16Activations::from_env() == Bf16Activations::Round { 1 } else { 2 };
+    let planes = if gpu.activations == Activations::Bf16 { 1 } else { 2 };
     let values = gpu.alloc::<u16>(planes * rows * k);
     launch!(
         gpu,

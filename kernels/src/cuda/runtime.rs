@@ -267,6 +267,8 @@ pub(crate) struct Gpu {
     pub pdl: bool,
     pub total_mem: usize,
     pub ordinal: usize,
+    /// The activations' precision in bf16 tensor-core products (set before weights load).
+    pub activations: crate::Activations,
     /// Where the kernels came from (compiled now, or the PTX cache file).
     pub ptx_origin: String,
     pub traffic: Traffic,
@@ -379,6 +381,7 @@ impl Gpu {
             cc,
             pdl: super::launch::pdl_enabled(cc),
             ordinal,
+            activations: crate::Activations::process_default(),
             ptx_origin,
             traffic: Traffic::default(),
             launches: AtomicU64::new(0),

@@ -1,6 +1,6 @@
 //! BF16 products of many rows on cuBLAS (prefill; decode batches past 8 rows) against
-//! the CPU backend, with the activations split into bf16 hi + lo (the default) and
-//! rounded once to bf16 (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`), on poisoned outputs:
+//! the CPU backend, with the activations split into bf16 hi + lo (`Activations::Split`)
+//! and rounded once to bf16 (`Activations::Bf16`, the serving default), on poisoned outputs:
 //! decode-sized rows (hi and lo stacked into one product, then summed) and prefill-sized
 //! ones (two products into the output), plain and block-diagonal.
 
@@ -44,12 +44,12 @@ fn cuda_bf16_products_on_cublas_match_cpu() {
             let x = rand_vec(&mut rng, rows * groups * k, 1.0);
             let want = cpu_product(&c, &x, rows, groups, &cw);
             let gx = g.upload(&x);
-            for activations in ["split", "bf16"] {
+            for activations in [Activations::Split, Activations::Bf16] {
                 let mut out = poisoned(g, rows * n);
                 g.cublas_bf16_matmul(activations, &gx, rows, groups, &gw, &mut out);
                 let got = g.download(&out);
                 let what = format!("cublas bf16 {groups}x{}x{k} rows={rows} x={activations}", n / groups);
-                if activations == "split" {
+                if activations == Activations::Split {
                     let e = rel_err(&got, &want);
                     eprintln!("PARITY {what} bf16 {e:.2e}");
                     assert!(

@@ -8,7 +8,9 @@
 //! stored formats).
 //!
 //! Each check prints `PARITY <op> <dtype> <observed error>`; tolerances are per dtype in
-//! [`TOLERANCES`]. Without a GPU every test prints that it is skipped and passes.
+//! [`TOLERANCES`]. The backend's bf16 products take split activations (f32 distance);
+//! tests of the reference model's one rounding (`Activations::Bf16`, the serving
+//! default) run both precisions. Without a GPU every test prints that it is skipped and passes.
 #![cfg(feature = "cuda")]
 
 use kernels::backend::{
@@ -20,8 +22,8 @@ use kernels::quant::{bf16_to_f32, f32_to_bf16};
 use kernels::rope::Yarn;
 use kernels::stored::{OwnedFormat, OwnedWeight, WeightView};
 use kernels::{
-    AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout, KvState,
-    LayerSpec, RopeTable, kv_entry,
+    Activations, AttnKind, Backend, BatchPlan, Branch, CpuBackend, EntryDtype, EntryFormat, HostMatrix, KvLayout,
+    KvState, LayerSpec, RopeTable, kv_entry,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -48,7 +50,7 @@ mod readout;
 mod sequence;
 /// The indexer's top-k over long rows.
 mod topk;
-use cuda_gpu::gpu;
+use cuda_gpu::{gpu, gpu_in};
 
 /// Allowed max|Δ|/max|CPU| by the dtype of the weights or KV entries involved. f32
 /// differs only in summation order; bf16, FP8 and FP4 weights mean the same values on
@@ -64,7 +66,12 @@ fn tol(dtype: &str) -> f32 {
 /// when there is none, it is not an sm_90 GPU (those kernels run there only), or one of
 /// `knobs` is `0` (it turns the kernels the test checks off).
 fn wgmma_gpu(test: &str, knobs: &[&str]) -> Option<&'static CudaBackend> {
-    let g = gpu(test)?;
+    wgmma_gpu_in(test, knobs, Activations::Split)
+}
+
+/// [`wgmma_gpu`] whose bf16 products take `activations`.
+fn wgmma_gpu_in(test: &str, knobs: &[&str], activations: Activations) -> Option<&'static CudaBackend> {
+    let g = gpu_in(test, activations)?;
     if g.compute_capability().0 != 9 {
         eprintln!("{test}: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
         return None;

@@ -1,8 +1,9 @@
 //! The routed FP4 experts of prefill-sized batches on Hopper's warpgroup instruction
-//! (cu/moe_fp4wg.cu: the rows as two bf16 parts, e2m1 codes turned into scaled bf16 A
-//! fragments in registers, tiles of one expert's rows) against the CPU, through the
-//! engine's MoE block (routing read back, grouped products); and FP8 products of
-//! prefill-sized batches on the same kernel over FP8 codes (`fp8wg_gemm`).
+//! (cu/moe_fp4wg.cu: the rows as two bf16 parts or rounded once, e2m1 codes turned into
+//! scaled bf16 A fragments in registers, tiles of one expert's rows) against the CPU,
+//! through the engine's MoE block (routing read back, grouped products); and FP8
+//! products of prefill-sized batches on the same kernel over FP8 codes (`fp8wg_gemm`).
+//! Each test runs both activation precisions.
 
 use super::moe_wgmma::Fp4Moe;
 use super::*;
@@ -13,28 +14,22 @@ use super::*;
 /// gives errors of order 1.
 const FP4WG_TOL: f32 = 1e-4;
 
-/// Whether `SLUICE_CUDA_BF16_ACTIVATIONS=bf16` rounds the rows once (the reference
-/// model's precision: one plane of parts, half the products) instead of splitting them:
-/// run so on a device machine to check that mode, as for the cuBLAS products.
-fn rounded_rows() -> bool {
-    std::env::var("SLUICE_CUDA_BF16_ACTIVATIONS").as_deref() == Ok("bf16")
-}
-
 /// The rows a product's reference multiplies when the product runs on `fp8wg_gemm`
 /// (`on_fp8wg`; a knob may leave decode rows on the gemv loops, which multiply x as it
-/// is): x rounded to bf16 ([`rounded_rows`]), or x's two bf16 parts added back together
-/// (hi = bf16(x), lo = bf16(x − hi): what the kernel multiplies, `fp4wg_parts`). The
-/// products are then those rows times W, summed in f32 in another order. Against x
-/// itself the parts' residual (up to 2^-18 of x) alone took the shared expert's pair at
-/// clamp 0.5 — outputs of at most ~0.16 from products of magnitude ~10 — to 7.8e-5 of
-/// the 1e-4 bound, and once past it with fresh inputs; the split-versus-f32 distance
-/// stays checked by the MoE blocks here and by `cuda_conformance`.
-fn rows_as_multiplied(x: &[f32], on_fp8wg: bool) -> Vec<f32> {
+/// is): x rounded to bf16 (`Activations::Bf16`, the reference model's precision), or
+/// x's two bf16 parts added back together (hi = bf16(x), lo = bf16(x − hi): what the
+/// kernel multiplies, `fp4wg_parts`). The products are then those rows times W, summed
+/// in f32 in another order. Against x itself the parts' residual (up to 2^-18 of x)
+/// alone took the shared expert's pair at clamp 0.5 — outputs of at most ~0.16 from
+/// products of magnitude ~10 — to 7.8e-5 of the 1e-4 bound, and once past it with fresh
+/// inputs; the split-versus-f32 distance stays checked by the MoE blocks here and by
+/// `cuda_conformance`.
+fn rows_as_multiplied(x: &[f32], on_fp8wg: bool, activations: Activations) -> Vec<f32> {
     let bf16 = |v: f32| bf16_to_f32(f32_to_bf16(v));
-    match (on_fp8wg, rounded_rows()) {
+    match (on_fp8wg, activations) {
         (false, _) => x.to_vec(),
-        (true, true) => x.iter().map(|&v| bf16(v)).collect(),
-        (true, false) => x
+        (true, Activations::Bf16) => x.iter().map(|&v| bf16(v)).collect(),
+        (true, Activations::Split) => x
             .iter()
             .map(|&v| {
                 let hi = bf16(v);
@@ -47,9 +42,15 @@ fn rows_as_multiplied(x: &[f32], on_fp8wg: bool) -> Vec<f32> {
 /// The bound of a MoE block: [`FP4WG_TOL`] with split rows; with rounded ones the bf16
 /// row of [`TOLERANCES`] (the block rounds its input and the experts' SwiGLU output
 /// before each product, which the f32 CPU block does not).
-fn moe_tol() -> f32 {
-    if rounded_rows() { tol("bf16") } else { FP4WG_TOL }
+fn moe_tol(activations: Activations) -> f32 {
+    match activations {
+        Activations::Split => FP4WG_TOL,
+        Activations::Bf16 => tol("bf16"),
+    }
 }
+
+/// Both precisions, split (f32 distance) first.
+const BOTH: [Activations; 2] = [Activations::Split, Activations::Bf16];
 
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
 /// expert named twice for one token), at batches past the decode paths (257 rows and
@@ -60,7 +61,14 @@ fn moe_tol() -> f32 {
 /// for the wide blocks). Each case first checks that the engine takes these kernels.
 #[test]
 fn cuda_moe_fp4wg_experts_match_cpu() {
-    let Some(g) = wgmma_gpu("cuda_moe_fp4wg_experts_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
+    for activations in BOTH {
+        let test = "cuda_moe_fp4wg_experts_match_cpu";
+        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        fp4wg_experts_match_cpu(g, activations);
+    }
+}
+
+fn fp4wg_experts_match_cpu(g: &CudaBackend, activations: Activations) {
     let c = CpuBackend::new();
     let mut rng = rng("moe fp4wg");
     // ((hidden, expert width, experts, top-k), batch sizes)
@@ -73,12 +81,12 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
             let (gm, cm) = (layer.on(g, limit, hash), layer.on(&c, limit, hash));
             assert!(g.grouped_fp4wg(&gm), "fp4wg {n_exp}x{inter}x{d}: not taken");
             for &rows in batches {
-                let what = format!("fp4wg {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows}");
+                let what = format!("fp4wg {n_exp}x{inter}x{d} limit={limit} hash={hash} rows={rows} x={activations}");
                 let e = layer.error(&mut rng, g, &cm, rows, |x, tokens, out| {
                     g.moe(&g.upload(x), rows, tokens, &gm, 0..rows, out)
                 });
                 eprintln!("PARITY {what} {e:.2e}");
-                let bound = moe_tol();
+                let bound = moe_tol(activations);
                 assert!(e <= bound, "{what}: max|Δ|/max|CPU| {e:.3e} above {bound:.0e}");
             }
         }
@@ -100,7 +108,14 @@ const FP8WG_TOL: f32 = 1e-4;
 /// poisoned.
 #[test]
 fn cuda_fp8wg_products_match_cpu() {
-    let Some(g) = wgmma_gpu("cuda_fp8wg_products_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
+    for activations in BOTH {
+        let test = "cuda_fp8wg_products_match_cpu";
+        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        fp8wg_products_match_cpu(g, activations);
+    }
+}
+
+fn fp8wg_products_match_cpu(g: &CudaBackend, activations: Activations) {
     let c = CpuBackend::new();
     let mut rng = rng("fp8wg products");
     // (groups, outputs a group, inputs a group, row counts, split along K at decode rows:
@@ -126,7 +141,7 @@ fn cuda_fp8wg_products_match_cpu() {
         let w = weight(&mut rng, groups * g_out, k, 0.05, "fp8");
         let (gw, cw) = (g.weight(w.view()), c.weight(w.view()));
         for &rows in row_counts {
-            let what = format!("fp8wg {groups}x{g_out}x{k} rows={rows}");
+            let what = format!("fp8wg {groups}x{g_out}x{k} rows={rows} x={activations}");
             assert!(g.fp8wg_takes(rows, groups, &gw), "{what}: not taken");
             let decode_rows = rows <= 64 && (split_here || !split);
             if decode_rows && decode_here && g.sms() >= 128 {
@@ -148,7 +163,7 @@ fn cuda_fp8wg_products_match_cpu() {
             let x = rand_vec(&mut rng, rows * groups * k, 1.0);
             let mut want = vec![0f32; rows * groups * g_out];
             let mut out = poisoned(g, rows * groups * g_out);
-            let xr = rows_as_multiplied(&x, rows > 64 || g.fp8wg_takes_decode_rows(rows, groups, &gw));
+            let xr = rows_as_multiplied(&x, rows > 64 || g.fp8wg_takes_decode_rows(rows, groups, &gw), activations);
             if groups == 1 {
                 c.matmul(&xr, rows, &cw, &mut want);
                 g.matmul(&g.upload(&x), rows, &gw, &mut out);
@@ -169,7 +184,14 @@ fn cuda_fp8wg_products_match_cpu() {
 /// so unless `SLUICE_CUDA_FP8WG_SWIGLU=0`); clamps 10 and 0.5; outputs start poisoned.
 #[test]
 fn cuda_fp8wg_swiglu_pairs_match_cpu() {
-    let Some(g) = wgmma_gpu("cuda_fp8wg_swiglu_pairs_match_cpu", &["SLUICE_CUDA_FP4WG"]) else { return };
+    for activations in BOTH {
+        let test = "cuda_fp8wg_swiglu_pairs_match_cpu";
+        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        fp8wg_swiglu_pairs_match_cpu(g, activations);
+    }
+}
+
+fn fp8wg_swiglu_pairs_match_cpu(g: &CudaBackend, activations: Activations) {
     let c = CpuBackend::new();
     let mut rng = rng("fp8wg swiglu pairs");
     let (n, k) = (2048, 4096);
@@ -183,7 +205,7 @@ fn cuda_fp8wg_swiglu_pairs_match_cpu() {
         let x = rand_vec(&mut rng, rows * k, 1.0);
         let gx = g.upload(&x);
         let (mut gate, mut up) = (vec![0f32; rows * n], vec![0f32; rows * n]);
-        let xr = rows_as_multiplied(&x, here);
+        let xr = rows_as_multiplied(&x, here, activations);
         c.matmul(&xr, rows, &c1, &mut gate);
         c.matmul(&xr, rows, &c3, &mut up);
         for limit in [10.0f32, 0.5] {
@@ -192,8 +214,11 @@ fn cuda_fp8wg_swiglu_pairs_match_cpu() {
             assert_eq!(on_wgmma, here, "the pair at {rows} rows on fp8wg_gemm: {on_wgmma}");
             let want = swiglu_reference(&gate, &up, limit);
             let e = rel_err(&g.download(&out), &want);
-            eprintln!("PARITY fp8wg pair {n}x{k} rows={rows} limit={limit} {e:.2e}");
-            assert!(e <= FP8WG_TOL, "fp8wg pair rows={rows} limit={limit}: {e:.3e} above {FP8WG_TOL:.0e}");
+            eprintln!("PARITY fp8wg pair {n}x{k} rows={rows} limit={limit} x={activations} {e:.2e}");
+            assert!(
+                e <= FP8WG_TOL,
+                "fp8wg pair rows={rows} limit={limit} x={activations}: {e:.3e} above {FP8WG_TOL:.0e}"
+            );
         }
     }
 }
