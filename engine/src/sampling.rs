@@ -138,8 +138,8 @@ impl Sampler {
         self.report(logits, token)
     }
 
-    /// The token's logprob and the `top_logprobs` best, from one log-normaliser pass (a
-    /// full log-softmax of a 129K vocabulary was most of a greedy request's host time).
+    /// The token's logprob and the `top_logprobs` best, from one log-normaliser pass (not
+    /// a log-softmax of every token written out and ranked).
     /// The best are chosen by logit (best first, lower index first on ties) and ordered by
     /// logprob: the same tokens as ranking the logprobs themselves, except where two
     /// logits round to one f32 logprob across the k-th place.

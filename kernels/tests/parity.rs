@@ -654,42 +654,49 @@ mod cuda {
     #[test]
     fn cuda_kv_checksums_match_reference() {
         let Some(b) = gpu("cuda_kv_checksums_match_reference") else { return };
+        let b = &*b;
         check_kv_sums(b);
     }
 
     #[test]
     fn cuda_row_ops_match_reference() {
         let Some(b) = gpu("cuda_row_ops_match_reference") else { return };
+        let b = &*b;
         check_row_ops(b, &CUDA_TOL);
     }
 
     #[test]
     fn cuda_hyper_connections_match_reference() {
         let Some(b) = gpu("cuda_hyper_connections_match_reference") else { return };
+        let b = &*b;
         check_hc(b, &CUDA_TOL);
     }
 
     #[test]
     fn cuda_moe_matches_reference() {
         let Some(b) = gpu("cuda_moe_matches_reference") else { return };
+        let b = &*b;
         check_moe(b, &CUDA_TOL);
     }
 
     #[test]
     fn cuda_sequence_ops_match_reference_f32_storage() {
         let Some(b) = gpu("cuda_sequence_ops_match_reference_f32_storage") else { return };
+        let b = &*b;
         check_sequence_ops(b, EntryDtype::F32, CUDA_TOL.attention);
     }
 
     #[test]
     fn cuda_sequence_ops_match_reference_bf16_storage() {
         let Some(b) = gpu("cuda_sequence_ops_match_reference_bf16_storage") else { return };
+        let b = &*b;
         check_sequence_ops(b, EntryDtype::Bf16, 1e-2);
     }
 
     #[test]
     fn cuda_sequence_ops_match_reference_fp8_storage() {
         let Some(b) = gpu("cuda_sequence_ops_match_reference_fp8_storage") else { return };
+        let b = &*b;
         check_sequence_ops(b, EntryDtype::Fp8, FP8_SEQ_TOL);
     }
 
@@ -699,6 +706,7 @@ mod cuda {
     fn cuda_sequence_ops_with_bf16_activations_match_reference() {
         let test = "cuda_sequence_ops_with_bf16_activations_match_reference";
         let Some(b) = gpu_in(test, Activations::Bf16) else { return };
+        let b = &*b;
         check_sequence_ops(b, EntryDtype::Bf16, 1e-2);
         check_sequence_ops(b, EntryDtype::Fp8, FP8_SEQ_TOL);
     }

@@ -22,8 +22,11 @@ const GPU_LOGPROB_TOL: f32 = 5e-2;
 /// CPU devices compute what one CPU computes, up to the order of the MoE's sums.
 const CPU_LOGPROB_TOL: f32 = 1e-3;
 
+/// A worker's device flag and value, with split activations: these clusters' answers
+/// are compared with the CPU engine's at f32 distance (docs/cuda.md "Activation
+/// precision"; CPU workers ignore the flag).
 fn args(flag: &str, value: &str) -> Vec<String> {
-    vec![flag.to_string(), value.to_string()]
+    [flag, value, "--activations", "split"].map(String::from).to_vec()
 }
 
 /// Prompts short and long, cold and restored from the kvstore, and one that shares a

@@ -42,8 +42,10 @@ fn gpus() -> Option<(usize, usize)> {
     Some((0, decode))
 }
 
+/// A GPU worker's flags; split activations, since these answers are compared with the
+/// CPU engine's at f32 distance (docs/cuda.md "Activation precision").
 fn worker(gpu: usize) -> Vec<String> {
-    ["--device", &format!("cuda:{gpu}"), "--gpu-direct", "on"].map(String::from).to_vec()
+    ["--device", &format!("cuda:{gpu}"), "--gpu-direct", "on", "--activations", "split"].map(String::from).to_vec()
 }
 
 fn metric(text: &str, series: &str) -> Option<f64> {
@@ -66,7 +68,8 @@ async fn a_decode_worker_over_two_gpus_takes_gpu_direct_kv_on_either() {
         eprintln!("SKIPPED: a decode worker over two GPUs needs two GPUs");
         return;
     }
-    let decode = ["--devices", "cuda:0,cuda:1", "--gpu-direct", "on"].map(String::from).to_vec();
+    let decode =
+        ["--devices", "cuda:0,cuda:1", "--gpu-direct", "on", "--activations", "split"].map(String::from).to_vec();
     lands_byte_equal(worker(p), decode).await;
 }
 

@@ -113,7 +113,7 @@ pub struct KernelTime {
     pub issued_us: f64,
 }
 
-/// One GPU. Cheap to share by reference; create one per device and process.
+/// One GPU (one per device and process). Ops are issued by one thread at a time, as the engine does.
 pub struct CudaBackend {
     gpu: runtime::Gpu,
     plans: devplan::PlanCache,

@@ -33,6 +33,7 @@ pub(super) fn cpu_product(
 #[test]
 fn cuda_bf16_products_on_cublas_match_cpu() {
     let Some(g) = gpu("cuda_bf16_products_on_cublas_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("cublas bf16 products");
     // (groups, outputs, inputs a group): wq_b-like, wo_b-like, the grouped wo_a, an odd
@@ -71,6 +72,7 @@ fn cuda_bf16_products_on_cublas_match_cpu() {
 #[test]
 fn cuda_bf16_experts_on_cublas_match_cpu() {
     let Some(g) = gpu("cuda_bf16_experts_on_cublas_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("cublas bf16 experts");
     let (d, inter, n_exp, k) = (4096, 1024, 8, 2);

@@ -40,6 +40,7 @@ pub(super) fn experts_layer<B: Backend>(
 #[test]
 fn cuda_decode_v2_products_match_cpu() {
     let Some(g) = gpu("cuda_decode_v2_products_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("decode v2 products");
     // (outputs, inputs): wq_a, wq_b-like (K 1024), wo_b (K 8192), an expert's or the shared
@@ -74,6 +75,7 @@ fn cuda_decode_v2_products_match_cpu() {
 #[test]
 fn cuda_decode_v2_grouped_products_match_cpu() {
     let Some(g) = gpu("cuda_decode_v2_grouped_products_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("decode v2 grouped");
     for (groups, n, k) in [(8, 8 * 1024, 4096), (4, 4 * 64, 256)] {
@@ -120,6 +122,7 @@ const F8MMA_TOL: f32 = 2e-4;
 #[test]
 fn cuda_f8mma_products_match_cpu() {
     let Some(g) = gpu("cuda_f8mma_products_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("f8mma products");
     let narrow_only = std::env::var("SLUICE_CUDA_F8MMA_CHUNK").ok().filter(|v| v == "1024");
@@ -161,6 +164,7 @@ fn cuda_f8mma_products_match_cpu() {
 #[test]
 fn cuda_decode_v2_swiglu_pairs_match_cpu() {
     let Some(g) = gpu("cuda_decode_v2_swiglu_pairs_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("decode v2 swiglu");
     for (n, k, limit) in [(2048, 4096, 10.0f32), (200, 384, 2.0), (24, 1024, 10.0)] {
@@ -198,6 +202,7 @@ fn cuda_decode_v2_swiglu_pairs_match_cpu() {
 #[test]
 fn cuda_decode_v2_experts_match_cpu() {
     let Some(g) = gpu("cuda_decode_v2_experts_match_cpu") else { return };
+    let g = &*g;
     let mut rng = rng("decode v2 experts");
     check_experts(g, &mut rng, (4096, 2048, 12, 6), &[1, 3, 8, 9, 24, 64], false);
     check_experts(g, &mut rng, (1024, 256, 64, 6), &[9, 21, 64], false);

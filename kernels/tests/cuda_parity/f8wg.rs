@@ -36,6 +36,7 @@ fn blocky_fp8(rng: &mut ChaCha8Rng, n: usize, k: usize) -> TestWeight {
 #[test]
 fn cuda_f8wg_products_match_cpu() {
     let Some(g) = wgmma_gpu("cuda_f8wg_products_match_cpu", &[]) else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("f8wg products");
     let engine_takes_it = std::env::var("SLUICE_CUDA_F8WG").map(|v| v != "0").unwrap_or(true);
@@ -94,6 +95,7 @@ fn cuda_f8wg_products_match_cpu() {
 fn cuda_f8wg_swiglu_pairs_match_cpu() {
     let knobs = ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_PAIR"];
     let Some(g) = wgmma_gpu("cuda_f8wg_swiglu_pairs_match_cpu", &knobs) else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("f8wg swiglu pairs");
     for (n, k) in [(2048, 4096), (1024, 7168), (65 * 64, 384), (64, 1024)] {
@@ -154,6 +156,7 @@ fn cuda_f8wg_swiglu_pairs_match_cpu() {
 fn cuda_f8wg_many_products_match_cpu() {
     let knobs = ["SLUICE_CUDA_F8WG", "SLUICE_CUDA_F8WG_MANY", "SLUICE_CUDA_FUSED_PRODUCTS"];
     let Some(g) = wgmma_gpu("cuda_f8wg_many_products_match_cpu", &knobs) else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("f8wg many products");
     // (output rows of each product, K, a BF16 product among them)

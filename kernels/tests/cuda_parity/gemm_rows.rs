@@ -13,6 +13,7 @@ use super::*;
 #[test]
 fn cuda_gemm_rows_bf16_matches_cpu() {
     let Some(g) = gpu("cuda_gemm_rows_bf16_matches_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("gemm_rows bf16");
     // (groups, outputs, inputs a group): wq_b-like (no K split), wo_b-like (K split over a

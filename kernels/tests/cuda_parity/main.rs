@@ -50,7 +50,7 @@ mod readout;
 mod sequence;
 /// The indexer's top-k over long rows.
 mod topk;
-use cuda_gpu::{gpu, gpu_in};
+use cuda_gpu::{Held, gpu, gpu_in};
 
 /// Allowed max|Δ|/max|CPU| by the dtype of the weights or KV entries involved. f32
 /// differs only in summation order; bf16, FP8 and FP4 weights mean the same values on
@@ -65,12 +65,12 @@ fn tol(dtype: &str) -> f32 {
 /// The GPU for a test of the warpgroup (`wgmma`) kernels, or None (the reason printed)
 /// when there is none, it is not an sm_90 GPU (those kernels run there only), or one of
 /// `knobs` is `0` (it turns the kernels the test checks off).
-fn wgmma_gpu(test: &str, knobs: &[&str]) -> Option<&'static CudaBackend> {
+fn wgmma_gpu(test: &str, knobs: &[&str]) -> Option<Held> {
     wgmma_gpu_in(test, knobs, Activations::Split)
 }
 
 /// [`wgmma_gpu`] whose bf16 products take `activations`.
-fn wgmma_gpu_in(test: &str, knobs: &[&str], activations: Activations) -> Option<&'static CudaBackend> {
+fn wgmma_gpu_in(test: &str, knobs: &[&str], activations: Activations) -> Option<Held> {
     let g = gpu_in(test, activations)?;
     if g.compute_capability().0 != 9 {
         eprintln!("{test}: skipped, not an sm_90 GPU (the wgmma kernels run on sm_90 only)");
@@ -169,6 +169,7 @@ fn poisoned<B: Backend>(b: &B, len: usize) -> B::Buf {
 #[test]
 fn cuda_products_match_cpu_at_flash_shapes() {
     let Some(g) = gpu("cuda_products_match_cpu_at_flash_shapes") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("products");
     // (outputs, inputs): wq_a, wq_b, the mHC mix (few outputs, long rows), an odd shape.
@@ -207,6 +208,7 @@ fn cuda_products_match_cpu_at_flash_shapes() {
 #[test]
 fn cuda_row_ops_match_cpu_at_flash_shapes() {
     let Some(g) = gpu("cuda_row_ops_match_cpu_at_flash_shapes") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("row ops");
     for (rows, dim, weighted) in [(7, 4096, true), (3 * 64, 512, false), (5, 1024, true), (2, 16384, false)] {
@@ -324,6 +326,7 @@ fn cuda_row_ops_match_cpu_at_flash_shapes() {
 #[test]
 fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let Some(g) = gpu("cuda_hyper_connections_match_cpu_at_flash_shapes") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
     let d = 4096;
@@ -439,6 +442,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
 #[test]
 fn cuda_moe_matches_cpu_at_flash_width() {
     let Some(g) = gpu("cuda_moe_matches_cpu_at_flash_width") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("moe");
     let (d, inter, n_exp, k) = (4096, 512, 16, 4);
@@ -563,6 +567,7 @@ fn side<'a, B: Backend>(
 #[test]
 fn fp4_gemm_bf16_and_fp8_tensor_core_paths_against_cpu() {
     let Some(g) = gpu("fp4_gemm_bf16_and_fp8_tensor_core_paths_against_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("fp4 gemm paths");
     for (n, k) in [(2048, 4096), (4096, 2048), (200, 96)] {
@@ -586,6 +591,7 @@ fn fp4_gemm_bf16_and_fp8_tensor_core_paths_against_cpu() {
 #[test]
 fn cuda_large_downloads_round_trip() {
     let Some(g) = gpu("cuda_large_downloads_round_trip") else { return };
+    let g = &*g;
     let mut rng = rng("downloads");
     for n in [5_000_003usize, 2 << 20, 1000] {
         let x = rand_vec(&mut rng, n, 1.0);

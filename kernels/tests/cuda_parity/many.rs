@@ -12,6 +12,7 @@ use super::*;
 #[test]
 fn cuda_products_of_one_input_match_cpu() {
     let Some(g) = gpu("cuda_products_of_one_input_match_cpu") else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("matmul_many");
     let k = 4096;

@@ -64,6 +64,7 @@ fn cuda_moe_fp4wg_experts_match_cpu() {
     for activations in BOTH {
         let test = "cuda_moe_fp4wg_experts_match_cpu";
         let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        let g = &*g;
         fp4wg_experts_match_cpu(g, activations);
     }
 }
@@ -111,6 +112,7 @@ fn cuda_fp8wg_products_match_cpu() {
     for activations in BOTH {
         let test = "cuda_fp8wg_products_match_cpu";
         let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        let g = &*g;
         fp8wg_products_match_cpu(g, activations);
     }
 }
@@ -187,6 +189,7 @@ fn cuda_fp8wg_swiglu_pairs_match_cpu() {
     for activations in BOTH {
         let test = "cuda_fp8wg_swiglu_pairs_match_cpu";
         let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        let g = &*g;
         fp8wg_swiglu_pairs_match_cpu(g, activations);
     }
 }

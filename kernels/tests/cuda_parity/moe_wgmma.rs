@@ -96,6 +96,7 @@ impl Fp4Moe {
 #[test]
 fn cuda_moe_wgmma_experts_match_cpu() {
     let Some(g) = wgmma_gpu("cuda_moe_wgmma_experts_match_cpu", &["SLUICE_CUDA_MOE_WGMMA"]) else { return };
+    let g = &*g;
     let c = CpuBackend::new();
     let mut rng = rng("moe wgmma");
     // ((hidden, expert width, experts, top-k), batch sizes)

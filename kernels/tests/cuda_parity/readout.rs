@@ -19,6 +19,7 @@ fn same_pick(what: &str, got: (u32, f32), want: (u32, f32)) {
 #[test]
 fn cuda_greedy_readout_matches_the_host_on_edge_rows() {
     let Some(g) = gpu("cuda_greedy_readout_matches_the_host_on_edge_rows") else { return };
+    let g = &*g;
     let mut rng = rng("greedy readout");
     for vocab in [100, 32_768, 129_280] {
         let noise = |rng: &mut ChaCha8Rng| rand_vec(rng, vocab, 4.0);

@@ -119,6 +119,7 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
         if kv_scale == 1.0 { String::new() } else { format!("_kv_scale_{kv_scale}") }
     );
     let Some(g) = gpu(&name) else { return };
+    let g = &*g;
     let mut rng = rng(&name);
     let specs = [
         LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
@@ -317,6 +318,7 @@ fn check_fp8_entries(g: &[f32], c: &[f32]) {
 #[test]
 fn cuda_compressor_respects_pages_final_until() {
     let Some(g) = gpu("cuda_compressor_respects_pages_final_until") else { return };
+    let g = &*g;
     let cpu = CpuBackend::new();
     let mut rng = rng("pages_final_until");
     let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
@@ -361,6 +363,7 @@ fn cuda_compressor_respects_pages_final_until() {
 #[test]
 fn cuda_compressor_long_batches_match_cpu() {
     let Some(g) = gpu("cuda_compressor_long_batches_match_cpu") else { return };
+    let g = &*g;
     let cpu = CpuBackend::new();
     let mut rng = rng("compressor_long_batches");
     let specs = [

@@ -7,6 +7,7 @@ use super::*;
 #[test]
 fn cuda_indexer_topk_over_many_candidates_matches_cpu() {
     let Some(g) = gpu("cuda_indexer_topk_over_many_candidates_matches_cpu") else { return };
+    let g = &*g;
     let cpu = CpuBackend::new();
     let mut rng = rng("topk");
     let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
@@ -78,6 +79,7 @@ fn topk_reference(row: &[f32], k: usize) -> Vec<i32> {
 #[test]
 fn cuda_topk_long_rows_equal_the_definition() {
     let Some(g) = gpu("cuda_topk_long_rows_equal_the_definition") else { return };
+    let g = &*g;
     let mut rng = rng("topk_definition");
     let ratio = 4;
     type Score = Box<dyn Fn(&mut ChaCha8Rng, usize) -> f32>;
@@ -134,6 +136,7 @@ fn cuda_topk_long_rows_equal_the_definition() {
 #[test]
 fn cuda_indexer_select_equals_rope_scale_then_topk() {
     let Some(g) = gpu("cuda_indexer_select_equals_rope_scale_then_topk") else { return };
+    let g = &*g;
     let mut rng = rng("indexer_select");
     let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
     let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
