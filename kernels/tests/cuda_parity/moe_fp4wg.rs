@@ -49,8 +49,14 @@ fn moe_tol(activations: Activations) -> f32 {
     }
 }
 
-/// Both precisions, split (f32 distance) first.
-const BOTH: [Activations; 2] = [Activations::Split, Activations::Bf16];
+/// `check` on the `wgmma` GPU in both precisions, split (f32 distance) first (skipped
+/// as [`wgmma_gpu`] says).
+fn in_both_precisions(test: &str, check: fn(&CudaBackend, Activations)) {
+    for activations in [Activations::Split, Activations::Bf16] {
+        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
+        check(&g, activations);
+    }
+}
 
 /// MoE layers of (hidden, expert width, experts, top-k) under top-k and hash routing (an
 /// expert named twice for one token), at batches past the decode paths (257 rows and
@@ -61,12 +67,7 @@ const BOTH: [Activations; 2] = [Activations::Split, Activations::Bf16];
 /// for the wide blocks). Each case first checks that the engine takes these kernels.
 #[test]
 fn cuda_moe_fp4wg_experts_match_cpu() {
-    for activations in BOTH {
-        let test = "cuda_moe_fp4wg_experts_match_cpu";
-        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
-        let g = &*g;
-        fp4wg_experts_match_cpu(g, activations);
-    }
+    in_both_precisions("cuda_moe_fp4wg_experts_match_cpu", fp4wg_experts_match_cpu);
 }
 
 fn fp4wg_experts_match_cpu(g: &CudaBackend, activations: Activations) {
@@ -109,12 +110,7 @@ const FP8WG_TOL: f32 = 1e-4;
 /// poisoned.
 #[test]
 fn cuda_fp8wg_products_match_cpu() {
-    for activations in BOTH {
-        let test = "cuda_fp8wg_products_match_cpu";
-        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
-        let g = &*g;
-        fp8wg_products_match_cpu(g, activations);
-    }
+    in_both_precisions("cuda_fp8wg_products_match_cpu", fp8wg_products_match_cpu);
 }
 
 fn fp8wg_products_match_cpu(g: &CudaBackend, activations: Activations) {
@@ -186,12 +182,7 @@ fn fp8wg_products_match_cpu(g: &CudaBackend, activations: Activations) {
 /// so unless `SLUICE_CUDA_FP8WG_SWIGLU=0`); clamps 10 and 0.5; outputs start poisoned.
 #[test]
 fn cuda_fp8wg_swiglu_pairs_match_cpu() {
-    for activations in BOTH {
-        let test = "cuda_fp8wg_swiglu_pairs_match_cpu";
-        let Some(g) = wgmma_gpu_in(test, &["SLUICE_CUDA_FP4WG"], activations) else { return };
-        let g = &*g;
-        fp8wg_swiglu_pairs_match_cpu(g, activations);
-    }
+    in_both_precisions("cuda_fp8wg_swiglu_pairs_match_cpu", fp8wg_swiglu_pairs_match_cpu);
 }
 
 fn fp8wg_swiglu_pairs_match_cpu(g: &CudaBackend, activations: Activations) {
