@@ -76,7 +76,7 @@ struct AttnGeom {
     /// 1 when `new_kv` is passed as bf16 (the tensor-core kernel of a prefill-sized batch).
     new_bf16: i32,
     /// 1: the tensor-core kernel multiplies q and the softmax weights as one bf16 part
-    /// each, not hi + lo (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`, the reference model's bf16
+    /// each, not hi + lo (`Activations::Bf16`, the default: the reference model's bf16
     /// attention inputs; half the products). The SIMT kernel ignores it.
     one_part: i32,
 }

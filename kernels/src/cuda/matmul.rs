@@ -91,7 +91,7 @@ pub(crate) fn gemv_loops(gpu: &Gpu, rows: usize, n_out: usize) -> bool {
 
 /// Whether an FP8 product of a decode batch past [`GEMV_MAX_ROWS`] rows (up to 64) runs on
 /// `fp8wg_gemm` (the prefill kernel: the weight streamed once, its codes turned into bf16
-/// in registers, `wgmma` over the rows' two bf16 parts, tiles of at most 64 rows) instead
+/// in registers, `wgmma` over the rows' bf16 parts, tiles of at most 64 rows) instead
 /// of the gemv loops, where that kernel takes the weight, split along K where its blocks
 /// would not fill the GPU ([`fp8_splits`]). On 20 Flash layers a batch-32 step ran 6%
 /// faster with `wq_b` and the grouped `wo_a` here (docs/perf.md, "A decode step as the

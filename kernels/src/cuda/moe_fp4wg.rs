@@ -1,5 +1,6 @@
 //! Prefill-sized products of FP4 and FP8 weights on Hopper's warpgroup instruction
-//! (cu/moe_fp4wg.cu): the rows as two bf16 parts (`fp4wg_parts`), then one launch a
+//! (cu/moe_fp4wg.cu): the rows as bf16 parts (`fp4wg_parts`: one, or two in split
+//! activations), then one launch a
 //! projection over tiles of up to 128 rows, each block 128 outputs (256 on FP4's short
 //! tiles) × one tile, the codes turned into bf16 in registers. [`super::moe_host`] runs
 //! the routed FP4 experts on `fp4wg_gemm` (tiles of one expert's rows) and
@@ -46,7 +47,7 @@ pub(crate) const FP4WG_KERNELS: [&str; 18] = [
     "fw_split_sum",
 ];
 /// The products of [`FP4WG_KERNELS`] (the same index) over one plane of parts: the rows
-/// rounded once to bf16 (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`, [`Parts`]).
+/// rounded once to bf16 (`Activations::Bf16`, the default; [`Parts`]).
 pub(crate) const FP4WG_ONE_PART_KERNELS: [&str; 16] = [
     "fp4wg1_gemm",
     "fp8wg1_gemm",
@@ -355,10 +356,10 @@ struct Output {
     split_stride: usize,
 }
 
-/// Rows as two bf16 parts (two planes of `rows × k` values), in a kernel's input order;
-/// or as one, rounded once to bf16 (`SLUICE_CUDA_BF16_ACTIVATIONS=bf16`: the reference
-/// model's activations, half the parts' bytes and products, not the default because the
-/// greedy tokens of small models then drift from the f32 CPU engine's, `cublas_bf16.rs`).
+/// Rows rounded once to bf16 (`Activations::Bf16`, the default: the reference model's
+/// activations, one plane of `rows × k` values), or as two bf16 parts (`Split`: two
+/// planes, twice the bytes and products, results at f32 distance from the CPU engine),
+/// in a kernel's input order.
 pub(crate) struct Parts {
     /// Held while the parts are in use: the map points into it.
     _values: DevBuf<u16>,
