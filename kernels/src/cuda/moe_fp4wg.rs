@@ -1,8 +1,9 @@
 //! Prefill-sized products of FP4 and FP8 weights on Hopper's warpgroup instruction
 //! (cu/moe_fp4wg.cu): the rows as bf16 parts (`fp4wg_parts`: one, or two in split
 //! activations), then one launch a projection over tiles of up to 128 rows, each block
-//! 128 outputs (256 on FP4's short tiles) × one tile, the codes turned into bf16 in registers. [`super::moe_host`] runs
-//! the routed FP4 experts on `fp4wg_gemm` (tiles of one expert's rows) and
+//! 128 outputs (256 on FP4's short tiles) × one tile, the codes turned into bf16 in
+//! registers. [`super::moe_host`] runs the routed FP4 experts on `fp4wg_gemm` (tiles of
+//! one expert's rows) and
 //! [`super::matmul`] FP8 products of more rows than the gemv launches take on
 //! `fp8wg_gemm` (decode batches from 9 rows, split along K where their blocks would not
 //! fill the GPU, `fw_split_sum` adding the slices), both on sm_90 instead of the
