@@ -44,7 +44,7 @@ pub struct DecodeConfig {
     pub kv_dtype: EntryDtype,
     /// On GPUs, the precision of the activations in the bf16 tensor-core products: `bf16`
     /// (rounded once, the reference model's precision; the default) or `split` (two bf16
-    /// parts: results at f32 distance from the CPU engine, prefill ~15% slower). CPU
+    /// parts: results at f32 distance from the CPU engine, prefill ~16% slower). CPU
     /// engines compute in f32 either way.
     #[arg(long, env = "SLUICE_ACTIVATIONS")]
     pub activations: Option<kernels::Activations>,
