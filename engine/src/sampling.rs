@@ -200,7 +200,7 @@ fn draw_with(params: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     }
     if params.top_k > 0 {
         let order = best_first(live, params.top_k, logits);
-        return walk(params, logits, &order, None, u).unwrap_or_else(|| draw_sorted(params, logits, u));
+        return walk(params, logits, &order, None, u).expect("a walk over every candidate ends");
     }
     let t = params.temperature as f64;
     let m = live.iter().map(|&i| logits[i as usize]).fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -241,7 +241,6 @@ fn walk(
     let z = partial.map_or_else(|| probs.iter().sum(), |p| p.1);
     probs.iter_mut().for_each(|p| *p /= z);
     let mut keep = probs.len();
-    let mut mass = None;
     if params.top_p < 1.0 {
         let mut acc = 0.0;
         let reached = probs.iter().position(|p| {
@@ -253,9 +252,12 @@ fn walk(
             None if partial.is_some() => return None,
             None => {}
         }
-        mass = Some(probs[..keep].iter().sum::<f64>());
     }
-    let mass = mass.or(partial.and_then(|p| p.2)).unwrap_or_else(|| probs[..keep].iter().sum());
+    // Every candidate's share when top-p cut nothing and `order` is a prefix.
+    let mass = match partial.and_then(|p| p.2) {
+        Some(all) if params.top_p >= 1.0 => all,
+        _ => probs[..keep].iter().sum(),
+    };
     let mut left = u * mass;
     for (i, p) in probs[..keep].iter().enumerate() {
         if left < *p {
@@ -271,10 +273,9 @@ fn walk(
     Some(order[keep - 1])
 }
 
-/// The draw by sorting every token (the definition [`draw_with`] follows; it falls back
-/// here where its shortcuts do not apply: every token masked, non-finite logits).
+/// The draw over every candidate sorted (where [`draw_with`]'s shortcuts do not apply:
+/// every token masked, non-finite logits).
 fn draw_sorted(params: &SamplingParams, logits: &[f32], u: f64) -> u32 {
-    let t = params.temperature as f64;
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     order.sort_by(by_logit(logits));
     // Masked-out tokens (constrained decoding) are never candidates.
@@ -284,36 +285,52 @@ fn draw_sorted(params: &SamplingParams, logits: &[f32], u: f64) -> u32 {
     if params.top_k > 0 {
         order.truncate(params.top_k);
     }
-    let m = logits[order[0] as usize] as f64;
-    let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i as usize] as f64 - m) / t).exp()).collect();
-    let z: f64 = probs.iter().sum();
-    probs.iter_mut().for_each(|p| *p /= z);
-    // Smallest prefix whose mass reaches top_p (always at least one token).
-    let mut keep = probs.len();
-    if params.top_p < 1.0 {
-        let mut acc = 0.0;
-        for (i, p) in probs.iter().enumerate() {
-            acc += p;
-            if acc >= params.top_p as f64 {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    let mass: f64 = probs[..keep].iter().sum();
-    let mut u = u * mass;
-    for (i, p) in probs[..keep].iter().enumerate() {
-        if u < *p {
-            return order[i];
-        }
-        u -= p;
-    }
-    order[keep - 1]
+    walk(params, logits, &order, None, u).expect("a walk over every candidate ends")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The draw as defined: every token sorted, top-k, top-p, the walk (the sampler's
+    /// code before `draw_with`, kept here as the reference it must match).
+    fn draw_by_definition(params: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+        let t = params.temperature as f64;
+        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+        order.sort_by(by_logit(logits));
+        // Masked-out tokens (constrained decoding) are never candidates.
+        if let Some(end) = order.iter().position(|&i| logits[i as usize] == f32::NEG_INFINITY) {
+            order.truncate(end.max(1));
+        }
+        if params.top_k > 0 {
+            order.truncate(params.top_k);
+        }
+        let m = logits[order[0] as usize] as f64;
+        let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i as usize] as f64 - m) / t).exp()).collect();
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= z);
+        // Smallest prefix whose mass reaches top_p (always at least one token).
+        let mut keep = probs.len();
+        if params.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, p) in probs.iter().enumerate() {
+                acc += p;
+                if acc >= params.top_p as f64 {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        let mass: f64 = probs[..keep].iter().sum();
+        let mut u = u * mass;
+        for (i, p) in probs[..keep].iter().enumerate() {
+            if u < *p {
+                return order[i];
+            }
+            u -= p;
+        }
+        order[keep - 1]
+    }
 
     #[test]
     fn greedy_picks_the_argmax_with_its_logprob() {
@@ -443,7 +460,7 @@ mod tests {
                     let us = if n > 10_000 { 8 } else { 40 };
                     for j in 0..us {
                         let u = (j as f64 + 0.37) / us as f64;
-                        let want = draw_sorted(&params, &logits, u);
+                        let want = draw_by_definition(&params, &logits, u);
                         assert_eq!(draw_with(&params, &logits, u), want, "{params:?} n={n} spread={spread} u={u}");
                         compared += 1;
                         let t = temperature as f64;
@@ -467,13 +484,13 @@ mod tests {
         for j in 0..20 {
             let u = j as f64 / 20.0;
             assert!([17, 400].contains(&draw_with(&params, &l, u)));
-            assert_eq!(draw_with(&params, &l, u), draw_sorted(&params, &l, u));
+            assert_eq!(draw_with(&params, &l, u), draw_by_definition(&params, &l, u));
         }
         let all_masked = vec![f32::NEG_INFINITY; 10];
-        assert_eq!(draw_with(&params, &all_masked, 0.5), draw_sorted(&params, &all_masked, 0.5));
+        assert_eq!(draw_with(&params, &all_masked, 0.5), draw_by_definition(&params, &all_masked, 0.5));
         let flat = vec![1.0f32; 300];
         for u in [0.0, 0.5, 0.999] {
-            assert_eq!(draw_with(&params, &flat, u), draw_sorted(&params, &flat, u), "ties walk in index order");
+            assert_eq!(draw_with(&params, &flat, u), draw_by_definition(&params, &flat, u), "ties walk in index order");
         }
     }
 
