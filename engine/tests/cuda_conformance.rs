@@ -24,7 +24,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{Bf16Rows, argmax, gpu, gpu_in, prompt};
+use common::{Bf16Rows, argmax, gpu, gpu_in, max_abs_diff, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::{Activations, CpuBackend, CudaBackend, Engine, EngineOptions, EntryDtype, Logits, StepInput};
 use safetensors::SafeTensors;
@@ -402,12 +402,7 @@ fn engine_parity(test: &str, weights: WeightDtype, kv_dtype: EntryDtype, tol: f3
         let mut worst = 0f32;
         for (r, (gr, cr)) in g.chunks(vocab).zip(c.chunks(vocab)).enumerate() {
             rows += 1;
-            let e = gr
-                .iter()
-                .zip(cr)
-                .map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() })
-                .fold(0f32, f32::max)
-                / scale;
+            let e = max_abs_diff(gr, cr) / scale;
             if e > tol {
                 flipped.push(format!("block {i} row {r}: {e:.3e}"));
                 assert!(e <= ROUTE_FLIP_TOL, "{what}: block {i} row {r} is {e:.3e} off, beyond a routing flip");

@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{argmax, gpu, prompt};
+use common::{argmax, gpu, max_abs_diff, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::{Activations, CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
 
@@ -90,9 +90,7 @@ fn worst_row_error(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) -> f32 {
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         assert_eq!(argmax(a), argmax(b), "{what}: greedy token of row {i} differs");
         let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-        let err =
-            a.iter().zip(b).map(|(x, y)| if x.is_nan() { f32::INFINITY } else { (x - y).abs() }).fold(0f32, f32::max);
-        worst = worst.max(err / scale);
+        worst = worst.max(max_abs_diff(a, b) / scale);
     }
     worst
 }

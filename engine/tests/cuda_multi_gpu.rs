@@ -45,7 +45,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use common::{Bf16Rows, argmax, prompt};
+use common::{Bf16Rows, argmax, max_abs_diff, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, planned_bytes, write_checkpoint};
 use engine::kv::Sequence;
 use engine::prefix::PrefixState;
@@ -340,12 +340,7 @@ impl Parity {
                 rows.row(g, w, scale);
                 continue;
             }
-            let e = g
-                .iter()
-                .zip(w)
-                .map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() })
-                .fold(0f32, f32::max)
-                / scale;
+            let e = max_abs_diff(g, w) / scale;
             if e > self.tol {
                 assert!(e <= ROUTE_FLIP_TOL, "{}: {name} row {r} is {e:.3e} off, beyond a routing flip", self.what);
                 self.flips.push(format!("{name} row {r}: {e:.3e}"));

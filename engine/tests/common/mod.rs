@@ -39,6 +39,11 @@ pub fn prompt(len: usize, vocab: usize, salt: u64) -> Vec<u32> {
         .collect()
 }
 
+/// max|got − want| over a row, a NaN in `got` counting as infinitely far.
+pub fn max_abs_diff(got: &[f32], want: &[f32]) -> f32 {
+    got.iter().zip(want).map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() }).fold(0f32, f32::max)
+}
+
 /// The greedy token of a row of logits (the engine's sampler's rule).
 pub fn argmax(row: &[f32]) -> u32 {
     engine::sampling::argmax(row)
@@ -70,12 +75,7 @@ pub struct Bf16Rows {
 impl Bf16Rows {
     /// One row against its reference row; `scale` is the reference block's max|logit|.
     pub fn row(&mut self, got: &[f32], want: &[f32], scale: f32) {
-        let e = got
-            .iter()
-            .zip(want)
-            .map(|(a, b)| if a.is_nan() { f32::INFINITY } else { (a - b).abs() })
-            .fold(0f32, f32::max);
-        self.errors.push(e / scale.max(1e-30));
+        self.errors.push(max_abs_diff(got, want) / scale.max(1e-30));
         self.same_picks += usize::from(argmax(got) == argmax(want));
     }
 
