@@ -29,6 +29,17 @@ const MMA_KEYS: usize = 32;
 /// of `ATT_HD_MAX + 8` bf16. Past the 48 KiB a block gets without asking, so the backend
 /// opts in at load (`runtime::big_shared`).
 pub(crate) const MMA_DYN_SMEM: usize = 2 * MMA_KEYS * (ATT_HD_MAX + 8) * 2;
+/// Heads a block of the warpgroup kernel (`AW_HEADS` in attention_wg.cu).
+const WG_HEADS: usize = 64;
+/// The one head dimension the warpgroup kernel takes (V4's).
+const WG_HEAD_DIM: usize = 512;
+/// Keys a tile of the warpgroup kernel (`AW_KEYS`).
+const WG_KEYS: usize = 64;
+/// Threads of a warpgroup-kernel block: two warpgroups.
+const WG_THREADS: u32 = 256;
+/// Its dynamic shared memory (`AW_DYN_SMEM`): q and a key tile as bf16 (64 KiB each), the
+/// next tile's raw records (64 KiB), 1 KiB of alignment.
+pub(crate) const WG_DYN_SMEM: usize = 1024 + 3 * 64 * 1024;
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -443,14 +454,21 @@ pub(crate) fn attention(
         })
         .sum();
     g.traffic.add_kv(keys * lk.main.bytes());
-    let mma = use_mma(layout, layer, rows);
-    // Block places: the tensor-core kernel holds one block an SM (198 registers a thread),
-    // the SIMT kernel aims for two.
-    let (hpb, slots) = if mma { (MMA_HEADS_PER_BLOCK, g.sms) } else { (ATT_HEADS_PER_BLOCK.min(heads), 2 * g.sms) };
+    let (kernel, new_bf16) = attention_kernel(g, layout, layer, plan, heads);
+    let (mma, wg) = (kernel != "attention", kernel == "attention_wg");
+    // Block places: the tensor-core kernels hold one block an SM (198 and ~200 registers a
+    // thread, ~195 KiB of shared memory for the warpgroup one), the SIMT kernel aims for two.
+    let (hpb, slots, tile) = if wg {
+        (WG_HEADS, g.sms, WG_KEYS)
+    } else if mma {
+        (MMA_HEADS_PER_BLOCK, g.sms, MMA_KEYS)
+    } else {
+        (ATT_HEADS_PER_BLOCK.min(heads), 2 * g.sms, ATT_T)
+    };
     let hgroups = heads.div_ceil(hpb);
-    let (splits, per) = key_splits(slots, rows * hgroups, n_max, if mma { MMA_KEYS } else { ATT_T });
+    let (splits, per) = key_splits(slots, rows * hgroups, n_max, tile);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
-    let new_bf16 = (mma && rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len()).then(|| {
+    let new_bf16 = new_bf16.then(|| {
         let xb = g.alloc::<u16>(rows * hd);
         launch!(
             g,
@@ -488,8 +506,13 @@ pub(crate) fn attention(
         new_bf16: new_bf16.is_some() as i32,
         one_part: i32::from(g.activations == Activations::Bf16),
     };
-    let (kernel, threads, smem) =
-        if mma { ("attention_mma", MMA_THREADS, MMA_DYN_SMEM as u32) } else { ("attention", 32 * hpb as u32, 0) };
+    let (threads, smem) = if wg {
+        (WG_THREADS, WG_DYN_SMEM as u32)
+    } else if mma {
+        (MMA_THREADS, MMA_DYN_SMEM as u32)
+    } else {
+        (32 * hpb as u32, 0)
+    };
     launch!(
         g,
         kernel,
@@ -551,6 +574,43 @@ fn use_mma(layout: &KvLayout, layer: usize, rows: usize) -> bool {
         crate::EntryDtype::F32 => false,
     };
     !simt_only && rows >= min_rows && dtype_ok && hd.is_multiple_of(128) && hd <= ATT_HD_MAX && aligned
+}
+
+/// The kernel a batch's attention runs in (`attention`, `attention_mma` or
+/// `attention_wg`), and whether its new entries are passed as bf16.
+pub(crate) fn attention_kernel(
+    g: &Gpu,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    heads: usize,
+) -> (&'static str, bool) {
+    let rows = plan.rows();
+    let mma = use_mma(layout, layer, rows);
+    let new_bf16 = mma && rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len();
+    let kernel = if new_bf16 && use_wg(g, heads, layout.layers[layer].spec.head_dim) {
+        "attention_wg"
+    } else if mma {
+        "attention_mma"
+    } else {
+        "attention"
+    };
+    (kernel, new_bf16)
+}
+
+/// Whether a prefill-sized batch (its new entries passed as bf16) takes the warpgroup
+/// kernel (attention_wg.cu): Hopper, bf16 activations (the kernel rounds q and the softmax
+/// weights once, as `attention_mma`'s `one_part`; split activations keep that kernel and
+/// its f32 distance), V4's head_dim and whole blocks of 64 heads. The entry dtypes and
+/// alignments are `use_mma`'s. `SLUICE_CUDA_ATT_WGMMA=0` keeps `attention_mma`, for
+/// comparisons.
+fn use_wg(g: &Gpu, heads: usize, hd: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_WGMMA").is_ok_and(|v| v == "0"));
+    !off && g.cc.0 == 9
+        && g.activations == Activations::Bf16
+        && hd == WG_HEAD_DIM
+        && heads.is_multiple_of(WG_HEADS)
 }
 
 pub(crate) fn store_window(

@@ -617,6 +617,12 @@ impl CudaBackend {
         super::gemv_f8wg::f8wg_many_plan(g, g.ptr(&x.mem), rows, ws).map(|p| p.name)
     }
 
+    /// The kernel attention runs a batch's layer `layer` in (`attention`, `attention_mma`
+    /// or `attention_wg`), for the parity suite.
+    pub fn attention_kernel(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> &'static str {
+        super::attention::attention_kernel(&self.gpu, layout, layer, plan, heads).0
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {

@@ -40,6 +40,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("gemv_f8wg.cu", include_str!("cu/gemv_f8wg.cu")),
     ("moe_wgmma.cu", include_str!("cu/moe_wgmma.cu")),
     ("moe_fp4wg.cu", include_str!("cu/moe_fp4wg.cu")),
+    ("attention_wg.cu", include_str!("cu/attention_wg.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

@@ -174,6 +174,7 @@ const KERNELS: &[&str] = &[
     "attention",
     "attention_merge",
     "attention_mma",
+    "attention_wg",
     "store_window",
     "gpu_sleep",
     "kv_checksum",
@@ -190,6 +191,7 @@ const KERNELS: &[&str] = &[
 fn big_shared() -> Vec<(&'static str, usize)> {
     let mut v =
         vec![("compress_stream", super::compress::STREAM_MAX_SMEM), ("attention_mma", super::attention::MMA_DYN_SMEM)];
+    v.push(("attention_wg", super::attention::WG_DYN_SMEM));
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));
     v.extend(super::gemv_f8mma::F8MMA_KERNELS.iter().map(|&n| (n, super::gemv_f8mma::F8MMA_MAX_SMEM)));

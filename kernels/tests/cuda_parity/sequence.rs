@@ -111,15 +111,23 @@ fn f64_scores<B: Backend>(
 
 /// `kv_scale` multiplies the attention entries (and divides q, so the logits keep their
 /// size): 2^17 puts every FP8 block's scale past what the tensor-core attention's fast
-/// code conversion takes (attention_mma.cu, `TC_FAST_SCALE_MAX`).
-fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
+/// code conversion takes (attention_mma.cu, `TC_FAST_SCALE_MAX`). In `Activations::Bf16`
+/// the tensor-core kernels round q and the softmax weights once to bf16 (prefill-sized
+/// batches run `attention_wg` on sm_90, which the test asserts), held to the bf16 bound.
+fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
     let name = format!(
-        "cuda_sequence_ops_match_cpu_at_flash_shapes_{}{}",
+        "cuda_sequence_ops_{}match_cpu_at_flash_shapes_{}{}",
+        if activations == Activations::Bf16 { "in_bf16_activations_" } else { "" },
         dtype.name(),
         if kv_scale == 1.0 { String::new() } else { format!("_kv_scale_{kv_scale}") }
     );
-    let Some(g) = gpu(&name) else { return };
+    let Some(g) = gpu_in(&name, activations) else { return };
     let g = &*g;
+    let bound = if activations == Activations::Bf16 { tol("bf16") } else { tol(dtype.name()) };
+    let wgmma = activations == Activations::Bf16
+        && g.compute_capability().0 == 9
+        && std::env::var("SLUICE_CUDA_ATT_WGMMA").map_or(true, |v| v != "0");
+    let mut wg_layers = 0;
     let mut rng = rng(&name);
     let specs = [
         LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
@@ -136,11 +144,13 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
     let mut gs = side(g, &layout, 24, 2, &raw, &sinks);
     let mut cs = side(&cpu, &layout, 24, 2, &raw, &sinks);
     // (seq, chunk) per step: a long prefill in uneven chunks (more CSA candidates than
-    // top-k), a short sequence joining, then batched decode of both.
+    // top-k), a short sequence joining, a chunk of 64 rows (few enough that the
+    // tensor-core kernels split the keys), then batched decode of both.
     let schedule: Vec<Vec<(usize, usize)>> = vec![
         vec![(0, 1300)],
         vec![(0, 917), (1, 1)],
         vec![(1, 140)],
+        vec![(1, 64)],
         vec![(0, 1), (1, 1)],
         vec![(0, 1), (1, 1)],
         vec![(0, 3), (1, 1)],
@@ -171,6 +181,11 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
                 q: rand_vec(&mut rng, rows * HEADS * HD, 0.3 / kv_scale),
                 new_kv: round(rand_vec(&mut rng, rows * HD, kv_scale)),
             };
+            let kernel = g.attention_kernel(&layout, l, &plan, HEADS);
+            if wgmma && dtype != EntryDtype::F32 && rows >= 64 {
+                assert_eq!(kernel, "attention_wg", "{rows} rows of layer {l} ({:?})", spec.kind);
+            }
+            wg_layers += usize::from(kernel == "attention_wg");
             let (gout, gsel) = run_layer(&mut gs, &layout, l, &plan, &inp, &rope, None, &|b: &CudaBackend, v| {
                 kernels::cuda::CudaIdx::from_host(b, v)
             });
@@ -179,7 +194,7 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
             let (cout, csel) = run_layer(&mut cs, &layout, l, &plan, &inp, &rope, gsel.as_deref(), &|_, v| v.to_vec());
             let e = rel_err(&gout, &cout);
             worst = worst.max(e);
-            if e.is_nan() || e > tol(dtype.name()) {
+            if e.is_nan() || e > bound {
                 let (i, d) = gout
                     .iter()
                     .zip(&cout)
@@ -261,7 +276,12 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
     let gcomp = gs.b.kv_read(&gs.kv.comp, 0, 2 * layout.comp_elems);
     let ccomp = cs.b.kv_read(&cs.kv.comp, 0, 2 * layout.comp_elems);
     assert_eq!(gcomp, ccomp, "compressor rings hold the same bytes (copies of the inputs)");
-    eprintln!("PARITY attention {}{} {worst:.2e}", dtype.name(), if kv_scale == 1.0 { "" } else { " (scaled)" });
+    eprintln!(
+        "PARITY attention {}{} {activations}: {worst:.2e} ({wg_layers} layer steps on attention_wg)",
+        dtype.name(),
+        if kv_scale == 1.0 { "" } else { " (scaled)" }
+    );
+    assert!(!wgmma || wg_layers > 0, "no batch ran attention_wg");
     eprintln!(
         "PARITY indexer-selection {}: {checked} rows identical to the CPU's, {near_ties} differing rows each the \
          top-k of the GPU's keys up to f32 ties",
@@ -272,24 +292,41 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32) {
 
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_f32() {
-    sequence_ops(EntryDtype::F32, 1.0);
+    sequence_ops(EntryDtype::F32, 1.0, Activations::Split);
 }
 
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_bf16() {
-    sequence_ops(EntryDtype::Bf16, 1.0);
+    sequence_ops(EntryDtype::Bf16, 1.0, Activations::Split);
 }
 
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_fp8() {
-    sequence_ops(EntryDtype::Fp8, 1.0);
+    sequence_ops(EntryDtype::Fp8, 1.0, Activations::Split);
 }
 
 /// Entries whose FP8 block scales are above 2^7: the tensor-core attention's keys then
 /// take its f32 code conversion.
 #[test]
 fn cuda_sequence_ops_match_cpu_at_flash_shapes_fp8_wide_scales() {
-    sequence_ops(EntryDtype::Fp8, 131072.0);
+    sequence_ops(EntryDtype::Fp8, 131072.0, Activations::Split);
+}
+
+/// The serving precision: prefill-sized batches on the warpgroup attention (sm_90).
+#[test]
+fn cuda_sequence_ops_in_bf16_activations_match_cpu_at_flash_shapes_bf16() {
+    sequence_ops(EntryDtype::Bf16, 1.0, Activations::Bf16);
+}
+
+#[test]
+fn cuda_sequence_ops_in_bf16_activations_match_cpu_at_flash_shapes_fp8() {
+    sequence_ops(EntryDtype::Fp8, 1.0, Activations::Bf16);
+}
+
+/// The warpgroup attention's f32 code conversion (FP8 block scales above 2^7).
+#[test]
+fn cuda_sequence_ops_in_bf16_activations_match_cpu_at_flash_shapes_fp8_wide_scales() {
+    sequence_ops(EntryDtype::Fp8, 131072.0, Activations::Bf16);
 }
 
 /// Compressed fp8 entries of the two devices: the compressors' f32 sums differ in their

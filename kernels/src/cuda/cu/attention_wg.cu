@@ -1,0 +1,372 @@
+// Prefill attention on Hopper's warpgroup instruction (wgmma, sm_90a), for V4's geometry
+// (64 heads a block, head_dim 512) with bf16 activations; attention.rs says when it runs
+// and docs/cuda.md ("attention_wg") why.
+//
+// Why: `attention_mma` (attention_mma.cu) splits a 32-key tile's logits over 8 dim groups
+// of warps and sums their partials through shared memory: three block barriers, the
+// partial sums and a softmax on 16 threads a head for every 32 keys × 32 heads. An 8K
+// prefill's CSA layer took ~10 ms in it, ~7% of the tensor cores' rate (docs/perf.md).
+// Here a block is one row and 64 heads (the whole query of a row: V4's keys are shared by
+// all heads, so the heads are wgmma's M), two warpgroups, and a tile is 64 keys:
+// - QK: each warpgroup computes all of S[64 heads × 64 keys] = q · Kᵀ (32 `m64n64k16`,
+//   q and the keys both from shared memory). Both compute the same S so that each holds
+//   every weight of its rows in registers; the alternative, half the keys each and the
+//   weights exchanged through shared memory, saves a third of the products and costs two
+//   more block barriers a tile.
+// - The online softmax in registers (a row's 64 logits on the 4 threads of a quad).
+// - PV: warpgroup w adds P · V over dims 256w..256w+255 (4 `m64n256k16`, P from registers
+//   in the accumulator's own layout, V — the same key tile — from shared memory read
+//   MN-major).
+// Numbers as `attention_mma` with `one_part`: q and the softmax weights rounded once to
+// bf16 (as the reference model's bf16 attention has them), keys exact (bf16 entries, or
+// fp8 codes times a power-of-two scale), f32 sums; the softmax, its running maximum and
+// sums and the sink as there.
+//
+// Shared memory (dynamic, 1 KiB aligned): q as bf16, the key tile as bf16, both in
+// wgmma's 128-byte-swizzled layout (8 planes of 64 dims, a plane 64 rows × 128 bytes, the
+// 16-byte piece c of row r at piece c ^ (r % 8)), and the next tile's raw bytes (a key's
+// record as stored: bf16 values, or fp8 codes, bf16 tail and scale bytes), brought in by
+// `cp.async` while the tile before it is multiplied and converted into the tile buffer
+// between two barriers.
+
+#define AW_HEADS 64
+#define AW_HD 512
+#define AW_KEYS 64
+#define AW_THREADS 256
+#define AW_PLANE (64 * 128)                // 64 rows × 64 bf16
+#define AW_MAT (AW_HD / 64 * AW_PLANE)      // q or a key tile: 64 KiB
+#define AW_RAW_KEY 1024                     // a key's record in the staging buffer (at most)
+#define AW_RAW (AW_KEYS * AW_RAW_KEY)
+#define AW_DYN_SMEM (1024 + 2 * AW_MAT + AW_RAW)
+
+// S (64 × 64, f32) = A · B, both bf16 from shared memory, K-major; `acc` 0: D's old values not read.
+__device__ __forceinline__ void aw_qk(float (&d)[32], u64 da, u64 db, int acc) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(acc));
+#else
+    __trap();
+#endif
+}
+
+// D (64 × 256, f32) += A · B, A (bf16) from registers, B (bf16) from shared memory MN-major.
+
+__device__ __forceinline__ void aw_pv(float (&d)[128], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// The compiler sees a wgmma's registers written when it is issued; this ties their reads
+// to after the wait that completes them.
+template <int N>
+__device__ __forceinline__ void aw_hold(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
+}
+
+// Byte offset of 16-byte piece `c` (8 dims from 8c) of row `r` in a swizzled matrix.
+__device__ __forceinline__ u32 aw_at(int r, int c) { return (c >> 3) * AW_PLANE + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
+
+// Two f32 as a bf16 pair, rounded to nearest even (one instruction; the values here are
+// finite, where it gives f2bf's bits): `lo` in the low half.
+__device__ __forceinline__ u32 aw_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 2^x (the hardware's approximation: a relative error ~2^-22, far below the bf16 rounding
+// of the weights it feeds; the running sums' terms carry it too).
+__device__ __forceinline__ float aw_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// The raw bytes of a tile's keys (places from `kinds`/`offs`) into `raw` by `cp.async`: a
+// warp a key at a time (its place read once, the branch uniform), 16-byte pieces of bf16
+// records, 8-byte ones of fp8 records (8-byte aligned; `n8b` pieces cover codes, tail and
+// scale bytes).
+__device__ __forceinline__ void aw_fetch(u32 raw, const int* kinds, const long long* offs, const AttnGeom& g, int n8b,
+                                         const u16* new_kv, const u8* rings, const u8* page_base) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll 2
+    for (int i = 0; i < AW_KEYS / 8; i++) {
+        const int kk = warp * (AW_KEYS / 8) + i, kind = kinds[kk];
+        if (kind < 0) continue;
+        const u32 dst = raw + kk * AW_RAW_KEY;
+        if (kind == 0 || g.dtype == DTYPE_BF16) {
+            const u8* src = kind == 0 ? (const u8*)(new_kv + offs[kk]) : (kind == 1 ? rings : page_base) + 2 * offs[kk];
+            cp_async<16>(dst + 16 * lane, src + 16 * lane);
+            cp_async<16>(dst + 16 * (lane + 32), src + 16 * (lane + 32));
+        } else {
+            const u8* src = (kind == 1 ? rings : page_base) + offs[kk];
+#pragma unroll
+            for (int u = 0; u < 3; u++) {
+                const int p = lane + 32 * u;
+                if (p < n8b) cp_async<8>(dst + 8 * p, src + 8 * p);
+            }
+        }
+    }
+    cp_async_commit();
+}
+
+// One staged fp8 record's piece c (8 dims) as bf16: codes by bit placement
+// (`e4m3x2_bf16`, exact for the scales TC_FAST_SCALE_MIN..MAX), else through f32, as
+// attention_mma's `store_tile`; the bf16 tail as stored.
+__device__ __forceinline__ uint4 aw_fp8_piece(const u8* e, int c, int n8, int tail) {
+    const int d0 = 8 * c;
+    if (d0 >= n8) {
+        const uint2 x = *(const uint2*)(e + n8 + 2 * (d0 - n8)), y = *(const uint2*)(e + n8 + 2 * (d0 - n8) + 8);
+        return make_uint4(x.x, x.y, y.x, y.y);
+    }
+    const uint2 x = *(const uint2*)(e + d0);
+    const u32 code = e[n8 + 2 * tail + d0 / FP8_BLOCK];
+    if (code >= TC_FAST_SCALE_MIN && code <= TC_FAST_SCALE_MAX) {
+        const u32 ex = (code + 120u) << 7, f = ex | (ex << 16);
+        return make_uint4(e4m3x2_bf16(x.x, 0, f), e4m3x2_bf16(x.x, 1, f), e4m3x2_bf16(x.y, 0, f), e4m3x2_bf16(x.y, 1, f));
+    }
+    const float s = ue8m0_scale(code);
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u32 word = (j < 2 ? x.x : x.y) >> (16 * (j & 1));
+        w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The staged records into the tile buffer as bf16 (missing keys as zeros): a warp a key
+// at a time, a lane its pieces lane and lane + 32.
+__device__ __forceinline__ void aw_convert(u8* tile, const u8* raw, const int* kinds, const AttnGeom& g) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n8 = AW_HD - g.tail;
+#pragma unroll 2
+    for (int i = 0; i < AW_KEYS / 8; i++) {
+        const int kk = warp * (AW_KEYS / 8) + i, kind = kinds[kk];
+        const u8* e = raw + kk * AW_RAW_KEY;
+        uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
+        if (kind == 0 || (kind > 0 && g.dtype == DTYPE_BF16)) {
+            v0 = *(const uint4*)(e + 16 * lane);
+            v1 = *(const uint4*)(e + 16 * (lane + 32));
+        } else if (kind > 0) {
+            v0 = aw_fp8_piece(e, lane, n8, g.tail);
+            v1 = aw_fp8_piece(e, lane + 32, n8, g.tail);
+        }
+        *(uint4*)(tile + aw_at(kk, lane)) = v0;
+        *(uint4*)(tile + aw_at(kk, lane + 32)) = v1;
+    }
+}
+
+// grid (heads / 64, splits, rows), AW_THREADS threads, AW_DYN_SMEM bytes of dynamic shared
+// memory. Requires head_dim 512, bf16 new entries (`new_bf16`), bf16 or fp8 entries with
+// aligned offsets (the launcher checks, as for attention_mma).
+extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
+    attention_wg(const float* q, const u16* new_kv, const u8* rings, const u8* page_base, const u32* pages,
+                 const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
+                 float* out, float* part, AttnGeom g) {
+    pdl_begin();
+    extern __shared__ __align__(16) u8 aw_dyn[];
+    __shared__ int kinds[3][AW_KEYS];  // key places of three tiles: this one, the next (fetching), the one after
+    __shared__ long long offs[3][AW_KEYS];
+    __shared__ u32 present[3][2];      // the tiles' keys that exist, a bit a key
+    u8* qs = aw_dyn + ((1024 - (smem_addr(aw_dyn) & 1023)) & 1023);  // swizzle atoms need 1 KiB alignment
+    u8* tile = qs + AW_MAT;
+    u8* raw = tile + AW_MAT;
+    const u32 q_addr = smem_addr(qs), t_addr = smem_addr(tile), raw_addr = smem_addr(raw);
+
+    const int r = blockIdx.z, h0 = blockIdx.x * AW_HEADS;
+    const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+    const int gid = lane >> 2, tq = lane & 3;
+    const int t = (int)positions[r];
+    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
+    const int n_win = min(t + 1, g.window);
+    const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
+    const int n = n_win + n_comp;
+    const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
+    const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+    const int n8 = AW_HD - g.tail, n8b = (n8 + 2 * g.tail + (n8 + FP8_BLOCK - 1) / FP8_BLOCK + 7) / 8;
+    // Threads < AW_KEYS (warps 0 and 1): key j's place into `slot`, and the slot's bits.
+    auto place = [&](int slot, int j) {
+        long long off = 0;
+        const int kind = j < j1 ? key_source(g, j, t, n_win, seq, pages, sel_row, &off) : -1;
+        kinds[slot][threadIdx.x] = kind;
+        offs[slot][threadIdx.x] = off;
+        const u32 bits = __ballot_sync(0xffffffffu, kind >= 0);
+        if (lane == 0) present[slot][threadIdx.x >> 5] = bits;
+    };
+
+    if (threadIdx.x < AW_KEYS) place(0, j0 + threadIdx.x);
+    __syncthreads();
+    if (j0 < j1) aw_fetch(raw_addr, kinds[0], offs[0], g, n8b, new_kv, rings, page_base);
+    if (threadIdx.x < AW_KEYS) place(1, j0 + AW_KEYS + threadIdx.x);
+    // q as bf16 (rounded once), swizzled: a thread 16 pieces of 8 dims, every load issued
+    // before the first conversion (one block an SM: nothing else hides their latency).
+    {
+        constexpr int PIECES = AW_HEADS * AW_HD / 8 / AW_THREADS;
+        float4 a[PIECES], b[PIECES];
+#pragma unroll
+        for (int u = 0; u < PIECES; u++) {
+            const int p = threadIdx.x + AW_THREADS * u;
+            const float* src = q + ((long long)r * g.heads + h0 + (p >> 6)) * AW_HD + 8 * (p & 63);
+            a[u] = *(const float4*)src;
+            b[u] = *(const float4*)(src + 4);
+        }
+#pragma unroll
+        for (int u = 0; u < PIECES; u++) {
+            const int p = threadIdx.x + AW_THREADS * u;
+            *(uint4*)(qs + aw_at(p >> 6, p & 63)) = make_uint4(aw_bf16x2(a[u].x, a[u].y), aw_bf16x2(a[u].z, a[u].w),
+                                                               aw_bf16x2(b[u].x, b[u].y), aw_bf16x2(b[u].z, b[u].w));
+        }
+    }
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; i++) o[i] = 0.0f;
+    // The softmax in base 2: logits times scale · log2(e), the running maxima in those units.
+    const float scale2 = g.scale * 1.4426950408889634f;
+    float m_run[2] = {NEG_INF, NEG_INF}, s_run[2] = {0.0f, 0.0f};
+    const int row0 = 16 * warp + gid;  // this thread's rows (heads h0 + row0, + 8)
+
+    for (int jt = j0, it = 0; jt < j1; jt += AW_KEYS, it++) {
+        const int cur = it % 3;
+        // 1. The staged keys into the tile buffer (every warpgroup is done with the last
+        //    tile's products: each waited for them), visible to the tensor cores.
+        cp_async_wait<0>();
+        __syncthreads();
+        aw_convert(tile, raw, kinds[cur], g);
+        wg_proxy_fence();
+        __syncthreads();
+        // 2. The next tile's bytes and the places of the one after, in flight meanwhile.
+        if (jt + AW_KEYS < j1) aw_fetch(raw_addr, kinds[(it + 1) % 3], offs[(it + 1) % 3], g, n8b, new_kv, rings, page_base);
+        if (threadIdx.x < AW_KEYS) place((it + 2) % 3, jt + 2 * AW_KEYS + threadIdx.x);
+
+        // 3. S = q · Kᵀ over 32 k-steps of 16 dims.
+        float s[32];
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < AW_HD / 16; ks++) {
+            const u32 off = (ks >> 2) * AW_PLANE + (ks & 3) * 32;
+            aw_qk(s, wg_desc(q_addr + off, 16, 1024, 1), wg_desc(t_addr + off, 16, 1024, 1), ks > 0);
+        }
+        wg_commit();
+        wg_wait<0>();
+        aw_hold(s);
+
+        // 4. Online softmax: s[4j + e] is row row0 (e < 2) or row0 + 8, key 8j + 2tq + (e & 1).
+        const u32 here[2] = {present[cur][0], present[cur][1]};
+        float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int key = 8 * j + 2 * tq + (e & 1);
+                const bool ok = (here[key >> 5] >> (key & 31)) & 1u;
+                s[4 * j + e] = ok ? s[4 * j + e] * scale2 : NEG_INF;
+                mt[e >> 1] = fmaxf(mt[e >> 1], s[4 * j + e]);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+            mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+            const float m_new = fmaxf(m_run[h], mt[h]);
+            corr[h] = m_new == NEG_INF ? 1.0f : aw_exp2(m_run[h] - m_new);
+            m_run[h] = m_new;
+            s_run[h] *= corr[h];
+        }
+        const float mz[2] = {m_run[0] == NEG_INF ? 0.0f : m_run[0], m_run[1] == NEG_INF ? 0.0f : m_run[1]};
+        u32 pa[4][4];  // P's A fragments, k-step ks = keys 16ks..16ks+15
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                p[e] = aw_exp2(s[4 * j + e] - mz[e >> 1]);  // exp2(-inf) = 0: missing keys weigh nothing
+                s_run[e >> 1] += p[e];
+            }
+            pa[j >> 1][2 * (j & 1)] = aw_bf16x2(p[0], p[1]);
+            pa[j >> 1][2 * (j & 1) + 1] = aw_bf16x2(p[2], p[3]);
+        }
+        // 5. O = corr · O + P · V over this warpgroup's 256 dims.
+        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+            for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
+        }
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < AW_KEYS / 16; ks++)
+            aw_pv(o, pa[ks], wg_desc(t_addr + wg * 4 * AW_PLANE + ks * 16 * 128, AW_PLANE, 1024, 1));
+        wg_commit();
+        wg_wait<0>();
+        aw_hold(o);
+    }
+
+    // Row totals over the quad, the maxima back in natural units, then the sink and the
+    // normalisation (or this split's partial triple, for attention_merge).
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        s_run[h] += __shfl_xor_sync(0xffffffffu, s_run[h], 1);
+        s_run[h] += __shfl_xor_sync(0xffffffffu, s_run[h], 2);
+        m_run[h] *= 0.6931471805599453f;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int head = h0 + row0 + 8 * h;
+        float f = 1.0f;
+        float* dst;
+        if (g.splits > 1) {
+            dst = part + (((long long)r * g.heads + head) * g.splits + blockIdx.y) * (AW_HD + 2);
+            if (wg == 0 && tq == 0) {
+                dst[AW_HD] = m_run[h];
+                dst[AW_HD + 1] = s_run[h];
+            }
+        } else {
+            const float sink = sinks[head], mf = fmaxf(m_run[h], sink), c = expf(m_run[h] - mf);
+            f = c / (s_run[h] * c + expf(sink - mf));
+            dst = out + ((long long)r * g.heads + head) * AW_HD;
+        }
+        dst += 256 * wg + 2 * tq;
+#pragma unroll
+        for (int j = 0; j < 32; j++) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * f, o[4 * j + 2 * h + 1] * f);
+    }
+}
