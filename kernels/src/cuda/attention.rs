@@ -37,9 +37,11 @@ const WG_HEAD_DIM: usize = 512;
 const WG_KEYS: usize = 64;
 /// Threads of a warpgroup-kernel block: two warpgroups.
 const WG_THREADS: u32 = 256;
-/// Its dynamic shared memory (`AW_DYN_SMEM`): q and a key tile as bf16 (64 KiB each), the
-/// next tile's raw records (64 KiB), 1 KiB of alignment.
-pub(crate) const WG_DYN_SMEM: usize = 1024 + 3 * 64 * 1024;
+/// FP8 dims of an entry the warpgroup kernel takes (`AW_N8`): V4's 448, a bf16 tail of 64.
+const WG_FP8_DIMS: usize = 448;
+/// Its dynamic shared memory (`AW_DYN_SMEM`): q and two key tiles as bf16 (64 KiB each),
+/// the next tile's fp8 codes and scale bytes (456 bytes a key), 1 KiB of alignment.
+pub(crate) const WG_DYN_SMEM: usize = 1024 + 3 * 64 * 1024 + WG_KEYS * (WG_FP8_DIMS + 8);
 
 /// `struct IndexGeom` in indexer.cu.
 #[repr(C)]
@@ -470,16 +472,7 @@ pub(crate) fn attention(
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     let new_bf16 = new_bf16.then(|| {
         let xb = g.alloc::<u16>(rows * hd);
-        launch!(
-            g,
-            "round_bf16_rows",
-            cfg_elems(rows * hd),
-            g.ptr(&xb),
-            g.ptr(&new_kv.mem),
-            rows as i32,
-            hd as i32,
-            hd as i32
-        );
+        super::cublas_bf16::round_rows(g, g.ptr(&xb), g.ptr(&new_kv.mem), rows, hd, hd);
         xb
     });
     let per_page = lk.entries_per_page(layout.block).max(1);
@@ -588,7 +581,7 @@ pub(crate) fn attention_kernel(
     let rows = plan.rows();
     let mma = use_mma(layout, layer, rows);
     let new_bf16 = mma && rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len();
-    let kernel = if new_bf16 && use_wg(g, heads, layout.layers[layer].spec.head_dim) {
+    let kernel = if new_bf16 && use_wg(g, layout, layer, heads) {
         "attention_wg"
     } else if mma {
         "attention_mma"
@@ -601,15 +594,18 @@ pub(crate) fn attention_kernel(
 /// Whether a prefill-sized batch (its new entries passed as bf16) takes the warpgroup
 /// kernel (attention_wg.cu): Hopper, bf16 activations (the kernel rounds q and the softmax
 /// weights once, as `attention_mma`'s `one_part`; split activations keep that kernel and
-/// its f32 distance), V4's head_dim and whole blocks of 64 heads. The entry dtypes and
-/// alignments are `use_mma`'s. `SLUICE_CUDA_ATT_WGMMA=0` keeps `attention_mma`, for
-/// comparisons.
-fn use_wg(g: &Gpu, heads: usize, hd: usize) -> bool {
+/// its f32 distance), V4's head_dim and fp8 layout (448 FP8 dims, a bf16 tail of 64) and
+/// whole blocks of 64 heads. The entry dtypes and alignments are `use_mma`'s.
+/// `SLUICE_CUDA_ATT_WGMMA=0` keeps `attention_mma`, for comparisons.
+fn use_wg(g: &Gpu, layout: &KvLayout, layer: usize, heads: usize) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_WGMMA").is_ok_and(|v| v == "0"));
+    let lk = &layout.layers[layer];
+    let fp8_ok = layout.dtype != crate::EntryDtype::Fp8 || lk.main.tail == WG_HEAD_DIM - WG_FP8_DIMS;
     !off && g.cc.0 == 9
         && g.activations == Activations::Bf16
-        && hd == WG_HEAD_DIM
+        && lk.spec.head_dim == WG_HEAD_DIM
+        && fp8_ok
         && heads.is_multiple_of(WG_HEADS)
 }
 

@@ -26,7 +26,7 @@ use cudarc::cublas::sys::cudaDataType;
 use super::blas_op::BlasOp;
 use super::matmul::Operand;
 use super::memory::{CudaWeight, WeightData};
-use super::runtime::{DevBuf, Gpu, cfg_elems, launch};
+use super::runtime::{DevBuf, Gpu, cfg_elems, cfg_row_cols, launch};
 use crate::Activations;
 
 /// Most rows whose split activations are stacked into one product (the weight streamed
@@ -60,22 +60,24 @@ pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Activatio
     match mode {
         Activations::Bf16 => {
             let xb = gpu.alloc::<u16>(n);
-            launch!(
-                gpu,
-                "round_bf16_rows",
-                cfg_elems(n),
-                gpu.ptr(&xb),
-                op.x,
-                rows as i32,
-                cols as i32,
-                op.x_stride as i32
-            );
+            round_rows(gpu, gpu.ptr(&xb), op.x, rows, cols, op.x_stride);
             bf16_gemm(gpu, op, w, gpu.ptr(&xb), op.out, op.out_stride, rows, 0.0);
         }
         Activations::Split => {
             let xs = SplitRows::new(gpu, op.x, op.x_stride, rows, cols);
             product_of_split(gpu, &xs, op, w);
         }
+    }
+}
+
+/// `rows` rows of `cols` f32 values (`x_stride` apart) rounded once to bf16 into `out`
+/// (`rows × cols`, dense): 8 columns a thread where the shape allows.
+pub(crate) fn round_rows(gpu: &Gpu, out: u64, x: u64, rows: usize, cols: usize, x_stride: usize) {
+    if cols.is_multiple_of(8) && x_stride.is_multiple_of(4) && x.is_multiple_of(16) {
+        let cfg = cfg_row_cols(rows, cols / 8);
+        launch!(gpu, "round_bf16_rows8", cfg, out, x, rows as i32, cols as i32, x_stride as i32);
+    } else {
+        launch!(gpu, "round_bf16_rows", cfg_elems(rows * cols), out, x, rows as i32, cols as i32, x_stride as i32);
     }
 }
 

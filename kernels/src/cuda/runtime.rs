@@ -53,6 +53,7 @@ const KERNELS: &[&str] = &[
     "round_to_fp8",
     "split_bf16",
     "round_bf16_rows",
+    "round_bf16_rows8",
     "sum_split_halves",
     "gemv_f32_r1",
     "gemv_f32_r2",

@@ -22,22 +22,24 @@
 // fp8 codes times a power-of-two scale), f32 sums; the softmax, its running maximum and
 // sums and the sink as there.
 //
-// Shared memory (dynamic, 1 KiB aligned): q as bf16, the key tile as bf16, both in
+// Shared memory (dynamic, 1 KiB aligned): q as bf16 and two key tiles as bf16, all in
 // wgmma's 128-byte-swizzled layout (8 planes of 64 dims, a plane 64 rows × 128 bytes, the
-// 16-byte piece c of row r at piece c ^ (r % 8)), and the next tile's raw bytes (a key's
-// record as stored: bf16 values, or fp8 codes, bf16 tail and scale bytes), brought in by
-// `cp.async` while the tile before it is multiplied and converted into the tile buffer
-// between two barriers.
+// 16-byte piece c of row r at piece c ^ (r % 8)), and the fp8 codes and scale bytes of
+// the next tile's keys. The next tile is fetched by `cp.async` while this one is
+// multiplied: bf16 values (this chunk's new entries, bf16 entries, fp8 entries' bf16
+// tails) straight into their places in the other tile buffer, fp8 codes into the staging
+// rows, converted into that buffer while this tile's q · Kᵀ runs on the tensor cores.
 
 #define AW_HEADS 64
 #define AW_HD 512
 #define AW_KEYS 64
 #define AW_THREADS 256
-#define AW_PLANE (64 * 128)                // 64 rows × 64 bf16
+#define AW_PLANE (64 * 128)                 // 64 rows × 64 bf16
 #define AW_MAT (AW_HD / 64 * AW_PLANE)      // q or a key tile: 64 KiB
-#define AW_RAW_KEY 1024                     // a key's record in the staging buffer (at most)
-#define AW_RAW (AW_KEYS * AW_RAW_KEY)
-#define AW_DYN_SMEM (1024 + 2 * AW_MAT + AW_RAW)
+#define AW_N8 448                           // fp8 entries: dims 0..447 as codes, 448..511 bf16
+#define AW_CODES_KEY (AW_N8 + 8)            // a key's codes and its 7 scale bytes (8-byte pieces)
+#define AW_SLOTS 4                          // key places: this tile, the next, the two after
+#define AW_DYN_SMEM (1024 + 3 * AW_MAT + AW_KEYS * AW_CODES_KEY)
 
 // S (64 × 64, f32) = A · B, both bf16 from shared memory, K-major; `acc` 0: D's old values not read.
 __device__ __forceinline__ void aw_qk(float (&d)[32], u64 da, u64 db, int acc) {
@@ -122,45 +124,47 @@ __device__ __forceinline__ float aw_exp2(float x) {
     return r;
 }
 
-// The raw bytes of a tile's keys (places from `kinds`/`offs`) into `raw` by `cp.async`: a
-// warp a key at a time (its place read once, the branch uniform), 16-byte pieces of bf16
-// records, 8-byte ones of fp8 records (8-byte aligned; `n8b` pieces cover codes, tail and
-// scale bytes).
-__device__ __forceinline__ void aw_fetch(u32 raw, const int* kinds, const long long* offs, const AttnGeom& g, int n8b,
-                                         const u16* new_kv, const u8* rings, const u8* page_base) {
+// Fetch a tile's keys (places from `kinds`/`offs`) by `cp.async`, a warp a key at a time
+// (its place read once, the branch uniform): bf16 values into their places in `tile`
+// (16-byte pieces; an fp8 record's tail in 8-byte halves, records being 8-byte aligned),
+// fp8 codes and scale bytes into the key's staging row; a missing key's row of `tile`
+// zeroed.
+__device__ __forceinline__ void aw_fetch(u8* tile, u32 codes, const int* kinds, const long long* offs,
+                                         const AttnGeom& g, const u16* new_kv, const u8* rings,
+                                         const u8* page_base) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 t_addr = smem_addr(tile);
 #pragma unroll 2
     for (int i = 0; i < AW_KEYS / 8; i++) {
         const int kk = warp * (AW_KEYS / 8) + i, kind = kinds[kk];
-        if (kind < 0) continue;
-        const u32 dst = raw + kk * AW_RAW_KEY;
-        if (kind == 0 || g.dtype == DTYPE_BF16) {
+        if (kind < 0) {
+            *(uint4*)(tile + aw_at(kk, lane)) = make_uint4(0u, 0u, 0u, 0u);
+            *(uint4*)(tile + aw_at(kk, lane + 32)) = make_uint4(0u, 0u, 0u, 0u);
+        } else if (kind == 0 || g.dtype == DTYPE_BF16) {
             const u8* src = kind == 0 ? (const u8*)(new_kv + offs[kk]) : (kind == 1 ? rings : page_base) + 2 * offs[kk];
-            cp_async<16>(dst + 16 * lane, src + 16 * lane);
-            cp_async<16>(dst + 16 * (lane + 32), src + 16 * (lane + 32));
+            cp_async<16>(t_addr + aw_at(kk, lane), src + 16 * lane);
+            cp_async<16>(t_addr + aw_at(kk, lane + 32), src + 16 * (lane + 32));
         } else {
-            const u8* src = (kind == 1 ? rings : page_base) + offs[kk];
-#pragma unroll
-            for (int u = 0; u < 3; u++) {
-                const int p = lane + 32 * u;
-                if (p < n8b) cp_async<8>(dst + 8 * p, src + 8 * p);
+            const u8* e = (kind == 1 ? rings : page_base) + offs[kk];
+            const u32 dst = codes + kk * AW_CODES_KEY;
+            cp_async<8>(dst + 8 * lane, e + 8 * lane);  // codes 0..255
+            if (lane < 24) cp_async<8>(dst + 8 * (lane + 32), e + 8 * (lane + 32));  // codes 256..447
+            else if (lane == 24) cp_async<8>(dst + AW_N8, e + AW_N8 + 2 * (AW_HD - AW_N8));  // the scale bytes
+            if (lane < 16) {  // the tail: pieces 56..63 of the row, 8 bytes a lane
+                const int c = AW_N8 / 8 + (lane >> 1);
+                cp_async<8>(t_addr + aw_at(kk, c) + 8 * (lane & 1), e + AW_N8 + 8 * lane);
             }
         }
     }
     cp_async_commit();
 }
 
-// One staged fp8 record's piece c (8 dims) as bf16: codes by bit placement
+// One staged fp8 key's piece c (8 dims, c < 56) as bf16: codes by bit placement
 // (`e4m3x2_bf16`, exact for the scales TC_FAST_SCALE_MIN..MAX), else through f32, as
-// attention_mma's `store_tile`; the bf16 tail as stored.
-__device__ __forceinline__ uint4 aw_fp8_piece(const u8* e, int c, int n8, int tail) {
-    const int d0 = 8 * c;
-    if (d0 >= n8) {
-        const uint2 x = *(const uint2*)(e + n8 + 2 * (d0 - n8)), y = *(const uint2*)(e + n8 + 2 * (d0 - n8) + 8);
-        return make_uint4(x.x, x.y, y.x, y.y);
-    }
-    const uint2 x = *(const uint2*)(e + d0);
-    const u32 code = e[n8 + 2 * tail + d0 / FP8_BLOCK];
+// attention_mma's `store_tile`.
+__device__ __forceinline__ uint4 aw_fp8_piece(const u8* e, int c) {
+    const uint2 x = *(const uint2*)(e + 8 * c);
+    const u32 code = e[AW_N8 + c / (FP8_BLOCK / 8)];
     if (code >= TC_FAST_SCALE_MIN && code <= TC_FAST_SCALE_MAX) {
         const u32 ex = (code + 120u) << 7, f = ex | (ex << 16);
         return make_uint4(e4m3x2_bf16(x.x, 0, f), e4m3x2_bf16(x.x, 1, f), e4m3x2_bf16(x.y, 0, f), e4m3x2_bf16(x.y, 1, f));
@@ -175,24 +179,18 @@ __device__ __forceinline__ uint4 aw_fp8_piece(const u8* e, int c, int n8, int ta
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// The staged records into the tile buffer as bf16 (missing keys as zeros): a warp a key
-// at a time, a lane its pieces lane and lane + 32.
-__device__ __forceinline__ void aw_convert(u8* tile, const u8* raw, const int* kinds, const AttnGeom& g) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n8 = AW_HD - g.tail;
+// The staged fp8 codes of a tile's fp8 keys into their places in `tile` (the other
+// pieces came by `cp.async`): a warp a key at a time, a lane pieces lane and lane + 32.
+__device__ __forceinline__ void aw_convert(u8* tile, const u8* codes, const int* kinds, const AttnGeom& g) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (g.dtype != DTYPE_FP8) return;
 #pragma unroll 2
     for (int i = 0; i < AW_KEYS / 8; i++) {
-        const int kk = warp * (AW_KEYS / 8) + i, kind = kinds[kk];
-        const u8* e = raw + kk * AW_RAW_KEY;
-        uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
-        if (kind == 0 || (kind > 0 && g.dtype == DTYPE_BF16)) {
-            v0 = *(const uint4*)(e + 16 * lane);
-            v1 = *(const uint4*)(e + 16 * (lane + 32));
-        } else if (kind > 0) {
-            v0 = aw_fp8_piece(e, lane, n8, g.tail);
-            v1 = aw_fp8_piece(e, lane + 32, n8, g.tail);
-        }
-        *(uint4*)(tile + aw_at(kk, lane)) = v0;
-        *(uint4*)(tile + aw_at(kk, lane + 32)) = v1;
+        const int kk = warp * (AW_KEYS / 8) + i;
+        if (kinds[kk] <= 0) continue;
+        const u8* e = codes + kk * AW_CODES_KEY;
+        *(uint4*)(tile + aw_at(kk, lane)) = aw_fp8_piece(e, lane);
+        if (lane < AW_N8 / 8 - 32) *(uint4*)(tile + aw_at(kk, lane + 32)) = aw_fp8_piece(e, lane + 32);
     }
 }
 
@@ -205,13 +203,13 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
                  float* out, float* part, AttnGeom g) {
     pdl_begin();
     extern __shared__ __align__(16) u8 aw_dyn[];
-    __shared__ int kinds[3][AW_KEYS];  // key places of three tiles: this one, the next (fetching), the one after
-    __shared__ long long offs[3][AW_KEYS];
-    __shared__ u32 present[3][2];      // the tiles' keys that exist, a bit a key
+    __shared__ int kinds[AW_SLOTS][AW_KEYS];  // key places of tile i in slot i % AW_SLOTS
+    __shared__ long long offs[AW_SLOTS][AW_KEYS];
+    __shared__ u32 present[AW_SLOTS][2];      // the tiles' keys that exist, a bit a key
     u8* qs = aw_dyn + ((1024 - (smem_addr(aw_dyn) & 1023)) & 1023);  // swizzle atoms need 1 KiB alignment
-    u8* tile = qs + AW_MAT;
-    u8* raw = tile + AW_MAT;
-    const u32 q_addr = smem_addr(qs), t_addr = smem_addr(tile), raw_addr = smem_addr(raw);
+    u8* tiles = qs + AW_MAT;                                          // two, tile i in tiles + (i & 1) · AW_MAT
+    u8* codes = tiles + 2 * AW_MAT;
+    const u32 q_addr = smem_addr(qs), t_addr = smem_addr(tiles), c_addr = smem_addr(codes);
 
     const int r = blockIdx.z, h0 = blockIdx.x * AW_HEADS;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
@@ -223,7 +221,6 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
     const int n = n_win + n_comp;
     const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
     const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
-    const int n8 = AW_HD - g.tail, n8b = (n8 + 2 * g.tail + (n8 + FP8_BLOCK - 1) / FP8_BLOCK + 7) / 8;
     // Threads < AW_KEYS (warps 0 and 1): key j's place into `slot`, and the slot's bits.
     auto place = [&](int slot, int j) {
         long long off = 0;
@@ -233,14 +230,19 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         const u32 bits = __ballot_sync(0xffffffffu, kind >= 0);
         if (lane == 0) present[slot][threadIdx.x >> 5] = bits;
     };
+    auto fetch = [&](int tile_i) {
+        const int slot = tile_i % AW_SLOTS;
+        aw_fetch(tiles + (tile_i & 1) * AW_MAT, c_addr, kinds[slot], offs[slot], g, new_kv, rings, page_base);
+    };
 
+    // Tile 0 fetched and converted, tile 1's fetch in flight, q as bf16 meanwhile.
     if (threadIdx.x < AW_KEYS) place(0, j0 + threadIdx.x);
     __syncthreads();
-    if (j0 < j1) aw_fetch(raw_addr, kinds[0], offs[0], g, n8b, new_kv, rings, page_base);
+    fetch(0);
     if (threadIdx.x < AW_KEYS) place(1, j0 + AW_KEYS + threadIdx.x);
-    // q as bf16 (rounded once), swizzled: a thread 16 pieces of 8 dims, every load issued
-    // before the first conversion (one block an SM: nothing else hides their latency).
     {
+        // q rounded once, swizzled: a thread 16 pieces of 8 dims, every load issued before
+        // the first conversion (one block an SM: nothing else hides their latency).
         constexpr int PIECES = AW_HEADS * AW_HD / 8 / AW_THREADS;
         float4 a[PIECES], b[PIECES];
 #pragma unroll
@@ -257,6 +259,13 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
                                                                aw_bf16x2(b[u].x, b[u].y), aw_bf16x2(b[u].z, b[u].w));
         }
     }
+    cp_async_wait<0>();
+    __syncthreads();
+    aw_convert(tiles, codes, kinds[0], g);
+    wg_proxy_fence();
+    __syncthreads();
+    if (j0 + AW_KEYS < j1) fetch(1);
+    if (threadIdx.x < AW_KEYS) place(2, j0 + 2 * AW_KEYS + threadIdx.x);
 
     float o[128];
 #pragma unroll
@@ -267,31 +276,27 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
     const int row0 = 16 * warp + gid;  // this thread's rows (heads h0 + row0, + 8)
 
     for (int jt = j0, it = 0; jt < j1; jt += AW_KEYS, it++) {
-        const int cur = it % 3;
-        // 1. The staged keys into the tile buffer (every warpgroup is done with the last
-        //    tile's products: each waited for them), visible to the tensor cores.
-        cp_async_wait<0>();
-        __syncthreads();
-        aw_convert(tile, raw, kinds[cur], g);
-        wg_proxy_fence();
-        __syncthreads();
-        // 2. The next tile's bytes and the places of the one after, in flight meanwhile.
-        if (jt + AW_KEYS < j1) aw_fetch(raw_addr, kinds[(it + 1) % 3], offs[(it + 1) % 3], g, n8b, new_kv, rings, page_base);
-        if (threadIdx.x < AW_KEYS) place((it + 2) % 3, jt + 2 * AW_KEYS + threadIdx.x);
-
-        // 3. S = q · Kᵀ over 32 k-steps of 16 dims.
+        const int cur = it % AW_SLOTS;
+        const u32 tile_addr = t_addr + (it & 1) * AW_MAT;
+        const bool next = jt + AW_KEYS < j1;
+        // 1. S = q · Kᵀ over 32 k-steps of 16 dims, on the tensor cores while 2. runs.
         float s[32];
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < AW_HD / 16; ks++) {
             const u32 off = (ks >> 2) * AW_PLANE + (ks & 3) * 32;
-            aw_qk(s, wg_desc(q_addr + off, 16, 1024, 1), wg_desc(t_addr + off, 16, 1024, 1), ks > 0);
+            aw_qk(s, wg_desc(q_addr + off, 16, 1024, 1), wg_desc(tile_addr + off, 16, 1024, 1), ks > 0);
         }
         wg_commit();
+        // 2. The next tile's fp8 codes (landed: every thread waited for its copies) into
+        //    the other tile buffer.
+        cp_async_wait<0>();
+        __syncthreads();
+        if (next) aw_convert(tiles + ((it + 1) & 1) * AW_MAT, codes, kinds[(it + 1) % AW_SLOTS], g);
         wg_wait<0>();
         aw_hold(s);
 
-        // 4. Online softmax: s[4j + e] is row row0 (e < 2) or row0 + 8, key 8j + 2tq + (e & 1).
+        // 3. Online softmax: s[4j + e] is row row0 (e < 2) or row0 + 8, key 8j + 2tq + (e & 1).
         const u32 here[2] = {present[cur][0], present[cur][1]};
         float mt[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -327,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
             pa[j >> 1][2 * (j & 1)] = aw_bf16x2(p[0], p[1]);
             pa[j >> 1][2 * (j & 1) + 1] = aw_bf16x2(p[2], p[3]);
         }
-        // 5. O = corr · O + P · V over this warpgroup's 256 dims.
+        // 4. O = corr · O + P · V over this warpgroup's 256 dims.
         if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
             for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
@@ -335,10 +340,16 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < AW_KEYS / 16; ks++)
-            aw_pv(o, pa[ks], wg_desc(t_addr + wg * 4 * AW_PLANE + ks * 16 * 128, AW_PLANE, 1024, 1));
+            aw_pv(o, pa[ks], wg_desc(tile_addr + wg * 4 * AW_PLANE + ks * 16 * 128, AW_PLANE, 1024, 1));
         wg_commit();
         wg_wait<0>();
         aw_hold(o);
+        // 5. The next tile complete and visible to the tensor cores; this one's buffer and
+        //    the staging rows free: the tile after next is fetched into them.
+        wg_proxy_fence();
+        __syncthreads();
+        if (jt + 2 * AW_KEYS < j1) fetch(it + 2);
+        if (threadIdx.x < AW_KEYS) place((it + 3) % AW_SLOTS, jt + 3 * AW_KEYS + threadIdx.x);
     }
 
     // Row totals over the quad, the maxima back in natural units, then the sink and the
