@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{argmax, gpu, max_abs_diff, prompt};
+use common::{argmax, gpu, gpu_in, max_abs_diff, prompt};
 use engine::init::{InitOptions, Preset, WeightDtype, write_checkpoint};
 use engine::{Activations, CudaBackend, Engine, EngineOptions, EntryDtype, Logits};
 
@@ -101,8 +101,8 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
     without.set_graphs(false);
     let (_dir, model) = small_checkpoint(weights);
     let opts = EngineOptions { kv_dtype, max_sequences: 12, ..fp8_options() };
-    let mut g = Engine::load(&model, with, opts.clone()).unwrap();
-    let mut e = Engine::load(&model, without, opts).unwrap();
+    let g = Engine::load(&model, with, opts.clone()).unwrap();
+    let e = Engine::load(&model, without, opts).unwrap();
     let what = format!("{test} ({weights:?} weights, {} KV)", kv_dtype.name());
     // One sequence past a page and several compressed entries of every ratio; then three
     // of different lengths; with BF16 weights also twelve, whose products and routed
@@ -111,6 +111,12 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
     if weights == WeightDtype::Bf16 {
         cases.push((vec![5, 17, 30, 41, 52, 60, 66, 71, 24, 9, 45, 38], 48));
     }
+    cases_match(&what, g, e, cases);
+}
+
+/// Each case (prompt lengths, decode steps) decoded by `g` (graphs on) and `e` (off): the
+/// same greedy tokens, logits within GRAPH_TOL, three in four segments replayed.
+fn cases_match(what: &str, mut g: Engine<CudaBackend>, mut e: Engine<CudaBackend>, cases: Vec<(Vec<usize>, usize)>) {
     for (lens, steps) in cases {
         g.model.backend.take_graph_stats();
         let got = decode(&mut g, &lens, steps);
@@ -141,6 +147,28 @@ fn graphs_match_eager(test: &str, weights: WeightDtype, kv_dtype: EntryDtype) {
         // recorded (the cuBLAS products of the twelve-row batch included).
         assert_eq!(stats.unrecorded, 0, "{what}, batch {lens:?}: ops issued outside the steps' recordings");
     }
+}
+
+/// The warpgroup attention (`attention_wg`: V4's 64 heads of 512 dims, bf16 activations,
+/// sm_90) inside captured steps: the `flash-bench` preset has V4-Flash's attention widths;
+/// sixteen sequences decode in batches of 16 rows, which take it (as their prefills of
+/// 64 tokens and more do). On other GPUs the same comparison runs `attention_mma`.
+#[test]
+fn cuda_graph_steps_match_eager_steps_at_flash_attention_widths() {
+    let test = "cuda_graph_steps_match_eager_steps_at_flash_attention_widths";
+    let _one = one_at_a_time();
+    let (Some(with), Some(without)) = (gpu_in(test, Activations::Bf16), gpu_in(test, Activations::Bf16)) else {
+        return;
+    };
+    without.set_graphs(false);
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    write_checkpoint(&model, &InitOptions::new(Preset::FlashBench, 5, WeightDtype::Bf16)).unwrap();
+    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 96, max_sequences: 16, max_chunk_tokens: 512 };
+    let g = Engine::load(&model, with, opts.clone()).unwrap();
+    let e = Engine::load(&model, without, opts).unwrap();
+    let lens = vec![70, 65, 130, 90, 66, 200, 75, 80, 64, 99, 150, 71, 68, 300, 77, 88];
+    cases_match(&format!("{test} (BF16 weights, fp8 KV, bf16 activations)"), g, e, vec![(lens, 24)]);
 }
 
 #[test]

@@ -580,8 +580,9 @@ pub(crate) fn attention_kernel(
 ) -> (&'static str, bool) {
     let rows = plan.rows();
     let mma = use_mma(layout, layer, rows);
-    let new_bf16 = mma && rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len();
-    let kernel = if new_bf16 && use_wg(g, layout, layer, heads) {
+    let wg = mma && use_wg(g, layout, layer, heads);
+    let new_bf16 = mma && ((rows >= NEW_KV_BF16_ROWS && rows >= 2 * plan.seqs.len()) || (wg && rows >= wg_from_rows()));
+    let kernel = if new_bf16 && wg {
         "attention_wg"
     } else if mma {
         "attention_mma"
@@ -589,6 +590,16 @@ pub(crate) fn attention_kernel(
         "attention"
     };
     (kernel, new_bf16)
+}
+
+/// Fewest rows of a decode-like batch (about a row a sequence) that take the warpgroup
+/// kernel, their new entries rounded to bf16 for it (one small launch; exact: they hold
+/// the entry dtype's values). Below, `attention_mma`'s 32-key splits over two head groups
+/// fill the SMs better. `SLUICE_CUDA_ATT_WG_FROM=N` moves the bound (a large N: prefill
+/// only).
+fn wg_from_rows() -> usize {
+    static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_FROM").unwrap_or(16))
 }
 
 /// Whether a prefill-sized batch (its new entries passed as bf16) takes the warpgroup

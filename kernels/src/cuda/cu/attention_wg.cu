@@ -39,6 +39,7 @@
 #define AW_N8 448                           // fp8 entries: dims 0..447 as codes, 448..511 bf16
 #define AW_CODES_KEY (AW_N8 + 8)            // a key's codes and its 7 scale bytes (8-byte pieces)
 #define AW_SLOTS 4                          // key places: this tile, the next, the two after
+#define AW_SLACK 8.0f                       // log2 units a tile's maximum may exceed the softmax's reference point
 #define AW_DYN_SMEM (1024 + 3 * AW_MAT + AW_KEYS * AW_CODES_KEY)
 
 // S (64 × 64, f32) = A · B, both bf16 from shared memory, K-major; `acc` 0: D's old values not read.
@@ -181,6 +182,9 @@ __device__ __forceinline__ uint4 aw_fp8_piece(const u8* e, int c) {
 
 // The staged fp8 codes of a tile's fp8 keys into their places in `tile` (the other
 // pieces came by `cp.async`): a warp a key at a time, a lane pieces lane and lane + 32.
+// Whether every block scale of the key takes the bit placement is one vote a key (lanes
+// 0..6 read the 7 scale bytes; a piece's factor comes from its block's lane by a
+// shuffle), so the common case has no test or scale load a piece.
 __device__ __forceinline__ void aw_convert(u8* tile, const u8* codes, const int* kinds, const AttnGeom& g) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (g.dtype != DTYPE_FP8) return;
@@ -189,8 +193,23 @@ __device__ __forceinline__ void aw_convert(u8* tile, const u8* codes, const int*
         const int kk = warp * (AW_KEYS / 8) + i;
         if (kinds[kk] <= 0) continue;
         const u8* e = codes + kk * AW_CODES_KEY;
-        *(uint4*)(tile + aw_at(kk, lane)) = aw_fp8_piece(e, lane);
-        if (lane < AW_N8 / 8 - 32) *(uint4*)(tile + aw_at(kk, lane + 32)) = aw_fp8_piece(e, lane + 32);
+        const u32 code = lane < AW_N8 / FP8_BLOCK ? e[AW_N8 + lane] : TC_FAST_SCALE_MIN;
+        const bool second = lane < AW_N8 / 8 - 32;  // pieces 32..55
+        if (__all_sync(0xffffffffu, code >= TC_FAST_SCALE_MIN && code <= TC_FAST_SCALE_MAX)) {
+            const u32 ex = (code + 120u) << 7, f = ex | (ex << 16);  // 2^(code - 127) · 2^120, both halves
+            const u32 f0 = __shfl_sync(0xffffffffu, f, lane >> 3), f1 = __shfl_sync(0xffffffffu, f, (lane + 32) >> 3);
+            const uint2 x = *(const uint2*)(e + 8 * lane);
+            *(uint4*)(tile + aw_at(kk, lane)) = make_uint4(e4m3x2_bf16(x.x, 0, f0), e4m3x2_bf16(x.x, 1, f0),
+                                                           e4m3x2_bf16(x.y, 0, f0), e4m3x2_bf16(x.y, 1, f0));
+            if (second) {
+                const uint2 y = *(const uint2*)(e + 8 * (lane + 32));
+                *(uint4*)(tile + aw_at(kk, lane + 32)) = make_uint4(e4m3x2_bf16(y.x, 0, f1), e4m3x2_bf16(y.x, 1, f1),
+                                                                    e4m3x2_bf16(y.y, 0, f1), e4m3x2_bf16(y.y, 1, f1));
+            }
+        } else {
+            *(uint4*)(tile + aw_at(kk, lane)) = aw_fp8_piece(e, lane);
+            if (second) *(uint4*)(tile + aw_at(kk, lane + 32)) = aw_fp8_piece(e, lane + 32);
+        }
     }
 }
 
@@ -270,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; i++) o[i] = 0.0f;
-    // The softmax in base 2: logits times scale · log2(e), the running maxima in those units.
+    // The softmax in base 2: logits times scale · log2(e), the reference points in those units.
     const float scale2 = g.scale * 1.4426950408889634f;
     float m_run[2] = {NEG_INF, NEG_INF}, s_run[2] = {0.0f, 0.0f};
     const int row0 = 16 * warp + gid;  // this thread's rows (heads h0 + row0, + 8)
@@ -309,13 +328,19 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
                 mt[e >> 1] = fmaxf(mt[e >> 1], s[4 * j + e]);
             }
         }
+        // The reference point of a row's exponentials moves only when a tile's maximum
+        // passes it by more than AW_SLACK (2^8): the weights then lie in [0, 256] (bf16
+        // rounds them to the same relative precision, f32 sums hold them), and O's 128
+        // registers are rescaled on the few tiles that move it instead of most tiles. The
+        // result is the same function of the logits (numerator and denominator share the
+        // point), to rounding.
         float corr[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
-            const float m_new = fmaxf(m_run[h], mt[h]);
-            corr[h] = m_new == NEG_INF ? 1.0f : aw_exp2(m_run[h] - m_new);
+            const float m_new = mt[h] > m_run[h] + AW_SLACK ? mt[h] : m_run[h];
+            corr[h] = m_new == m_run[h] ? 1.0f : aw_exp2(m_run[h] - m_new);  // from -inf: 0
             m_run[h] = m_new;
             s_run[h] *= corr[h];
         }
