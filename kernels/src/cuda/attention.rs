@@ -458,8 +458,9 @@ pub(crate) fn attention(
     g.traffic.add_kv(keys * lk.main.bytes());
     let (kernel, new_bf16) = attention_kernel(g, layout, layer, plan, heads);
     let (mma, wg) = (kernel != "attention", kernel == "attention_wg");
-    // Block places: the tensor-core kernels hold one block an SM (198 and ~200 registers a
-    // thread, ~195 KiB of shared memory for the warpgroup one), the SIMT kernel aims for two.
+    // Block places: the tensor-core kernels hold one block an SM (`attention_mma` 198
+    // registers a thread; `attention_wg` 255 and ~225 KiB of shared memory), the SIMT
+    // kernel aims for two.
     let (hpb, slots, tile) = if wg {
         (WG_HEADS, g.sms, WG_KEYS)
     } else if mma {
@@ -602,8 +603,9 @@ fn wg_from_rows() -> usize {
     *ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_FROM").unwrap_or(16))
 }
 
-/// Whether a prefill-sized batch (its new entries passed as bf16) takes the warpgroup
-/// kernel (attention_wg.cu): Hopper, bf16 activations (the kernel rounds q and the softmax
+/// Whether the warpgroup kernel (attention_wg.cu) can take a layer's batches (those whose
+/// new entries are passed as bf16: prefill-sized ones, and decode batches from
+/// [`wg_from_rows`] rows): Hopper, bf16 activations (the kernel rounds q and the softmax
 /// weights once, as `attention_mma`'s `one_part`; split activations keep that kernel and
 /// its f32 distance), V4's head_dim and fp8 layout (448 FP8 dims, a bf16 tail of 64) and
 /// whole blocks of 64 heads. The entry dtypes and alignments are `use_mma`'s.

@@ -1,6 +1,7 @@
-// Prefill attention on Hopper's warpgroup instruction (wgmma, sm_90a), for V4's geometry
-// (64 heads a block, head_dim 512) with bf16 activations; attention.rs says when it runs
-// and docs/cuda.md ("attention_wg") why.
+// Attention on Hopper's warpgroup instruction (wgmma, sm_90a) for V4's geometry (64 heads
+// a block, head_dim 512) with bf16 activations: prefill-sized batches and decode batches
+// of 16+ rows; attention.rs (`attention_kernel`) says when it runs, docs/cuda.md
+// ("What runs where") and docs/perf.md ("Prefill attention on `wgmma`") why.
 //
 // Why: `attention_mma` (attention_mma.cu) splits a 32-key tile's logits over 8 dim groups
 // of warps and sums their partials through shared memory: three block barriers, the
@@ -19,8 +20,10 @@
 //   MN-major).
 // Numbers as `attention_mma` with `one_part`: q and the softmax weights rounded once to
 // bf16 (as the reference model's bf16 attention has them), keys exact (bf16 entries, or
-// fp8 codes times a power-of-two scale), f32 sums; the softmax, its running maximum and
-// sums and the sink as there.
+// fp8 codes times a power-of-two scale), f32 sums, the sink as there; the exponentials in
+// base 2 by the hardware's `ex2` and a row's reference point moved only past 2^8 (below:
+// both far inside the weights' bf16 rounding). A key split leaves (output, reference
+// point, sum) in `attention_merge`'s layout, as `attention_mma` does.
 //
 // Shared memory (dynamic, 1 KiB aligned): q as bf16 and two key tiles as bf16, all in
 // wgmma's 128-byte-swizzled layout (8 planes of 64 dims, a plane 64 rows × 128 bytes, the
