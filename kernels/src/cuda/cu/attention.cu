@@ -51,6 +51,27 @@ __device__ __forceinline__ int key_source(const AttnGeom& g, int j, int t, int n
     return 2;
 }
 
+// Row r's keys as a kernel of blockIdx.y = `split` sees them: its position t, its
+// sequence's record, its window's length, the split's range [j0, j1) of its n_win +
+// compressed keys, and its selection (CSA).
+struct AttnRow {
+    int t, n_win, j0, j1;
+    const int* seq;
+    const int* sel_row;
+};
+__device__ __forceinline__ AttnRow attn_row(const AttnGeom& g, int r, int split, const u32* positions,
+                                            const int* row_seq, const int* seqs, const int* sel) {
+    AttnRow a;
+    a.t = (int)positions[r];
+    a.seq = seqs + row_seq[r] * SEQ_STRIDE;
+    a.n_win = min(a.t + 1, g.window);
+    const int n = a.n_win + (g.kind == 2 ? (a.t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0));
+    a.j0 = split * g.keys_per_split;
+    a.j1 = min(n, a.j0 + g.keys_per_split);
+    a.sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+    return a;
+}
+
 // grid (ceil(heads / warps), splits, rows), one warp per head (up to 16 warps).
 extern "C" __global__ void __launch_bounds__(512)
     attention(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
@@ -64,14 +85,9 @@ extern "C" __global__ void __launch_bounds__(512)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int h = blockIdx.x * (blockDim.x >> 5) + warp;
     const bool active = h < g.heads;
-    const int t = (int)positions[r];
-    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
-    const int n_win = min(t + 1, g.window);
-    const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
-    const int n = n_win + n_comp;
-    const int j0 = split * g.keys_per_split;
-    const int j1 = min(n, j0 + g.keys_per_split);
-    const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+    const AttnRow row = attn_row(g, r, split, positions, row_seq, seqs, sel);
+    const int t = row.t, n_win = row.n_win, j0 = row.j0, j1 = row.j1;
+    const int *seq = row.seq, *sel_row = row.sel_row;
 
     float qv[ATT_DPL], acc[ATT_DPL];
 #pragma unroll

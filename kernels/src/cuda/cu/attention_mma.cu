@@ -134,6 +134,19 @@ __device__ __forceinline__ bool fetch_tile(KeyPiece (&p)[TC_PIECES], const AttnG
 #define TC_FAST_SCALE_MIN 11u
 #define TC_FAST_SCALE_MAX 134u
 
+// Eight fp8 codes (x, y: low byte first) times the block scale 2^(code - 127) as bf16,
+// through f32: the route for scales outside TC_FAST_SCALE_MIN..MAX.
+__device__ __forceinline__ uint4 fp8x8_bf16_wide(u32 x, u32 y, u32 code) {
+    const float s = ue8m0_scale(code);
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const u32 word = (j < 2 ? x : y) >> (16 * (j & 1));
+        w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // Convert this thread's fetched pieces to bf16 (exactly: an fp8 code times a power of two
 // needs 4 significant bits) into the tile buffer; missing keys (past the end, unselected)
 // become 0. The conversion was half the kernel's instructions with fp8_to_f32 per code
@@ -156,14 +169,7 @@ __device__ __forceinline__ void store_tile(const KeyPiece (&p)[TC_PIECES], u16* 
                 v = make_uint4(e4m3x2_bf16(p[u].a.x, 0, f), e4m3x2_bf16(p[u].a.x, 1, f), e4m3x2_bf16(p[u].a.y, 0, f),
                                e4m3x2_bf16(p[u].a.y, 1, f));
             } else {
-                const float s = ue8m0_scale(code);
-                u32 w[4];
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const u32 word = (j < 2 ? p[u].a.x : p[u].a.y) >> (16 * (j & 1));
-                    w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
-                }
-                v = make_uint4(w[0], w[1], w[2], w[3]);
+                v = fp8x8_bf16_wide(p[u].a.x, p[u].a.y, code);
             }
         }
         *(uint4*)(kb + kk * TC_KSTRIDE + c * 8) = v;
@@ -234,13 +240,9 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
     const int h_base = blockIdx.x * TC_HEADS;
     const int dw = g.hd / TC_DGROUPS, nk = dw >> 4, nn = dw >> 3;
     const int d_base = dg * dw;
-    const int t = (int)positions[r];
-    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
-    const int n_win = min(t + 1, g.window);
-    const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
-    const int n = n_win + n_comp;
-    const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
-    const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+    const AttnRow row = attn_row(g, r, blockIdx.y, positions, row_seq, seqs, sel);
+    const int t = row.t, n_win = row.n_win, j0 = row.j0, j1 = row.j1;
+    const int *seq = row.seq, *sel_row = row.sel_row;
 
     // Where key j of this split lives (kind -1: past the split, or not selected).
     auto place = [&](int j, long long* off) {

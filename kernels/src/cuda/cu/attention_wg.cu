@@ -173,14 +173,7 @@ __device__ __forceinline__ uint4 aw_fp8_piece(const u8* e, int c) {
         const u32 ex = (code + 120u) << 7, f = ex | (ex << 16);
         return make_uint4(e4m3x2_bf16(x.x, 0, f), e4m3x2_bf16(x.x, 1, f), e4m3x2_bf16(x.y, 0, f), e4m3x2_bf16(x.y, 1, f));
     }
-    const float s = ue8m0_scale(code);
-    u32 w[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        const u32 word = (j < 2 ? x.x : x.y) >> (16 * (j & 1));
-        w[j] = pack_bf16x2(f2bf(fp8_to_f32(word & 0xffu) * s), f2bf(fp8_to_f32((word >> 8) & 0xffu) * s));
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    return fp8x8_bf16_wide(x.x, x.y, code);
 }
 
 // The staged fp8 codes of a tile's fp8 keys into their places in `tile` (the other
@@ -236,13 +229,9 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
     const int r = blockIdx.z, h0 = blockIdx.x * AW_HEADS;
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int gid = lane >> 2, tq = lane & 3;
-    const int t = (int)positions[r];
-    const int* seq = seqs + row_seq[r] * SEQ_STRIDE;
-    const int n_win = min(t + 1, g.window);
-    const int n_comp = g.kind == 2 ? (t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0);
-    const int n = n_win + n_comp;
-    const int j0 = blockIdx.y * g.keys_per_split, j1 = min(n, j0 + g.keys_per_split);
-    const int* sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;
+    const AttnRow row = attn_row(g, r, blockIdx.y, positions, row_seq, seqs, sel);
+    const int t = row.t, n_win = row.n_win, j0 = row.j0, j1 = row.j1;
+    const int *seq = row.seq, *sel_row = row.sel_row;
     // Threads < AW_KEYS (warps 0 and 1): key j's place into `slot`, and the slot's bits.
     auto place = [&](int slot, int j) {
         long long off = 0;
