@@ -70,6 +70,24 @@
 #define WG_AVAILABLE 0
 #endif
 
+// A wgmma's accumulator registers d[i..i+N) as inline-asm operands (read and written).
+#define WG_D8(d, i)                                                                                          \
+    "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+        "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define WG_D16(d, i) WG_D8(d, i), WG_D8(d, (i) + 8)
+#define WG_D32(d, i) WG_D16(d, i), WG_D16(d, (i) + 16)
+#define WG_D64(d, i) WG_D32(d, i), WG_D32(d, (i) + 32)
+#define WG_D128(d) WG_D64(d, 0), WG_D64(d, 64)
+// Their placeholders in the instruction's text: %0..%31, %32..%63, %64..%127.
+#define WG_R0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_R32_63 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_R64_127 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+                   "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+                   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+                   "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
 // A shared-memory matrix descriptor: byte offsets between core matrices along K (`lbo`,
 // unused with swizzling) and along M or N (`sbo`); `swizzle`: 0 none, 1 128-byte.
 __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo, u32 swizzle) {
