@@ -97,6 +97,17 @@ pub struct ServeArgs {
     /// Most requests in flight; later arrivals wait for a slot (their clock starts when sent).
     #[arg(long)]
     max_concurrency: Option<usize>,
+    /// Sampling temperature of every request; 0 (the default) is greedy, as the serving
+    /// benchmarks run. Drawing requests are sampled on the decode workers' hosts, so
+    /// this measures that cost too; each carries its own seed (--seed + its index).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus mass of drawing requests, in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Draw among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
     /// GPUs the cluster uses (for output tokens/s per GPU).
     #[arg(long, default_value_t = 1)]
     gpus: usize,
@@ -148,7 +159,12 @@ impl ServeArgs {
             "request_rates": rates.iter().map(Rate::to_string).collect::<Vec<_>>(),
             "max_concurrency": self.max_concurrency, "gpus": self.gpus, "timeout_s": self.timeout_s,
             "warmup": self.warmup,
+            "sampling": {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k},
         })
+    }
+
+    fn sampling(&self) -> driver::Sampling {
+        driver::Sampling { temperature: self.temperature, top_p: self.top_p, top_k: self.top_k, seed: self.seed }
     }
 }
 
@@ -157,6 +173,12 @@ pub fn run(a: ServeArgs) -> Result<()> {
     shape.validate().map_err(anyhow::Error::msg)?;
     if a.gpus == 0 || a.timeout_s == 0 || a.max_concurrency == Some(0) {
         bail!("--gpus, --timeout-s and --max-concurrency must be at least 1");
+    }
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        bail!("--temperature must be 0 (greedy) or more, got {}", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must lie in (0, 1], got {}", a.top_p);
     }
     let vocab = match (&a.model, a.vocab) {
         (_, Some(v)) if v > 0 => v,
@@ -180,9 +202,14 @@ async fn sweep(a: &ServeArgs, shape: &Shape, vocab: usize, rates: &[Rate]) -> Re
     let per_rate = first.len();
     let in_flight = a.max_concurrency.unwrap_or(per_rate).min(per_rate);
     let timeout = Duration::from_secs(a.timeout_s);
-    let target = Arc::new(driver::Target::connect(&a.router, &access, in_flight, timeout).await?);
+    let target = Arc::new(driver::Target::connect(&a.router, &access, in_flight, timeout, a.sampling()).await?);
+    let sampling = if a.temperature > 0.0 {
+        format!("temperature {}, top-p {}, top-k {}", a.temperature, a.top_p, a.top_k)
+    } else {
+        "greedy".to_string()
+    };
     eprintln!(
-        "{} workload, {per_rate} requests per rate, vocabulary {vocab}, seed {}; rates {}; router {}",
+        "{} workload, {per_rate} requests per rate, vocabulary {vocab}, seed {}, {sampling}; rates {}; router {}",
         shape.name(),
         a.seed,
         rates.iter().map(Rate::to_string).collect::<Vec<_>>().join(","),

@@ -212,13 +212,23 @@ fn bench_serve_measures_both_workloads_through_a_local_cluster() {
         "2",
         "--timeout-s",
         "60",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
         "--json",
         json.to_str().unwrap(),
     ]);
     let (stdout, stderr) = (String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "bench serve failed:\n{stdout}\n{stderr}\n{}", up.diagnostics());
+    assert!(stderr.contains("temperature 0.7, top-p 0.9"), "the run says how it samples:\n{stderr}");
     let doc = read_json(&json);
     assert_all_complete(&doc, 8);
+    let sampling = &doc["config"]["sampling"];
+    assert_eq!(
+        (sampling["temperature"].as_f64(), sampling["top_p"].as_f64()),
+        (Some(0.7f32 as f64), Some(0.9f32 as f64))
+    );
     let s = &doc["runs"][0]["summary"];
     assert!(s["prefix_cache_hit_rate"].as_f64().unwrap() > 0.0, "no prefix hits with the kvstore on: {s}");
     for r in doc["runs"][0]["requests"].as_array().unwrap() {

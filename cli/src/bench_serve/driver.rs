@@ -28,17 +28,46 @@ use crate::client::Access;
 /// the cap would queue requests itself and count that wait as TTFT.
 const STREAMS_PER_CONNECTION: usize = 100;
 
+/// How every request samples: greedy (the default) or drawn, each drawing request with
+/// its own seed (`seed` + the request's index), so a run is reproducible.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub seed: u64,
+}
+
+impl Sampling {
+    fn params(&self, index: usize) -> pb::SamplingParams {
+        pb::SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: (self.temperature > 0.0).then(|| self.seed.wrapping_add(index as u64)),
+            ..Default::default()
+        }
+    }
+}
+
 /// The router, over a pool of connections, and what every request carries.
 pub struct Target {
     channels: Vec<Channel>,
     api_key: Option<MetadataValue<Ascii>>,
     timeout: Duration,
+    sampling: Sampling,
 }
 
 impl Target {
     /// Connect now (an unreachable router fails here, not as N failed requests), enough
     /// connections for `in_flight` concurrent streams.
-    pub async fn connect(router: &str, access: &Access, in_flight: usize, timeout: Duration) -> Result<Target> {
+    pub async fn connect(
+        router: &str,
+        access: &Access,
+        in_flight: usize,
+        timeout: Duration,
+        sampling: Sampling,
+    ) -> Result<Target> {
         let endpoint =
             access.dialer.endpoint(router).map_err(anyhow::Error::msg)?.connect_timeout(Duration::from_secs(5));
         let mut channels = Vec::new();
@@ -54,7 +83,7 @@ impl Target {
             Some(k) => Some(format!("Bearer {k}").parse().context("--api-key: not a valid header value")?),
             None => None,
         };
-        Ok(Target { channels, api_key, timeout })
+        Ok(Target { channels, api_key, timeout, sampling })
     }
 
     /// Send one request and time its events.
@@ -62,10 +91,10 @@ impl Target {
         let body = pb::GenerateRequest {
             prompt: Some(pb::generate_request::Prompt::TokenIds(pb::TokenIds { ids: req.prompt.clone() })),
             max_tokens: req.output_len,
-            // Greedy, no logprobs, and no stop tokens: the request runs to max_tokens
-            // (the serving benchmarks' `ignore_eos`); the router adds no EOS stop to
-            // token-id requests.
-            sampling: Some(pb::SamplingParams::default()),
+            // Greedy unless --temperature says otherwise, no logprobs, and no stop
+            // tokens: the request runs to max_tokens (the serving benchmarks'
+            // `ignore_eos`); the router adds no EOS stop to token-id requests.
+            sampling: Some(self.sampling.params(index)),
             stop: None,
             request_id,
             ..Default::default()
