@@ -75,32 +75,8 @@ __device__ __forceinline__ void aw_pv(float (&d)[128], const u32 (&a)[4], u64 db
 #endif
 }
 
-// The compiler sees a wgmma's registers written when it is issued; this ties their reads
-// to after the wait that completes them.
-template <int N>
-__device__ __forceinline__ void aw_hold(float (&d)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; i += 4) asm volatile("" : "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])::"memory");
-}
-
 // Byte offset of 16-byte piece `c` (8 dims from 8c) of row `r` in a swizzled matrix.
 __device__ __forceinline__ u32 aw_at(int r, int c) { return (c >> 3) * AW_PLANE + r * 128 + (((c & 7) ^ (r & 7)) << 4); }
-
-// Two f32 as a bf16 pair, rounded to nearest even (one instruction; the values here are
-// finite, where it gives f2bf's bits): `lo` in the low half.
-__device__ __forceinline__ u32 aw_bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// 2^x (the hardware's approximation: a relative error ~2^-22, far below the bf16 rounding
-// of the weights it feeds; the running sums' terms carry it too).
-__device__ __forceinline__ float aw_exp2(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
 
 // Fetch a tile's keys (places from `kinds`/`offs`) by `cp.async`, a warp a key at a time
 // (its place read once, the branch uniform): bf16 values into their places in `tile`
@@ -240,8 +216,8 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
 #pragma unroll
         for (int u = 0; u < PIECES; u++) {
             const int p = threadIdx.x + AW_THREADS * u;
-            *(uint4*)(qs + aw_at(p >> 6, p & 63)) = make_uint4(aw_bf16x2(a[u].x, a[u].y), aw_bf16x2(a[u].z, a[u].w),
-                                                               aw_bf16x2(b[u].x, b[u].y), aw_bf16x2(b[u].z, b[u].w));
+            *(uint4*)(qs + aw_at(p >> 6, p & 63)) = make_uint4(bf16x2_rn(a[u].x, a[u].y), bf16x2_rn(a[u].z, a[u].w),
+                                                               bf16x2_rn(b[u].x, b[u].y), bf16x2_rn(b[u].z, b[u].w));
         }
     }
     cp_async_wait<0>();
@@ -279,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         __syncthreads();
         if (next) aw_convert(tiles + ((it + 1) & 1) * AW_MAT, codes, kinds[(it + 1) % AW_SLOTS], g);
         wg_wait<0>();
-        aw_hold(s);
+        wm_hold(s);
 
         // 3. Online softmax: s[4j + e] is row row0 (e < 2) or row0 + 8, key 8j + 2tq + (e & 1).
         const u32 here[2] = {present[cur][0], present[cur][1]};
@@ -306,7 +282,7 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
             const float m_new = mt[h] > m_run[h] + AW_SLACK ? mt[h] : m_run[h];
-            corr[h] = m_new == m_run[h] ? 1.0f : aw_exp2(m_run[h] - m_new);  // from -inf: 0
+            corr[h] = m_new == m_run[h] ? 1.0f : ex2(m_run[h] - m_new);  // from -inf: 0
             m_run[h] = m_new;
             s_run[h] *= corr[h];
         }
@@ -317,11 +293,11 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
             float p[4];
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                p[e] = aw_exp2(s[4 * j + e] - mz[e >> 1]);  // exp2(-inf) = 0: missing keys weigh nothing
+                p[e] = ex2(s[4 * j + e] - mz[e >> 1]);  // exp2(-inf) = 0: missing keys weigh nothing
                 s_run[e >> 1] += p[e];
             }
-            pa[j >> 1][2 * (j & 1)] = aw_bf16x2(p[0], p[1]);
-            pa[j >> 1][2 * (j & 1) + 1] = aw_bf16x2(p[2], p[3]);
+            pa[j >> 1][2 * (j & 1)] = bf16x2_rn(p[0], p[1]);
+            pa[j >> 1][2 * (j & 1) + 1] = bf16x2_rn(p[2], p[3]);
         }
         // 4. O = corr · O + P · V over this warpgroup's 256 dims.
         if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
@@ -334,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
             aw_pv(o, pa[ks], wg_desc(tile_addr + wg * 4 * AW_PLANE + ks * 16 * 128, AW_PLANE, 1024, 1));
         wg_commit();
         wg_wait<0>();
-        aw_hold(o);
+        wm_hold(o);
         // 5. The next tile complete and visible to the tensor cores; this one's buffer and
         //    the staging rows free: the tile after next is fetched into them.
         wg_proxy_fence();

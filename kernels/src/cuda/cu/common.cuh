@@ -44,6 +44,13 @@ __device__ __forceinline__ u16 f2bf(float f) {
     return (u16)(u >> 16);
 }
 __device__ __forceinline__ float round_bf16(float f) { return bf2f(f2bf(f)); }
+// Two f32 as a bf16 pair in one instruction, rounded to nearest even (f2bf's bits for
+// finite values): `lo` in the low half.
+__device__ __forceinline__ u32 bf16x2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 
 // FP8 e4m3fn (no infinities; NaN is never produced by checkpoints we load).
 __device__ __forceinline__ float fp8_to_f32(u32 b) {

@@ -110,9 +110,9 @@ __device__ __forceinline__ void gr_load_x(float4* v, const float* p, bool live) 
 // Two values as bf16 hi and lo pairs (round to nearest even, the first value in the low
 // half): hi = bf16(v), lo = bf16(v - hi), `split_bf16`'s values for finite inputs.
 __device__ __forceinline__ void gr_split2(float v0, float v1, u32& hi, u32& lo) {
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(hi) : "f"(v1), "f"(v0));
+    hi = bf16x2_rn(v0, v1);
     const float h0 = __uint_as_float(hi << 16), h1 = __uint_as_float(hi & 0xffff0000u);
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(lo) : "f"(v1 - h1), "f"(v0 - h0));
+    lo = bf16x2_rn(v0 - h0, v1 - h1);
 }
 
 template <int KS>
