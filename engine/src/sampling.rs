@@ -276,16 +276,22 @@ fn walk(
 /// The draw over every candidate sorted (where [`draw_with`]'s shortcuts do not apply:
 /// every token masked, non-finite logits).
 fn draw_sorted(params: &SamplingParams, logits: &[f32], u: f64) -> u32 {
+    let order = candidates_sorted(params, logits);
+    walk(params, logits, &order, None, u).expect("a walk over every candidate ends")
+}
+
+/// Every candidate token, best first: masked-out tokens (constrained decoding) left out
+/// (the best one kept if all are), then top-k.
+fn candidates_sorted(params: &SamplingParams, logits: &[f32]) -> Vec<u32> {
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     order.sort_by(by_logit(logits));
-    // Masked-out tokens (constrained decoding) are never candidates.
     if let Some(end) = order.iter().position(|&i| logits[i as usize] == f32::NEG_INFINITY) {
         order.truncate(end.max(1));
     }
     if params.top_k > 0 {
         order.truncate(params.top_k);
     }
-    walk(params, logits, &order, None, u).expect("a walk over every candidate ends")
+    order
 }
 
 #[cfg(test)]
@@ -296,15 +302,7 @@ mod tests {
     /// code before `draw_with`, kept here as the reference it must match).
     fn draw_by_definition(params: &SamplingParams, logits: &[f32], u: f64) -> u32 {
         let t = params.temperature as f64;
-        let mut order: Vec<u32> = (0..logits.len() as u32).collect();
-        order.sort_by(by_logit(logits));
-        // Masked-out tokens (constrained decoding) are never candidates.
-        if let Some(end) = order.iter().position(|&i| logits[i as usize] == f32::NEG_INFINITY) {
-            order.truncate(end.max(1));
-        }
-        if params.top_k > 0 {
-            order.truncate(params.top_k);
-        }
+        let order = candidates_sorted(params, logits);
         let m = logits[order[0] as usize] as f64;
         let mut probs: Vec<f64> = order.iter().map(|&i| ((logits[i as usize] as f64 - m) / t).exp()).collect();
         let z: f64 = probs.iter().sum();
