@@ -11,6 +11,7 @@
 # names from tools/bench/pack_device.sh, `exe:filter` to pass a filter. Env: B (executables,
 # default .device), MODEL (default /dev/shm/f8, written with the 8-layer Flash preset when
 # missing), KV (fp8), CTX (8192), BATCHES (1,8,16,64), STEPS (decode steps a point, 8),
+# PREFILL (prompt tokens of the timed prefills, 8192),
 # OUT (the log's folder, default /tmp).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -31,7 +32,7 @@ for spec in ${BENCHES:-}; do
   done
   # shellcheck disable=SC2046,SC2086 # the knobs are words on purpose
   env $knobs timeout 150 "$exe/sluice" bench engine --device cuda:0 --model "$MODEL" \
-    --kv-dtype "${KV:-fp8}" --prefill-tokens 8192 --contexts "${CTX:-8192}" --batches "${BATCHES:-1,8,16,64}" \
+    --kv-dtype "${KV:-fp8}" --prefill-tokens "${PREFILL:-8192}" --contexts "${CTX:-8192}" --batches "${BATCHES:-1,8,16,64}" \
     --decode-steps "${STEPS:-8}" --repeat 2 --skip-products --topk-candidates 0 --compress-tokens 0 2>&1 |
     grep -E "^ +(prefill|context|[0-9])|CUDA graphs|error|panicked" | tee -a "$L"
   echo "($((SECONDS - t0)) s)" | tee -a "$L"

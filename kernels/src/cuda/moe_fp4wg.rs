@@ -1,9 +1,9 @@
 //! Prefill-sized products of FP4 and FP8 weights on Hopper's warpgroup instruction
 //! (cu/moe_fp4wg.cu): the rows as bf16 parts (`fp4wg_parts`: one, or two in split
-//! activations), then one launch a projection over tiles of up to 128 rows, each block
-//! 128 outputs (256 on FP4's short tiles) × one tile, the codes turned into bf16 in
-//! registers. [`super::moe_host`] runs the routed FP4 experts on `fp4wg_gemm` (tiles of
-//! one expert's rows) and
+//! activations), then one launch a projection and tile height over tiles of up to 128
+//! rows (256 over one plane: [`wide_tiles`]), each block 128 outputs (256 on FP4's short
+//! tiles) × one tile, the codes turned into bf16 in registers. [`super::moe_host`] runs
+//! the routed FP4 experts on `fp4wg_gemm` (tiles of one expert's rows) and
 //! [`super::matmul`] FP8 products of more rows than the gemv launches take on
 //! `fp8wg_gemm` (decode batches from 9 rows, split along K where their blocks would not
 //! fill the GPU, `fw_split_sum` adding the slices), both on sm_90 instead of the
@@ -73,6 +73,8 @@ const BLOCK_OUTPUTS: usize = 128;
 const WIDE_BLOCK_OUTPUTS: usize = 256;
 const TILE_ROWS: usize = 128;
 const SMALL_TILE_ROWS: usize = 64;
+/// Rows of FP8's wide tiles (`fp8wg1_gemm_p_n256`: one plane of parts).
+const WIDE_TILE_ROWS: usize = 256;
 /// Rows of FP4's short tiles (the `_n32` and `_n16` kernels).
 const TINY_TILE_ROWS: usize = 32;
 const SHORTEST_TILE_ROWS: usize = 16;
@@ -87,6 +89,52 @@ const _: () = assert!(TILE_ROWS == GEMM_BM, "fp4wg_gemm's token tiles are the gr
 const fn smem(chunk: usize, stages: usize, rows: usize, outputs: usize) -> usize {
     stages * (2 * 2 * rows * chunk + outputs * 64 + 1024) + 1024
 }
+/// Products over one plane of parts in tiles of 256 rows ([`wide_tiles`]), FP8 and FP4,
+/// with their shared memory: `FW_S` stages (FP8 5, FP4 3) of one plane's 256-row boxes,
+/// the codes and 1 KiB, and 1 KiB to align them.
+pub(crate) const WIDE_KERNELS: [(&str, usize); 2] = [
+    ("fp8wg1_gemm_p_n256", 5 * (2 * WIDE_TILE_ROWS * FP8_CHUNK_INPUTS + BLOCK_OUTPUTS * 64 + 1024) + 1024),
+    ("fp4wg1_gemm_p_n256", 3 * (2 * WIDE_TILE_ROWS * CHUNK_INPUTS + BLOCK_OUTPUTS * 64 + 1024) + 1024),
+];
+
+/// Whether a product's rows (a plain FP8 product's, or each FP4 expert's) go in tiles of
+/// 256 ([`WIDE_KERNELS`]): one plane of parts (bf16 activations), the `_p` kernels, no
+/// split along K. Each converted weight fragment and each chunk's barrier and waits then
+/// serve twice the products of a 128-row tile (`SLUICE_CUDA_FP4WG_N256=0`, read once:
+/// tiles of at most 128).
+pub(crate) fn wide_tiles(planes: usize, splits: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N256").map(|v| v != "0").unwrap_or(true));
+    on && planes == 1 && splits == 1 && pipelined()
+}
+
+/// Planes of parts a product on `gpu` reads: 1 in bf16 activations, 2 split.
+pub(crate) fn planes(gpu: &Gpu) -> usize {
+    if gpu.activations == Activations::Bf16 { 1 } else { 2 }
+}
+
+/// Fewest rows a wide tile takes: rows are cut into 256-row tiles while more than this
+/// many are left (every wide tile at least three quarters full), the rest into 128s.
+const WIDE_MIN_ROWS: usize = 192;
+
+/// Tiles (expert, first row, rows) of `rows` rows of expert `expert` from row `first`:
+/// 256 rows while more than [`WIDE_MIN_ROWS`] are left when `wide`, then 128.
+pub(crate) fn row_tiles_into(tiles: &mut Vec<i32>, expert: usize, first: usize, rows: usize, wide: bool) {
+    let mut r = 0;
+    while r < rows {
+        let n = if wide && rows - r > WIDE_MIN_ROWS { WIDE_TILE_ROWS } else { TILE_ROWS }.min(rows - r);
+        tiles.extend_from_slice(&[expert as i32, (first + r) as i32, n as i32]);
+        r += n;
+    }
+}
+
+/// A plain product's row tiles ([`row_tiles_into`] of expert 0 from row 0).
+fn row_tiles(rows: usize, wide: bool) -> Vec<i32> {
+    let mut tiles = Vec::new();
+    row_tiles_into(&mut tiles, 0, 0, rows, wide);
+    tiles
+}
+
 /// Dynamic shared memory of the products, in [`FP4WG_KERNELS`]' order (`FW_S`: FP4's
 /// shorter tiles have smaller stages and more of them).
 pub(crate) const FP4WG_SMEM: [usize; 16] = [
@@ -172,8 +220,8 @@ fn tile_rows(kernel: usize) -> usize {
         .map_or(TILE_ROWS, |(_, rows)| rows)
 }
 
-/// Box rows of [`Parts::maps`], in order.
-const MAP_ROWS: [usize; 4] = [TILE_ROWS, SMALL_TILE_ROWS, TINY_TILE_ROWS, SHORTEST_TILE_ROWS];
+/// Box rows of [`Parts::maps`], in order (the lists of [`split_tiles`]).
+const MAP_ROWS: [usize; 5] = [TILE_ROWS, SMALL_TILE_ROWS, TINY_TILE_ROWS, SHORTEST_TILE_ROWS, WIDE_TILE_ROWS];
 
 /// `Fp4wgArgs` in moe_fp4wg.cu.
 #[repr(C, align(64))]
@@ -234,16 +282,18 @@ fn small_tiles() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FP4WG_N64").map(|v| v != "0").unwrap_or(true))
 }
 
-/// A tile list (expert, first row, rows; at most 128 rows a tile) split for the launches:
-/// tiles of more than 64 rows, those of at most 64, and (FP4's, `fp4`) those of 17-32 and
-/// of at most 16 ([`ShortTiles`]: into the second with `off`; all in the first with
-/// `SLUICE_CUDA_FP4WG_N64=0`).
-fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 4] {
+/// A tile list (expert, first row, rows; at most 256 rows a tile) split for the launches:
+/// tiles of 65-128 rows, those of at most 64, (FP4's, `fp4`) those of 17-32 and of at
+/// most 16 ([`ShortTiles`]: into the second with `off`; all in the first with
+/// `SLUICE_CUDA_FP4WG_N64=0`), and the wide ones of more than 128 ([`row_tiles_into`]).
+fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 5] {
     let short = fp4 && ShortTiles::from_env() != ShortTiles::Off;
-    let mut lists = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    let mut lists = [Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     for t in tiles.chunks_exact(3) {
         let rows = t[2] as usize;
-        let list = if !small_tiles() || rows > SMALL_TILE_ROWS {
+        let list = if rows > TILE_ROWS {
+            4
+        } else if !small_tiles() || rows > SMALL_TILE_ROWS {
             0
         } else if !short || rows > TINY_TILE_ROWS {
             1
@@ -259,24 +309,43 @@ fn split_tiles(tiles: &[i32], fp4: bool) -> [Vec<i32>; 4] {
 
 /// A product's tiles on the device, by height ([`split_tiles`]): (address, count) each.
 pub(crate) struct DeviceTiles {
-    lists: [(u64, usize); 4],
+    lists: [(u64, usize); 5],
     /// Held while the launches are queued (uploaded lists; empty for cached tables).
     _bufs: Vec<DevBuf<i32>>,
 }
 
-/// An expert tile list (different every prefill) uploaded for the launches.
+/// An expert tile list (different every prefill) by height, as [`DeviceTiles::at`]
+/// finds them once copied to the device one after another.
+pub(crate) fn tile_lists(tiles: &[i32]) -> [Vec<i32>; 5] {
+    split_tiles(tiles, true)
+}
+
+/// An expert tile list uploaded for the launches (the benchmark's; the engine copies its
+/// lists with the rest of a MoE block's, `moe_host.rs`).
 pub(crate) fn upload_tiles(gpu: &Gpu, tiles: &[i32]) -> DeviceTiles {
-    let mut bufs = Vec::new();
-    let lists = split_tiles(tiles, true).map(|l| {
-        if l.is_empty() {
-            return (0, 0);
-        }
-        let buf = gpu.upload(&l);
-        let at = gpu.ptr(&buf);
-        bufs.push(buf);
-        (at, l.len() / 3)
-    });
-    DeviceTiles { lists, _bufs: bufs }
+    let lists = tile_lists(tiles);
+    let buf = gpu.upload(&lists.concat());
+    DeviceTiles::at(gpu.ptr(&buf), &lists).holding(buf)
+}
+
+impl DeviceTiles {
+    fn holding(mut self, buf: DevBuf<i32>) -> DeviceTiles {
+        self._bufs.push(buf);
+        self
+    }
+
+    /// The lists of [`tile_lists`] copied to device address `at` one after another (the
+    /// caller keeps that memory while the launches are queued).
+    pub(crate) fn at(at: u64, lists: &[Vec<i32>; 5]) -> DeviceTiles {
+        let mut next = at;
+        let lists = std::array::from_fn(|i| {
+            let l = &lists[i];
+            let here = (if l.is_empty() { 0 } else { next }, l.len() / 3);
+            next += 4 * l.len() as u64;
+            here
+        });
+        DeviceTiles { lists, _bufs: Vec::new() }
+    }
 }
 
 /// Whether the kernels run here at all: an sm_90 GPU and `SLUICE_CUDA_FP4WG` not 0.
@@ -298,7 +367,7 @@ pub(crate) fn fp8_takes(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
 }
 
 /// `op.out = op.x · Wᵀ` (or grouped: group g of outputs reads inputs gK..gK+K) on
-/// `fp8wg_gemm`, every row in tiles of 128 ([`fp8_takes`] holds), its inputs cut into
+/// `fp8wg_gemm`, every row in tiles of 128 or 256 ([`fp8_takes`] holds), its inputs cut into
 /// `splits` slices of whole chunks ([`fp8_product_of`]).
 pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight, splits: usize) {
     let parts = parts(gpu, op.x, op.x_stride, op.rows, op.groups * w.cols, true);
@@ -313,8 +382,7 @@ pub(crate) fn fp8_product(gpu: &Gpu, op: Operand, w: &CudaWeight, splits: usize)
 pub(crate) fn fp8_product_of(gpu: &Gpu, parts: &Parts, op: Operand, w: &CudaWeight, splits: usize) {
     assert_eq!((parts.rows, parts.k), (op.rows, op.groups * w.cols), "fp8wg: parts of another shape");
     let splits = splits.clamp(1, w.cols / FP8_CHUNK_INPUTS);
-    let tiles: Vec<i32> =
-        (0..op.rows).step_by(TILE_ROWS).flat_map(|r| [0, r as i32, (op.rows - r).min(TILE_ROWS) as i32]).collect();
+    let tiles = row_tiles(op.rows, wide_tiles(parts.planes, splits));
     // The tile lists as the i32 words of cached device tables (the same for every product
     // of this many rows — bounded by the largest batch — and safe to name from a recorded
     // decode step).
@@ -368,8 +436,9 @@ pub(crate) struct Parts {
     /// Planes: 2 (hi + lo) or 1 (hi alone).
     planes: usize,
     /// Tensor maps of boxes of 128, 64 (the `_n64` kernels'), 32 and 16 rows (`_n32`,
-    /// `_n16`: FP4's order only, zeros for FP8's, whose tiles never take those kernels).
-    maps: [[u64; 16]; 4],
+    /// `_n16`: FP4's order only, zeros for FP8's, whose tiles never take those kernels)
+    /// and 256 (one plane of more than 192 rows only: [`WIDE_KERNELS`]).
+    maps: [[u64; 16]; 5],
 }
 
 /// `rows` rows of `k` f32 values at `x` (`x_stride` apart) as [`Parts`] in the FP4
@@ -406,7 +475,7 @@ struct PartsOf {
 fn parts_from(gpu: &Gpu, of: PartsOf, rows: usize, k: usize, fp8: bool) -> Parts {
     let PartsOf { x, x_stride, rows_of, up, limit } = of;
     assert!(k.is_multiple_of(CHUNK_INPUTS) && rows > 0, "fp4wg_parts: {rows} rows of {k} inputs");
-    let planes = if gpu.activations == Activations::Bf16 { 1 } else { 2 };
+    let planes = planes(gpu);
     let values = gpu.alloc::<u16>(planes * rows * k);
     launch!(
         gpu,
@@ -428,7 +497,12 @@ fn parts_from(gpu: &Gpu, of: PartsOf, rows: usize, k: usize, fp8: bool) -> Parts
     // (The maps are encoded on the host for every set of parts, FP8's of each decode
     // product of 9-64 rows too: the short tiles' only where they can be used.)
     let maps = MAP_ROWS.map(|box_rows| {
-        if fp8 && box_rows < SMALL_TILE_ROWS { [0; 16] } else { parts_map(at, planes * rows, k, box_rows) }
+        let used = match (fp8, box_rows) {
+            (_, WIDE_TILE_ROWS) => planes == 1 && rows > WIDE_MIN_ROWS,
+            (true, r) => r >= SMALL_TILE_ROWS,
+            (false, _) => true,
+        };
+        if used { parts_map(at, planes * rows, k, box_rows) } else { [0; 16] }
     });
     Parts { _values: values, rows, k, planes, maps }
 }
@@ -464,20 +538,28 @@ fn launch_products(
     out: Output,
     g_out: usize,
 ) {
-    for (small, &(at, count)) in tiles.lists.iter().enumerate() {
+    for (list, &(at, count)) in tiles.lists.iter().enumerate() {
         if count == 0 {
             continue;
         }
-        assert!(small < 2 || !fp8, "FP8 products have no short-tile kernels");
-        let kernel = match small {
-            0 | 1 => usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * small,
-            _ => ShortTiles::from_env().kernel(small, pipelined(), w.rows),
+        assert!(list < 2 || list == 4 || !fp8, "FP8 products have no short-tile kernels");
+        let (name, outputs, threads, smem, box_rows) = if list == 4 {
+            assert_eq!(parts.planes, 1, "only products over one plane of parts have 256-row tiles");
+            let (name, smem) = WIDE_KERNELS[usize::from(!fp8)];
+            (name, BLOCK_OUTPUTS, 256, smem, WIDE_TILE_ROWS)
+        } else {
+            let kernel = match list {
+                0 | 1 => usize::from(fp8) + 2 * usize::from(pipelined()) + 4 * list,
+                _ => ShortTiles::from_env().kernel(list, pipelined(), w.rows),
+            };
+            let (outputs, threads) = block_shape(kernel);
+            let name = if parts.planes == 1 { FP4WG_ONE_PART_KERNELS[kernel] } else { FP4WG_KERNELS[kernel] };
+            (name, outputs, threads, FP4WG_SMEM[kernel], tile_rows(kernel))
         };
-        let (outputs, threads) = block_shape(kernel);
         // The parts' map of the kernel's tile height: its TMA boxes must be the bytes its
         // barrier expects (a 32-row kernel given 16-row boxes would wait forever).
-        let map = MAP_ROWS.iter().position(|&r| r == tile_rows(kernel)).expect("a map for every tile height");
-        let name = if parts.planes == 1 { FP4WG_ONE_PART_KERNELS[kernel] } else { FP4WG_KERNELS[kernel] };
+        let map = MAP_ROWS.iter().position(|&r| r == box_rows).expect("a map for every tile height");
+        assert_ne!(parts.maps[map], [0; 16], "{name}: no tensor map of {box_rows}-row boxes for these parts");
         assert_eq!(parts.k % w.cols, 0, "{name}: the weight's inputs do not divide the parts'");
         let args = Fp4wgArgs {
             parts: parts.maps[map],
@@ -493,7 +575,7 @@ fn launch_products(
             pad: [0; 20],
         };
         let grid = ((w.rows / outputs) as u32, count as u32, out.splits as u32);
-        launch!(gpu, name, cfg(grid, threads, FP4WG_SMEM[kernel] as u32), args);
+        launch!(gpu, name, cfg(grid, threads, smem as u32), args);
     }
 }
 
@@ -520,15 +602,55 @@ mod tests {
         }
         // (expert, first row, rows)
         let tiles = [0, 0, 128, 0, 128, 65, 1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 17, 5, 339, 16, 6, 355, 1];
-        let [big, n64, n32, n16] = split_tiles(&tiles, true);
+        let [big, n64, n32, n16, wide] = split_tiles(&tiles, true);
+        assert!(wide.is_empty());
         assert_eq!(big, [0, 0, 128, 0, 128, 65]);
         assert_eq!(n64, [1, 193, 64, 2, 257, 33]);
         assert_eq!(n32, [3, 290, 32, 4, 322, 17]);
         assert_eq!(n16, [5, 339, 16, 6, 355, 1]);
-        let [big, n64, n32, n16] = split_tiles(&tiles, false);
+        let [big, n64, n32, n16, _] = split_tiles(&tiles, false);
         assert_eq!(big, [0, 0, 128, 0, 128, 65]);
         assert_eq!(n64, [1, 193, 64, 2, 257, 33, 3, 290, 32, 4, 322, 17, 5, 339, 16, 6, 355, 1]);
         assert!(n32.is_empty() && n16.is_empty(), "FP8 products have no short-tile kernels");
+    }
+
+    /// A plain FP8 product's rows: tiles of 256 while more than 192 rows are left (none
+    /// of them less than three quarters full), the rest in 128s (the last to `_n64` when
+    /// it is at most 64); all in 128s without wide tiles. Every row in exactly one tile.
+    #[test]
+    fn wide_row_tiles_cover_the_rows_once() {
+        assert_eq!(row_tiles(8192, true).len(), 3 * 32);
+        assert!(row_tiles(8192, true).chunks(3).all(|t| t[2] == 256));
+        assert_eq!(row_tiles(193, true), [0, 0, 193]);
+        assert_eq!(row_tiles(300, true), [0, 0, 256, 0, 256, 44]);
+        assert_eq!(row_tiles(450, true), [0, 0, 256, 0, 256, 194]);
+        assert_eq!(row_tiles(640, true), [0, 0, 256, 0, 256, 256, 0, 512, 128]);
+        assert_eq!(row_tiles(300, false), [0, 0, 128, 0, 128, 128, 0, 256, 44]);
+        for rows in [1, 64, 129, 192, 193, 255, 256, 257, 1000, 8191] {
+            for wide in [false, true] {
+                let t = row_tiles(rows, wide);
+                let mut next = 0;
+                for tile in t.chunks(3) {
+                    assert_eq!(tile[1], next, "{rows} rows: tiles in order, no gap");
+                    assert!(tile[2] > 0 && tile[2] as usize <= if wide { 256 } else { 128 });
+                    next += tile[2];
+                }
+                assert_eq!(next as usize, rows);
+                let [big, n64, n32, n16, w] = split_tiles(&t, false);
+                assert!(n32.is_empty() && n16.is_empty());
+                assert_eq!(big.len() + n64.len() + w.len(), t.len());
+                assert!(w.chunks(3).all(|t| t[2] as usize > WIDE_MIN_ROWS));
+            }
+        }
+    }
+
+    /// Lists copied one after another are found where they were copied: each list's
+    /// address is the words before it, an empty list none.
+    #[test]
+    fn device_tiles_find_their_lists_in_one_copy() {
+        let lists = [vec![0, 0, 200], vec![], vec![1, 200, 20, 2, 220, 30], vec![3, 250, 9], vec![]];
+        let t = DeviceTiles::at(1000, &lists);
+        assert_eq!(t.lists, [(1000, 1), (0, 0), (1012, 2), (1036, 1), (0, 0)]);
     }
 
     /// Each setting of the short tiles picks kernels of the right height and width: the
@@ -570,6 +692,13 @@ mod tests {
         // and 1 KiB for the scale bytes; the wide blocks' 6 stages hold 16 KiB of codes.
         assert_eq!(FP4WG_SMEM[8], 8 * (2 * 2 * 32 * 128 + 128 * 64 + 1024) + 1024);
         assert_eq!(FP4WG_SMEM[11], 6 * (2 * 2 * 32 * 128 + 256 * 64 + 1024) + 1024);
+        // The wide tiles: FP8 five stages of one plane's 256 × 64 bf16 box and 8 KiB of
+        // codes, FP4 three of two such boxes (128 inputs), the codes and the scale bytes.
+        assert_eq!(WIDE_KERNELS[0].1, 5 * (256 * 64 * 2 + 128 * 64 + 1024) + 1024);
+        assert_eq!(WIDE_KERNELS[1].1, 3 * (2 * 256 * 64 * 2 + 128 * 64 + 1024) + 1024);
+        for (name, bytes) in WIDE_KERNELS {
+            assert!(bytes <= 227 * 1024, "{name}: {bytes} bytes of shared memory");
+        }
     }
 
     /// Each one-part kernel is its two-part twin's shape (same index, the `1` after the

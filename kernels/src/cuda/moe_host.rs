@@ -51,12 +51,12 @@ pub(super) fn experts_routed_on_host(
     let mut list = Vec::with_capacity(2 * total);
     list.extend(per_expert.iter().flatten().map(|&(r, _)| r));
     list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
-    let list_dev = g.upload(&list);
     if grouped_experts(w) && !per_expert_on_cublas(w, total) {
         let e0 = &w.experts[0];
         g.traffic.add_flops(total * 2 * (2 * e0.w1.rows * e0.w1.cols + e0.w2.rows * e0.w2.cols));
-        return experts_grouped(b, x, rows, w, &per_expert, &list, &list_dev, weights, out);
+        return experts_grouped(b, x, rows, w, &per_expert, &list, weights, out);
     }
+    let list_dev = g.upload(&list);
     let lp = g.ptr(&list_dev);
     g.memset_zero(&mut out.mem);
     let mut at = 0usize;
@@ -155,7 +155,6 @@ fn experts_grouped(
     w: &MoeWeights<CudaBackend>,
     per_expert: &[Vec<(u32, u32)>],
     list: &[u32],
-    list_dev: &cudarc::driver::CudaSlice<u32>,
     weights: &CudaBuf,
     out: &mut CudaBuf,
 ) {
@@ -167,34 +166,57 @@ fn experts_grouped(
     let inter = first.w1.rows;
     // Tiles of at most GEMM_BM rows of one expert, and each row's list positions in
     // ascending (expert) order for the combine (-1 past a row's pairs held here).
+    // On `fp4wg_gemm` an expert of more than 192 rows takes tiles of 256 in bf16
+    // activations (`moe_fp4wg::wide_tiles`).
+    let on_fp4wg = moe_fp4wg::takes(g, w);
+    let wide = on_fp4wg && moe_fp4wg::wide_tiles(moe_fp4wg::planes(g), 1);
     let mut tiles: Vec<i32> = Vec::new();
     let mut at = 0usize;
     let mut used = 0usize;
     for (e, assigned) in per_expert.iter().enumerate() {
         used += usize::from(!assigned.is_empty());
-        for t in (0..assigned.len()).step_by(GEMM_BM) {
-            tiles.extend_from_slice(&[e as i32, (at + t) as i32, (assigned.len() - t).min(GEMM_BM) as i32]);
+        if on_fp4wg {
+            moe_fp4wg::row_tiles_into(&mut tiles, e, at, assigned.len(), wide);
+        } else {
+            for t in (0..assigned.len()).step_by(GEMM_BM) {
+                tiles.extend_from_slice(&[e as i32, (at + t) as i32, (assigned.len() - t).min(GEMM_BM) as i32]);
+            }
         }
         at += assigned.len();
     }
-    let mut pos = vec![-1i32; rows * k];
+    // One copy to the device, through pinned memory (`Staging`): the list, then each
+    // row's positions, then the tile lists. A copy from pageable memory this large waited
+    // for the stream to reach it — for the shared expert queued before it — and the host
+    // then built and launched the rest while the device sat idle: ~0.4 ms a layer of an 8K
+    // prefill (docs/perf.md "Wider tiles for the prefill products").
+    let mut words: Vec<i32> = Vec::with_capacity(list.len() + rows * k + tiles.len() + 16);
+    words.extend(list.iter().map(|&v| v as i32));
+    let pos_at = words.len();
+    words.resize(pos_at + rows * k, -1);
     let mut filled = vec![0usize; rows];
     for (i, &r) in list[..n].iter().enumerate() {
         let r = r as usize;
-        pos[r * k + filled[r]] = i as i32;
+        words[pos_at + r * k + filled[r]] = i as i32;
         filled[r] += 1;
     }
-    let pos_dev = g.upload(&pos);
+    let tiles_at = words.len();
+    let by_height = on_fp4wg.then(|| moe_fp4wg::tile_lists(&tiles));
+    match &by_height {
+        Some(lists) => lists.iter().for_each(|l| words.extend_from_slice(l)),
+        None => words.extend_from_slice(&tiles),
+    }
+    let dev = b.upload_staged(&words);
+    let word = |i: usize| g.ptr(&dev) + 4 * i as u64;
     g.traffic.add_weights(used * (first.w1.device_bytes() + first.w3.device_bytes() + first.w2.device_bytes()));
 
-    let lp = g.ptr(list_dev);
+    let lp = word(0);
     let h = b.alloc_buf(n * inter);
     let u = b.alloc_buf(n * inter);
     let y = b.alloc_buf(n * d);
     let (t1, t3, t2) =
         (projection_table(b, w, |e| &e.w1), projection_table(b, w, |e| &e.w3), projection_table(b, w, |e| &e.w2));
-    if moe_fp4wg::takes(g, w) {
-        let by_height = moe_fp4wg::upload_tiles(g, &tiles);
+    if let Some(lists) = &by_height {
+        let by_height = moe_fp4wg::DeviceTiles::at(word(tiles_at), lists);
         // The routed rows are gathered in expert order as they are split into parts (the
         // list's first n words are their row ids): no f32 copy of them (`gather_rows` took
         // ~2.5% of an 8K prefill of 20 Flash layers).
@@ -215,8 +237,7 @@ fn experts_grouped(
         let name_down =
             gemm_kernel(&Operand { x: 0, x_stride: inter, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w2)
                 .expect("checked by grouped_experts");
-        let tile_dev = g.upload(&tiles);
-        let over = |table: u64| Tiles { tiles: g.ptr(&tile_dev), count: tiles.len() / 3, wtab: table };
+        let over = |table: u64| Tiles { tiles: word(tiles_at), count: tiles.len() / 3, wtab: table };
         let xs = split_x(g, in_x.x, d, n, d);
         gemm_split(g, name_up, in_x, &xs, &first.w1, Some(&over(t1)));
         gemm_split(g, name_up, Operand { out: g.ptr(&u.mem), ..in_x }, &xs, &first.w3, Some(&over(t3)));
@@ -231,7 +252,7 @@ fn experts_grouped(
         cfg_elems(rows * d),
         g.ptr(&out.mem),
         g.ptr(&y.mem),
-        g.ptr(&pos_dev),
+        word(pos_at),
         lp + 4 * n as u64,
         g.ptr(&weights.mem),
         k as i32,

@@ -203,6 +203,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.extend(super::gemm_rows::GEMM_ROWS_KERNELS.iter().map(|&n| (n, super::gemm_rows::GEMM_ROWS_SMEM)));
     v.extend(super::moe_fp4wg::FP4WG_KERNELS.iter().zip(super::moe_fp4wg::FP4WG_SMEM).map(|(&n, s)| (n, s)));
     v.extend(super::moe_fp4wg::FP4WG_ONE_PART_KERNELS.iter().zip(super::moe_fp4wg::FP4WG_SMEM).map(|(&n, s)| (n, s)));
+    v.extend(super::moe_fp4wg::WIDE_KERNELS);
     v
 }
 
@@ -221,6 +222,7 @@ pub(super) fn loaded_kernels() -> impl Iterator<Item = &'static str> {
         .chain(super::moe_fp4wg::FP4WG_KERNELS.iter())
         .chain(super::moe_fp4wg::FP4WG_ONE_PART_KERNELS.iter())
         .copied()
+        .chain(super::moe_fp4wg::WIDE_KERNELS.iter().map(|&(name, _)| name))
 }
 
 /// Scratch name of the device-side traffic counter.

@@ -62,10 +62,19 @@ impl Staging {
         }
     }
 
+    /// A free buffer: one whose last copy has completed, else a new one (up to
+    /// [`SLOTS`]), else the next free one once its copy completes. So a copy queued behind
+    /// the device's work (`copy_now`) does not wait for that work to finish.
     fn take(&self, gpu: &Gpu) -> Slot {
         let mut pool = self.slots.lock().expect("staging pool poisoned");
         loop {
-            if let Some(slot) = pool.free.pop() {
+            let done = pool.free.iter().position(|s| s.pending.as_ref().is_none_or(CudaEvent::is_complete));
+            if let Some(i) = done {
+                return pool.free.swap_remove(i);
+            }
+            if pool.made >= SLOTS
+                && let Some(slot) = pool.free.pop()
+            {
                 drop(pool);
                 if let Some(ev) = &slot.pending {
                     ev.synchronize().unwrap_or_else(|e| fail("staging event wait", e));
@@ -89,6 +98,13 @@ impl Staging {
     fn give(&self, slot: Slot) {
         self.slots.lock().expect("staging pool poisoned").free.push(slot);
         self.freed.notify_one();
+    }
+
+    /// Queue `bytes` to device address `dst` on the GPU's stream and return at once (the
+    /// bytes go through a pinned buffer: a copy from pageable memory of more than a few
+    /// pages waits for the stream to reach it).
+    pub fn copy_now(&self, gpu: &Gpu, dst: u64, bytes: &[u8]) {
+        self.copy(gpu, dst, bytes.len(), |at, piece| piece.copy_from_slice(&bytes[at..at + piece.len()]));
     }
 
     /// Wait for every queued copy and free the pinned buffers.
@@ -129,4 +145,19 @@ pub(crate) fn queue_copy(stream: &Arc<CudaStream>, dst: u64, src: &[u8]) {
     unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const std::ffi::c_void, src.len(), stream.cu_stream()) }
         .result()
         .unwrap_or_else(|e| fail("staged host-to-device copy", e));
+}
+
+impl super::CudaBackend {
+    /// `words` in device memory of this step (as [`Gpu::upload`] places them), copied
+    /// through the staging buffers ([`Staging::copy_now`]): the host goes on at once,
+    /// where a pageable copy of this size would wait for the work queued before it.
+    pub(crate) fn upload_staged(&self, words: &[i32]) -> super::runtime::DevBuf<i32> {
+        let g = &self.gpu;
+        let len = words.len().max(1);
+        let dst = g.arena_slice::<i32>(len, true).unwrap_or_else(|| super::runtime::DevBuf::owned(g.alloc_owned(len)));
+        if !words.is_empty() {
+            self.staging.copy_now(g, g.ptr(&dst), bytemuck::cast_slice(words));
+        }
+        dst
+    }
 }

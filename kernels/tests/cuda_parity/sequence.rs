@@ -41,6 +41,10 @@ struct StepInputs {
 
 /// Run one layer of one step on a backend: compressors, indexer (optionally forced to a
 /// given selection), attention, ring update. Returns (attention output, selection).
+/// `twice` runs the attention a second time over the same inputs and requires the same
+/// bits: a restored prefix reproduces a cold run only if a row's attention does not
+/// depend on anything but its inputs and the batch's shape (no races between a block's
+/// warps, no order that varies run to run).
 #[allow(clippy::too_many_arguments)]
 fn run_layer<B: Backend>(
     s: &mut Side<'_, B>,
@@ -51,6 +55,7 @@ fn run_layer<B: Backend>(
     rope: &RopeTable,
     forced: Option<&[i32]>,
     from: &dyn Fn(&B, &[i32]) -> B::Idx,
+    twice: bool,
 ) -> (Vec<f32>, Option<Vec<i32>>) {
     let b = s.b;
     let spec = layout.layers[l].spec;
@@ -73,9 +78,18 @@ fn run_layer<B: Backend>(
     };
     let mut out = poisoned(b, plan.rows() * HEADS * HD);
     let new_kv = up(&inp.new_kv);
-    b.attention(&s.kv.view(), layout, l, plan, &up(&inp.q), &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut out);
+    let q = up(&inp.q);
+    b.attention(&s.kv.view(), layout, l, plan, &q, &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut out);
+    let out = b.download(&out);
+    if twice {
+        let mut again = poisoned(b, plan.rows() * HEADS * HD);
+        b.attention(&s.kv.view(), layout, l, plan, &q, &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut again);
+        let again = b.download(&again);
+        let differ = out.iter().zip(&again).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        assert_eq!(differ, 0, "layer {l}: attention run twice over the same inputs differs in {differ} values");
+    }
     b.store_window(&mut s.kv.view_mut(), layout, l, plan, &new_kv);
-    (b.download(&out), sel)
+    (out, sel)
 }
 
 /// Indexer scores in f64 from the keys one side stored, for judging a selection.
@@ -186,12 +200,21 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                 assert_eq!(kernel, "attention_wg", "{rows} rows of layer {l} ({:?})", spec.kind);
             }
             wg_layers += usize::from(kernel == "attention_wg");
-            let (gout, gsel) = run_layer(&mut gs, &layout, l, &plan, &inp, &rope, None, &|b: &CudaBackend, v| {
-                kernels::cuda::CudaIdx::from_host(b, v)
-            });
+            let (gout, gsel) = run_layer(
+                &mut gs,
+                &layout,
+                l,
+                &plan,
+                &inp,
+                &rope,
+                None,
+                &|b: &CudaBackend, v| kernels::cuda::CudaIdx::from_host(b, v),
+                true,
+            );
             // The CPU attends over the GPU's selection, so attention is compared on
             // identical inputs; the selections are compared on their own below.
-            let (cout, csel) = run_layer(&mut cs, &layout, l, &plan, &inp, &rope, gsel.as_deref(), &|_, v| v.to_vec());
+            let (cout, csel) =
+                run_layer(&mut cs, &layout, l, &plan, &inp, &rope, gsel.as_deref(), &|_, v| v.to_vec(), false);
             let e = rel_err(&gout, &cout);
             worst = worst.max(e);
             if e.is_nan() || e > bound {

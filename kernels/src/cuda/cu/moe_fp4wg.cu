@@ -65,9 +65,11 @@
 // of 64 rows, 8 of 32): one block an SM streams its expert's codes with S - 2 chunks in
 // flight, so a small prefill's experts of a few rows each (all 256 streamed once) ran at
 // ~1 TB/s with one (docs/perf.md, "Small prefills").
+// The one-part tiles of 256 rows (`_n256`) hold one plane of parts a stage: FP8 five
+// stages of 41 KiB, FP4 three of 73 KiB.
 #define FW_KC(FP8) ((FP8) ? 64 : 128)
-#define FW_S(FP8, BT, WG) ((FP8) ? 4 : (BT) == 128 ? 3 : (BT) == 64 ? 5 : (WG) == 4 && (BT) == 32 ? 6 : 8)
-#define FW_STAGE(FP8, BT, WG) (2 * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES(WG) + 1024)
+#define FW_S(FP8, BT, WG) ((FP8) ? ((BT) == 256 ? 5 : 4) : (BT) >= 128 ? 3 : (BT) == 64 ? 5 : (WG) == 4 && (BT) == 32 ? 6 : 8)
+#define FW_STAGE(FP8, BT, WG, NP) ((NP) * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES(WG) + 1024)
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
 struct __align__(64) Fp4wgArgs {
@@ -92,6 +94,23 @@ __device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db
         "{" WG_R0_31 ", " WG_R32_63 "}, "
         "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
         : WG_D64(d, 0)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// D += A · B over 64 × 256 × 16 (FP8's one-part tiles of 256 rows: each converted A
+// fragment, and each chunk's barrier and waits, serve twice the products of a 128-row
+// tile's).
+__device__ __forceinline__ void fw_mma(float (&d)[128], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{" WG_R0_31 ", " WG_R32_63 ", " WG_R64_127 "}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
+        : WG_D128(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 #else
     __trap();
@@ -293,8 +312,8 @@ extern "C" __global__ void __launch_bounds__(128) fp4wg_parts(u16* parts, const 
 
 template <bool FP8, bool PIPE, int BT, int WG, int NP>
 __device__ void fw_gemm(const Fp4wgArgs& a) {
-    constexpr int KC = FW_KC(FP8), S = FW_S(FP8, BT, WG), STAGE = FW_STAGE(FP8, BT, WG), NB = KC / 64, STEPS = KC / 16;
-    constexpr int BOX = FW_BOX(BT), B_BYTES = 2 * NB * BOX, BN = FW_BN(WG), A_BYTES = FW_A_BYTES(WG);
+    constexpr int KC = FW_KC(FP8), S = FW_S(FP8, BT, WG), STAGE = FW_STAGE(FP8, BT, WG, NP), NB = KC / 64;
+    constexpr int STEPS = KC / 16, BOX = FW_BOX(BT), B_BYTES = NP * NB * BOX, BN = FW_BN(WG), A_BYTES = FW_A_BYTES(WG);
     static_assert(!FP8 || WG == 2, "an FP8 block's 128 rows are one scale block row");
     extern __shared__ __align__(128) u8 fw_smem[];
     __shared__ __align__(8) u64 bars[S];
@@ -335,7 +354,7 @@ __device__ void fw_gemm(const Fp4wgArgs& a) {
             const int st = c % S;
             const u32 stage = base + st * STAGE;
             if (tid == 0) {
-                wg_mbar_expect(bar0 + 8 * st, two_parts ? B_BYTES : B_BYTES / 2);
+                wg_mbar_expect(bar0 + 8 * st, B_BYTES);
 #pragma unroll
                 for (int i = 0; i < (two_parts ? 2 : 1) * NB; i++)  // part i / NB, inputs 64 (i % NB) ..
                     wg_tma_load(stage + i * BOX, &a.parts, xk0 + (c0 + c) * KC + 64 * (i % NB), (i / NB) * a.plane + p0,
@@ -480,6 +499,11 @@ FW_KERNEL(fp4wg_gemm_n16, fp4wg1_gemm_n16, false, false, 16)
 FW_KERNEL(fp4wg_gemm_p_n16, fp4wg1_gemm_p_n16, false, true, 16)
 FW_KERNEL_WG(fp4wg_gemm_n16w, fp4wg1_gemm_n16w, false, false, 16, 4)
 FW_KERNEL_WG(fp4wg_gemm_p_n16w, fp4wg1_gemm_p_n16w, false, true, 16, 4)
+// Tiles of 256 rows over one plane of parts (`_n256`: a prefill's FP8 projections and its
+// experts of more than 192 rows, in bf16 activations; two planes of 256-row boxes would
+// not fit shared memory).
+FW_KERNEL_NP(fp8wg1_gemm_p_n256, true, true, 256, 2, 1)
+FW_KERNEL_NP(fp4wg1_gemm_p_n256, false, true, 256, 2, 1)
 
 // out[r][c] (out_stride apart) = the sum over z in order of part[z][r][c] (each plane
 // rows × n, the K slices' sums of a product split along K): one thread an output.
