@@ -113,16 +113,26 @@ pub(crate) fn planes(gpu: &Gpu) -> usize {
     if gpu.activations == Activations::Bf16 { 1 } else { 2 }
 }
 
-/// Fewest rows a wide tile takes: rows are cut into 256-row tiles while more than this
-/// many are left (every wide tile at least three quarters full), the rest into 128s.
+/// Rows are cut into 256-row tiles while more than this many are left (every wide tile
+/// at least three quarters full), the rest into 128s.
 const WIDE_MIN_ROWS: usize = 192;
+
+/// [`WIDE_MIN_ROWS`], or `SLUICE_CUDA_FP4WG_N256_FROM` (read once, 128–255): an expert of
+/// 129–192 rows then takes one wide tile instead of 128 rows and a short tile that
+/// streams its weights again.
+fn wide_min_rows() -> usize {
+    static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| {
+        super::runtime::env_rows("SLUICE_CUDA_FP4WG_N256_FROM").map_or(WIDE_MIN_ROWS, |r| r.clamp(TILE_ROWS, 255))
+    })
+}
 
 /// Tiles (expert, first row, rows) of `rows` rows of expert `expert` from row `first`:
 /// 256 rows while more than [`WIDE_MIN_ROWS`] are left when `wide`, then 128.
 pub(crate) fn row_tiles_into(tiles: &mut Vec<i32>, expert: usize, first: usize, rows: usize, wide: bool) {
     let mut r = 0;
     while r < rows {
-        let n = if wide && rows - r > WIDE_MIN_ROWS { WIDE_TILE_ROWS } else { TILE_ROWS }.min(rows - r);
+        let n = if wide && rows - r > wide_min_rows() { WIDE_TILE_ROWS } else { TILE_ROWS }.min(rows - r);
         tiles.extend_from_slice(&[expert as i32, (first + r) as i32, n as i32]);
         r += n;
     }
@@ -498,7 +508,7 @@ fn parts_from(gpu: &Gpu, of: PartsOf, rows: usize, k: usize, fp8: bool) -> Parts
     // product of 9-64 rows too: the short tiles' only where they can be used.)
     let maps = MAP_ROWS.map(|box_rows| {
         let used = match (fp8, box_rows) {
-            (_, WIDE_TILE_ROWS) => planes == 1 && rows > WIDE_MIN_ROWS,
+            (_, WIDE_TILE_ROWS) => planes == 1 && rows > wide_min_rows(),
             (true, r) => r >= SMALL_TILE_ROWS,
             (false, _) => true,
         };
@@ -619,6 +629,10 @@ mod tests {
     /// it is at most 64); all in 128s without wide tiles. Every row in exactly one tile.
     #[test]
     fn wide_row_tiles_cover_the_rows_once() {
+        if wide_min_rows() != WIDE_MIN_ROWS {
+            eprintln!("skipped: SLUICE_CUDA_FP4WG_N256_FROM is set here");
+            return;
+        }
         assert_eq!(row_tiles(8192, true).len(), 3 * 32);
         assert!(row_tiles(8192, true).chunks(3).all(|t| t[2] == 256));
         assert_eq!(row_tiles(193, true), [0, 0, 193]);
@@ -639,7 +653,7 @@ mod tests {
                 let [big, n64, n32, n16, w] = split_tiles(&t, false);
                 assert!(n32.is_empty() && n16.is_empty());
                 assert_eq!(big.len() + n64.len() + w.len(), t.len());
-                assert!(w.chunks(3).all(|t| t[2] as usize > WIDE_MIN_ROWS));
+                assert!(w.chunks(3).all(|t| t[2] as usize > wide_min_rows()));
             }
         }
     }
