@@ -173,6 +173,45 @@ fn cuda_graph_steps_match_eager_steps_at_flash_attention_widths() {
     cases_match(&format!("{test} (BF16 weights, fp8 KV, bf16 activations)"), g, e, vec![(lens, 24)]);
 }
 
+/// Steps that overflow their arena (pinned at 64 KiB: a twelve-row step's logits alone
+/// take more) issue what they recorded at the overflow and run the rest eagerly, so the
+/// pool memory taken instead is freed after the launches that use it: the tokens and
+/// logits are the eager engine's. (Until 2026-11-30 the rest stayed recorded while its
+/// pool buffers were freed at once — a use after free, which the pool could hand to the
+/// next buffer of the same segment.)
+#[test]
+fn cuda_graph_steps_that_overflow_their_arena_match_eager_steps() {
+    let test = "cuda_graph_steps_that_overflow_their_arena_match_eager_steps";
+    let _one = one_at_a_time();
+    let (Some(with), Some(without)) = (gpu(test), gpu(test)) else { return };
+    without.set_graphs(false);
+    with.pin_step_arena(64 << 10);
+    let (_dir, model) = small_checkpoint(WeightDtype::Bf16);
+    let opts = EngineOptions { max_sequences: 12, ..fp8_options() };
+    let mut g = Engine::load(&model, with, opts.clone()).unwrap();
+    let mut e = Engine::load(&model, without, opts).unwrap();
+    for (lens, steps) in [(vec![250], 40), (vec![5, 17, 30, 41, 52, 60, 66, 71, 24, 9, 45, 38], 24)] {
+        g.model.backend.take_graph_stats();
+        let got = decode(&mut g, &lens, steps);
+        let stats = g.model.backend.take_graph_stats();
+        let want = decode(&mut e, &lens, steps);
+        let what = format!("{test}, batch {lens:?}");
+        let worst = worst_row_error(&got, &want, &what);
+        eprintln!(
+            "GRAPHS {what}: {} steps recorded, {} segments issued eagerly, {} replayed, max|Δ|/max|ref| = {worst:.2e}",
+            stats.recorded,
+            stats.eager,
+            stats.replayed + stats.captured
+        );
+        assert!(worst <= GRAPH_TOL, "{what}: logits {worst:.3e} off the eager steps");
+        assert_eq!(stats.recorded as usize, steps, "{what}: every decode step is recorded");
+        assert_eq!(stats.unrecorded, 0, "{what}: ops past a recording other than an overflow's");
+        if lens.len() > 1 {
+            assert!(stats.eager > 0, "{what}: the steps did not overflow their 64 KiB arena");
+        }
+    }
+}
+
 #[test]
 fn cuda_graph_steps_match_eager_steps() {
     graphs_match_eager("cuda_graph_steps_match_eager_steps", WeightDtype::Bf16, EntryDtype::Bf16);

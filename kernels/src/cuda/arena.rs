@@ -10,8 +10,9 @@
 //! are issued while the step's kernels wait to be issued together; a fresh address is
 //! one no earlier kernel of the step touches). The same ops in the same order therefore
 //! get the same addresses. A request that does not fit marks the step as overflowed
-//! (it then runs without a graph, from pool memory) and the next step starts with a
-//! region large enough.
+//! (it then runs without a graph, from pool memory: what was recorded is issued at that
+//! point and the rest of the step runs eagerly, `step_graph::arena_slice`) and the next
+//! step starts with a region large enough.
 
 use std::collections::HashMap;
 use std::mem::ManuallyDrop;

@@ -617,6 +617,12 @@ impl CudaBackend {
         super::gemv_f8wg::f8wg_many_plan(g, g.ptr(&x.mem), rows, ws).map(|p| p.name)
     }
 
+    /// Decode steps record into a step arena of `bytes` (at least 64 KiB) that overflows
+    /// never make larger: for the graph tests, steps that overflow it.
+    pub fn pin_step_arena(&self, bytes: usize) {
+        self.gpu.pin_step_arena(bytes);
+    }
+
     /// The kernel attention runs a batch's layer `layer` in (`attention`, `attention_mma`
     /// or `attention_wg`), for the parity suite.
     pub fn attention_kernel(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> &'static str {

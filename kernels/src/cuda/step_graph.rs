@@ -32,9 +32,10 @@
 //!
 //! A step is not replayed when something in it cannot be recorded (a read back, a copy
 //! from the host into an existing buffer: the record is issued at that point and the
-//! rest of the step runs eagerly), when the arena overflowed (the next step gets a
-//! larger one), or when a persistent scratch buffer was regrown (every captured graph is
-//! dropped: they point at the old one).
+//! rest of the step runs eagerly), when the arena overflowed (what is recorded is issued
+//! then and the rest runs eagerly, so that the pool memory taken instead is freed after
+//! its users; the next step gets a larger arena), or when a persistent scratch buffer was
+//! regrown (every captured graph is dropped: they point at the old one).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys;
 use cudarc::driver::{CudaGraph, CudaSlice, LaunchConfig};
 
-use super::arena::{ArenaState, DevBuf, Lease};
+use super::arena::{ArenaState, DevBuf};
 use super::blas_op::{BlasHandle, BlasOp, handle_with_workspace};
 use super::runtime::{Gpu, fail};
 
@@ -184,6 +185,8 @@ pub(crate) struct Steps {
     arena: Arc<ArenaState>,
     region: Mutex<Option<CudaSlice<u8>>>,
     next_size: AtomicU64,
+    /// The arena keeps `next_size` after an overflow instead of growing (tests).
+    pinned: std::sync::atomic::AtomicBool,
     rec: Mutex<Option<Recording>>,
     cache: Mutex<Cache>,
     /// Scratch buffers replaced while a step was recorded, kept until its ops are issued.
@@ -208,6 +211,7 @@ impl Steps {
             arena: ArenaState::new(),
             region: Mutex::new(None),
             next_size: AtomicU64::new(FIRST_ARENA as u64),
+            pinned: std::sync::atomic::AtomicBool::new(false),
             rec: Mutex::new(None),
             cache: Mutex::new(Cache::default()),
             graveyard: Mutex::new(Vec::new()),
@@ -280,10 +284,17 @@ impl Gpu {
     pub(crate) fn end_recording(&self) {
         self.flush_recording();
         let (peak, overflow) = self.steps.arena.end();
-        if overflow > 0 {
+        if overflow > 0 && !self.steps.pinned.load(Ordering::Relaxed) {
             let want = ((peak + overflow) * 5 / 4).next_multiple_of(1 << 20);
             self.steps.next_size.fetch_max(want as u64, Ordering::Relaxed);
         }
+    }
+
+    /// Steps record into an arena of `bytes` from the next on, which no overflow grows
+    /// (a test's way to make every step overflow).
+    pub(crate) fn pin_step_arena(&self, bytes: usize) {
+        self.steps.next_size.store(bytes.max(1 << 16) as u64, Ordering::Relaxed);
+        self.steps.pinned.store(true, Ordering::Relaxed);
     }
 
     pub(crate) fn set_graphs(&self, on: bool) {
@@ -303,8 +314,19 @@ impl Gpu {
     }
 
     /// A piece of the step arena for `len` values of `T`, if a step is recording.
+    ///
+    /// When the piece does not fit (the step overflowed its arena) the caller takes pool
+    /// memory instead, which its `DevBuf` frees on the stream when dropped — before the
+    /// recorded launches that use it would be issued, and the pool may hand the same
+    /// memory to the next request of the segment. So what is recorded is issued now and
+    /// the rest of the step runs eagerly, each free after the launches before it.
     pub(crate) fn arena_slice<T>(&self, len: usize, upload: bool) -> Option<DevBuf<T>> {
-        let lease: Lease = self.steps.arena.take(len * std::mem::size_of::<T>(), upload)?;
+        let Some(lease) = self.steps.arena.take(len * std::mem::size_of::<T>(), upload) else {
+            if self.steps.arena.active() {
+                self.flush_recording();
+            }
+            return None;
+        };
         let region = self.steps.region.lock().expect("arena region poisoned");
         let base = self.ptr(region.as_ref()?);
         // SAFETY: the range lies inside the arena region (the arena hands out pieces of
@@ -364,7 +386,8 @@ impl Gpu {
     /// An op issued now: counted when a recorded step is under way (its recording ended
     /// early).
     fn note_unrecorded(&self) {
-        if self.steps.arena.active() {
+        // (After an overflow the rest of the step runs eagerly on purpose: `arena_slice`.)
+        if self.steps.arena.active() && !self.steps.arena.overflowed() {
             self.steps.count(6);
         }
     }
