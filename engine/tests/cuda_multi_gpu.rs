@@ -10,6 +10,9 @@
 //! - the same prompt in uneven chunks (every row);
 //! - sequences of different lengths: two prompts in one batched step, a step mixing a
 //!   new prompt's chunk with three decodes, then batched decode steps of four sequences;
+//! - a wide batch: forty short prompts in one step, then decode steps of forty rows (20
+//!   a GPU on two: past 16 rows a device, and a batch larger than any before, whose
+//!   first recorded steps outgrow their step arena);
 //! - a prefix restored as a prefill worker restores it from the kvstore: one engine's
 //!   pages and snapshot for the first 4 blocks are written into the other engine's
 //!   reserved pages (`reserve_prefix`, `write_pages`, `write_snapshot`,
@@ -61,6 +64,8 @@ const CHUNKS: [usize; 5] = [1, 200, 77, 128, 244];
 /// Blocks of the long prompt restored as a cached prefix.
 const PREFIX_BLOCKS: usize = 4;
 const DECODE_STEPS: usize = 6;
+/// Sequences of the wide batch (see `drive`).
+const WIDE: usize = 40;
 
 /// `cuda_conformance.rs`: the sharded engine against one GPU, bf16 and fp8 KV.
 const ENGINE_TOL: f32 = 1e-2;
@@ -231,6 +236,25 @@ fn drive<B: kernels::Backend>(e: &mut Engine<B>, forced: Option<&[u32]>) -> Run 
     let seqs = &mut [&mut d, &mut chunked, &mut b, &mut c];
     decode(e, seqs, next, DECODE_STEPS, "four sequences of 131 to 651 tokens", &mut g);
     for s in [chunked, b, c, d] {
+        e.release(s);
+    }
+
+    // A wide batch: WIDE short prompts in one step, then decode steps of WIDE rows (on
+    // two devices 20 a device: the decode batches past 16 rows a device, and the first
+    // steps of a batch larger than any before, whose temporaries outgrow a recorded
+    // step's arena).
+    let prompts: Vec<Vec<u32>> = (0..WIDE).map(|i| prompt(5 + 3 * i, vocab, 10 + i as u64)).collect();
+    let mut wide: Vec<Sequence> = (0..WIDE).map(|_| e.open_sequence().unwrap()).collect();
+    let mut inputs: Vec<StepInput<'_>> =
+        wide.iter_mut().zip(&prompts).map(|(seq, tokens)| StepInput { seq, tokens, logits: Logits::Last }).collect();
+    let out = e.step(&mut inputs).unwrap();
+    drop(inputs);
+    let next: Vec<u32> =
+        out.iter().enumerate().map(|(i, l)| g.pick(&format!("wide prefill, sequence {i}"), l)).collect();
+    g.run.blocks.push((format!("{WIDE} prompts of 5 to {} tokens in one step", 5 + 3 * (WIDE - 1)), out.concat()));
+    let mut refs: Vec<&mut Sequence> = wide.iter_mut().collect();
+    decode(e, &mut refs, next, DECODE_STEPS, &format!("{WIDE} sequences"), &mut g);
+    for s in wide {
         e.release(s);
     }
     assert_eq!(e.pool_stats().pages_used, 0, "every page returned");
@@ -471,7 +495,7 @@ fn the_schedule_holds_on_cpu_devices() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("tiny");
     write_checkpoint(&model, &InitOptions::new(Preset::Tiny, 5, WeightDtype::Fp8)).unwrap();
-    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 64, max_sequences: 8, max_chunk_tokens: 1024 };
+    let opts = EngineOptions { kv_dtype: EntryDtype::Fp8, max_pages: 128, max_sequences: 48, max_chunk_tokens: 1024 };
     let mut one = Engine::load(&model, engine::CpuBackend::new(), opts.clone()).unwrap();
     let two = Sharded::new(vec![engine::CpuBackend::new(), engine::CpuBackend::new()], Box::new(HostCollective));
     let mut two = Engine::load(&model, two, opts).unwrap();
@@ -487,7 +511,7 @@ fn two_gpus_compute_what_one_gpu_computes_on_flash_layers() {
         return;
     }
     let Some(model) = flash_model(test) else { return };
-    let opts = |kv_dtype| EngineOptions { kv_dtype, max_pages: 64, max_sequences: 8, max_chunk_tokens: 1024 };
+    let opts = |kv_dtype| EngineOptions { kv_dtype, max_pages: 128, max_sequences: 48, max_chunk_tokens: 1024 };
     // Split activations (f32 distance) with both KV dtypes, then the serving default:
     // bf16 activations and fp8 KV.
     let runs = [
