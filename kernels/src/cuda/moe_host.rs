@@ -185,10 +185,11 @@ fn experts_grouped(
         at += assigned.len();
     }
     // One copy to the device, through pinned memory (`Staging`): the list, then each
-    // row's positions, then the tile lists. A copy from pageable memory this large waited
-    // for the stream to reach it — for the shared expert queued before it — and the host
-    // then built and launched the rest while the device sat idle: ~0.4 ms a layer of an 8K
-    // prefill (docs/perf.md "Wider tiles for the prefill products").
+    // row's positions, then the tile lists. Copies from pageable memory this large waited
+    // for the stream to reach them — for the shared expert queued before — and the host
+    // then built and launched the rest while the device sat idle (an 8K prefill's gap
+    // after the shared expert: ~0.40 ms a layer before, ~0.13 after; docs/perf.md "Wider
+    // tiles for the prefill products").
     let mut words: Vec<i32> = Vec::with_capacity(list.len() + rows * k + tiles.len() + 16);
     words.extend(list.iter().map(|&v| v as i32));
     let pos_at = words.len();
