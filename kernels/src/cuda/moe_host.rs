@@ -31,37 +31,23 @@ pub(super) fn experts_routed_on_host(
 ) {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
-    // Rows per expert this device holds, in expert order; the list holds row ids, then
-    // weight indices. Rows routed to experts held elsewhere get nothing from here.
-    let n_exp = w.gate.rows;
     let held = w.expert_base..w.expert_base + w.experts.len();
-    let mut per_expert: Vec<Vec<(u32, u32)>> = vec![Vec::new(); w.experts.len()];
-    for (i, &e) in chosen.iter().enumerate() {
-        let e = usize::try_from(e).ok().filter(|&e| e < n_exp);
-        let e = e.unwrap_or_else(|| panic!("routing chose an expert outside 0..{n_exp}"));
-        if held.contains(&e) {
-            per_expert[e - w.expert_base].push(((i / k) as u32, i as u32));
-        }
-    }
-    let total: usize = per_expert.iter().map(Vec::len).sum();
+    let lists = RoutedLists::new(chosen, k, w.gate.rows, held);
+    let total = lists.total;
     if total == 0 {
         g.memset_zero(&mut out.mem);
         return;
     }
-    let mut list = Vec::with_capacity(2 * total);
-    list.extend(per_expert.iter().flatten().map(|&(r, _)| r));
-    list.extend(per_expert.iter().flatten().map(|&(_, j)| j));
     if grouped_experts(w) && !per_expert_on_cublas(w, total) {
         let e0 = &w.experts[0];
         g.traffic.add_flops(total * 2 * (2 * e0.w1.rows * e0.w1.cols + e0.w2.rows * e0.w2.cols));
-        return experts_grouped(b, x, rows, w, &per_expert, &list, weights, out);
+        return experts_grouped(b, x, rows, w, lists, weights, out);
     }
-    let list_dev = g.upload(&list);
+    let list_dev = g.upload(&lists.words);
     let lp = g.ptr(&list_dev);
     g.memset_zero(&mut out.mem);
     let mut at = 0usize;
-    for (e, assigned) in per_expert.iter().enumerate() {
-        let n = assigned.len();
+    for (e, &n) in lists.counts.iter().enumerate() {
         if n == 0 {
             continue;
         }
@@ -80,7 +66,7 @@ pub(super) fn experts_routed_on_host(
         // A row listed twice for one expert (a hash table may repeat an expert) must be
         // summed in order: then one thread walks each column; otherwise every element
         // has its own thread.
-        let mut seen: Vec<u32> = assigned.iter().map(|&(r, _)| r).collect();
+        let mut seen = lists.words[at..at + n].to_vec();
         seen.dedup();
         let (name, c) = if seen.len() == n {
             ("moe_accumulate_rows", cfg_elems(n * d))
@@ -100,6 +86,53 @@ pub(super) fn experts_routed_on_host(
             d as i32
         );
         at += n;
+    }
+}
+
+/// The (row, slot) pairs a batch routed to the experts this device holds, by expert in
+/// expert order and by slot within an expert (`slot` = row · k + the row's choice): the
+/// rows of all, then their slots (`words`, as the kernels read them), and each held
+/// expert's count. Rows routed to experts held elsewhere get nothing from here. A
+/// counting sort — two passes, no allocation an expert: an 8K prefill routes 49,152
+/// pairs a layer, and the host builds these while the device runs the shared expert.
+struct RoutedLists {
+    words: Vec<i32>,
+    counts: Vec<usize>,
+    total: usize,
+}
+
+impl RoutedLists {
+    fn new(chosen: &[i32], k: usize, n_exp: usize, held: std::ops::Range<usize>) -> Self {
+        let mut counts = vec![0usize; held.len()];
+        let expert_of = |e: i32| {
+            let e = usize::try_from(e).ok().filter(|&e| e < n_exp);
+            e.unwrap_or_else(|| panic!("routing chose an expert outside 0..{n_exp}"))
+        };
+        for &e in chosen {
+            let e = expert_of(e);
+            if held.contains(&e) {
+                counts[e - held.start] += 1;
+            }
+        }
+        let total = counts.iter().sum();
+        let mut next: Vec<usize> = counts
+            .iter()
+            .scan(0, |at, &c| {
+                *at += c;
+                Some(*at - c)
+            })
+            .collect();
+        let mut words = vec![0i32; 2 * total];
+        for (i, &e) in chosen.iter().enumerate() {
+            let e = expert_of(e);
+            if held.contains(&e) {
+                let at = &mut next[e - held.start];
+                words[*at] = (i / k) as i32;
+                words[total + *at] = i as i32;
+                *at += 1;
+            }
+        }
+        RoutedLists { words, counts, total }
     }
 }
 
@@ -153,15 +186,14 @@ fn experts_grouped(
     x: &CudaBuf,
     rows: usize,
     w: &MoeWeights<CudaBackend>,
-    per_expert: &[Vec<(u32, u32)>],
-    list: &[u32],
+    lists: RoutedLists,
     weights: &CudaBuf,
     out: &mut CudaBuf,
 ) {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
     // (row, slot) pairs routed to the experts held here (all of them on one device).
-    let n = list.len() / 2;
+    let n = lists.total;
     let first = &w.experts[0];
     let inter = first.w1.rows;
     // Tiles of at most GEMM_BM rows of one expert, and each row's list positions in
@@ -173,16 +205,16 @@ fn experts_grouped(
     let mut tiles: Vec<i32> = Vec::new();
     let mut at = 0usize;
     let mut used = 0usize;
-    for (e, assigned) in per_expert.iter().enumerate() {
-        used += usize::from(!assigned.is_empty());
+    for (e, &count) in lists.counts.iter().enumerate() {
+        used += usize::from(count > 0);
         if on_fp4wg {
-            moe_fp4wg::row_tiles_into(&mut tiles, e, at, assigned.len(), wide);
+            moe_fp4wg::row_tiles_into(&mut tiles, e, at, count, wide);
         } else {
-            for t in (0..assigned.len()).step_by(GEMM_BM) {
-                tiles.extend_from_slice(&[e as i32, (at + t) as i32, (assigned.len() - t).min(GEMM_BM) as i32]);
+            for t in (0..count).step_by(GEMM_BM) {
+                tiles.extend_from_slice(&[e as i32, (at + t) as i32, (count - t).min(GEMM_BM) as i32]);
             }
         }
-        at += assigned.len();
+        at += count;
     }
     // One copy to the device, through pinned memory (`Staging`): the list, then each
     // row's positions, then the tile lists. Copies from pageable memory this large waited
@@ -190,13 +222,13 @@ fn experts_grouped(
     // then built and launched the rest while the device sat idle (an 8K prefill's gap
     // after the shared expert: ~0.40 ms a layer before, ~0.13 after; docs/perf.md "Wider
     // tiles for the prefill products").
-    let mut words: Vec<i32> = Vec::with_capacity(list.len() + rows * k + tiles.len() + 16);
-    words.extend(list.iter().map(|&v| v as i32));
+    let mut words = lists.words;
+    words.reserve(rows * k + tiles.len() + 16);
     let pos_at = words.len();
     words.resize(pos_at + rows * k, -1);
     let mut filled = vec![0usize; rows];
-    for (i, &r) in list[..n].iter().enumerate() {
-        let r = r as usize;
+    for i in 0..n {
+        let r = words[i] as usize;
         words[pos_at + r * k + filled[r]] = i as i32;
         filled[r] += 1;
     }
@@ -263,4 +295,49 @@ fn experts_grouped(
         0i32,
         0i32
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RoutedLists;
+
+    /// The counting sort lists exactly what pushing each pair onto its expert's list in
+    /// slot order lists: rows then slots, expert by expert, only the held experts, rows
+    /// that chose one expert twice (a hash table may) listed twice.
+    #[test]
+    fn routed_lists_are_the_pairs_by_expert_in_slot_order() {
+        let mut s = 7u64;
+        let mut next = |m: usize| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % m as u64) as usize
+        };
+        for (rows, k, n_exp, held) in
+            [(300, 6, 256, 0..256), (1000, 6, 256, 128..256), (37, 2, 16, 4..9), (1, 4, 8, 0..8)]
+        {
+            let chosen: Vec<i32> = (0..rows * k).map(|_| next(n_exp) as i32).collect();
+            let mut per_expert: Vec<Vec<(i32, i32)>> = vec![Vec::new(); held.len()];
+            for (i, &e) in chosen.iter().enumerate() {
+                if held.contains(&(e as usize)) {
+                    per_expert[e as usize - held.start].push(((i / k) as i32, i as i32));
+                }
+            }
+            let want_rows: Vec<i32> = per_expert.iter().flatten().map(|&(r, _)| r).collect();
+            let want_slots: Vec<i32> = per_expert.iter().flatten().map(|&(_, j)| j).collect();
+            let lists = RoutedLists::new(&chosen, k, n_exp, held.clone());
+            assert_eq!(lists.total, want_rows.len());
+            assert_eq!(lists.words[..lists.total], want_rows[..]);
+            assert_eq!(lists.words[lists.total..], want_slots[..]);
+            assert_eq!(lists.counts, per_expert.iter().map(Vec::len).collect::<Vec<_>>());
+        }
+        // A row choosing one expert twice.
+        let lists = RoutedLists::new(&[3, 3, 1, 3], 2, 4, 0..4);
+        assert_eq!(lists.words, [1, 0, 0, 1, 2, 0, 1, 3]);
+        assert_eq!(lists.counts, [0, 1, 0, 3]);
+    }
+
+    #[test]
+    #[should_panic(expected = "routing chose an expert outside 0..4")]
+    fn a_route_outside_the_experts_is_refused() {
+        RoutedLists::new(&[0, 4], 1, 4, 0..4);
+    }
 }
