@@ -100,7 +100,7 @@ __device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db
 #endif
 }
 
-// D += A · B over 64 × 256 × 16 (FP8's one-part tiles of 256 rows: each converted A
+// D += A · B over 64 × 256 × 16 (the one-part tiles of 256 rows: each converted A
 // fragment, and each chunk's barrier and waits, serve twice the products of a 128-row
 // tile's).
 __device__ __forceinline__ void fw_mma(float (&d)[128], const u32 (&a)[4], u64 db) {
