@@ -62,17 +62,7 @@ __device__ __forceinline__ void aw_qk(float (&d)[32], u64 da, u64 db, int acc) {
 
 // D (64 × 256, f32) += A · B, A (bf16) from registers, B (bf16) from shared memory MN-major.
 __device__ __forceinline__ void aw_pv(float (&d)[128], const u32 (&a)[4], u64 db) {
-#if WG_AVAILABLE
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{" WG_R0_31 ", " WG_R32_63 ", " WG_R64_127 "}, "
-        "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-        : WG_D128(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-#else
-    __trap();
-#endif
+    wg_mma_n256_rs<1>(d, a, db);
 }
 
 // Byte offset of 16-byte piece `c` (8 dims from 8c) of row `r` in a swizzled matrix.

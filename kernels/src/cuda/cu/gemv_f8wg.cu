@@ -88,6 +88,24 @@
                    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
                    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 
+// D (64 × 256, f32) += A · B over k 16, A (bf16) from registers, B (bf16) from shared
+// memory, K-major (`TRANS_B` 0) or MN-major (1): the prefill products' 256-row tiles
+// (moe_fp4wg.cu) and the warpgroup attention's P · V (attention_wg.cu).
+template <int TRANS_B>
+__device__ __forceinline__ void wg_mma_n256_rs(float (&d)[128], const u32 (&a)[4], u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{" WG_R0_31 ", " WG_R32_63 ", " WG_R64_127 "}, "
+        "{%128, %129, %130, %131}, %132, p, 1, 1, %134;\n}\n"
+        : WG_D128(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1), "n"(TRANS_B));
+#else
+    __trap();
+#endif
+}
+
 // A shared-memory matrix descriptor: byte offsets between core matrices along K (`lbo`,
 // unused with swizzling) and along M or N (`sbo`); `swizzle`: 0 none, 1 128-byte.
 __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo, u32 swizzle) {

@@ -68,7 +68,8 @@
 // The one-part tiles of 256 rows (`_n256`) hold one plane of parts a stage: FP8 five
 // stages of 41 KiB, FP4 three of 73 KiB.
 #define FW_KC(FP8) ((FP8) ? 64 : 128)
-#define FW_S(FP8, BT, WG) ((FP8) ? ((BT) == 256 ? 5 : 4) : (BT) >= 128 ? 3 : (BT) == 64 ? 5 : (WG) == 4 && (BT) == 32 ? 6 : 8)
+#define FW_S(FP8, BT, WG) \
+    ((FP8) ? ((BT) == 256 ? 5 : 4) : (BT) >= 128 ? 3 : (BT) == 64 ? 5 : (WG) == 4 && (BT) == 32 ? 6 : 8)
 #define FW_STAGE(FP8, BT, WG, NP) ((NP) * (FW_KC(FP8) / 64) * FW_BOX(BT) + FW_A_BYTES(WG) + 1024)
 
 // Kernel arguments (`Fp4wgArgs` in moe_fp4wg.rs): the parts' tensor map first.
@@ -104,17 +105,7 @@ __device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db
 // fragment, and each chunk's barrier and waits, serve twice the products of a 128-row
 // tile's).
 __device__ __forceinline__ void fw_mma(float (&d)[128], const u32 (&a)[4], u64 db) {
-#if WG_AVAILABLE
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-        "{" WG_R0_31 ", " WG_R32_63 ", " WG_R64_127 "}, "
-        "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}\n"
-        : WG_D128(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-#else
-    __trap();
-#endif
+    wg_mma_n256_rs<0>(d, a, db);
 }
 
 // D += A · B over 64 × 64 × 16 (tiles of at most 64 rows: half the sums and products).
