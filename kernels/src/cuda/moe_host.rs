@@ -33,7 +33,7 @@ pub(super) fn experts_routed_on_host(
     let (d, k) = (w.gate.cols, w.top_k);
     let held = w.expert_base..w.expert_base + w.experts.len();
     let lists = RoutedLists::new(chosen, k, w.gate.rows, held);
-    let total = lists.total;
+    let total = lists.total();
     if total == 0 {
         g.memset_zero(&mut out.mem);
         return;
@@ -98,7 +98,6 @@ pub(super) fn experts_routed_on_host(
 struct RoutedLists {
     words: Vec<i32>,
     counts: Vec<usize>,
-    total: usize,
 }
 
 impl RoutedLists {
@@ -114,7 +113,7 @@ impl RoutedLists {
                 counts[e - held.start] += 1;
             }
         }
-        let total = counts.iter().sum();
+        let total: usize = counts.iter().sum();
         let mut next: Vec<usize> = counts
             .iter()
             .scan(0, |at, &c| {
@@ -132,7 +131,12 @@ impl RoutedLists {
                 *at += 1;
             }
         }
-        RoutedLists { words, counts, total }
+        RoutedLists { words, counts }
+    }
+
+    /// Pairs listed (half the words).
+    fn total(&self) -> usize {
+        self.words.len() / 2
     }
 }
 
@@ -193,7 +197,7 @@ fn experts_grouped(
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
     // (row, slot) pairs routed to the experts held here (all of them on one device).
-    let n = lists.total;
+    let n = lists.total();
     let first = &w.experts[0];
     let inter = first.w1.rows;
     // Tiles of at most GEMM_BM rows of one expert, and each row's list positions in
@@ -324,9 +328,9 @@ mod tests {
             let want_rows: Vec<i32> = per_expert.iter().flatten().map(|&(r, _)| r).collect();
             let want_slots: Vec<i32> = per_expert.iter().flatten().map(|&(_, j)| j).collect();
             let lists = RoutedLists::new(&chosen, k, n_exp, held.clone());
-            assert_eq!(lists.total, want_rows.len());
-            assert_eq!(lists.words[..lists.total], want_rows[..]);
-            assert_eq!(lists.words[lists.total..], want_slots[..]);
+            assert_eq!(lists.total(), want_rows.len());
+            assert_eq!(lists.words[..lists.total()], want_rows[..]);
+            assert_eq!(lists.words[lists.total()..], want_slots[..]);
             assert_eq!(lists.counts, per_expert.iter().map(Vec::len).collect::<Vec<_>>());
         }
         // A row choosing one expert twice.
