@@ -198,7 +198,17 @@ pub(crate) fn index_topk(
             page_off: lk.page_offset(Branch::Indexer) as i32,
             per_page: lk.entries_per_page(layout.block) as i32,
         };
-        if let Some(kpb) = mma_keys_per_block(layout, layer, heads, rows, n_max, g.sms) {
+        if let Some(rpb) = super::indexer_wg::rows_per_block(g, layout, layer, plan, heads, n_max) {
+            // Prefill-sized runs of rows a sequence: keys kept while the rows stream past.
+            let io = super::indexer_wg::ScoresIo {
+                q: g.ptr(&q.mem),
+                weights: g.ptr(&weights.mem),
+                page_base: g.ptr(&kv.pages.mem),
+                scores: g.ptr(&scores.mem),
+                weight_scale: prep.map_or(1.0, |p| p.weight_scale),
+            };
+            super::indexer_wg::scores(g, &dp, rows, n_max, &io, geom, rpb, prep.map(|p| p.rope));
+        } else if let Some(kpb) = mma_keys_per_block(layout, layer, heads, rows, n_max, g.sms) {
             // FP8 and BF16 keys: tensor cores (indexer_mma.cu), q as f16 (bf16) fragments first.
             let bf16 = layout.dtype == crate::EntryDtype::Bf16;
             let frags = g.alloc::<u32>(rows * dim * 64);

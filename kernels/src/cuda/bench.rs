@@ -535,6 +535,12 @@ impl CudaBackend {
         super::attention::takes_prep(self, layout, layer, plan, heads, top_k)
     }
 
+    /// Whether the indexer's scores of `plan` at `layer` run on `index_scores_wg` (keys kept
+    /// in registers while a sequence's rows stream past them; for tests).
+    pub fn indexer_scores_on_wgmma(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
+        super::indexer_wg::rows_per_block(&self.gpu, layout, layer, plan, heads, 0).is_some()
+    }
+
     /// The `wgmma` routed-expert kernels (and their K splits) the v2 path runs for a
     /// decode batch of `rows` rows over `w`, or `None` where it leaves the batch to the
     /// segment kernels (`SLUICE_CUDA_MOE_WGMMA` respected), for the parity suite.

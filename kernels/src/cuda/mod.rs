@@ -32,7 +32,7 @@
 //! - `gemv_f8mma`: FP8 products of 1-2 decode rows on FP8 tensor cores, tried before v2.
 //! - `gemv_f8wg`: FP8 products of 1-2 decode rows on Hopper's `wgmma`, weights copied by
 //!   the tensor memory accelerator (cu/gemv_f8wg.cu), tried before `gemv_f8mma`.
-//! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops.
+//! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops; `indexer_wg`: prefill indexer scores on `wgmma`.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
 //! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma` (cu/moe_fp4wg.cu): those
@@ -44,8 +44,7 @@
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
 //! - [`peer`]: GPU-to-GPU copy bandwidth, the ceiling of KV transfers between GPUs.
-//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side,
-//!   `host` the issuing thread's).
+//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side, `host` the issuing thread's).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
@@ -66,6 +65,7 @@ mod gemm_rows;
 mod gemv_f8mma;
 mod gemv_f8wg;
 mod hc;
+mod indexer_wg;
 mod kv_buffer;
 mod launch;
 #[cfg(test)]

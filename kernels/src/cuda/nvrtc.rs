@@ -41,6 +41,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("moe_wgmma.cu", include_str!("cu/moe_wgmma.cu")),
     ("moe_fp4wg.cu", include_str!("cu/moe_fp4wg.cu")),
     ("attention_wg.cu", include_str!("cu/attention_wg.cu")),
+    ("indexer_wg.cu", include_str!("cu/indexer_wg.cu")),
 ];
 
 /// No fast-math: sincos, exp and division stay IEEE-accurate, as the CPU reference is.

@@ -169,6 +169,8 @@ const KERNELS: &[&str] = &[
     "index_q_frags",
     "index_scores_mma",
     "index_scores_mma_bf16",
+    "index_q_tile",
+    "index_scores_wg",
     "topk_select",
     "topk_hist",
     "topk_gather",
@@ -193,6 +195,7 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     let mut v =
         vec![("compress_stream", super::compress::STREAM_MAX_SMEM), ("attention_mma", super::attention::MMA_DYN_SMEM)];
     v.push(("attention_wg", super::attention::WG_DYN_SMEM));
+    v.push(("index_scores_wg", super::indexer_wg::IW_DYN_SMEM));
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));
     v.extend(super::gemv_f8mma::F8MMA_KERNELS.iter().map(|&n| (n, super::gemv_f8mma::F8MMA_MAX_SMEM)));

@@ -191,3 +191,92 @@ fn cuda_indexer_select_equals_rope_scale_then_topk() {
         }
     }
 }
+
+/// Prefill-sized batches score on `index_scores_wg` (a block keeps 256 keys of a sequence
+/// in registers while its rows stream past them): the same top-512 as the CPU, except
+/// where two scores lie within the kernels' rounding, for FP8 and BF16 keys, through
+/// `index_topk` and through `indexer_select` (q rotated and the weights scaled inside the
+/// launches). The batches: one chunk whose rows see 500 to 650 entries (the last key tile
+/// partly visible, differently for each row), and two sequences over different pages
+/// whose rows share blocks (the keys reloaded where a block's rows reach the second).
+#[test]
+fn cuda_indexer_prefill_scores_on_wgmma_match_cpu() {
+    let Some(g) = gpu("cuda_indexer_prefill_scores_on_wgmma_match_cpu") else { return };
+    let g = &*g;
+    let cpu = CpuBackend::new();
+    let mut rng = rng("indexer_wg");
+    let spec = [LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 }];
+    let yarn = Yarn { factor: 16.0, original_max_position: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    let rope = RopeTable::yarn(160000.0, 64, yarn, 1.0);
+    let scale = 0.125 * (IDX_HEADS as f32).powf(-0.5);
+    let knob_off = std::env::var("SLUICE_CUDA_INDEXER_WG").is_ok_and(|v| v == "0");
+    for dtype in [EntryDtype::Fp8, EntryDtype::Bf16] {
+        let layout = KvLayout::new(128, 128, dtype, &spec);
+        let ctx = 8192usize;
+        let pages = ctx / 128;
+        let raw = vec![[vec![0.0; 4 * 2 * HD], vec![1.0; HD], vec![0.0; 4 * 2 * IDX_DIM], vec![1.0; IDX_DIM]]];
+        let sinks = vec![0.0; HEADS];
+        let mut gs = side(g, &layout, pages, 2, &raw, &sinks);
+        let mut cs = side(&cpu, &layout, pages, 2, &raw, &sinks);
+        let lk = &layout.layers[0];
+        for p in 0..pages {
+            for e in 0..lk.entries_per_page(layout.block) {
+                let at = p * layout.page_elems + lk.page_offset(Branch::Indexer) + e * lk.stride(Branch::Indexer);
+                let key = rand_vec(&mut rng, IDX_DIM, 1.0);
+                let mut bytes = vec![0u8; lk.index.bytes()];
+                kv_entry::encode(&lk.index, &key, &mut bytes);
+                gs.b.kv_write(&mut gs.kv.pages, at, &bytes);
+                cs.b.kv_write(&mut cs.kv.pages, at, &bytes);
+            }
+        }
+        let table: Vec<u32> = (0..pages as u32).collect();
+        let reversed: Vec<u32> = table.iter().rev().copied().collect();
+        let toks = vec![0u32; 600];
+        let plans = [
+            BatchPlan::new(vec![(0, table.clone(), 2000, &toks[..])]),
+            BatchPlan::new(vec![(0, table, 6000, &toks[..100]), (1, reversed, 3000, &toks[100..300])]),
+        ];
+        for plan in &plans {
+            let rows = plan.rows();
+            assert!(
+                knob_off || g.indexer_scores_on_wgmma(&layout, 0, plan, IDX_HEADS),
+                "{} keys, {rows} rows: the batch does not take index_scores_wg",
+                dtype.name()
+            );
+            let q = rand_vec(&mut rng, rows * IDX_HEADS * IDX_DIM, 0.3);
+            let w = rand_vec(&mut rng, rows * IDX_HEADS, 1.0);
+            let (gkv, ckv) = (gs.kv.view(), cs.kv.view());
+            let plain = g.idx_download(
+                &gs.b.index_topk(&gkv, &layout, 0, plan, &gs.b.upload(&q), &gs.b.upload(&w), IDX_HEADS, TOP_K).indices,
+            );
+            let cplain = cs.b.index_topk(&ckv, &layout, 0, plan, &q, &w, IDX_HEADS, TOP_K).indices;
+            let (mut fq, mut fw) = (gs.b.upload(&q), gs.b.upload(&w));
+            let fused = gs.b.indexer_select(&gkv, &layout, 0, plan, &mut fq, &mut fw, IDX_HEADS, TOP_K, &rope, scale);
+            let fused = g.idx_download(&fused.indices);
+            let (mut cq, mut cw) = (q.clone(), w.clone());
+            let cfused = cs.b.indexer_select(&ckv, &layout, 0, plan, &mut cq, &mut cw, IDX_HEADS, TOP_K, &rope, scale);
+            for (what, gsel, csel) in [("index_topk", &plain, &cplain), ("indexer_select", &fused, &cfused.indices)] {
+                let mut most_off = 0;
+                for r in 0..rows {
+                    let (gr, cr) = (&gsel[r * TOP_K..(r + 1) * TOP_K], &csel[r * TOP_K..(r + 1) * TOP_K]);
+                    let seen = (plan.positions[r] as usize + 1) / 4;
+                    // Picks first (ascending), then -1 for the slots past the visible count.
+                    let ids = |s: &[i32]| s.iter().copied().filter(|&i| i >= 0).collect::<Vec<i32>>();
+                    let (gi, ci) = (ids(gr), ids(cr));
+                    let want = seen.min(TOP_K);
+                    assert_eq!(gi.len(), want, "{what}, row {r}: {} picks of {seen} entries", gi.len());
+                    assert_eq!(ci.len(), want, "{what}, row {r}: the CPU made {} picks", ci.len());
+                    assert!(gi.windows(2).all(|p| p[0] < p[1]), "{what}, row {r}: picks not ascending");
+                    assert!(gi.iter().all(|&i| (i as usize) < seen), "{what}, row {r}: an unseen entry");
+                    let same = gi.iter().filter(|i| ci.binary_search(i).is_ok()).count();
+                    assert!(same + 2 >= want, "{what}, row {r}: only {same} of {want} selected entries agree");
+                    most_off = most_off.max(want - same);
+                }
+                eprintln!(
+                    "PARITY indexer wgmma {} keys, {what}, {rows} rows: at most {most_off} of a row's picks not the CPU's",
+                    dtype.name()
+                );
+            }
+        }
+    }
+}
