@@ -151,10 +151,9 @@ fn cases_match(what: &str, mut g: Engine<CudaBackend>, mut e: Engine<CudaBackend
 
 /// The warpgroup attention (`attention_wg`: V4's 64 heads of 512 dims, bf16 activations,
 /// sm_90) inside captured steps: the `flash-bench` preset has V4-Flash's attention widths;
-/// sixteen sequences decode in batches of 16 rows, which take it with
-/// `SLUICE_CUDA_ATT_WG_FROM=16` (by default decode rows take `attention_mma`; prefills of
-/// 64 tokens and more take it either way). On other GPUs the same comparison runs
-/// `attention_mma`.
+/// sixteen sequences decode in batches of 16 rows, which take it (from 16 rows by default,
+/// `SLUICE_CUDA_ATT_WG_FROM`; prefills of 64 tokens and more take it whatever that says).
+/// On other GPUs the same comparison runs `attention_mma`.
 #[test]
 fn cuda_graph_steps_match_eager_steps_at_flash_attention_widths() {
     let test = "cuda_graph_steps_match_eager_steps_at_flash_attention_widths";

@@ -605,14 +605,14 @@ pub(crate) fn attention_kernel(
 
 /// Fewest rows of a decode-like batch (about a row a sequence) that take the warpgroup
 /// kernel, their new entries rounded to bf16 for it (one small launch; exact: they hold
-/// the entry dtype's values); `SLUICE_CUDA_ATT_WG_FROM=N`, read once. By default none
-/// (prefill-sized batches only): decode batches of 64 rows over all of V4-Flash on two
-/// H200s (32 a GPU) stopped on an illegal address with decode rows on it, not yet found,
-/// and ran with them on `attention_mma` (docs/perf.md "Wider tiles for the prefill
-/// products"); on one GPU 16+ rows on it measured 1–2% faster steps.
+/// the entry dtype's values); `SLUICE_CUDA_ATT_WG_FROM=N`, read once, default 16: 1–2%
+/// faster steps from there (20 Flash layers on one H200, all of V4-Flash on two). Off
+/// for one round, after decode batches of 64 over all of V4-Flash on two H200s stopped on
+/// an illegal address with them on it; the step arena's overflow, fixed since, was the
+/// cause (docs/perf.md "The indexer's prefill scores on `wgmma`").
 fn wg_from_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_FROM").unwrap_or(usize::MAX))
+    *ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_FROM").unwrap_or(16))
 }
 
 /// Whether the warpgroup kernel (attention_wg.cu) can take a layer's batches (those whose
