@@ -20,6 +20,8 @@ const DIM: usize = 128;
 const TILE_BYTES: usize = 2 * HEADS * DIM * 2;
 /// Dynamic shared memory (`IW_DYN_SMEM`): two row images and 1 KiB of alignment.
 pub(crate) const IW_DYN_SMEM: usize = 1024 + 2 * TILE_BYTES;
+// Within what an H200's block may opt in to (227 KiB).
+const _: () = assert!(TILE_BYTES == 32 * 1024 && IW_DYN_SMEM <= 227 * 1024);
 /// Fewest rows a sequence (on average) that take it: the keys are converted once a block
 /// and serve that many rows; a decode-like batch (a row a sequence) keeps `index_scores_mma`.
 const MIN_ROWS_PER_SEQ: usize = 32;
@@ -129,11 +131,5 @@ mod tests {
         assert_eq!(block_rows(1024, 512, 132), 8);
         // 4,096 rows, 4 tiles: 16 rows give 1,024 blocks, 32 would give 512 (< 528).
         assert_eq!(block_rows(4096, 1024, 132), 16);
-    }
-
-    #[test]
-    fn the_shared_memory_holds_two_row_images() {
-        assert_eq!(TILE_BYTES, 32 * 1024);
-        assert!(IW_DYN_SMEM <= 227 * 1024);
     }
 }
