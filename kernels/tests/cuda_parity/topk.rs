@@ -127,6 +127,23 @@ fn cuda_topk_long_rows_equal_the_definition() {
     }
 }
 
+/// A random indexer key for every entry slot of layer 0 in `pages` pages, in the layer's
+/// entry format: (element offset, bytes), to write into either backend's pages.
+fn random_index_entries(rng: &mut ChaCha8Rng, layout: &KvLayout, pages: usize) -> Vec<(usize, Vec<u8>)> {
+    let lk = &layout.layers[0];
+    let mut entries = Vec::new();
+    for p in 0..pages {
+        for e in 0..lk.entries_per_page(layout.block) {
+            let at = p * layout.page_elems + lk.page_offset(Branch::Indexer) + e * lk.stride(Branch::Indexer);
+            let key = rand_vec(rng, IDX_DIM, 1.0);
+            let mut bytes = vec![0u8; lk.index.bytes()];
+            kv_entry::encode(&lk.index, &key, &mut bytes);
+            entries.push((at, bytes));
+        }
+    }
+    entries
+}
+
 /// `indexer_select` (q rotated and the head weights scaled inside the tensor-core
 /// scoring's own launches) picks exactly what rotating q, scaling the weights and then
 /// `index_topk` pick on the same device — the same rotation of the same values, the same
@@ -149,15 +166,8 @@ fn cuda_indexer_select_equals_rope_scale_then_topk() {
         let raw = vec![[vec![0.0; 4 * 2 * HD], vec![1.0; HD], vec![0.0; 4 * 2 * IDX_DIM], vec![1.0; IDX_DIM]]];
         let mut s = side(g, &layout, pages, 2, &raw, &vec![0.0; HEADS]);
         // Random indexer keys in the layer's entry format, straight into the pages.
-        let lk = &layout.layers[0];
-        for p in 0..pages {
-            for e in 0..lk.entries_per_page(layout.block) {
-                let at = p * layout.page_elems + lk.page_offset(Branch::Indexer) + e * lk.stride(Branch::Indexer);
-                let key = rand_vec(&mut rng, IDX_DIM, 1.0);
-                let mut bytes = vec![0u8; lk.index.bytes()];
-                kv_entry::encode(&lk.index, &key, &mut bytes);
-                s.b.kv_write(&mut s.kv.pages, at, &bytes);
-            }
+        for (at, bytes) in random_index_entries(&mut rng, &layout, pages) {
+            s.b.kv_write(&mut s.kv.pages, at, &bytes);
         }
         let table: Vec<u32> = (0..pages as u32).collect();
         let toks = [0u32; 64];
@@ -218,16 +228,9 @@ fn cuda_indexer_prefill_scores_on_wgmma_match_cpu() {
         let sinks = vec![0.0; HEADS];
         let mut gs = side(g, &layout, pages, 2, &raw, &sinks);
         let mut cs = side(&cpu, &layout, pages, 2, &raw, &sinks);
-        let lk = &layout.layers[0];
-        for p in 0..pages {
-            for e in 0..lk.entries_per_page(layout.block) {
-                let at = p * layout.page_elems + lk.page_offset(Branch::Indexer) + e * lk.stride(Branch::Indexer);
-                let key = rand_vec(&mut rng, IDX_DIM, 1.0);
-                let mut bytes = vec![0u8; lk.index.bytes()];
-                kv_entry::encode(&lk.index, &key, &mut bytes);
-                gs.b.kv_write(&mut gs.kv.pages, at, &bytes);
-                cs.b.kv_write(&mut cs.kv.pages, at, &bytes);
-            }
+        for (at, bytes) in random_index_entries(&mut rng, &layout, pages) {
+            gs.b.kv_write(&mut gs.kv.pages, at, &bytes);
+            cs.b.kv_write(&mut cs.kv.pages, at, &bytes);
         }
         let table: Vec<u32> = (0..pages as u32).collect();
         let reversed: Vec<u32> = table.iter().rev().copied().collect();

@@ -34,21 +34,6 @@
 #define IW_TILE (2 * IW_PLANE)           // a row's q: 32 KiB
 #define IW_DYN_SMEM (1024 + 2 * IW_TILE)
 
-// D (64 × 128, f32) (+)= A · B, A (bf16) from registers, B (bf16) K-major from shared memory.
-__device__ __forceinline__ void iw_mma(float (&d)[64], const u32 (&a)[4], u64 db, int acc) {
-#if WG_AVAILABLE
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{" WG_R0_31 ", " WG_R32_63 "}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : WG_D64(d, 0)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#else
-    __trap();
-#endif
-}
-
 // Row r's q (heads × 128 dims, f32; rotated at the row's position first when `positions`
 // is given, as index_q_frags does) as the shared-memory image of `index_scores_wg`'s B:
 // plane b (dims 64b..64b+63), column n = 2h + half (h's bf16 hi, then lo = q − hi), the
@@ -194,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(IW_THREADS, 1)
             const u32 tile = base + buf * IW_TILE;
             wg_fence();
 #pragma unroll
-            for (int s = 0; s < 8; s++) iw_mma(d, a[s], wg_desc(tile + (s >> 2) * IW_PLANE + (s & 3) * 32, 16, 1024, 1), s > 0);
+            for (int s = 0; s < 8; s++) fw_mma(d, a[s], wg_desc(tile + (s >> 2) * IW_PLANE + (s & 3) * 32, 16, 1024, 1), s > 0);
             wg_commit();
             wg_wait<0>();
             wm_hold(d);

@@ -86,8 +86,9 @@ struct __align__(64) Fp4wgArgs {
     unsigned pad[20];    // zero (the host's struct has no undefined padding bytes)
 };
 
-// D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major.
-__device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db) {
+// D += A · B over 64 × 128 × 16 (bf16, f32 sums), A from registers, B K-major; `acc` 0:
+// D = A · B (D's old values not read; the indexer's first k-step, indexer_wg.cu).
+__device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db, int acc = 1) {
 #if WG_AVAILABLE
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
@@ -95,7 +96,7 @@ __device__ __forceinline__ void fw_mma(float (&d)[64], const u32 (&a)[4], u64 db
         "{" WG_R0_31 ", " WG_R32_63 "}, "
         "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
         : WG_D64(d, 0)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
 #else
     __trap();
 #endif
