@@ -10,8 +10,9 @@ use super::runtime::{Gpu, cfg, launch};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 
-/// Keys a block (`IW_KEYS`: four warpgroups of 64).
+/// Keys a block (`IW_KEYS`: four warpgroups of 64) and its threads (`IW_THREADS`).
 const KEYS: usize = 256;
+const THREADS: u32 = (KEYS / 64 * 128) as u32;
 /// The one indexer geometry the kernel takes: V4's 64 heads × 128 dims (`IW_COLS` = 2 ×
 /// 64 columns: each head's hi and lo halves).
 const HEADS: usize = 64;
@@ -99,11 +100,7 @@ pub(super) fn scores<G: cudarc::driver::DeviceRepr>(
     launch!(
         g,
         "index_scores_wg",
-        cfg(
-            (n_max.div_ceil(KEYS) as u32, rows.div_ceil(rows_per_block) as u32, 1),
-            (KEYS * 2) as u32,
-            IW_DYN_SMEM as u32
-        ),
+        cfg((n_max.div_ceil(KEYS) as u32, rows.div_ceil(rows_per_block) as u32, 1), THREADS, IW_DYN_SMEM as u32),
         tp,
         io.weights,
         g.ptr(&dp.positions),

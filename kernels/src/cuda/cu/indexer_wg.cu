@@ -14,7 +14,7 @@
 // - Each row's q comes as a ready shared-memory image (`index_q_tile`, 32 KiB: B of
 //   wgmma, 128 columns = 64 heads × q's bf16 hi and lo halves, K-major, 128-byte
 //   swizzle) by `cp.async`, the next row's while this one multiplies.
-// - A row is 8 `m64n128k16` a warpgroup (A from registers); a thread's sums are 2 keys ×
+// - A row is 8 `m64n128k16` a warpgroup (`fw_mma`, A from registers); a thread's sums are 2 keys ×
 //   16 heads × (hi, lo); the score Σ_h w_h · relu(hi + lo) is summed over its heads and
 //   then over the quad's 4 lanes.
 // Numbers: keys exact, q as hi + lo (~16 significant bits, as `index_scores_mma_bf16`),
