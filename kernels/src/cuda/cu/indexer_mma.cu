@@ -97,6 +97,16 @@ extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q,
 }
 
 // grid (ceil(n_max / keys_per_block), rows), 256 threads; keys_per_block a multiple of 16.
+// A quad's partial scores of its two keys (rows g and g + 8) added over its four lanes;
+// every lane ends with the sums.
+__device__ __forceinline__ void idx_quad_sum2(float (&sc)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 1);
+        sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 2);
+    }
+}
+
 // Dynamic shared memory: the row's q fragments (dim · 256 bytes) and 64 head weights.
 // Entries past the row's visible count get -inf.
 template <bool BF16>
@@ -214,11 +224,7 @@ __device__ void index_scores_mma_body(const uint2* frags, const float* qscale, c
             sc[0] = fmaf(wh, fmaxf(tot[nt][0], 0.0f), sc[0]);
             sc[1] = fmaf(wh, fmaxf(tot[nt][1], 0.0f), sc[1]);
         }
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 1);
-            sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 2);
-        }
+        idx_quad_sum2(sc);
         if (t == 0)
 #pragma unroll
             for (int h = 0; h < 2; h++) {

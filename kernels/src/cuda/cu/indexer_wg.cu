@@ -197,11 +197,7 @@ extern "C" __global__ void __launch_bounds__(IW_THREADS, 1)
                 sc[0] = fmaf(wh, fmaxf(d[4 * j] + d[4 * j + 1], 0.0f), sc[0]);
                 sc[1] = fmaf(wh, fmaxf(d[4 * j + 2] + d[4 * j + 3], 0.0f), sc[1]);
             }
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 1);
-                sc[h] += __shfl_xor_sync(0xffffffffu, sc[h], 2);
-            }
+            idx_quad_sum2(sc);
             if (t == 0)
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
