@@ -96,7 +96,6 @@ extern "C" __global__ void __launch_bounds__(1024) index_q_frags(const float* q,
     }
 }
 
-// grid (ceil(n_max / keys_per_block), rows), 256 threads; keys_per_block a multiple of 16.
 // A quad's partial scores of its two keys (rows g and g + 8) added over its four lanes;
 // every lane ends with the sums.
 __device__ __forceinline__ void idx_quad_sum2(float (&sc)[2]) {
@@ -107,6 +106,7 @@ __device__ __forceinline__ void idx_quad_sum2(float (&sc)[2]) {
     }
 }
 
+// grid (ceil(n_max / keys_per_block), rows), 256 threads; keys_per_block a multiple of 16.
 // Dynamic shared memory: the row's q fragments (dim · 256 bytes) and 64 head weights.
 // Entries past the row's visible count get -inf.
 template <bool BF16>
