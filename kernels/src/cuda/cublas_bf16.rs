@@ -56,13 +56,8 @@ pub(crate) fn product(gpu: &Gpu, op: Operand, w: &CudaWeight) {
 pub(crate) fn product_as(gpu: &Gpu, op: Operand, w: &CudaWeight, mode: Activations) {
     let rows = op.rows;
     let cols = op.groups * w.cols;
-    let n = rows * cols;
     match mode {
-        Activations::Bf16 => {
-            let xb = gpu.alloc::<u16>(n);
-            round_rows(gpu, gpu.ptr(&xb), op.x, rows, cols, op.x_stride);
-            bf16_gemm(gpu, op, w, gpu.ptr(&xb), op.out, op.out_stride, rows, 0.0);
-        }
+        Activations::Bf16 => RoundedRows::new(gpu, op.x, op.x_stride, rows, cols).product(gpu, op, w),
         Activations::Split => {
             let xs = SplitRows::new(gpu, op.x, op.x_stride, rows, cols);
             product_of_split(gpu, &xs, op, w);
@@ -79,6 +74,46 @@ pub(crate) fn round_rows(gpu: &Gpu, out: u64, x: u64, rows: usize, cols: usize, 
     } else {
         launch!(gpu, "round_bf16_rows", cfg_elems(rows * cols), out, x, rows as i32, cols as i32, x_stride as i32);
     }
+}
+
+/// f32 activation rows rounded once to bf16 (dense `rows × cols`), for every product
+/// that reads them: a layer's projections of its input, a SwiGLU pair's gate and up. Each
+/// product rounding the rows itself read an 8K prefill's 128 MB of f32 rows again
+/// (`round_bf16_rows8` was ~11% of a flash-bench prefill, docs/perf.md).
+pub(crate) struct RoundedRows {
+    buf: DevBuf<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+impl RoundedRows {
+    pub(crate) fn new(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, cols: usize) -> RoundedRows {
+        let buf = gpu.alloc::<u16>(rows * cols);
+        round_rows(gpu, gpu.ptr(&buf), x, rows, cols, x_stride);
+        RoundedRows { buf, rows, cols }
+    }
+
+    /// `out = x · Wᵀ` from these rows (`op.x` is not read; the caller counted the product).
+    pub(crate) fn product(&self, gpu: &Gpu, op: Operand, w: &CudaWeight) {
+        assert_eq!(
+            (self.rows, self.cols),
+            (op.rows, op.groups * w.cols),
+            "rounded activations do not match the product"
+        );
+        bf16_gemm(gpu, op, w, gpu.ptr(&self.buf), op.out, op.out_stride, self.rows, 0.0);
+    }
+}
+
+/// `op`'s rows rounded once for products over every one of `ws` (plain, of one input
+/// width) where each would take cuBLAS with bf16 activations; `None` (nothing issued)
+/// otherwise, and the products go their own ways.
+pub(crate) fn rounded_for(gpu: &Gpu, op: &Operand, ws: &[&CudaWeight]) -> Option<RoundedRows> {
+    let shared = gpu.activations == Activations::Bf16
+        && op.groups == 1
+        && ws.iter().all(|w| {
+            takes(op.rows, w) && w.cols == ws[0].cols && super::gemm_rows::gemm_rows_plan(gpu, op, w).is_none()
+        });
+    shared.then(|| RoundedRows::new(gpu, op.x, op.x_stride, op.rows, ws[0].cols))
 }
 
 /// f32 activation rows split into bf16 hi rows followed by lo rows in one buffer (the

@@ -622,6 +622,11 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     let op_up = Operand { out: gpu.ptr(&up), out_stride: w3.rows, ..op };
     if on_wgmma {
         fp8wg_products_sharing_parts(gpu, &[(op, w1), (op_up, w3)]);
+    } else if let Some(xb) = cublas_bf16::rounded_for(gpu, &op, &[w1, w3]) {
+        for (o, w) in [(op, w1), (op_up, w3)] {
+            count_product(gpu, o.rows, w);
+            xb.product(gpu, o, w);
+        }
     } else {
         matmul_as(gpu, op, w1, variant);
         matmul_as(gpu, op_up, w3, variant);

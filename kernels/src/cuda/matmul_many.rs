@@ -10,7 +10,8 @@
 //!   output computed as the one-product kernel computes it with the same block shape.
 //! - The BF16 weights at 9-32 rows when `SLUICE_CUDA_GEMM_ROWS` routes them to
 //!   `gemm_rows`: product by product (each launch splits x as it streams it).
-//! - The BF16 weights on cuBLAS with split activations: x split once, one product each.
+//! - The BF16 weights on cuBLAS: x split (split activations) or rounded to bf16 once, one
+//!   product each.
 //! - The FP8 weights (`wq_a` and `wkv` of a real checkpoint) at one or two rows on sm_90:
 //!   one `gemv_f8wg_many_*` launch (`gemv_f8wg.rs`, [`f8wg_many_plan`]) where it takes
 //!   them (`SLUICE_CUDA_F8WG_MANY=0`: one launch each).
@@ -20,7 +21,7 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::cublas_bf16::{self, SplitRows};
+use super::cublas_bf16::{self, RoundedRows, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
 use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
 use super::matmul::{Operand, count_product, fp8_on_fp8wg, fp8wg_products_sharing_parts, matmul, outputs_per_block};
@@ -72,6 +73,12 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
         for &&(w, out) in &bf16 {
             count_product(gpu, rows, w);
             cublas_bf16::product_of_split(gpu, &xs, Operand::contiguous(x, out, rows, 1, w), w);
+        }
+    } else if on_cublas {
+        let xb = RoundedRows::new(gpu, x, k, rows, k);
+        for &&(w, out) in &bf16 {
+            count_product(gpu, rows, w);
+            xb.product(gpu, Operand::contiguous(x, out, rows, 1, w), w);
         }
     } else if !on_cublas && bf16.len() > 1 && rows <= 2 && k.is_multiple_of(8) {
         for chunk in bf16.chunks(GEMV_MANY_MAX) {

@@ -47,3 +47,65 @@ fn cuda_products_of_one_input_match_cpu() {
         }
     }
 }
+
+/// In bf16 activations (the serving default) products of 9+ rows over BF16 weights share
+/// one rounding of x: each of a CSA layer's seven input projections through
+/// `matmul_many`, and a SwiGLU pair's gate and up, must give the bits of the same product
+/// issued alone (`matmul`, which rounds x itself) — and the CPU within the bf16 bound.
+#[test]
+fn cuda_products_of_one_input_share_one_bf16_rounding() {
+    let name = "cuda_products_of_one_input_share_one_bf16_rounding";
+    let Some(g) = gpu_in(name, Activations::Bf16) else { return };
+    let g = &*g;
+    let c = CpuBackend::new();
+    let mut rng = rng(name);
+    let k = 4096;
+    let outputs = [1024, 512, 1024, 1024, 256, 256, 64];
+    let ws: Vec<TestWeight> = outputs.iter().map(|&n| weight(&mut rng, n, k, 0.02, "bf16")).collect();
+    let gws: Vec<_> = ws.iter().map(|w| g.weight(w.view())).collect();
+    let cws: Vec<_> = ws.iter().map(|w| c.weight(w.view())).collect();
+    let [w1, _, w3] = expert_weights(&mut rng, k, 1024, "bf16");
+    let (g1, g3) = (g.weight(w1.view()), g.weight(w3.view()));
+    let (c1, c3) = (c.weight(w1.view()), c.weight(w3.view()));
+    for rows in [9, 64, 300] {
+        let x = rand_vec(&mut rng, rows * k, 1.0);
+        let gx = g.upload(&x);
+        let mut outs: Vec<_> = outputs.iter().map(|n| poisoned(g, rows * n)).collect();
+        g.matmul_many(&gx, rows, &gws.iter().collect::<Vec<_>>(), &mut outs.iter_mut().collect::<Vec<_>>());
+        for (i, out) in outs.iter().enumerate() {
+            let mut alone = poisoned(g, rows * outputs[i]);
+            g.matmul(&gx, rows, &gws[i], &mut alone);
+            let (got, want_bits) = (g.download(out), g.download(&alone));
+            let differ = got.iter().zip(&want_bits).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "matmul_many[{i}] rows={rows}: {differ} values differ from the product alone");
+            let mut want = vec![0f32; rows * outputs[i]];
+            c.matmul(&x, rows, &cws[i], &mut want);
+            check(&format!("matmul_many bf16 activations [{i}] rows={rows}"), "bf16", &got, &want);
+        }
+        // The pair: against its two products issued alone and the SwiGLU of those.
+        let limit = 10.0;
+        let mut pair = poisoned(g, rows * 1024);
+        assert!(!g.swiglu_rows(&gx, rows, &g1, &g3, limit, &mut pair), "BF16 weights are not on fp8wg_gemm");
+        let (mut gate, mut up) = (poisoned(g, rows * 1024), poisoned(g, rows * 1024));
+        g.matmul(&gx, rows, &g1, &mut gate);
+        g.matmul(&gx, rows, &g3, &mut up);
+        let swiglu = |gate: &[f32], up: &[f32]| -> Vec<f32> {
+            gate.iter()
+                .zip(up)
+                .map(|(&a, &u)| {
+                    let a = a.min(limit);
+                    a / (1.0 + (-a).exp()) * u.clamp(-limit, limit)
+                })
+                .collect()
+        };
+        let got = g.download(&pair);
+        let from_alone = swiglu(&g.download(&gate), &g.download(&up));
+        let e = rel_err(&got, &from_alone);
+        assert!(e <= 1e-6, "SwiGLU pair rows={rows}: {e:.2e} from its products issued alone");
+        let (mut cg, mut cu) = (vec![0f32; rows * 1024], vec![0f32; rows * 1024]);
+        c.matmul(&x, rows, &c1, &mut cg);
+        c.matmul(&x, rows, &c3, &mut cu);
+        check(&format!("SwiGLU pair bf16 activations rows={rows}"), "bf16", &got, &swiglu(&cg, &cu));
+        eprintln!("PARITY shared bf16 rounding rows={rows}: seven products bit-identical, pair {e:.1e}");
+    }
+}
