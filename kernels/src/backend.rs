@@ -75,6 +75,13 @@ pub struct HeadNormShared<'a> {
     pub rope: &'a RopeTable,
 }
 
+/// What a raw query still needs before attention ([`Backend::attention_of_raw_query`]):
+/// each head RMSNormed (no weight) with `eps`, then RoPE from `rope` at the rows' positions.
+pub struct QueryPrep<'a> {
+    pub eps: f32,
+    pub rope: &'a RopeTable,
+}
+
 /// Parameters of one mHC site (attention or FFN side of a layer).
 pub struct HcWeights<B: Backend + ?Sized> {
     /// `[(2 + hc) * hc, hc * hidden]`: rows are pre, post, then comb logits.
@@ -670,6 +677,38 @@ pub trait Backend: Send + Sync + 'static {
         scale: f32,
         out: &mut Self::Buf,
     );
+
+    /// Whether [`Backend::attention_of_raw_query`] folds the query's head norm and RoPE
+    /// into this batch's attention (where it reads the query anyway) instead of running
+    /// them first; callers then leave the query raw. Default: never.
+    fn attention_preps_query(&self, _layout: &KvLayout, _layer: usize, _plan: &BatchPlan, _heads: usize) -> bool {
+        false
+    }
+
+    /// [`Backend::attention`] of a query not yet head-normed and rotated: what
+    /// `head_norm_rope(q, heads, head_dim, None, prep.eps, positions, prep.rope, None)`
+    /// would do to it first (and here does, unless the backend folds it in: see
+    /// [`Backend::attention_preps_query`]). `q` may be left either way.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_of_raw_query(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &mut Self::Buf,
+        new_kv: &Self::Buf,
+        selected: Option<&Selection<Self>>,
+        sinks: &Self::Buf,
+        heads: usize,
+        scale: f32,
+        prep: &QueryPrep<'_>,
+        out: &mut Self::Buf,
+    ) {
+        let head_dim = layout.layers[layer].spec.head_dim;
+        self.head_norm_rope(q, heads, head_dim, None, prep.eps, &plan.positions, prep.rope, None);
+        self.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out);
+    }
 
     /// Write this step's window entries into each sequence's ring.
     fn store_window(

@@ -7,7 +7,7 @@
 //! the MoE block. After the last layer the `hc_head` collapse, final norm and LM head
 //! run only on the rows whose logits the caller wants.
 
-use kernels::backend::{CompressorParams, GreedyPicks, HeadNormJob, HeadNormShared, Selection};
+use kernels::backend::{CompressorParams, GreedyPicks, HeadNormJob, HeadNormShared, QueryPrep, Selection};
 use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
 
 use super::weights::{CompressorWeights, LayerWeights};
@@ -313,28 +313,44 @@ impl<B: Backend> Model<B> {
         // what the window ring will hold, so a token attends to the same values whether
         // it is in this chunk or a later one (for fp8 that is each entry quantised with
         // its own block scales, RoPE tail in BF16).
+        // Where the backend's attention reads the query anyway (a GPU's prefill kernel),
+        // it norms and rotates the heads there, and the query's pass over memory goes.
         let entry = Some(&self.layout.layers[l].main);
-        b.head_norm_rope2(
-            &mut HeadNormJob { x: &mut q, heads: h, weight: None, round: None },
-            &mut HeadNormJob { x: &mut new_kv, heads: 1, weight: Some(&a.kv_norm), round: entry },
-            &HeadNormShared { head_dim: hd, eps, positions: pos, rope },
-        );
+        let query_raw = b.attention_preps_query(&self.layout, l, plan, h);
+        let shared = HeadNormShared { head_dim: hd, eps, positions: pos, rope };
+        let mut entry_job = HeadNormJob { x: &mut new_kv, heads: 1, weight: Some(&a.kv_norm), round: entry };
+        if query_raw {
+            entry_job.run_alone(b, &shared);
+        } else {
+            b.head_norm_rope2(
+                &mut HeadNormJob { x: &mut q, heads: h, weight: None, round: None },
+                &mut entry_job,
+                &shared,
+            );
+        }
         b.join();
 
         let mut out = b.output(rows * h * hd);
-        b.attention(
-            &kv.view(),
-            &self.layout,
-            l,
-            plan,
-            &q,
-            &new_kv,
-            selection.as_ref(),
-            &a.sinks,
-            h,
-            c.attention_scale(),
-            &mut out,
-        );
+        let (view, scale, sel) = (kv.view(), c.attention_scale(), selection.as_ref());
+        if query_raw {
+            let prep = QueryPrep { eps, rope };
+            b.attention_of_raw_query(
+                &view,
+                &self.layout,
+                l,
+                plan,
+                &mut q,
+                &new_kv,
+                sel,
+                &a.sinks,
+                h,
+                scale,
+                &prep,
+                &mut out,
+            );
+        } else {
+            b.attention(&view, &self.layout, l, plan, &q, &new_kv, sel, &a.sinks, h, scale, &mut out);
+        }
         b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
         // K = V carried the rope rotation into the output; rotate it back at the query position.
         b.rope(&mut out, h, hd, pos, rope, true);

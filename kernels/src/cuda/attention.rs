@@ -8,7 +8,7 @@ use super::memory::{CudaBuf, CudaIdx, dtype_code};
 use super::rows::RopeParams;
 use super::runtime::{Gpu, cfg, cfg_elems, env_rows, launch};
 use crate::Activations;
-use crate::backend::{KvView, KvViewMut, Selection};
+use crate::backend::{KvView, KvViewMut, QueryPrep, Selection};
 use crate::kv_layout::{AttnKind, Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -92,6 +92,10 @@ struct AttnGeom {
     /// each, not hi + lo (`Activations::Bf16`, the default: the reference model's bf16
     /// attention inputs; half the products). The SIMT kernel ignores it.
     one_part: i32,
+    /// 1: `attention_wg` gets q raw and norms each head (`q_eps`, no weight) and applies
+    /// RoPE to it while staging it ([`preps_query`]); the other kernels ignore it.
+    q_prep: i32,
+    q_eps: f32,
 }
 
 /// Fewest rows whose new entries the tensor-core kernel reads as bf16 (rounded once by
@@ -416,6 +420,7 @@ pub(crate) fn attention(
     sinks: &CudaBuf,
     heads: usize,
     scale: f32,
+    prep: Option<&QueryPrep<'_>>,
     out: &mut CudaBuf,
 ) {
     let lk = &layout.layers[layer];
@@ -468,6 +473,7 @@ pub(crate) fn attention(
     g.traffic.add_kv(keys * lk.main.bytes());
     let (kernel, new_bf16) = attention_kernel(g, layout, layer, plan, heads);
     let (mma, wg) = (kernel != "attention", kernel == "attention_wg");
+    assert!(prep.is_none() || wg, "only attention_wg takes a raw query (preps_query says when)");
     // Block places: the tensor-core kernels hold one block an SM (`attention_mma` 198
     // registers a thread; `attention_wg` 255 and ~225 KiB of shared memory), the SIMT
     // kernel aims for two.
@@ -509,6 +515,8 @@ pub(crate) fn attention(
         page_shift: if per_page.is_power_of_two() { per_page.trailing_zeros() as i32 } else { -1 },
         new_bf16: new_bf16.is_some() as i32,
         one_part: i32::from(g.activations == Activations::Bf16),
+        q_prep: prep.is_some() as i32,
+        q_eps: prep.map_or(0.0, |p| p.eps),
     };
     let (threads, smem) = if wg {
         (WG_THREADS, WG_DYN_SMEM as u32)
@@ -517,24 +525,54 @@ pub(crate) fn attention(
     } else {
         (32 * hpb as u32, 0)
     };
-    launch!(
-        g,
-        kernel,
-        cfg((hgroups as u32, splits as u32, rows as u32), threads, smem),
-        g.ptr(&q.mem),
-        new_bf16.as_ref().map_or(g.ptr(&new_kv.mem), |xb| g.ptr(xb)),
-        g.ptr(&kv.rings.mem),
-        g.ptr(&kv.pages.mem),
-        g.ptr(&dp.pages),
-        selected.map(|s| g.ptr(&s.indices.mem)).unwrap_or(0),
-        g.ptr(&sinks.mem),
-        g.ptr(&dp.positions),
-        g.ptr(&dp.row_seq),
-        g.ptr(&dp.seqs),
-        g.ptr(&out.mem),
-        part.as_ref().map(|p| g.ptr(&p.mem)).unwrap_or(0),
-        geom,
-    );
+    let launch_cfg = cfg((hgroups as u32, splits as u32, rows as u32), threads, smem);
+    let new_at = new_bf16.as_ref().map_or(g.ptr(&new_kv.mem), |xb| g.ptr(xb));
+    let (rings, pages, sel) =
+        (g.ptr(&kv.rings.mem), g.ptr(&kv.pages.mem), selected.map_or(0, |s| g.ptr(&s.indices.mem)));
+    let (sinks_at, pos, row_seq, seqs) = (g.ptr(&sinks.mem), g.ptr(&dp.positions), g.ptr(&dp.row_seq), g.ptr(&dp.seqs));
+    let (q, out_at, part_at) = (g.ptr(&q.mem), g.ptr(&out.mem), part.as_ref().map_or(0, |p| g.ptr(&p.mem)));
+    if wg {
+        // The raw query's RoPE, when the kernel preps it.
+        let rope = prep.map_or(RopeParams::none(), |p| RopeParams::new(p.rope));
+        launch!(
+            g,
+            kernel,
+            launch_cfg,
+            q,
+            new_at,
+            rings,
+            pages,
+            g.ptr(&dp.pages),
+            sel,
+            sinks_at,
+            pos,
+            row_seq,
+            seqs,
+            out_at,
+            part_at,
+            geom,
+            rope
+        );
+    } else {
+        launch!(
+            g,
+            kernel,
+            launch_cfg,
+            q,
+            new_at,
+            rings,
+            pages,
+            g.ptr(&dp.pages),
+            sel,
+            sinks_at,
+            pos,
+            row_seq,
+            seqs,
+            out_at,
+            part_at,
+            geom
+        );
+    }
     if let Some(part) = &part {
         launch!(
             g,
@@ -601,6 +639,15 @@ pub(crate) fn attention_kernel(
         "attention"
     };
     (kernel, new_bf16)
+}
+
+/// Whether a batch's attention takes its query raw and norms and rotates each head in
+/// `attention_wg`'s q staging (`Backend::attention_preps_query`): wherever that kernel
+/// runs. `SLUICE_CUDA_ATT_WG_QPREP=0` keeps `head_norm_rope2`'s pass over the query, to compare.
+pub(crate) fn preps_query(g: &Gpu, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0"));
+    on && plan.rows() > 0 && attention_kernel(g, layout, layer, plan, heads).0 == "attention_wg"
 }
 
 /// Fewest rows of a decode-like batch (about a row a sequence) that take the warpgroup

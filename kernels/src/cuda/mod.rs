@@ -44,6 +44,7 @@
 //! - `checksum`: KV checksums summed on the device (transfers check GPU memory in place).
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
 //! - [`peer`]: GPU-to-GPU copy bandwidth, the ceiling of KV transfers between GPUs.
+//! - `timing`: device-timed calls, stream holds and the copy bandwidth (benchmarks).
 //! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side, `host` the issuing thread's).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
@@ -85,12 +86,13 @@ mod profile;
 mod rows;
 pub(crate) mod runtime;
 mod step_graph;
+mod timing;
 mod upload;
 
 use crate::EntryDtype;
 use crate::backend::{
     Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, KvView, KvViewMut,
-    MoeWeights, Selection, indexer_select_apart,
+    MoeWeights, QueryPrep, Selection, indexer_select_apart,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -103,15 +105,7 @@ pub use memory::{CudaBuf, CudaIdx, CudaKv, CudaWeight};
 pub use profile::HOST_OUTERMOST;
 pub use runtime::{CudaError, driver_present};
 pub use step_graph::GraphStats;
-
-/// A kernel's time per call, microseconds ([`CudaBackend::time_kernel_us`]).
-#[derive(Clone, Copy, Debug)]
-pub struct KernelTime {
-    /// Back to back on the device (the kernels' own time).
-    pub gpu_us: f64,
-    /// Issued and waited for alone (host launch work included).
-    pub issued_us: f64,
-}
+pub use timing::KernelTime;
 
 /// One GPU (one per device and process). Ops are issued by one thread at a time, as the engine does.
 pub struct CudaBackend {
@@ -202,63 +196,6 @@ impl CudaBackend {
         self.gpu.ctx.mem_get_info().unwrap_or((0, self.gpu.total_mem))
     }
 
-    /// Time `f` with device events on the backend's stream, in milliseconds.
-    pub fn time_ms<R>(&self, f: impl FnOnce() -> R) -> (R, f32) {
-        let g = &self.gpu;
-        let start = g
-            .stream
-            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap_or_else(|e| runtime::fail("event record", e));
-        let r = f();
-        let end = g
-            .stream
-            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .unwrap_or_else(|e| runtime::fail("event record", e));
-        end.synchronize().unwrap_or_else(|e| runtime::fail("event synchronize", e));
-        (r, start.elapsed_ms(&end).unwrap_or_else(|e| runtime::fail("event timing", e)))
-    }
-
-    /// Holds the stream for `ns` nanoseconds: work issued next queues behind it, so a
-    /// caller that times issue + wait and subtracts `ns` gets the device's own time for
-    /// that work, free of the host's issue rate (as long as issuing takes less than `ns`).
-    pub fn hold_stream(&self, ns: u64) {
-        let g = &self.gpu;
-        launch!(g, "gpu_sleep", runtime::cfg((1, 1, 1), 1, 0), ns);
-    }
-
-    /// Per-call time of `f` in microseconds two ways: `issued`, the median of `reps`
-    /// single calls each timed by events around it (what a caller that issues it alone
-    /// waits, the host's launch work included), and `gpu`, `reps` calls queued behind a
-    /// sleeping kernel so the device runs them back to back (the kernels' own time, the
-    /// GPU's launch gaps included). One warm-up call first.
-    pub fn time_kernel_us(&self, reps: usize, mut f: impl FnMut()) -> KernelTime {
-        let g = &self.gpu;
-        f();
-        let mut issued = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            issued.push(self.time_ms(&mut f).1 as f64 * 1e3);
-        }
-        issued.sort_by(f64::total_cmp);
-        // The gate must outlast the host's issuing of all calls, or the device would wait
-        // on the host again: doubled until it does.
-        let mut gate_ns = 2_000_000u64;
-        loop {
-            g.sync();
-            self.hold_stream(gate_ns);
-            let t = std::time::Instant::now();
-            let ((), ms) = self.time_ms(|| {
-                for _ in 0..reps {
-                    f();
-                }
-            });
-            let host_ns = t.elapsed().as_nanos() as u64;
-            if host_ns < gate_ns || gate_ns >= 1_000_000_000 {
-                return KernelTime { issued_us: issued[issued.len() / 2], gpu_us: ms as f64 * 1e3 / reps as f64 };
-            }
-            gate_ns *= 4;
-        }
-    }
-
     /// Device-to-device copy of one whole KV storage into another of the same size
     /// (bench set-up: fill many sequences from one prefill).
     pub fn kv_copy(&self, src: &CudaKv, src_elem: usize, dst: &mut CudaKv, dst_elem: usize, elems: usize) {
@@ -309,25 +246,6 @@ impl CudaBackend {
     /// Kernel launches and cuBLAS calls issued since the last call.
     pub fn take_launches(&self) -> u64 {
         self.gpu.launches.swap(0, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Device-to-device copy bandwidth over `bytes`-sized buffers (bytes read plus bytes
-    /// written per second, median of `reps` timed copies after a warm-up), GB/s.
-    pub fn copy_bandwidth_gbs(&self, bytes: usize, reps: usize) -> f64 {
-        let g = &self.gpu;
-        let src = g.zeros_owned::<u8>(bytes);
-        let mut dst = g.alloc_owned::<u8>(bytes);
-        let mut times = Vec::with_capacity(reps);
-        for i in 0..reps + 1 {
-            let ((), ms) = self.time_ms(|| {
-                g.stream.memcpy_dtod(&src, &mut dst).unwrap_or_else(|e| runtime::fail("device-to-device copy", e))
-            });
-            if i > 0 {
-                times.push(ms as f64);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        2.0 * bytes as f64 / (times[times.len() / 2] / 1e3) / 1e9
     }
 
     /// Per-op `(name, seconds, calls)` since the last call, when profiling is on
@@ -783,7 +701,50 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         self.prof("attention", || {
-            attention::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out)
+            attention::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, None, out)
+        })
+    }
+
+    fn attention_preps_query(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
+        attention::preps_query(&self.gpu, layout, layer, plan, heads)
+    }
+
+    fn attention_of_raw_query(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        q: &mut CudaBuf,
+        new_kv: &CudaBuf,
+        selected: Option<&Selection<Self>>,
+        sinks: &CudaBuf,
+        heads: usize,
+        scale: f32,
+        prep: &QueryPrep<'_>,
+        out: &mut CudaBuf,
+    ) {
+        if !self.attention_preps_query(layout, layer, plan, heads) {
+            let hd = layout.layers[layer].spec.head_dim;
+            self.head_norm_rope(q, heads, hd, None, prep.eps, &plan.positions, prep.rope, None);
+            return self.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out);
+        }
+        self.prof("attention", || {
+            attention::attention(
+                self,
+                kv,
+                layout,
+                layer,
+                plan,
+                q,
+                new_kv,
+                selected,
+                sinks,
+                heads,
+                scale,
+                Some(prep),
+                out,
+            )
         })
     }
 

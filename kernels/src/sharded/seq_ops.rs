@@ -7,7 +7,7 @@ use super::Sharded;
 use super::buf::{ShardBuf, ShardIdx};
 use super::ops::prepare;
 use super::split::StepSplit;
-use crate::backend::{Backend, CompressorParams, KvView, KvViewMut, Selection};
+use crate::backend::{Backend, CompressorParams, KvView, KvViewMut, QueryPrep, Selection};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -132,8 +132,47 @@ pub(super) fn attention<B: Backend>(
     out: &mut ShardBuf<B>,
 ) {
     let step = step(s, plan, q);
-    let qp = q.rows().1;
-    let kp = new_kv.rows().1;
+    let (qp, kp) = (q.rows().1, new_kv.rows().1);
+    each_rank(s, kv, &step, selected, out, |r, b, v, p, sel, o| {
+        b.attention(v, layout, layer, p, &qp[r], &kp[r], sel, sinks.on(r), heads, scale, o)
+    });
+}
+
+/// [`attention`] of a raw query: each device's share through its own
+/// `attention_of_raw_query` (folded where that device's kernel takes it).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attention_of_raw_query<B: Backend>(
+    s: &Sharded<B>,
+    kv: &KvView<'_, Sharded<B>>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    q: &mut ShardBuf<B>,
+    new_kv: &ShardBuf<B>,
+    selected: Option<&Selection<Sharded<B>>>,
+    sinks: &ShardBuf<B>,
+    heads: usize,
+    scale: f32,
+    prep: &QueryPrep<'_>,
+    out: &mut ShardBuf<B>,
+) {
+    let step = step(s, plan, q);
+    let (qp, kp) = (q.rows_mut().1, new_kv.rows().1);
+    each_rank(s, kv, &step, selected, out, |r, b, v, p, sel, o| {
+        b.attention_of_raw_query(v, layout, layer, p, &mut qp[r], &kp[r], sel, sinks.on(r), heads, scale, prep, o)
+    });
+}
+
+/// `f(rank, backend, its view, its plan, its selection, its output)` for every device
+/// that holds rows of the step, the output's parts laid out first.
+fn each_rank<B: Backend>(
+    s: &Sharded<B>,
+    kv: &KvView<'_, Sharded<B>>,
+    step: &StepSplit,
+    selected: Option<&Selection<Sharded<B>>>,
+    out: &mut ShardBuf<B>,
+    mut f: impl FnMut(usize, &B, &KvView<'_, B>, &BatchPlan, Option<&Selection<B>>, &mut B::Buf),
+) {
     prepare(s, out, &step.rows);
     let (_, outs) = out.rows_mut();
     for (r, (b, o)) in s.ranks.iter().zip(outs.iter_mut()).enumerate() {
@@ -142,8 +181,21 @@ pub(super) fn attention<B: Backend>(
         }
         let sel =
             selected.map(|sel| sel.indices.parts[r].as_ref().expect("a selection for every device that holds rows"));
-        b.attention(&view(kv, r), layout, layer, &step.plans[r], &qp[r], &kp[r], sel, sinks.on(r), heads, scale, o);
+        f(r, b, &view(kv, r), &step.plans[r], sel, o);
     }
+}
+
+/// Whether any device's share of the batch folds a raw query's prep into its attention
+/// (the others prep their share first: `attention_of_raw_query`'s default).
+pub(super) fn attention_preps_query<B: Backend>(
+    s: &Sharded<B>,
+    layout: &KvLayout,
+    layer: usize,
+    plan: &BatchPlan,
+    heads: usize,
+) -> bool {
+    let step = s.split(plan);
+    s.ranks.iter().zip(&step.plans).any(|(b, p)| !p.seqs.is_empty() && b.attention_preps_query(layout, layer, p, heads))
 }
 
 pub(super) fn store_window<B: Backend>(

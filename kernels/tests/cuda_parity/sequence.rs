@@ -41,8 +41,9 @@ struct StepInputs {
 
 /// Run one layer of one step on a backend: compressors, indexer (optionally forced to a
 /// given selection), attention, ring update. Returns (attention output, selection).
-/// `twice` runs the attention a second time over the same inputs and requires the same
-/// bits: a restored prefix reproduces a cold run only if a row's attention does not
+/// `raw_query`: q is passed raw to `attention_of_raw_query` (head norm and RoPE still to
+/// do; the CPU does them first, the GPU's `attention_wg` while staging q). `twice` runs
+/// the attention a second time over the same inputs and requires the same bits: a restored prefix reproduces a cold run only if a row's attention does not
 /// depend on anything but its inputs and the batch's shape (no races between a block's
 /// warps, no order that varies run to run).
 #[allow(clippy::too_many_arguments)]
@@ -56,6 +57,7 @@ fn run_layer<B: Backend>(
     forced: Option<&[i32]>,
     from: &dyn Fn(&B, &[i32]) -> B::Idx,
     twice: bool,
+    raw_query: bool,
 ) -> (Vec<f32>, Option<Vec<i32>>) {
     let b = s.b;
     let spec = layout.layers[l].spec;
@@ -76,15 +78,26 @@ fn run_layer<B: Backend>(
         (None, Some(own)) => Some(Selection::<B> { indices: from(b, own), top_k: TOP_K }),
         _ => None,
     };
-    let mut out = poisoned(b, plan.rows() * HEADS * HD);
     let new_kv = up(&inp.new_kv);
-    let q = up(&inp.q);
-    b.attention(&s.kv.view(), layout, l, plan, &q, &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut out);
-    let out = b.download(&out);
+    // A raw query (`raw_query`) goes through `attention_of_raw_query`, which may norm and
+    // rotate it in place: each call gets its own upload.
+    let attend = || {
+        let mut out = poisoned(b, plan.rows() * HEADS * HD);
+        let mut q = up(&inp.q);
+        let (view, sel) = (s.kv.view(), used.as_ref());
+        if raw_query {
+            let prep = QueryPrep { eps: 1e-6, rope };
+            b.attention_of_raw_query(
+                &view, layout, l, plan, &mut q, &new_kv, sel, &s.sinks, HEADS, 0.044, &prep, &mut out,
+            );
+        } else {
+            b.attention(&view, layout, l, plan, &q, &new_kv, sel, &s.sinks, HEADS, 0.044, &mut out);
+        }
+        b.download(&out)
+    };
+    let out = attend();
     if twice {
-        let mut again = poisoned(b, plan.rows() * HEADS * HD);
-        b.attention(&s.kv.view(), layout, l, plan, &q, &new_kv, used.as_ref(), &s.sinks, HEADS, 0.044, &mut again);
-        let again = b.download(&again);
+        let again = attend();
         let differ = out.iter().zip(&again).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         assert_eq!(differ, 0, "layer {l}: attention run twice over the same inputs differs in {differ} values");
     }
@@ -142,6 +155,11 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
         && g.compute_capability().0 == 9
         && std::env::var("SLUICE_CUDA_ATT_WGMMA").map_or(true, |v| v != "0");
     let mut wg_layers = 0;
+    // In bf16 activations with unscaled entries the query goes in raw (its head norm and
+    // RoPE folded into attention_wg's staging where that kernel runs); a normed query
+    // cannot carry the scaled runs' 2^-17, so those pass it prepared.
+    let raw_query = activations == Activations::Bf16 && kv_scale == 1.0;
+    let mut folded = 0;
     let mut rng = rng(&name);
     let specs = [
         LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
@@ -198,8 +216,11 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
             let kernel = g.attention_kernel(&layout, l, &plan, HEADS);
             if wgmma && dtype != EntryDtype::F32 && rows >= 64 {
                 assert_eq!(kernel, "attention_wg", "{rows} rows of layer {l} ({:?})", spec.kind);
+                let folds = std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0");
+                assert_eq!(g.attention_preps_query(&layout, l, &plan, HEADS), folds, "{rows} rows of layer {l}");
             }
             wg_layers += usize::from(kernel == "attention_wg");
+            folded += usize::from(raw_query && g.attention_preps_query(&layout, l, &plan, HEADS));
             let (gout, gsel) = run_layer(
                 &mut gs,
                 &layout,
@@ -210,11 +231,22 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                 None,
                 &|b: &CudaBackend, v| kernels::cuda::CudaIdx::from_host(b, v),
                 true,
+                raw_query,
             );
             // The CPU attends over the GPU's selection, so attention is compared on
             // identical inputs; the selections are compared on their own below.
-            let (cout, csel) =
-                run_layer(&mut cs, &layout, l, &plan, &inp, &rope, gsel.as_deref(), &|_, v| v.to_vec(), false);
+            let (cout, csel) = run_layer(
+                &mut cs,
+                &layout,
+                l,
+                &plan,
+                &inp,
+                &rope,
+                gsel.as_deref(),
+                &|_, v| v.to_vec(),
+                false,
+                raw_query,
+            );
             let e = rel_err(&gout, &cout);
             worst = worst.max(e);
             if e.is_nan() || e > bound {
@@ -305,6 +337,11 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
         if kv_scale == 1.0 { "" } else { " (scaled)" }
     );
     assert!(!wgmma || wg_layers > 0, "no batch ran attention_wg");
+    if raw_query {
+        eprintln!("PARITY attention {}: {folded} layer steps with the query prepared in attention_wg", dtype.name());
+        let folds = std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0");
+        assert!(!(wgmma && folds) || folded > 0, "no batch folded the query's prep into attention_wg");
+    }
     eprintln!(
         "PARITY indexer-selection {}: {checked} rows identical to the CPU's, {near_ties} differing rows each the \
          top-k of the GPU's keys up to f32 ties",

@@ -23,6 +23,8 @@ struct AttnGeom {
     int page_shift;  // log2(per_page) if that is a power of two, else -1
     int new_bf16;    // attention_mma: new_kv holds bf16 values (u16), not f32
     int one_part;    // attention_mma: q and the softmax weights as one bf16 part, not hi + lo
+    int q_prep;      // attention_wg: q raw, each head RMSNormed (q_eps) and rotated while staged
+    float q_eps;
 };
 
 // Where key j of row r lives: 0 = new_kv (f32, or its bf16 copy: AttnGeom.new_bf16), 1 =

@@ -149,13 +149,67 @@ __device__ __forceinline__ void aw_convert(u8* tile, const u8* codes, const int*
     }
 }
 
+// A raw query's heads as head_norm_rope leaves them (rows.cu's `hnr_head`: RMSNorm
+// without a weight, then RoPE on the last 2·pairs dims, interleaved pairs), in the
+// registers of the staging above: piece u of this thread is dims 8c..8c+7 (c = tid % 64)
+// of head tid / 64 + 4u, so a head's 64 pieces are on warps 2k and 2k + 1 (k = tid / 64)
+// and its sum of squares is two warp sums added through shared memory. Folded here, the
+// query's separate pass (an 8K prefill's 1 GB a layer read and written) goes.
+__device__ __forceinline__ void aw_prep_query(float4 (&a)[16], float4 (&b)[16], float pos, float eps,
+                                              const RopeParams& rp) {
+    __shared__ float head_ss[16][AW_THREADS / 32];
+    const int warp = threadIdx.x >> 5, c = threadIdx.x & 63;
+#pragma unroll
+    for (int u = 0; u < 16; u++) {
+        const float ss = a[u].x * a[u].x + a[u].y * a[u].y + a[u].z * a[u].z + a[u].w * a[u].w + b[u].x * b[u].x +
+                         b[u].y * b[u].y + b[u].z * b[u].z + b[u].w * b[u].w;
+        const float sum = warp_sum(ss);
+        if ((threadIdx.x & 31) == 0) head_ss[u][warp] = sum;
+    }
+    // The angles depend on the position and the pair, not the head: this thread's four
+    // pairs' cosines and sines (times the attention factor, as rope_pair takes them) once
+    // for its 16 heads. Per head, sincosf was most of the staging (one block an SM).
+    const int r0 = AW_HD - 2 * rp.pairs, d0 = 8 * c;
+    float cs[4] = {1.0f, 1.0f, 1.0f, 1.0f}, sn[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        if (d0 + 2 * e >= r0) {
+            sincosf(pos * rp.inv_freq[(d0 + 2 * e - r0) >> 1], &sn[e], &cs[e]);
+            cs[e] *= rp.attention_factor;
+            sn[e] *= rp.attention_factor;
+        }
+    }
+    const bool rotates = d0 + 8 > r0;
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < 16; u++) {
+        const float inv = 1.0f / sqrtf((head_ss[u][warp & ~1] + head_ss[u][warp | 1]) / (float)AW_HD + eps);
+        float v[8] = {a[u].x * inv, a[u].y * inv, a[u].z * inv, a[u].w * inv,
+                      b[u].x * inv, b[u].y * inv, b[u].z * inv, b[u].w * inv};
+        if (rotates) {
+            // rope_pair's arithmetic with the angle's factors above (pairs before r0 keep
+            // cos 1, sin 0 and are not touched: the branch is per pair).
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                if (d0 + 2 * e >= r0) {
+                    const float x = v[2 * e], y = v[2 * e + 1];
+                    v[2 * e] = x * cs[e] - y * sn[e];
+                    v[2 * e + 1] = y * cs[e] + x * sn[e];
+                }
+            }
+        }
+        a[u] = make_float4(v[0], v[1], v[2], v[3]);
+        b[u] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+}
+
 // grid (heads / 64, splits, rows), AW_THREADS threads, AW_DYN_SMEM bytes of dynamic shared
 // memory. Requires head_dim 512, bf16 new entries (`new_bf16`), bf16 or fp8 entries with
 // aligned offsets (the launcher checks, as for attention_mma).
 extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
     attention_wg(const float* q, const u16* new_kv, const u8* rings, const u8* page_base, const u32* pages,
                  const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
-                 float* out, float* part, AttnGeom g) {
+                 float* out, float* part, AttnGeom g, RopeParams rp) {
     pdl_begin();
     extern __shared__ __align__(16) u8 aw_dyn[];
     __shared__ int kinds[AW_SLOTS][AW_KEYS];  // key places of tile i in slot i % AW_SLOTS
@@ -203,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
             a[u] = *(const float4*)src;
             b[u] = *(const float4*)(src + 4);
         }
+        if (g.q_prep) aw_prep_query(a, b, (float)positions[r], g.q_eps, rp);
 #pragma unroll
         for (int u = 0; u < PIECES; u++) {
             const int p = threadIdx.x + AW_THREADS * u;
