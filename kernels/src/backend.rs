@@ -7,6 +7,7 @@
 //! op documents the shapes it reads and writes.
 
 use crate::EntryDtype;
+pub use crate::attention_io::{AttentionIo, OutputProjection, QueryPrep, attention_projected_apart};
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -72,13 +73,6 @@ pub struct HeadNormShared<'a> {
     pub head_dim: usize,
     pub eps: f32,
     pub positions: &'a [u32],
-    pub rope: &'a RopeTable,
-}
-
-/// What a raw query still needs before attention ([`Backend::attention_of_raw_query`]):
-/// each head RMSNormed (no weight) with `eps`, then RoPE from `rope` at the rows' positions.
-pub struct QueryPrep<'a> {
-    pub eps: f32,
     pub rope: &'a RopeTable,
 }
 
@@ -708,6 +702,26 @@ pub trait Backend: Send + Sync + 'static {
         let head_dim = layout.layers[layer].spec.head_dim;
         self.head_norm_rope(q, heads, head_dim, None, prep.eps, &plan.positions, prep.rope, None);
         self.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out);
+    }
+
+    /// The attention sub-block from the query to `wo_a`'s output: [`Backend::attention`]
+    /// (or [`Backend::attention_of_raw_query`] with `io.prep`), the output rotated back at
+    /// the rows' positions (inverse RoPE from `proj.rope`: K = V carried the rotation into
+    /// it), then `grouped_matmul(out, proj.groups, proj.wo_a)` into `grouped`. A backend
+    /// may keep the attention output in its product's input format instead of f32 (the
+    /// CUDA one: bf16 rows straight from its prefill kernel).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_projected(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        io: AttentionIo<'_, Self>,
+        proj: &OutputProjection<'_, Self>,
+        grouped: &mut Self::Buf,
+    ) {
+        attention_projected_apart(self, kv, layout, layer, plan, io, proj, grouped)
     }
 
     /// Write this step's window entries into each sequence's ring.

@@ -5,6 +5,8 @@
 //!   tensor-core products in (bf16, the reference model's; or split hi + lo parts).
 //! - [`backend`]: the [`Backend`] trait the engine's forward pass is written against,
 //!   and the weight/parameter bundles its fused ops take.
+//! - [`attention_io`]: the attention sub-block's raw query and output projection as
+//!   backends take them (a GPU folds the query's prep and keeps the output in bf16).
 //! - [`cpu`]: the CPU backend (GEMMs through the `gemm` crate, rayon across cores).
 //! - `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled kernels, cuBLAS).
 //! - [`sharded`]: one backend over several devices (data-parallel attention, expert-
@@ -23,6 +25,7 @@
 //! - [`mapped`]: read-only memory maps of weight files.
 
 pub mod activations;
+pub mod attention_io;
 pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]

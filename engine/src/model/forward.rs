@@ -7,7 +7,9 @@
 //! the MoE block. After the last layer the `hc_head` collapse, final norm and LM head
 //! run only on the rows whose logits the caller wants.
 
-use kernels::backend::{CompressorParams, GreedyPicks, HeadNormJob, HeadNormShared, QueryPrep, Selection};
+use kernels::backend::{
+    AttentionIo, CompressorParams, GreedyPicks, HeadNormJob, HeadNormShared, OutputProjection, QueryPrep, Selection,
+};
 use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
 
 use super::weights::{CompressorWeights, LayerWeights};
@@ -330,33 +332,22 @@ impl<B: Backend> Model<B> {
         }
         b.join();
 
-        let mut out = b.output(rows * h * hd);
-        let (view, scale, sel) = (kv.view(), c.attention_scale(), selection.as_ref());
-        if query_raw {
-            let prep = QueryPrep { eps, rope };
-            b.attention_of_raw_query(
-                &view,
-                &self.layout,
-                l,
-                plan,
-                &mut q,
-                &new_kv,
-                sel,
-                &a.sinks,
-                h,
-                scale,
-                &prep,
-                &mut out,
-            );
-        } else {
-            b.attention(&view, &self.layout, l, plan, &q, &new_kv, sel, &a.sinks, h, scale, &mut out);
-        }
-        b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
-        // K = V carried the rope rotation into the output; rotate it back at the query position.
-        b.rope(&mut out, h, hd, pos, rope, true);
-
+        // Attention, its output rotated back at the query positions (K = V carried the
+        // rotation into it), and wo_a; the new entries go to the window rings after it.
         let mut grouped = b.output(rows * c.o_groups * c.o_lora_rank);
-        b.grouped_matmul(&out, rows, c.o_groups, &a.wo_a, &mut grouped);
+        let prep = QueryPrep { eps, rope };
+        let io = AttentionIo {
+            q: &mut q,
+            new_kv: &new_kv,
+            selected: selection.as_ref(),
+            sinks: &a.sinks,
+            heads: h,
+            scale: c.attention_scale(),
+            prep: query_raw.then_some(&prep),
+        };
+        let proj = OutputProjection { rope, groups: c.o_groups, wo_a: &a.wo_a };
+        b.attention_projected(&kv.view(), &self.layout, l, plan, io, &proj, &mut grouped);
+        b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
         self.project(&grouped, rows, &a.wo_b)
     }
 }

@@ -4,6 +4,7 @@
 use cudarc::driver::DeviceRepr;
 
 use super::CudaBackend;
+pub(crate) use super::attention_io::AttnOut;
 use super::memory::{CudaBuf, CudaIdx, dtype_code};
 use super::rows::RopeParams;
 use super::runtime::{Gpu, cfg, cfg_elems, env_rows, launch};
@@ -96,6 +97,8 @@ struct AttnGeom {
     /// RoPE to it while staging it ([`preps_query`]); the other kernels ignore it.
     q_prep: i32,
     q_eps: f32,
+    /// 1: `attention_wg` (one split) writes bf16 rows rotated back ([`AttnOut::Bf16Rotated`]).
+    out_bf16: i32,
 }
 
 /// Fewest rows whose new entries the tensor-core kernel reads as bf16 (rounded once by
@@ -421,7 +424,7 @@ pub(crate) fn attention(
     heads: usize,
     scale: f32,
     prep: Option<&QueryPrep<'_>>,
-    out: &mut CudaBuf,
+    out: AttnOut<'_>,
 ) {
     let lk = &layout.layers[layer];
     let hd = lk.spec.head_dim;
@@ -429,7 +432,9 @@ pub(crate) fn attention(
     assert!(hd <= ATT_HD_MAX, "head_dim {hd} exceeds the CUDA attention kernel's {ATT_HD_MAX}");
     assert_eq!(q.len, rows * heads * hd, "attention q is not [rows, heads, head_dim]");
     assert_eq!(new_kv.len, rows * hd, "attention new_kv is not [rows, head_dim]");
-    assert_eq!(out.len, rows * heads * hd, "attention output is not [rows, heads, head_dim]");
+    if let AttnOut::F32(out) = &out {
+        assert_eq!(out.len, rows * heads * hd, "attention output is not [rows, heads, head_dim]");
+    }
     assert_eq!(sinks.len, heads, "one sink per head");
     if rows == 0 {
         return;
@@ -487,6 +492,16 @@ pub(crate) fn attention(
     let hgroups = heads.div_ceil(hpb);
     let (splits, per) = key_splits(slots, rows * hgroups, n_max, tile);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
+    // bf16 rows rotated back straight from `attention_wg` where one split holds each row;
+    // otherwise f32 rows first (merged), then the `rope` launch and the rounding.
+    let (out_at, out_rope, rotated) = match out {
+        AttnOut::F32(o) => (g.ptr(&o.mem), None, None),
+        AttnOut::Bf16Rotated { at, rope } if wg && splits == 1 => (at, Some(rope), None),
+        AttnOut::Bf16Rotated { at, rope } => {
+            let f32_rows = b.alloc_buf(rows * heads * hd);
+            (g.ptr(&f32_rows.mem), None, Some((f32_rows, at, rope)))
+        }
+    };
     let new_bf16 = new_bf16.then(|| {
         let xb = g.alloc::<u16>(rows * hd);
         super::cublas_bf16::round_rows(g, g.ptr(&xb), g.ptr(&new_kv.mem), rows, hd, hd);
@@ -517,6 +532,7 @@ pub(crate) fn attention(
         one_part: i32::from(g.activations == Activations::Bf16),
         q_prep: prep.is_some() as i32,
         q_eps: prep.map_or(0.0, |p| p.eps),
+        out_bf16: out_rope.is_some() as i32,
     };
     let (threads, smem) = if wg {
         (WG_THREADS, WG_DYN_SMEM as u32)
@@ -530,10 +546,17 @@ pub(crate) fn attention(
     let (rings, pages, sel) =
         (g.ptr(&kv.rings.mem), g.ptr(&kv.pages.mem), selected.map_or(0, |s| g.ptr(&s.indices.mem)));
     let (sinks_at, pos, row_seq, seqs) = (g.ptr(&sinks.mem), g.ptr(&dp.positions), g.ptr(&dp.row_seq), g.ptr(&dp.seqs));
-    let (q, out_at, part_at) = (g.ptr(&q.mem), g.ptr(&out.mem), part.as_ref().map_or(0, |p| g.ptr(&p.mem)));
+    let (q, part_at) = (g.ptr(&q.mem), part.as_ref().map_or(0, |p| g.ptr(&p.mem)));
     if wg {
-        // The raw query's RoPE, when the kernel preps it.
-        let rope = prep.map_or(RopeParams::none(), |p| RopeParams::new(p.rope));
+        // The RoPE of a raw query and of a bf16 output: one table (the layer's).
+        let table = match (prep.map(|p| p.rope), out_rope) {
+            (Some(a), Some(b)) => {
+                assert!(std::ptr::eq(a, b), "attention_wg rotates q and its output with one table");
+                Some(a)
+            }
+            (a, b) => a.or(b),
+        };
+        let rope = table.map_or(RopeParams::none(), RopeParams::new);
         launch!(
             g,
             kernel,
@@ -582,11 +605,15 @@ pub(crate) fn attention(
             cfg(((rows * heads) as u32, 1, 1), hd.next_multiple_of(32).clamp(32, 512) as u32, (4 * splits) as u32),
             g.ptr(&part.mem),
             g.ptr(&sinks.mem),
-            g.ptr(&out.mem),
+            out_at,
             heads as i32,
             hd as i32,
             splits as i32
         );
+    }
+    if let Some((mut f32_rows, at, rope)) = rotated {
+        super::rows::rope(b, &mut f32_rows, heads, hd, &plan.positions, rope, true);
+        super::cublas_bf16::round_rows(g, at, out_at, rows, heads * hd, heads * hd);
     }
 }
 
@@ -639,15 +666,6 @@ pub(crate) fn attention_kernel(
         "attention"
     };
     (kernel, new_bf16)
-}
-
-/// Whether a batch's attention takes its query raw and norms and rotates each head in
-/// `attention_wg`'s q staging (`Backend::attention_preps_query`): wherever that kernel
-/// runs. `SLUICE_CUDA_ATT_WG_QPREP=0` keeps `head_norm_rope2`'s pass over the query, to compare.
-pub(crate) fn preps_query(g: &Gpu, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0"));
-    on && plan.rows() > 0 && attention_kernel(g, layout, layer, plan, heads).0 == "attention_wg"
 }
 
 /// Fewest rows of a decode-like batch (about a row a sequence) that take the warpgroup

@@ -635,6 +635,12 @@ impl CudaBackend {
         super::attention::attention_kernel(&self.gpu, layout, layer, plan, heads).0
     }
 
+    /// Whether `attention_projected` hands a batch of `rows` rows to `wo_a` (`groups`
+    /// groups) as bf16 rows rotated back (`attention_io::projects_in_bf16`).
+    pub fn attention_output_in_bf16(&self, rows: usize, groups: usize, wo_a: &CudaWeight) -> bool {
+        super::attention_io::projects_in_bf16(&self.gpu, rows, groups, wo_a)
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {

@@ -93,6 +93,12 @@ impl RoundedRows {
         RoundedRows { buf, rows, cols }
     }
 
+    /// Rows already in bf16 (`rows × cols` values in `buf`), e.g. written so by their producer.
+    pub(crate) fn from_bf16(buf: DevBuf<u16>, rows: usize, cols: usize) -> RoundedRows {
+        assert!(buf.len() >= rows * cols, "{} bf16 values hold no {rows} rows of {cols}", buf.len());
+        RoundedRows { buf, rows, cols }
+    }
+
     /// `out = x · Wᵀ` from these rows (`op.x` is not read; the caller counted the product).
     pub(crate) fn product(&self, gpu: &Gpu, op: Operand, w: &CudaWeight) {
         assert_eq!(

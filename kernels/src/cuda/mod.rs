@@ -32,7 +32,8 @@
 //! - `gemv_f8mma`: FP8 products of 1-2 decode rows on FP8 tensor cores, tried before v2.
 //! - `gemv_f8wg`: FP8 products of 1-2 decode rows on Hopper's `wgmma`, weights copied by
 //!   the tensor memory accelerator (cu/gemv_f8wg.cu), tried before `gemv_f8mma`.
-//! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops; `indexer_wg`: prefill indexer scores on `wgmma`.
+//! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops; `attention_io`: a raw
+//!   query prepped in `attention_wg`, its output handed to `wo_a` as bf16 rows; `indexer_wg`: prefill indexer scores on `wgmma`.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
 //! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma` (cu/moe_fp4wg.cu): those
@@ -52,6 +53,7 @@
 mod activations;
 mod arena;
 mod attention;
+mod attention_io;
 mod bench;
 mod blas_op;
 mod capture_lock;
@@ -91,13 +93,14 @@ mod upload;
 
 use crate::EntryDtype;
 use crate::backend::{
-    Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, KvView, KvViewMut,
-    MoeWeights, QueryPrep, Selection, indexer_select_apart,
+    AttentionIo, Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, KvView,
+    KvViewMut, MoeWeights, OutputProjection, QueryPrep, Selection, attention_projected_apart, indexer_select_apart,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
 use crate::stored::WeightView;
+use attention::AttnOut;
 use runtime::launch;
 
 pub use bench::ProductTime;
@@ -701,12 +704,26 @@ impl Backend for CudaBackend {
         out: &mut CudaBuf,
     ) {
         self.prof("attention", || {
-            attention::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, None, out)
+            attention::attention(
+                self,
+                kv,
+                layout,
+                layer,
+                plan,
+                q,
+                new_kv,
+                selected,
+                sinks,
+                heads,
+                scale,
+                None,
+                AttnOut::F32(out),
+            )
         })
     }
 
     fn attention_preps_query(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
-        attention::preps_query(&self.gpu, layout, layer, plan, heads)
+        attention_io::preps_query(&self.gpu, layout, layer, plan, heads)
     }
 
     fn attention_of_raw_query(
@@ -743,9 +760,25 @@ impl Backend for CudaBackend {
                 heads,
                 scale,
                 Some(prep),
-                out,
+                AttnOut::F32(out),
             )
         })
+    }
+
+    fn attention_projected(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        io: AttentionIo<'_, Self>,
+        proj: &OutputProjection<'_, Self>,
+        grouped: &mut CudaBuf,
+    ) {
+        if !attention_io::projects_in_bf16(&self.gpu, plan.rows(), proj.groups, proj.wo_a) {
+            return attention_projected_apart(self, kv, layout, layer, plan, io, proj, grouped);
+        }
+        self.prof("attention", || attention_io::attention_projected(self, kv, layout, (layer, plan), io, proj, grouped))
     }
 
     fn store_window(

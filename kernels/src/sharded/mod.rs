@@ -32,8 +32,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::EntryDtype;
 use crate::backend::{
-    Backend, CompressorParams, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, HostPin, KvView, KvViewMut,
-    MoeWeights, QueryPrep, Selection,
+    AttentionIo, Backend, CompressorParams, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, HostPin, KvView,
+    KvViewMut, MoeWeights, OutputProjection, QueryPrep, Selection,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -510,6 +510,19 @@ impl<B: Backend> Backend for Sharded<B> {
         out: &mut ShardBuf<B>,
     ) {
         seq_ops::attention(self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out)
+    }
+
+    fn attention_projected(
+        &self,
+        kv: &KvView<'_, Self>,
+        layout: &KvLayout,
+        layer: usize,
+        plan: &BatchPlan,
+        io: AttentionIo<'_, Self>,
+        proj: &OutputProjection<'_, Self>,
+        grouped: &mut ShardBuf<B>,
+    ) {
+        seq_ops::attention_projected(self, kv, (layout, layer, plan), io, proj, grouped)
     }
 
     fn attention_preps_query(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {

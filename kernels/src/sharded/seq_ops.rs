@@ -7,7 +7,9 @@ use super::Sharded;
 use super::buf::{ShardBuf, ShardIdx};
 use super::ops::prepare;
 use super::split::StepSplit;
-use crate::backend::{Backend, CompressorParams, KvView, KvViewMut, QueryPrep, Selection};
+use crate::backend::{
+    AttentionIo, Backend, CompressorParams, KvView, KvViewMut, OutputProjection, QueryPrep, Selection,
+};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -160,6 +162,26 @@ pub(super) fn attention_of_raw_query<B: Backend>(
     let (qp, kp) = (q.rows_mut().1, new_kv.rows().1);
     each_rank(s, kv, &step, selected, out, |r, b, v, p, sel, o| {
         b.attention_of_raw_query(v, layout, layer, p, &mut qp[r], &kp[r], sel, sinks.on(r), heads, scale, prep, o)
+    });
+}
+
+/// `Backend::attention_projected`: each device's share through its own (so a GPU that
+/// keeps the output in bf16 for `wo_a` does so for its rows).
+pub(super) fn attention_projected<B: Backend>(
+    s: &Sharded<B>,
+    kv: &KvView<'_, Sharded<B>>,
+    (layout, layer, plan): (&KvLayout, usize, &BatchPlan),
+    io: AttentionIo<'_, Sharded<B>>,
+    proj: &OutputProjection<'_, Sharded<B>>,
+    grouped: &mut ShardBuf<B>,
+) {
+    let AttentionIo { q, new_kv, selected, sinks, heads, scale, prep } = io;
+    let step = step(s, plan, q);
+    let (qp, kp) = (q.rows_mut().1, new_kv.rows().1);
+    each_rank(s, kv, &step, selected, grouped, |r, b, v, p, sel, o| {
+        let io = AttentionIo { q: &mut qp[r], new_kv: &kp[r], selected: sel, sinks: sinks.on(r), heads, scale, prep };
+        let proj = OutputProjection { rope: proj.rope, groups: proj.groups, wo_a: proj.wo_a.on(r) };
+        b.attention_projected(v, layout, layer, p, io, &proj, o)
     });
 }
 

@@ -14,8 +14,8 @@
 #![cfg(feature = "cuda")]
 
 use kernels::backend::{
-    CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, MoeWeights, QueryPrep,
-    Routing, Selection,
+    AttentionIo, CompressorParams, ExpertWeights, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, MoeWeights,
+    OutputProjection, QueryPrep, Routing, Selection,
 };
 use kernels::cuda::CudaBackend;
 use kernels::quant::{bf16_to_f32, f32_to_bf16};

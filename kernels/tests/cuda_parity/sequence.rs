@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// Groups of the test's `wo_a` (V4's `o_groups`).
+const O_GROUPS: usize = 8;
+
 /// Every compressed entry of `pages` pages, decoded in (page, layer, branch, entry) order.
 fn page_entries(layout: &KvLayout, bytes: &[u8], pages: usize) -> Vec<f32> {
     let mut out = Vec::new();
@@ -40,7 +43,8 @@ struct StepInputs {
 }
 
 /// Run one layer of one step on a backend: compressors, indexer (optionally forced to a
-/// given selection), attention, ring update. Returns (attention output, selection).
+/// given selection), attention, ring update. Returns (attention output, selection, and
+/// with `proj` = (wo_a, groups) `attention_projected`'s output).
 /// `raw_query`: q is passed raw to `attention_of_raw_query` (head norm and RoPE still to
 /// do; the CPU does them first, the GPU's `attention_wg` while staging q). `twice` runs
 /// the attention a second time over the same inputs and requires the same bits: a restored prefix reproduces a cold run only if a row's attention does not
@@ -58,7 +62,8 @@ fn run_layer<B: Backend>(
     from: &dyn Fn(&B, &[i32]) -> B::Idx,
     twice: bool,
     raw_query: bool,
-) -> (Vec<f32>, Option<Vec<i32>>) {
+    proj: Option<(&B::Weight, usize)>,
+) -> (Vec<f32>, Option<Vec<i32>>, Option<Vec<f32>>) {
     let b = s.b;
     let spec = layout.layers[l].spec;
     let up = |v: &Vec<f32>| b.upload(v);
@@ -96,13 +101,39 @@ fn run_layer<B: Backend>(
         b.download(&out)
     };
     let out = attend();
+    // The sub-block's way on to wo_a, where asked: attention again (q uploaded afresh),
+    // rotated back and multiplied, before the window rings change.
+    let projected = proj.map(|(wo_a, groups)| {
+        let mut q = up(&inp.q);
+        let mut grouped = poisoned(b, plan.rows() * b.weight_shape(wo_a).0);
+        let prep = QueryPrep { eps: 1e-6, rope };
+        let io = AttentionIo {
+            q: &mut q,
+            new_kv: &new_kv,
+            selected: used.as_ref(),
+            sinks: &s.sinks,
+            heads: HEADS,
+            scale: 0.044,
+            prep: raw_query.then_some(&prep),
+        };
+        b.attention_projected(
+            &s.kv.view(),
+            layout,
+            l,
+            plan,
+            io,
+            &OutputProjection { rope, groups, wo_a },
+            &mut grouped,
+        );
+        b.download(&grouped)
+    });
     if twice {
         let again = attend();
         let differ = out.iter().zip(&again).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
         assert_eq!(differ, 0, "layer {l}: attention run twice over the same inputs differs in {differ} values");
     }
     b.store_window(&mut s.kv.view_mut(), layout, l, plan, &new_kv);
-    (out, sel)
+    (out, sel, projected)
 }
 
 /// Indexer scores in f64 from the keys one side stored, for judging a selection.
@@ -160,6 +191,13 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
     // cannot carry the scaled runs' 2^-17, so those pass it prepared.
     let raw_query = activations == Activations::Bf16 && kv_scale == 1.0;
     let mut folded = 0;
+    // Those runs also take the sub-block on to a BF16 wo_a (8 groups of 128 outputs):
+    // attention_projected, whose output goes to the product as bf16 rows rotated back.
+    let wo_a = raw_query.then(|| {
+        let w = weight(&mut rng(&format!("{name} wo_a")), O_GROUPS * 128, HEADS * HD / O_GROUPS, 0.02, "bf16");
+        (g.weight(w.view()), CpuBackend::new().weight(w.view()))
+    });
+    let (mut projected_bf16, mut worst_projected) = (0, 0f32);
     let mut rng = rng(&name);
     let specs = [
         LayerSpec { kind: AttnKind::Csa, ratio: 4, head_dim: HD, index_dim: IDX_DIM, rope_dim: 64 },
@@ -221,7 +259,7 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
             }
             wg_layers += usize::from(kernel == "attention_wg");
             folded += usize::from(raw_query && g.attention_preps_query(&layout, l, &plan, HEADS));
-            let (gout, gsel) = run_layer(
+            let (gout, gsel, gproj) = run_layer(
                 &mut gs,
                 &layout,
                 l,
@@ -232,10 +270,11 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                 &|b: &CudaBackend, v| kernels::cuda::CudaIdx::from_host(b, v),
                 true,
                 raw_query,
+                wo_a.as_ref().map(|(gw, _)| (gw, O_GROUPS)),
             );
             // The CPU attends over the GPU's selection, so attention is compared on
             // identical inputs; the selections are compared on their own below.
-            let (cout, csel) = run_layer(
+            let (cout, csel, cproj) = run_layer(
                 &mut cs,
                 &layout,
                 l,
@@ -246,6 +285,7 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                 &|_, v| v.to_vec(),
                 false,
                 raw_query,
+                wo_a.as_ref().map(|(_, cw)| (cw, O_GROUPS)),
             );
             let e = rel_err(&gout, &cout);
             worst = worst.max(e);
@@ -262,6 +302,20 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                      dim {dim}: gpu {} cpu {} (|Δ| {d})",
                     spec.kind, plan.positions[row], gout[i], cout[i]
                 );
+            }
+            if let (Some(gp), Some(cp), Some((gw, _))) = (gproj, cproj, &wo_a) {
+                let what = format!("attention → wo_a layer {l} ({:?}) step {step:?}", spec.kind);
+                check(&what, "bf16", &gp, &cp);
+                // The same product from the GPU's own f32 attention output, rotated back
+                // and rounded apart: only the rotation's f32 contraction may differ.
+                let mut apart = g.upload(&gout);
+                g.rope(&mut apart, HEADS, HD, &plan.positions, &rope, true);
+                let mut want = poisoned(g, gp.len());
+                g.grouped_matmul(&apart, rows, O_GROUPS, gw, &mut want);
+                let e = rel_err(&gp, &g.download(&want));
+                assert!(e <= 1e-3, "{what}: {e:.2e} from the GPU's ops run apart");
+                projected_bf16 += usize::from(g.attention_output_in_bf16(rows, O_GROUPS, gw));
+                worst_projected = worst_projected.max(e);
             }
             if let (Some(gsel), Some(csel)) = (gsel, csel) {
                 for (r, &pos) in plan.positions.iter().enumerate() {
@@ -338,6 +392,12 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
     );
     assert!(!wgmma || wg_layers > 0, "no batch ran attention_wg");
     if raw_query {
+        eprintln!(
+            "PARITY attention → wo_a {}: {projected_bf16} layer steps with bf16 output rows, {worst_projected:.1e} from \
+             the ops apart",
+            dtype.name()
+        );
+        assert!(projected_bf16 > 0, "no batch handed wo_a bf16 rows");
         eprintln!("PARITY attention {}: {folded} layer steps with the query prepared in attention_wg", dtype.name());
         let folds = std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0");
         assert!(!(wgmma && folds) || folded > 0, "no batch folded the query's prep into attention_wg");

@@ -25,6 +25,7 @@ struct AttnGeom {
     int one_part;    // attention_mma: q and the softmax weights as one bf16 part, not hi + lo
     int q_prep;      // attention_wg: q raw, each head RMSNormed (q_eps) and rotated while staged
     float q_eps;
+    int out_bf16;    // attention_wg, one split: out holds bf16 values (u16), rotated back (inverse RoPE)
 };
 
 // Where key j of row r lives: 0 = new_kv (f32, or its bf16 copy: AttnGeom.new_bf16), 1 =

@@ -203,6 +203,39 @@ __device__ __forceinline__ void aw_prep_query(float4 (&a)[16], float4 (&b)[16], 
     }
 }
 
+// The normalised output of heads `head` and `head` + 8 (row r; this thread's pairs of dims
+// 256·wg + 8j + 2tq) as bf16, the last 2·pairs dims rotated back: what `attention_merge`
+// (no split here), the `rope` launch and `round_bf16_rows8` leave, in one store.
+__device__ __forceinline__ void aw_store_bf16(const float (&o)[128], u16* out, int r, int head, const AttnGeom& g,
+                                              const float* sinks, const float (&m_run)[2], const float (&s_run)[2],
+                                              float pos, const RopeParams& rp, int wg, int tq) {
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float sink = sinks[head + 8 * h], mf = fmaxf(m_run[h], sink), c = expf(m_run[h] - mf);
+        f[h] = c / (s_run[h] * c + expf(sink - mf));
+    }
+    u16* dst0 = out + ((long long)r * g.heads + head) * AW_HD + 256 * wg + 2 * tq;
+    u16* dst1 = dst0 + 8 * AW_HD;
+    const int r0 = AW_HD - 2 * rp.pairs;
+#pragma unroll
+    for (int j = 0; j < 32; j++) {
+        float x0 = o[4 * j] * f[0], y0 = o[4 * j + 1] * f[0], x1 = o[4 * j + 2] * f[1], y1 = o[4 * j + 3] * f[1];
+        const int d = 256 * wg + 8 * j + 2 * tq;
+        if (d >= r0) {
+            float sn, cs;
+            sincosf(pos * rp.inv_freq[(d - r0) >> 1], &sn, &cs);
+            cs *= rp.attention_factor;
+            sn = -sn * rp.attention_factor;  // the inverse rotation, as rope_pair(inverse) negates s
+            const float a0 = x0 * cs - y0 * sn, b0 = y0 * cs + x0 * sn;
+            const float a1 = x1 * cs - y1 * sn, b1 = y1 * cs + x1 * sn;
+            x0 = a0, y0 = b0, x1 = a1, y1 = b1;
+        }
+        *(u32*)(dst0 + 8 * j) = bf16x2_rn(x0, y0);
+        *(u32*)(dst1 + 8 * j) = bf16x2_rn(x1, y1);
+    }
+}
+
 // grid (heads / 64, splits, rows), AW_THREADS threads, AW_DYN_SMEM bytes of dynamic shared
 // memory. Requires head_dim 512, bf16 new entries (`new_bf16`), bf16 or fp8 entries with
 // aligned offsets (the launcher checks, as for attention_mma).
@@ -371,6 +404,14 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         s_run[h] += __shfl_xor_sync(0xffffffffu, s_run[h], 1);
         s_run[h] += __shfl_xor_sync(0xffffffffu, s_run[h], 2);
         m_run[h] *= 0.6931471805599453f;
+    }
+    if (g.out_bf16) {
+        // The output as the next product reads it: each head's tail rotated back to the
+        // row's position (rope_pair's inverse; a pair's angle taken once for both of the
+        // thread's heads) and rounded once to bf16 (cuBLAS's input for wo_a, which would
+        // otherwise read the f32 output in one pass and the rotation in another).
+        aw_store_bf16(o, (u16*)out, r, h0 + row0, g, sinks, m_run, s_run, (float)positions[r], rp, wg, tq);
+        return;
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {

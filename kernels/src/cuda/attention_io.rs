@@ -1,0 +1,83 @@
+//! What attention reads and writes besides f32 rows, for the engine's attention
+//! sub-block (`Backend::attention_preps_query`, `attention_of_raw_query`,
+//! `attention_projected`): a raw query normed and rotated by `attention_wg` as it stages
+//! it, and the output handed to `wo_a`'s cuBLAS product as bf16 rows rotated back —
+//! `attention_wg` writes them where one key split holds each row — instead of f32 rows
+//! read again by the `rope` launch and the product's rounding (an 8K prefill's 1 GB a
+//! layer, written once and read twice).
+
+use super::CudaBackend;
+use super::attention::{attention, attention_kernel};
+use super::cublas_bf16::{self, RoundedRows};
+use super::matmul::{Operand, count_product};
+use super::memory::{CudaBuf, CudaWeight};
+use super::runtime::Gpu;
+use crate::Activations;
+use crate::backend::{AttentionIo, Backend, KvView, OutputProjection};
+use crate::kv_layout::KvLayout;
+use crate::plan::BatchPlan;
+use crate::rope::RopeTable;
+
+/// Where [`attention`] leaves its output.
+pub(crate) enum AttnOut<'a> {
+    /// f32 rows, as `Backend::attention` has them.
+    F32(&'a mut CudaBuf),
+    /// bf16 rows at a device address (rows × heads × head_dim values), each head's last
+    /// 2·pairs dims rotated back to the row's position (inverse RoPE from `rope`): what
+    /// `wo_a`'s cuBLAS product reads ([`attention_projected`]).
+    Bf16Rotated { at: u64, rope: &'a RopeTable },
+}
+
+/// Whether a batch's attention takes its query raw and norms and rotates each head in
+/// `attention_wg`'s q staging (`Backend::attention_preps_query`): wherever that kernel
+/// runs. `SLUICE_CUDA_ATT_WG_QPREP=0` keeps `head_norm_rope2`'s pass over the query, to compare.
+pub(crate) fn preps_query(g: &Gpu, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0"));
+    on && plan.rows() > 0 && attention_kernel(g, layout, layer, plan, heads).0 == "attention_wg"
+}
+
+/// Whether `wo_a` takes the attention output as bf16 rows rotated back
+/// ([`attention_projected`]): its product runs on cuBLAS with bf16 activations (BF16
+/// weights, enough rows). `SLUICE_CUDA_ATT_BF16_OUT=0` keeps f32 rows, the `rope` launch
+/// and the product's own rounding, to compare.
+pub(crate) fn projects_in_bf16(g: &Gpu, rows: usize, groups: usize, wo_a: &CudaWeight) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_BF16_OUT").map_or(true, |v| v != "0"));
+    let op = Operand { x: 0, x_stride: groups * wo_a.cols, out: 0, out_stride: wo_a.rows, rows, groups };
+    on && g.activations == Activations::Bf16
+        && cublas_bf16::takes(rows, wo_a)
+        && super::gemm_rows::gemm_rows_plan(g, &op, wo_a).is_none()
+}
+
+/// `Backend::attention_projected` where [`projects_in_bf16`]: attention into bf16 rows
+/// rotated back, then `wo_a`'s block-diagonal cuBLAS product from them.
+pub(crate) fn attention_projected(
+    b: &CudaBackend,
+    kv: &KvView<'_, CudaBackend>,
+    layout: &KvLayout,
+    (layer, plan): (usize, &BatchPlan),
+    io: AttentionIo<'_, CudaBackend>,
+    proj: &OutputProjection<'_, CudaBackend>,
+    grouped: &mut CudaBuf,
+) {
+    let g = &b.gpu;
+    let (rows, hd) = (plan.rows(), layout.layers[layer].spec.head_dim);
+    let AttentionIo { q, new_kv, selected, sinks, heads, scale, mut prep } = io;
+    // A raw query `attention_wg` does not take here (another kernel runs this batch) is
+    // normed and rotated first.
+    if let Some(p) = prep
+        && !preps_query(g, layout, layer, plan, heads)
+    {
+        b.head_norm_rope(q, heads, hd, None, p.eps, &plan.positions, p.rope, None);
+        prep = None;
+    }
+    let width = heads * hd;
+    assert_eq!(width, proj.groups * proj.wo_a.cols, "attention output is not wo_a's input");
+    let xb = g.alloc::<u16>(rows * width);
+    let out = AttnOut::Bf16Rotated { at: g.ptr(&xb), rope: proj.rope };
+    attention(b, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, prep, out);
+    count_product(g, rows, proj.wo_a);
+    let op = Operand::contiguous(0, g.ptr(&grouped.mem), rows, proj.groups, proj.wo_a);
+    RoundedRows::from_bf16(xb, rows, width).product(g, op, proj.wo_a);
+}
