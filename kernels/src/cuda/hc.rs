@@ -127,6 +127,20 @@ fn fewer_rows_than_sms(g: &super::runtime::Gpu, rows: usize) -> bool {
     rows < g.sms
 }
 
+/// Threads of `hc_pre_finish_rows` (`HCR_THREADS` in hc.cu) and the shape it is
+/// compiled for (`HCR_HC` streams of `HCR_COLS` float4 columns a thread).
+const ROWS_THREADS: u32 = 256;
+const ROWS_SHAPE: (usize, usize) = (4, 4 * 256 * 4);
+
+/// Whether a prefill's `hc_pre_finish` may hold each row in its threads' registers
+/// (`hc_pre_finish_rows`, V4's 4 streams × 4096): one pass over the streams where three
+/// read them. `SLUICE_CUDA_HC_PRE_ROWS=0` (read once) keeps the one kernel.
+fn finish_rows_takes(hc: usize, d: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_PRE_ROWS").map_or(true, |v| v != "0"));
+    on && (hc, d) == ROWS_SHAPE
+}
+
 /// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
 /// rows are fewer than the SMs (a decode batch: each block reads its 64 KiB row alone,
 /// bound by how many loads it has in flight), 256 otherwise.
@@ -205,29 +219,54 @@ fn finish(
         Mixed::Product(m) => (g.ptr(&m.mem), 0, 0),
         Mixed::Parts { partials, parts } => (0, partials, parts),
     };
-    launch!(
-        g,
-        "hc_pre_finish",
-        cfg((rows as u32, blocks_a_row, 1), row_block_threads(g, rows), 0),
-        g.ptr(&streams.mem),
-        m,
-        f80(&w.base),
-        w.scale[0],
-        w.scale[1],
-        w.scale[2],
-        hc as i32,
-        d as i32,
-        w.sinkhorn_iters as i32,
-        w.norm_eps,
-        w.hc_eps,
-        g.ptr(&collapsed.mem),
-        g.ptr(&post.mem),
-        g.ptr(&comb.mem),
-        norm_w,
-        norm_eps,
-        partials,
-        parts as i32,
-    );
+    let threads = row_block_threads(g, rows);
+    if partials == 0 && blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d) {
+        launch!(
+            g,
+            "hc_pre_finish_rows",
+            cfg((rows as u32, 1, 1), threads, 0),
+            g.ptr(&streams.mem),
+            m,
+            f80(&w.base),
+            w.scale[0],
+            w.scale[1],
+            w.scale[2],
+            hc as i32,
+            d as i32,
+            w.sinkhorn_iters as i32,
+            w.norm_eps,
+            w.hc_eps,
+            g.ptr(&collapsed.mem),
+            g.ptr(&post.mem),
+            g.ptr(&comb.mem),
+            norm_w,
+            norm_eps,
+        );
+    } else {
+        launch!(
+            g,
+            "hc_pre_finish",
+            cfg((rows as u32, blocks_a_row, 1), threads, 0),
+            g.ptr(&streams.mem),
+            m,
+            f80(&w.base),
+            w.scale[0],
+            w.scale[1],
+            w.scale[2],
+            hc as i32,
+            d as i32,
+            w.sinkhorn_iters as i32,
+            w.norm_eps,
+            w.hc_eps,
+            g.ptr(&collapsed.mem),
+            g.ptr(&post.mem),
+            g.ptr(&comb.mem),
+            norm_w,
+            norm_eps,
+            partials,
+            parts as i32,
+        );
+    }
     if let (None, Some((nw, eps))) = (fused, norm) {
         super::rows::rms_norm(b, collapsed, d, Some(nw), eps);
     }

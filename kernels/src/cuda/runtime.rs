@@ -110,6 +110,7 @@ const KERNELS: &[&str] = &[
     "gemm_fp4_f8",
     "quant_e4m3_rows",
     "hc_pre_finish",
+    "hc_pre_finish_rows",
     "hc_post",
     "hc_head_finish",
     "mix_rows_f32",

@@ -140,6 +140,94 @@ __device__ __forceinline__ float hc_sinkhorn_warp(float c, int hc, int iters, fl
     return hc == 4 ? hc_sinkhorn_lanes<4>(c, hc, iters, hc_eps) : hc_sinkhorn_lanes<0>(c, hc, iters, hc_eps);
 }
 
+// A row's mixing weights once its sum of squares is known (1/rms = `inv`): pre (into
+// shared `pre_s`, visible to the block on return) and post (`post_r`), and the hc × hc
+// mixing matrix, one element per thread of the first hc² threads, which run the
+// Sinkhorn rounds in step (each row or column sum taken in index order by every thread
+// of it, the same operations as one thread doing it all) into `comb_r` — unless a second
+// block of the row runs them (gridDim.y = 2).
+__device__ __forceinline__ void hc_pre_weights(const float* m, float inv, const F80& base, float s_pre, float s_post,
+                                               float s_comb, int hc, int iters, float hc_eps, float* pre_s, float* c,
+                                               float* post_r, float* comb_r) {
+    const bool mine = threadIdx.x < hc * hc;
+    if (threadIdx.x < hc) {
+        pre_s[threadIdx.x] = sigmoidf_(m[threadIdx.x] * inv * s_pre + base.v[threadIdx.x]) + hc_eps;
+        post_r[threadIdx.x] = 2.0f * sigmoidf_(m[hc + threadIdx.x] * inv * s_post + base.v[hc + threadIdx.x]);
+    }
+    if (mine) c[threadIdx.x] = m[2 * hc + threadIdx.x] * inv * s_comb + base.v[2 * hc + threadIdx.x];
+    __syncthreads();
+    if (gridDim.y == 2) {
+        // The second block of the row runs the rounds.
+    } else if (hc * hc <= WARP) {
+        // The rounds fit the first warp (registers and shuffles, no barrier) while the
+        // other warps go on to the collapse, which needs only pre_s.
+        if (threadIdx.x < WARP) {
+            const float v = hc_sinkhorn_warp(c[mine ? threadIdx.x : 0], hc, iters, hc_eps);
+            if (mine) comb_r[threadIdx.x] = v;
+        }
+    } else {
+        hc_sinkhorn(c, hc, iters, hc_eps, comb_r);
+    }
+}
+
+// hc_pre_finish of a prefill-sized batch (a block of HCR_THREADS a row, the product in
+// `mix`) of V4's shape (hc 4 × hidden 4096, HCR_PIECES float4s a thread): the row's
+// streams read once into registers. hc_pre_finish reads them for the sum of squares,
+// again for the collapse and the collapsed row again for its norm — the same elements
+// by the same thread each time (thread t: float4s t + 256u, so stream j, columns t +
+// 256k at u = 4j + k), so the sums here are those, in the same order, and the outputs
+// the same bits; only the passes over memory go.
+#define HCR_THREADS 256
+#define HCR_HC 4
+#define HCR_COLS 4  // float4 columns of a stream a thread: hidden = 4 · HCR_THREADS · HCR_COLS
+#define HCR_PIECES (HCR_HC * HCR_COLS)
+extern "C" __global__ void __launch_bounds__(HCR_THREADS)
+    hc_pre_finish_rows(const float* streams, const float* mix, F80 base, float s_pre, float s_post, float s_comb,
+                       int hc, int d, int iters, float norm_eps, float hc_eps, float* collapsed, float* post,
+                       float* comb, const float* out_norm, float out_eps) {
+    pdl_begin();
+    const int r = blockIdx.x, t = threadIdx.x, width = HCR_HC * d;
+    const float4* s4 = reinterpret_cast<const float4*>(streams + (long long)r * width);
+    __shared__ float pre_s[HC_MAX];
+    __shared__ float c[HC_MAX * HC_MAX];
+    float4 v[HCR_PIECES];
+    float ss = 0.0f;
+#pragma unroll
+    for (int u = 0; u < HCR_PIECES; u++) v[u] = s4[t + HCR_THREADS * u];
+#pragma unroll
+    for (int u = 0; u < HCR_PIECES; u++) ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+    const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + norm_eps);
+    const float* m = mix + (long long)r * (2 + hc) * hc;
+    hc_pre_weights(m, inv, base, s_pre, s_post, s_comb, hc, iters, hc_eps, pre_s, c, post + r * hc,
+                   comb + (long long)r * hc * hc);
+    // The collapse (hc_collapse's sums) and, fused, the sub-block's input norm
+    // (block_rms_norm_row's) from the registers.
+    float4 o[HCR_COLS];
+    float oss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < HCR_COLS; k++) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < HCR_HC; j++) {
+            const float4 x = v[j * HCR_COLS + k];
+            acc.x += pre_s[j] * x.x;
+            acc.y += pre_s[j] * x.y;
+            acc.z += pre_s[j] * x.z;
+            acc.w += pre_s[j] * x.w;
+        }
+        o[k] = acc;
+        oss += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
+    }
+    float4* out4 = reinterpret_cast<float4*>(collapsed + (long long)r * d);
+    const float onv = out_norm ? 1.0f / sqrtf(block_sum(oss) / (float)d + out_eps) : 1.0f;
+    const float4* w4 = reinterpret_cast<const float4*>(out_norm);
+#pragma unroll
+    for (int k = 0; k < HCR_COLS; k++) {
+        const int col = t + HCR_THREADS * k;
+        out4[col] = out_norm ? rms_scale4(o[k], onv, w4, col) : o[k];
+    }
+}
+
 // One block per row (blockIdx.y 0). mix[rows, (2+hc)*hc] = W · streams (un-normalised),
 // or, with `partials`, hc_post_mix's part sums of it and of the row's squares.
 // With gridDim.y = 2 (hc² ≤ 32, decode batches) a second block of the row runs the
@@ -193,28 +281,7 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
         }
         return;
     }
-    // The hc × hc mixing matrix, one element per thread of the first hc² threads, which
-    // run the Sinkhorn rounds in step (each row or column sum taken in index order by
-    // every thread of it, the same operations as one thread doing it all).
-    const bool mine = threadIdx.x < hc * hc;
-    if (threadIdx.x < hc) {
-        pre_s[threadIdx.x] = sigmoidf_(m[threadIdx.x] * inv * s_pre + base.v[threadIdx.x]) + hc_eps;
-        post[r * hc + threadIdx.x] = 2.0f * sigmoidf_(m[hc + threadIdx.x] * inv * s_post + base.v[hc + threadIdx.x]);
-    }
-    if (mine) c[threadIdx.x] = m[2 * hc + threadIdx.x] * inv * s_comb + base.v[2 * hc + threadIdx.x];
-    __syncthreads();
-    if (gridDim.y == 2) {
-        // The second block of the row runs the rounds.
-    } else if (hc * hc <= WARP) {
-        // The rounds fit the first warp (registers and shuffles, no barrier) while the
-        // other warps go on to the collapse, which needs only pre_s.
-        if (threadIdx.x < WARP) {
-            const float v = hc_sinkhorn_warp(c[mine ? threadIdx.x : 0], hc, iters, hc_eps);
-            if (mine) comb_r[threadIdx.x] = v;
-        }
-    } else {
-        hc_sinkhorn(c, hc, iters, hc_eps, comb_r);
-    }
+    hc_pre_weights(m, inv, base, s_pre, s_post, s_comb, hc, iters, hc_eps, pre_s, c, post + r * hc, comb_r);
     float* out = collapsed + (long long)r * d;
     hc_collapse(s, pre_s, hc, d, out);
     // The sub-block's input RMSNorm, fused: the block holds the row it just wrote.
