@@ -62,22 +62,33 @@ pub(crate) fn attention_projected(
     grouped: &mut CudaBuf,
 ) {
     let g = &b.gpu;
-    let (rows, hd) = (plan.rows(), layout.layers[layer].spec.head_dim);
-    let AttentionIo { q, new_kv, selected, sinks, heads, scale, mut prep } = io;
-    // A raw query `attention_wg` does not take here (another kernel runs this batch) is
-    // normed and rotated first.
-    if let Some(p) = prep
-        && !preps_query(g, layout, layer, plan, heads)
-    {
-        b.head_norm_rope(q, heads, hd, None, p.eps, &plan.positions, p.rope, None);
-        prep = None;
-    }
-    let width = heads * hd;
+    let (rows, width) = (plan.rows(), io.heads * layout.layers[layer].spec.head_dim);
     assert_eq!(width, proj.groups * proj.wo_a.cols, "attention output is not wo_a's input");
     let xb = g.alloc::<u16>(rows * width);
-    let out = AttnOut::Bf16Rotated { at: g.ptr(&xb), rope: proj.rope };
-    attention(b, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, prep, out);
+    attend(b, kv, layout, (layer, plan), io, AttnOut::Bf16Rotated { at: g.ptr(&xb), rope: proj.rope });
     count_product(g, rows, proj.wo_a);
     let op = Operand::contiguous(0, g.ptr(&grouped.mem), rows, proj.groups, proj.wo_a);
     RoundedRows::from_bf16(xb, rows, width).product(g, op, proj.wo_a);
+}
+
+/// [`attention`] of `io`'s query, raw where `io.prep` is given: its prep folded into
+/// `attention_wg` where that kernel runs this batch ([`preps_query`]), else
+/// `head_norm_rope` first (in place).
+pub(crate) fn attend(
+    b: &CudaBackend,
+    kv: &KvView<'_, CudaBackend>,
+    layout: &KvLayout,
+    (layer, plan): (usize, &BatchPlan),
+    io: AttentionIo<'_, CudaBackend>,
+    out: AttnOut<'_>,
+) {
+    let AttentionIo { q, new_kv, selected, sinks, heads, scale, mut prep } = io;
+    if let Some(p) = prep
+        && !preps_query(&b.gpu, layout, layer, plan, heads)
+    {
+        let hd = layout.layers[layer].spec.head_dim;
+        b.head_norm_rope(q, heads, hd, None, p.eps, &plan.positions, p.rope, None);
+        prep = None;
+    }
+    attention(b, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, prep, out);
 }

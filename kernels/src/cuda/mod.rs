@@ -33,7 +33,8 @@
 //! - `gemv_f8wg`: FP8 products of 1-2 decode rows on Hopper's `wgmma`, weights copied by
 //!   the tensor memory accelerator (cu/gemv_f8wg.cu), tried before `gemv_f8mma`.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops; `attention_io`: a raw
-//!   query prepped in `attention_wg`, its output handed to `wo_a` as bf16 rows; `indexer_wg`: prefill indexer scores on `wgmma`.
+//!   query prepped in `attention_wg`, its output handed to `wo_a` as bf16 rows;
+//!   `indexer_wg`: prefill indexer scores on `wgmma`.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
 //! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma` (cu/moe_fp4wg.cu): those
@@ -46,7 +47,8 @@
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
 //! - [`peer`]: GPU-to-GPU copy bandwidth, the ceiling of KV transfers between GPUs.
 //! - `timing`: device-timed calls, stream holds and the copy bandwidth (benchmarks).
-//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side, `host` the issuing thread's).
+//! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side,
+//!   `host` the issuing thread's).
 //!
 //! The kernels' sources are in `cu/`; `cu/common.cuh` documents what they share.
 
@@ -741,28 +743,8 @@ impl Backend for CudaBackend {
         prep: &QueryPrep<'_>,
         out: &mut CudaBuf,
     ) {
-        if !self.attention_preps_query(layout, layer, plan, heads) {
-            let hd = layout.layers[layer].spec.head_dim;
-            self.head_norm_rope(q, heads, hd, None, prep.eps, &plan.positions, prep.rope, None);
-            return self.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out);
-        }
-        self.prof("attention", || {
-            attention::attention(
-                self,
-                kv,
-                layout,
-                layer,
-                plan,
-                q,
-                new_kv,
-                selected,
-                sinks,
-                heads,
-                scale,
-                Some(prep),
-                AttnOut::F32(out),
-            )
-        })
+        let io = AttentionIo { q, new_kv, selected, sinks, heads, scale, prep: Some(prep) };
+        self.prof("attention", || attention_io::attend(self, kv, layout, (layer, plan), io, AttnOut::F32(out)))
     }
 
     fn attention_projected(

@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::EntryDtype;
 use crate::backend::{
     AttentionIo, Backend, CompressorParams, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, HostPin, KvView,
-    KvViewMut, MoeWeights, OutputProjection, QueryPrep, Selection,
+    KvViewMut, MoeWeights, OutputProjection, Selection,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -527,26 +527,6 @@ impl<B: Backend> Backend for Sharded<B> {
 
     fn attention_preps_query(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {
         seq_ops::attention_preps_query(self, layout, layer, plan, heads)
-    }
-
-    fn attention_of_raw_query(
-        &self,
-        kv: &KvView<'_, Self>,
-        layout: &KvLayout,
-        layer: usize,
-        plan: &BatchPlan,
-        q: &mut ShardBuf<B>,
-        new_kv: &ShardBuf<B>,
-        selected: Option<&Selection<Self>>,
-        sinks: &ShardBuf<B>,
-        heads: usize,
-        scale: f32,
-        prep: &QueryPrep<'_>,
-        out: &mut ShardBuf<B>,
-    ) {
-        seq_ops::attention_of_raw_query(
-            self, kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, prep, out,
-        )
     }
 
     fn store_window(

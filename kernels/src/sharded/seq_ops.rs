@@ -7,9 +7,7 @@ use super::Sharded;
 use super::buf::{ShardBuf, ShardIdx};
 use super::ops::prepare;
 use super::split::StepSplit;
-use crate::backend::{
-    AttentionIo, Backend, CompressorParams, KvView, KvViewMut, OutputProjection, QueryPrep, Selection,
-};
+use crate::backend::{AttentionIo, Backend, CompressorParams, KvView, KvViewMut, OutputProjection, Selection};
 use crate::kv_layout::{Branch, KvLayout};
 use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
@@ -140,31 +138,6 @@ pub(super) fn attention<B: Backend>(
     });
 }
 
-/// [`attention`] of a raw query: each device's share through its own
-/// `attention_of_raw_query` (folded where that device's kernel takes it).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn attention_of_raw_query<B: Backend>(
-    s: &Sharded<B>,
-    kv: &KvView<'_, Sharded<B>>,
-    layout: &KvLayout,
-    layer: usize,
-    plan: &BatchPlan,
-    q: &mut ShardBuf<B>,
-    new_kv: &ShardBuf<B>,
-    selected: Option<&Selection<Sharded<B>>>,
-    sinks: &ShardBuf<B>,
-    heads: usize,
-    scale: f32,
-    prep: &QueryPrep<'_>,
-    out: &mut ShardBuf<B>,
-) {
-    let step = step(s, plan, q);
-    let (qp, kp) = (q.rows_mut().1, new_kv.rows().1);
-    each_rank(s, kv, &step, selected, out, |r, b, v, p, sel, o| {
-        b.attention_of_raw_query(v, layout, layer, p, &mut qp[r], &kp[r], sel, sinks.on(r), heads, scale, prep, o)
-    });
-}
-
 /// `Backend::attention_projected`: each device's share through its own (so a GPU that
 /// keeps the output in bf16 for `wo_a` does so for its rows).
 pub(super) fn attention_projected<B: Backend>(
@@ -208,7 +181,7 @@ fn each_rank<B: Backend>(
 }
 
 /// Whether any device's share of the batch folds a raw query's prep into its attention
-/// (the others prep their share first: `attention_of_raw_query`'s default).
+/// (the others prep their share first: its `attention_projected`, `attention_of_raw_query`).
 pub(super) fn attention_preps_query<B: Backend>(
     s: &Sharded<B>,
     layout: &KvLayout,
