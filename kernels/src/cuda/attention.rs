@@ -547,55 +547,21 @@ pub(crate) fn attention(
         (g.ptr(&kv.rings.mem), g.ptr(&kv.pages.mem), selected.map_or(0, |s| g.ptr(&s.indices.mem)));
     let (sinks_at, pos, row_seq, seqs) = (g.ptr(&sinks.mem), g.ptr(&dp.positions), g.ptr(&dp.row_seq), g.ptr(&dp.seqs));
     let (q, part_at) = (g.ptr(&q.mem), part.as_ref().map_or(0, |p| g.ptr(&p.mem)));
-    if wg {
-        // The RoPE of a raw query and of a bf16 output: one table (the layer's).
-        let table = match (prep.map(|p| p.rope), out_rope) {
-            (Some(a), Some(b)) => {
-                assert!(std::ptr::eq(a, b), "attention_wg rotates q and its output with one table");
-                Some(a)
-            }
-            (a, b) => a.or(b),
-        };
-        let rope = table.map_or(RopeParams::none(), RopeParams::new);
-        launch!(
-            g,
-            kernel,
-            launch_cfg,
-            q,
-            new_at,
-            rings,
-            pages,
-            g.ptr(&dp.pages),
-            sel,
-            sinks_at,
-            pos,
-            row_seq,
-            seqs,
-            out_at,
-            part_at,
-            geom,
-            rope
-        );
-    } else {
-        launch!(
-            g,
-            kernel,
-            launch_cfg,
-            q,
-            new_at,
-            rings,
-            pages,
-            g.ptr(&dp.pages),
-            sel,
-            sinks_at,
-            pos,
-            row_seq,
-            seqs,
-            out_at,
-            part_at,
-            geom
-        );
-    }
+    // The RoPE of a raw query and of a bf16 output (`attention_wg`'s; the other kernels
+    // take and ignore it): one table, the layer's.
+    let table = match (prep.map(|p| p.rope), out_rope) {
+        (Some(a), Some(b)) => {
+            assert!(std::ptr::eq(a, b), "attention_wg rotates q and its output with one table");
+            Some(a)
+        }
+        (a, b) => a.or(b),
+    };
+    let rope = table.map_or(RopeParams::none(), RopeParams::new);
+    let dp_pages = g.ptr(&dp.pages);
+    launch!(
+        g, kernel, launch_cfg, q, new_at, rings, pages, dp_pages, sel, sinks_at, pos, row_seq, seqs, out_at, part_at,
+        geom, rope
+    );
     if let Some(part) = &part {
         launch!(
             g,

@@ -220,53 +220,31 @@ fn finish(
         Mixed::Parts { partials, parts } => (0, partials, parts),
     };
     let threads = row_block_threads(g, rows);
-    if partials == 0 && blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d) {
-        launch!(
-            g,
-            "hc_pre_finish_rows",
-            cfg((rows as u32, 1, 1), threads, 0),
-            g.ptr(&streams.mem),
-            m,
-            f80(&w.base),
-            w.scale[0],
-            w.scale[1],
-            w.scale[2],
-            hc as i32,
-            d as i32,
-            w.sinkhorn_iters as i32,
-            w.norm_eps,
-            w.hc_eps,
-            g.ptr(&collapsed.mem),
-            g.ptr(&post.mem),
-            g.ptr(&comb.mem),
-            norm_w,
-            norm_eps,
-        );
-    } else {
-        launch!(
-            g,
-            "hc_pre_finish",
-            cfg((rows as u32, blocks_a_row, 1), threads, 0),
-            g.ptr(&streams.mem),
-            m,
-            f80(&w.base),
-            w.scale[0],
-            w.scale[1],
-            w.scale[2],
-            hc as i32,
-            d as i32,
-            w.sinkhorn_iters as i32,
-            w.norm_eps,
-            w.hc_eps,
-            g.ptr(&collapsed.mem),
-            g.ptr(&post.mem),
-            g.ptr(&comb.mem),
-            norm_w,
-            norm_eps,
-            partials,
-            parts as i32,
-        );
-    }
+    // A prefill's rows of V4's shape held in registers (the same arguments; partials unused).
+    let in_registers = partials == 0 && blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d);
+    launch!(
+        g,
+        if in_registers { "hc_pre_finish_rows" } else { "hc_pre_finish" },
+        cfg((rows as u32, blocks_a_row, 1), threads, 0),
+        g.ptr(&streams.mem),
+        m,
+        f80(&w.base),
+        w.scale[0],
+        w.scale[1],
+        w.scale[2],
+        hc as i32,
+        d as i32,
+        w.sinkhorn_iters as i32,
+        w.norm_eps,
+        w.hc_eps,
+        g.ptr(&collapsed.mem),
+        g.ptr(&post.mem),
+        g.ptr(&comb.mem),
+        norm_w,
+        norm_eps,
+        partials,
+        parts as i32,
+    );
     if let (None, Some((nw, eps))) = (fused, norm) {
         super::rows::rms_norm(b, collapsed, d, Some(nw), eps);
     }

@@ -79,7 +79,8 @@ __device__ __forceinline__ AttnRow attn_row(const AttnGeom& g, int r, int split,
 extern "C" __global__ void __launch_bounds__(512)
     attention(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
               const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
-              float* out, float* part, AttnGeom g) {
+              float* out, float* part, AttnGeom g,
+              RopeParams /* attention_wg's rotations; unused here: one launch for the three kernels */) {
     pdl_begin();
     __shared__ float keys[ATT_T * ATT_HD_MAX];
     __shared__ int src_kind[ATT_T];

@@ -223,7 +223,8 @@ __device__ __forceinline__ int tc_sp_key(int h, int key) { return key ^ ((h & 3)
 extern "C" __global__ void __launch_bounds__(TC_THREADS, 1)
     attention_mma(const float* q, const float* new_kv, const u8* rings, const u8* page_base, const u32* pages,
                   const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
-                  float* out, float* part, AttnGeom g) {
+                  float* out, float* part, AttnGeom g,
+              RopeParams /* attention_wg's rotations; unused here: one launch for the three kernels */) {
     pdl_begin();
     extern __shared__ __align__(16) u16 tc_keys[];  // [2][TC_KEYS * TC_KSTRIDE]
     __shared__ float sp[TC_DGROUPS][TC_HEADS][TC_KEYS];

@@ -184,7 +184,8 @@ __device__ __forceinline__ void hc_pre_weights(const float* m, float inv, const 
 extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     hc_pre_finish_rows(const float* streams, const float* mix, F80 base, float s_pre, float s_post, float s_comb,
                        int hc, int d, int iters, float norm_eps, float hc_eps, float* collapsed, float* post,
-                       float* comb, const float* out_norm, float out_eps) {
+                       float* comb, const float* out_norm, float out_eps,
+                       const float* /* partials */, int /* parts: hc_pre_finish's, unused here (one launch) */) {
     pdl_begin();
     const int r = blockIdx.x, t = threadIdx.x, width = HCR_HC * d;
     const float4* s4 = reinterpret_cast<const float4*>(streams + (long long)r * width);
