@@ -647,6 +647,13 @@ impl CudaBackend {
         super::moe_cublas::slot_rows(rows, rows, w).is_some()
     }
 
+    /// Whether the routed experts of a batch whose routing is read back and which routes
+    /// `pairs` (row, expert) pairs to them run as bf16 rows gathered at once, one cuBLAS
+    /// product an expert and projection and one combine (`moe_host`), for the parity suite.
+    pub fn routed_rows_in_bf16(&self, pairs: usize, w: &MoeWeights<Self>) -> bool {
+        super::moe_host::takes_bf16_rows(&self.gpu, w, pairs)
+    }
+
     /// Whether v2 runs the routed experts of a decode batch of `rows` rows (else v1 does).
     pub fn decode_v2_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
         experts_v2_plan(rows, w).is_some() || segments_plan(rows, w).is_some()

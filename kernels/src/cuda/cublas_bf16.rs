@@ -76,6 +76,28 @@ pub(crate) fn round_rows(gpu: &Gpu, out: u64, x: u64, rows: usize, cols: usize, 
     }
 }
 
+/// `rows` rows of `src` (f32, `width` apart) picked by the list `idx` (an entry of -1:
+/// a zero row) and rounded once to bf16 into `out` (dense `rows × width`; `width` a
+/// multiple of 8, `src` 16-byte aligned): the routed rows of BF16 experts in expert order.
+pub(crate) fn gather_rows_bf16(gpu: &Gpu, out: u64, src: u64, idx: u64, rows: usize, width: usize) {
+    assert!(width.is_multiple_of(8) && src.is_multiple_of(16), "gather_rows_bf16 takes 8-aligned rows");
+    let cfg = cfg_row_cols(rows, width / 8);
+    launch!(gpu, "gather_rows_bf16", cfg, out, src, idx, rows as i32, width as i32);
+}
+
+/// `out = bf16(silu(min(g, limit)) · clamp(u, ±limit))` over `n` values: `swiglu_act`'s
+/// SwiGLU rounded as it is written, for a down product that reads bf16 rows.
+pub(crate) fn swiglu_bf16(gpu: &Gpu, out: u64, g: u64, u: u64, n: usize, limit: f32) {
+    launch!(gpu, "swiglu_bf16", cfg_elems(n), out, g, u, n as i64, limit);
+}
+
+/// `out = x · Wᵀ` for `rows` dense bf16 rows at `x` (plain `w`, BF16) into dense f32 rows
+/// at `out` (the caller counts the product).
+pub(crate) fn product_of_bf16_rows(gpu: &Gpu, x: u64, rows: usize, w: &CudaWeight, out: u64) {
+    let op = Operand { x: 0, x_stride: w.cols, out, out_stride: w.rows, rows, groups: 1 };
+    bf16_gemm(gpu, op, w, x, out, w.rows, rows, 0.0);
+}
+
 /// f32 activation rows rounded once to bf16 (dense `rows × cols`), for every product
 /// that reads them: a layer's projections of its input, a SwiGLU pair's gate and up. Each
 /// product rounding the rows itself read an 8K prefill's 128 MB of f32 rows again

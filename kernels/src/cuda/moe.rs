@@ -186,8 +186,9 @@ pub(crate) fn moe_as(
     } else {
         let mut host = vec![0i32; rows * k];
         g.finish_read(queued.expect("the routing's read queued"), &mut host);
-        b.prof("moe: experts", || moe_host::experts_routed_on_host(b, x, rows, w, &host, &route.weights, out, variant));
-        false
+        b.prof("moe: experts", || {
+            moe_host::experts_routed_on_host(b, x, rows, w, &host, &route.weights, out, variant, shared_add)
+        })
     };
     if let Some(y) = shared.filter(|_| !added) {
         if branch {
@@ -212,7 +213,7 @@ pub(crate) struct SharedAdd {
 impl SharedAdd {
     /// The combine kernel's three arguments (a null pointer when there is none), after
     /// joining the shared expert's branch.
-    fn args(shared: Option<SharedAdd>, g: &super::runtime::Gpu) -> (u64, i32, i32) {
+    pub(super) fn args(shared: Option<SharedAdd>, g: &super::runtime::Gpu) -> (u64, i32, i32) {
         match shared {
             Some(s) => {
                 if s.join {

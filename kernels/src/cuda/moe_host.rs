@@ -7,17 +7,22 @@
 //! then each row's weighted sum in list order, as the CPU adds them.
 
 use super::CudaBackend;
+use super::cublas_bf16;
 use super::matmul::{Decode, GEMM_BM, Operand, Tiles, gemm, gemm_kernel, gemm_split, split_x, swiglu_act};
 use super::memory::CudaBuf;
-use super::moe::expert;
-use super::runtime::{cfg, cfg_elems, launch};
+use super::moe::{SharedAdd, expert};
+use super::runtime::{DevBuf, cfg, cfg_elems, launch};
 use super::{moe_cublas, moe_fp4wg};
+use crate::Activations;
 use crate::backend::{ExpertWeights, MoeWeights};
 
 /// The routed experts with the routing read back. Experts of one format and shape
 /// that the tensor-core kernel tiles run grouped: every routed row gathered once in
 /// expert order, one launch per projection over tiles of one expert's rows, then each
-/// row's weighted sum in list order. Otherwise one product per expert over its rows.
+/// row's weighted sum in list order. BF16 experts of a prefill with bf16 activations:
+/// the same, each projection one cuBLAS product an expert ([`experts_on_cublas_rows`]).
+/// Otherwise one product per expert over its rows. True when the shared expert's
+/// `shared` rows were added into `out` too (else the caller adds them).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn experts_routed_on_host(
     b: &CudaBackend,
@@ -28,7 +33,8 @@ pub(super) fn experts_routed_on_host(
     weights: &CudaBuf,
     out: &mut CudaBuf,
     variant: Decode,
-) {
+    shared: Option<SharedAdd>,
+) -> bool {
     let g = &b.gpu;
     let (d, k) = (w.gate.cols, w.top_k);
     let held = w.expert_base..w.expert_base + w.experts.len();
@@ -36,12 +42,16 @@ pub(super) fn experts_routed_on_host(
     let total = lists.total();
     if total == 0 {
         g.memset_zero(&mut out.mem);
-        return;
+        return false;
     }
     if grouped_experts(w) && !per_expert_on_cublas(w, total) {
         let e0 = &w.experts[0];
         g.traffic.add_flops(total * 2 * (2 * e0.w1.rows * e0.w1.cols + e0.w2.rows * e0.w2.cols));
-        return experts_grouped(b, x, rows, w, lists, weights, out);
+        experts_grouped(b, x, rows, w, lists, weights, out);
+        return false;
+    }
+    if takes_bf16_rows(g, w, total) {
+        return experts_on_cublas_rows(b, x, rows, w, lists, weights, out, shared);
     }
     let list_dev = g.upload(&lists.words);
     let lp = g.ptr(&list_dev);
@@ -87,6 +97,7 @@ pub(super) fn experts_routed_on_host(
         );
         at += n;
     }
+    false
 }
 
 /// The (row, slot) pairs a batch routed to the experts this device holds, by expert in
@@ -140,6 +151,21 @@ impl RoutedLists {
     }
 }
 
+/// Appends each batch row's list positions in ascending (expert) order to `words`, whose
+/// first `n` words are the list's rows: `k` a row, -1 past a row's pairs held here (what
+/// `moe_combine_rows` reads). Returns where they start.
+fn append_positions(words: &mut Vec<i32>, n: usize, rows: usize, k: usize) -> usize {
+    let pos_at = words.len();
+    words.resize(pos_at + rows * k, -1);
+    let mut filled = vec![0usize; rows];
+    for i in 0..n {
+        let r = words[i] as usize;
+        words[pos_at + r * k + filled[r]] = i as i32;
+        filled[r] += 1;
+    }
+    pos_at
+}
+
 /// Whether the routed rows of BF16 experts run expert by expert through `matmul` (cuBLAS,
 /// `cublas_bf16.rs`) rather than as grouped `gemm_bf16` tiles: when the experts this
 /// device holds get at least [`PER_EXPERT_MIN_ROWS`] rows each on average (a prefill),
@@ -151,6 +177,106 @@ fn per_expert_on_cublas(w: &MoeWeights<CudaBackend>, routed_rows: usize) -> bool
 
 /// Average routed rows an expert needs for [`per_expert_on_cublas`].
 const PER_EXPERT_MIN_ROWS: usize = 64;
+
+/// Whether `pairs` routed (row, expert) pairs of `w`'s experts run as bf16 rows on cuBLAS
+/// ([`experts_on_cublas_rows`]).
+pub(super) fn takes_bf16_rows(g: &super::runtime::Gpu, w: &MoeWeights<CudaBackend>, pairs: usize) -> bool {
+    per_expert_on_cublas(w, pairs) && rows_in_bf16(g, w)
+}
+
+/// Whether [`experts_on_cublas_rows`] takes the routed rows of `w`'s experts (which
+/// [`per_expert_on_cublas`] sent to cuBLAS): bf16 activations (the reference's; split
+/// activations keep a product of their own an expert), rows of a width the 8-wide gather
+/// takes, and one shape for every expert. `SLUICE_CUDA_MOE_BF16_ROWS=0` (read once) keeps
+/// the per-expert path.
+fn rows_in_bf16(g: &super::runtime::Gpu, w: &MoeWeights<CudaBackend>) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_BF16_ROWS").map_or(true, |v| v != "0"));
+    let Some(first) = w.experts.first() else { return false };
+    let shape = |m: &super::CudaWeight| (m.rows, m.cols);
+    on && g.activations == Activations::Bf16
+        && first.w1.cols.is_multiple_of(8)
+        && w.experts.iter().all(|e| {
+            shape(&e.w1) == shape(&first.w1) && shape(&e.w3) == shape(&first.w1) && shape(&e.w2) == shape(&first.w2)
+        })
+}
+
+/// The routed rows of BF16 experts (a prefill) on cuBLAS, as the reference computes
+/// them (bf16 activations), in four passes over the rows where one product an expert
+/// took seven launches an expert: every routed row gathered in expert order and rounded
+/// to bf16 at once (`gather_rows_bf16`), each expert's gate and up products on its rows,
+/// the SwiGLU of all rows rounded to bf16 as it is computed (`swiglu_bf16`), each
+/// expert's down product, then one combine of each row's pairs in list order, the shared
+/// expert's rows added in it. The per-expert path gathered f32 rows, rounded them,
+/// wrote the SwiGLU in f32 and rounded it again, and accumulated each expert's rows into
+/// the output in a launch of its own (~10% of a flash-bench 8K prefill, docs/perf.md).
+#[allow(clippy::too_many_arguments)]
+fn experts_on_cublas_rows(
+    b: &CudaBackend,
+    x: &CudaBuf,
+    rows: usize,
+    w: &MoeWeights<CudaBackend>,
+    lists: RoutedLists,
+    weights: &CudaBuf,
+    out: &mut CudaBuf,
+    shared: Option<SharedAdd>,
+) -> bool {
+    let g = &b.gpu;
+    let (d, k) = (w.gate.cols, w.top_k);
+    let n = lists.total();
+    let inter = w.experts[0].w1.rows;
+    let counts = lists.counts;
+    let mut words = lists.words;
+    let pos_at = append_positions(&mut words, n, rows, k);
+    let dev = b.upload_staged(&words);
+    let word = |i: usize| g.ptr(&dev) + 4 * i as u64;
+    let xb = g.alloc::<u16>(n * d);
+    cublas_bf16::gather_rows_bf16(g, g.ptr(&xb), g.ptr(&x.mem), word(0), n, d);
+    let (h, u) = (b.alloc_buf(n * inter), b.alloc_buf(n * inter));
+    let (hb, y) = (g.alloc::<u16>(n * inter), b.alloc_buf(n * d));
+    let product = |w: &super::CudaWeight, x_at: u64, out_at: u64, rows: usize| {
+        super::matmul::count_product(g, rows, w);
+        cublas_bf16::product_of_bf16_rows(g, x_at, rows, w, out_at);
+    };
+    let each = |f: &dyn Fn(&ExpertWeights<CudaBackend>, usize, usize)| {
+        let mut at = 0usize;
+        for (e, &count) in counts.iter().enumerate() {
+            if count > 0 {
+                f(&w.experts[e], at, count);
+            }
+            at += count;
+        }
+    };
+    // Where list position `at` starts in rows of `width` f32 or bf16 values.
+    let f32_rows = |buf: &CudaBuf, at: usize, width: usize| g.ptr(&buf.mem) + 4 * (at * width) as u64;
+    let bf16_rows = |buf: &DevBuf<u16>, at: usize, width: usize| g.ptr(buf) + 2 * (at * width) as u64;
+    each(&|e, at, count| {
+        product(&e.w1, bf16_rows(&xb, at, d), f32_rows(&h, at, inter), count);
+        product(&e.w3, bf16_rows(&xb, at, d), f32_rows(&u, at, inter), count);
+    });
+    drop(xb);
+    cublas_bf16::swiglu_bf16(g, g.ptr(&hb), g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
+    drop((h, u));
+    each(&|e, at, count| product(&e.w2, bf16_rows(&hb, at, inter), f32_rows(&y, at, d), count));
+    let (sy, s_first, s_rows) = SharedAdd::args(shared, g);
+    launch!(
+        g,
+        "moe_combine_rows",
+        cfg_elems(rows * d),
+        g.ptr(&out.mem),
+        g.ptr(&y.mem),
+        word(pos_at),
+        word(n),
+        g.ptr(&weights.mem),
+        k as i32,
+        rows as i32,
+        d as i32,
+        sy,
+        s_first,
+        s_rows
+    );
+    shared.is_some()
+}
 
 /// Whether every expert has the first one's format and shapes and the tensor-core kernel
 /// tiles their products.
@@ -228,14 +354,7 @@ fn experts_grouped(
     // tiles for the prefill products").
     let mut words = lists.words;
     words.reserve(rows * k + tiles.len() + 16);
-    let pos_at = words.len();
-    words.resize(pos_at + rows * k, -1);
-    let mut filled = vec![0usize; rows];
-    for i in 0..n {
-        let r = words[i] as usize;
-        words[pos_at + r * k + filled[r]] = i as i32;
-        filled[r] += 1;
-    }
+    let pos_at = append_positions(&mut words, n, rows, k);
     let tiles_at = words.len();
     let by_height = on_fp4wg.then(|| moe_fp4wg::tile_lists(&tiles));
     match &by_height {

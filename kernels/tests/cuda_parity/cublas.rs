@@ -66,13 +66,20 @@ fn cuda_bf16_products_on_cublas_match_cpu() {
 }
 
 /// Routed BF16 experts on cuBLAS: decode batches as batched products (9-64 rows; fewer
-/// take the gemv kernels), a prefill-sized batch one product an expert at flash-bench's shapes (8 experts of 1024, top 2, a BF16
-/// shared expert), under top-k routing and hash routing whose table names an expert
-/// twice for even tokens, at two SwiGLU clamps, against the CPU.
+/// take the gemv kernels), a prefill-sized batch one product an expert at flash-bench's
+/// shapes (8 experts of 1024, top 2, a BF16 shared expert), under top-k routing and hash
+/// routing whose table names an expert twice for even tokens, at two SwiGLU clamps,
+/// against the CPU; with split activations, then with bf16 ones (where a prefill's routed
+/// rows go to cuBLAS gathered into bf16 at once: `routed_rows_in_bf16`).
 #[test]
 fn cuda_bf16_experts_on_cublas_match_cpu() {
-    let Some(g) = gpu("cuda_bf16_experts_on_cublas_match_cpu") else { return };
-    let g = &*g;
+    for activations in [Activations::Split, Activations::Bf16] {
+        let Some(g) = gpu_in("cuda_bf16_experts_on_cublas_match_cpu", activations) else { return };
+        bf16_experts_on_cublas_match_cpu(&g, activations);
+    }
+}
+
+fn bf16_experts_on_cublas_match_cpu(g: &CudaBackend, activations: Activations) {
     let c = CpuBackend::new();
     let mut rng = rng("cublas bf16 experts");
     let (d, inter, n_exp, k) = (4096, 1024, 8, 2);
@@ -87,10 +94,13 @@ fn cuda_bf16_experts_on_cublas_match_cpu() {
                 || if hash { Routing::Hash { tid2eid: tid2eid.clone() } } else { Routing::TopK { bias: bias.clone() } };
             let gm = super::decode::experts_layer(g, &gate, routing(), &experts, &shared, k, limit);
             let cm = super::decode::experts_layer(&c, &gate, routing(), &experts, &shared, k, limit);
-            // 9-64 rows: batched products over slots; 600: the routing read back and one
-            // product an expert (a prefill's path).
-            for rows in [9, 16, 33, 64, 600] {
+            // 9-64 rows: batched products over slots; 600 and 1500: the routing read back,
+            // the routed rows gathered into bf16 at once, one product an expert and
+            // projection and one combine (a prefill's path).
+            for rows in [9, 16, 33, 64, 600, 1500] {
                 assert!(rows > 64 || g.cublas_experts(rows, &gm), "the experts of {rows} rows do not take cuBLAS");
+                let in_bf16 = g.routed_rows_in_bf16(rows * k, &gm);
+                assert_eq!(in_bf16, rows > 64 && activations == Activations::Bf16, "{rows} rows: bf16 rows {in_bf16}");
                 let x = rand_vec(&mut rng, rows * d, 1.0);
                 let tokens = batch_tokens(&mut rng, rows, vocab);
                 let mut want = vec![0f32; rows * d];

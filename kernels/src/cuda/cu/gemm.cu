@@ -62,6 +62,26 @@ extern "C" __global__ void round_bf16_rows8(u16* out, const float* x, int rows, 
     }
 }
 
+// Rows picked by a list and rounded once to bf16 (the routed rows of BF16 experts in
+// expert order): out[r] = bf16(src[idx[r]]), 8 columns a thread; an entry of 0xffffffff
+// is a zero row. width a multiple of 8, src 16-byte aligned.
+extern "C" __global__ void gather_rows_bf16(u16* out, const float* src, const u32* idx, int rows, int width) {
+    pdl_begin();
+    const int c = 8 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (c >= width) return;
+    for (int r = blockIdx.y; r < rows; r += gridDim.y) {
+        const u32 from = idx[r];
+        uint4 o = make_uint4(0u, 0u, 0u, 0u);
+        if (from != 0xffffffffu) {
+            const float* s = src + (long long)from * width + c;
+            const float4 a = *(const float4*)s, b = *(const float4*)(s + 4);
+            o = make_uint4((u32)f2bf(a.x) | ((u32)f2bf(a.y) << 16), (u32)f2bf(a.z) | ((u32)f2bf(a.w) << 16),
+                           (u32)f2bf(b.x) | ((u32)f2bf(b.y) << 16), (u32)f2bf(b.z) | ((u32)f2bf(b.w) << 16));
+        }
+        *(uint4*)(out + (long long)r * width + c) = o;
+    }
+}
+
 // x rounded once to bf16 (cuBLAS products with the reference model's bf16 activations), a
 // thread an element: any shape.
 extern "C" __global__ void round_bf16_rows(u16* out, const float* x, int rows, int cols, int x_stride) {

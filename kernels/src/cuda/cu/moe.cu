@@ -147,6 +147,17 @@ extern "C" __global__ void swiglu_act(float* g, const float* u, long long n, flo
     g[i] = a / (1.0f + expf(-a)) * b;
 }
 
+// swiglu_act's SwiGLU rounded to bf16 as it is written (the down product of BF16 experts
+// on cuBLAS reads bf16 rows): the same value the f32 pass and a rounding after it give.
+extern "C" __global__ void swiglu_bf16(u16* out, const float* g, const float* u, long long n, float limit) {
+    pdl_begin();
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float a = fminf(g[i], limit);
+    float b = fminf(fmaxf(u[i], -limit), limit);
+    out[i] = f2bf(a / (1.0f + expf(-a)) * b);
+}
+
 // Three exclusive prefix sums over the block at once (one value of each a thread), with
 // the barriers of one (blockDim.x a multiple of 32, at most 1,024; every thread must
 // call it): the lists' offsets, active ranks and segment starts, which three one-value
