@@ -10,11 +10,12 @@ use crate::plan::BatchPlan;
 use crate::rope::RopeTable;
 
 /// The output side of [`Backend::attention_projected`]: the RoPE table the output is
-/// rotated back with, and the block-diagonal `wo_a` over `groups`.
+/// rotated back with, the block-diagonal `wo_a` over `groups`, then `wo_b`.
 pub struct OutputProjection<'a, B: Backend + ?Sized> {
     pub rope: &'a RopeTable,
     pub groups: usize,
     pub wo_a: &'a B::Weight,
+    pub wo_b: &'a B::Weight,
 }
 
 /// A batch's attention inputs as [`Backend::attention_projected`] passes them on.
@@ -28,8 +29,8 @@ pub struct AttentionIo<'a, B: Backend + ?Sized> {
     pub prep: Option<&'a QueryPrep<'a>>,
 }
 
-/// [`Backend::attention_projected`] as its three ops (attention into f32 rows, the
-/// inverse RoPE, the grouped product): what backends that do not fold them run.
+/// [`Backend::attention_projected`] as its four ops (attention into f32 rows, the
+/// inverse RoPE, the grouped product, `wo_b`): what backends that do not fold them run.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_projected_apart<B: Backend + ?Sized>(
     b: &B,
@@ -39,19 +40,21 @@ pub fn attention_projected_apart<B: Backend + ?Sized>(
     plan: &BatchPlan,
     io: AttentionIo<'_, B>,
     proj: &OutputProjection<'_, B>,
-    grouped: &mut B::Buf,
+    out: &mut B::Buf,
 ) {
     let (rows, hd) = (plan.rows(), layout.layers[layer].spec.head_dim);
     let AttentionIo { q, new_kv, selected, sinks, heads, scale, prep } = io;
-    let mut out = b.output(rows * heads * hd);
+    let mut attn = b.output(rows * heads * hd);
     match prep {
         Some(p) => {
-            b.attention_of_raw_query(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, p, &mut out)
+            b.attention_of_raw_query(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, p, &mut attn)
         }
-        None => b.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, &mut out),
+        None => b.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, &mut attn),
     }
-    b.rope(&mut out, heads, hd, &plan.positions, proj.rope, true);
-    b.grouped_matmul(&out, rows, proj.groups, proj.wo_a, grouped);
+    b.rope(&mut attn, heads, hd, &plan.positions, proj.rope, true);
+    let mut grouped = b.output(rows * b.weight_shape(proj.wo_a).0);
+    b.grouped_matmul(&attn, rows, proj.groups, proj.wo_a, &mut grouped);
+    b.matmul(&grouped, rows, proj.wo_b, out);
 }
 
 /// What a raw query still needs before attention ([`Backend::attention_of_raw_query`]):

@@ -704,12 +704,13 @@ pub trait Backend: Send + Sync + 'static {
         self.attention(kv, layout, layer, plan, q, new_kv, selected, sinks, heads, scale, out);
     }
 
-    /// The attention sub-block from the query to `wo_a`'s output: [`Backend::attention`]
-    /// (or [`Backend::attention_of_raw_query`] with `io.prep`), the output rotated back at
-    /// the rows' positions (inverse RoPE from `proj.rope`: K = V carried the rotation into
-    /// it), then `grouped_matmul(out, proj.groups, proj.wo_a)` into `grouped`. A backend
-    /// may keep the attention output in its product's input format instead of f32 (the
-    /// CUDA one: bf16 rows straight from its prefill kernel).
+    /// The attention sub-block from the query to its output: [`Backend::attention`] (or
+    /// [`Backend::attention_of_raw_query`] with `io.prep`), the output rotated back at the
+    /// rows' positions (inverse RoPE from `proj.rope`: K = V carried the rotation into
+    /// it), `grouped_matmul(.., proj.groups, proj.wo_a)`, then `matmul(.., proj.wo_b)`
+    /// into `out`. A backend may keep what passes between them in its products' input
+    /// format instead of f32 (the CUDA one: bf16 rows straight from its prefill kernel,
+    /// and `wo_a`'s output in bf16 for `wo_b`).
     #[allow(clippy::too_many_arguments)]
     fn attention_projected(
         &self,
@@ -719,9 +720,9 @@ pub trait Backend: Send + Sync + 'static {
         plan: &BatchPlan,
         io: AttentionIo<'_, Self>,
         proj: &OutputProjection<'_, Self>,
-        grouped: &mut Self::Buf,
+        out: &mut Self::Buf,
     ) {
-        attention_projected_apart(self, kv, layout, layer, plan, io, proj, grouped)
+        attention_projected_apart(self, kv, layout, layer, plan, io, proj, out)
     }
 
     /// Write this step's window entries into each sequence's ring.

@@ -333,8 +333,8 @@ impl<B: Backend> Model<B> {
         b.join();
 
         // Attention, its output rotated back at the query positions (K = V carried the
-        // rotation into it), and wo_a; the new entries go to the window rings after it.
-        let mut grouped = b.output(rows * c.o_groups * c.o_lora_rank);
+        // rotation into it), wo_a and wo_b; the new entries go to the window rings after it.
+        let mut out = b.output(rows * b.weight_shape(&a.wo_b).0);
         let prep = QueryPrep { eps, rope };
         let io = AttentionIo {
             q: &mut q,
@@ -345,10 +345,10 @@ impl<B: Backend> Model<B> {
             scale: c.attention_scale(),
             prep: query_raw.then_some(&prep),
         };
-        let proj = OutputProjection { rope, groups: c.o_groups, wo_a: &a.wo_a };
-        b.attention_projected(&kv.view(), &self.layout, l, plan, io, &proj, &mut grouped);
+        let proj = OutputProjection { rope, groups: c.o_groups, wo_a: &a.wo_a, wo_b: &a.wo_b };
+        b.attention_projected(&kv.view(), &self.layout, l, plan, io, &proj, &mut out);
         b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
-        self.project(&grouped, rows, &a.wo_b)
+        out
     }
 }
 

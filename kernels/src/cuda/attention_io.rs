@@ -50,8 +50,22 @@ pub(crate) fn projects_in_bf16(g: &Gpu, rows: usize, groups: usize, wo_a: &CudaW
         && super::gemm_rows::gemm_rows_plan(g, &op, wo_a).is_none()
 }
 
+/// Whether `wo_a`'s product (which [`projects_in_bf16`]) hands `wo_b` bf16 rows: `wo_b`
+/// runs on cuBLAS too. `SLUICE_CUDA_WO_A_BF16_OUT=0` keeps f32 rows between them, which
+/// `wo_b`'s product rounds again, to compare.
+pub(crate) fn wo_a_hands_bf16(g: &Gpu, rows: usize, wo_b: &CudaWeight) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_WO_A_BF16_OUT").map_or(true, |v| v != "0"));
+    let op = Operand { x: 0, x_stride: wo_b.cols, out: 0, out_stride: wo_b.rows, rows, groups: 1 };
+    on && g.activations == Activations::Bf16
+        && cublas_bf16::takes(rows, wo_b)
+        && super::gemm_rows::gemm_rows_plan(g, &op, wo_b).is_none()
+}
+
 /// `Backend::attention_projected` where [`projects_in_bf16`]: attention into bf16 rows
-/// rotated back, then `wo_a`'s block-diagonal cuBLAS product from them.
+/// rotated back, `wo_a`'s block-diagonal cuBLAS product from them, then `wo_b` — from
+/// `wo_a`'s output stored in bf16 by cuBLAS where [`wo_a_hands_bf16`] (an 8K prefill's
+/// 256 MB of f32 rows a layer neither written nor read again), else as any product.
 pub(crate) fn attention_projected(
     b: &CudaBackend,
     kv: &KvView<'_, CudaBackend>,
@@ -59,7 +73,7 @@ pub(crate) fn attention_projected(
     (layer, plan): (usize, &BatchPlan),
     io: AttentionIo<'_, CudaBackend>,
     proj: &OutputProjection<'_, CudaBackend>,
-    grouped: &mut CudaBuf,
+    out: &mut CudaBuf,
 ) {
     let g = &b.gpu;
     let (rows, width) = (plan.rows(), io.heads * layout.layers[layer].spec.head_dim);
@@ -67,8 +81,23 @@ pub(crate) fn attention_projected(
     let xb = g.alloc::<u16>(rows * width);
     attend(b, kv, layout, (layer, plan), io, AttnOut::Bf16Rotated { at: g.ptr(&xb), rope: proj.rope });
     count_product(g, rows, proj.wo_a);
-    let op = Operand::contiguous(0, g.ptr(&grouped.mem), rows, proj.groups, proj.wo_a);
-    RoundedRows::from_bf16(xb, rows, width).product(g, op, proj.wo_a);
+    let attn = RoundedRows::from_bf16(xb, rows, width);
+    let mid = proj.wo_a.rows;
+    if wo_a_hands_bf16(g, rows, proj.wo_b) {
+        let grouped = g.alloc::<u16>(rows * mid);
+        let op = Operand::contiguous(0, 0, rows, proj.groups, proj.wo_a);
+        attn.product_to_bf16(g, op, proj.wo_a, g.ptr(&grouped));
+        drop(attn);
+        count_product(g, rows, proj.wo_b);
+        let op = Operand::contiguous(0, g.ptr(&out.mem), rows, 1, proj.wo_b);
+        RoundedRows::from_bf16(grouped, rows, mid).product(g, op, proj.wo_b);
+    } else {
+        let grouped = b.alloc_buf(rows * mid);
+        let op = Operand::contiguous(0, g.ptr(&grouped.mem), rows, proj.groups, proj.wo_a);
+        attn.product(g, op, proj.wo_a);
+        drop(attn);
+        b.matmul(&grouped, rows, proj.wo_b, out);
+    }
 }
 
 /// [`attention`] of `io`'s query, raw where `io.prep` is given: its prep folded into

@@ -641,6 +641,12 @@ impl CudaBackend {
         super::attention_io::projects_in_bf16(&self.gpu, rows, groups, wo_a)
     }
 
+    /// Whether `wo_a`'s product hands `wo_b` (of `rows` rows) bf16 rows stored by cuBLAS
+    /// (`attention_io::wo_a_hands_bf16`), where the attention output went to `wo_a` in bf16.
+    pub fn wo_a_output_in_bf16(&self, rows: usize, wo_b: &CudaWeight) -> bool {
+        super::attention_io::wo_a_hands_bf16(&self.gpu, rows, wo_b)
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {
@@ -752,6 +758,7 @@ impl CudaBackend {
             b_type: bf16,
             ldb,
             c,
+            c_type: cudaDataType::CUDA_R_32F,
             ldc,
             m: n,
             n: rows,

@@ -25,8 +25,9 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 pub(crate) enum BlasOp {
     /// `groups` products `C_g(m × n) = A_gᵀ(m × k) · B_g(k × n) + beta · C_g`
     /// (`cublasGemmStridedBatchedEx`): A row-major `[m, k]` weights `m·k` apart, B `n`
-    /// rows of `ldb` values whose group g starts at column g·k, C `n` rows of `ldc` f32
-    /// values whose group g starts at column g·m.
+    /// rows of `ldb` values whose group g starts at column g·k, C `n` rows of `ldc`
+    /// values (`c_type`: f32, or bf16 rounded from the f32 sums) whose group g starts at
+    /// column g·m.
     Strided {
         a: u64,
         a_type: cudaDataType,
@@ -34,6 +35,7 @@ pub(crate) enum BlasOp {
         b_type: cudaDataType,
         ldb: usize,
         c: u64,
+        c_type: cudaDataType,
         ldc: usize,
         m: usize,
         n: usize,
@@ -51,21 +53,23 @@ impl BlasOp {
     /// The words two equal calls share (appended to a recorded segment's key).
     pub(crate) fn key(&self, key: &mut Vec<u64>) {
         match *self {
-            BlasOp::Strided { a, a_type, b, b_type, ldb, c, ldc, m, n, k, groups, beta } => key.extend_from_slice(&[
-                7,
-                a,
-                a_type as u64,
-                b,
-                b_type as u64,
-                ldb as u64,
-                c,
-                ldc as u64,
-                m as u64,
-                n as u64,
-                k as u64,
-                groups as u64,
-                u64::from(beta.to_bits()),
-            ]),
+            BlasOp::Strided { a, a_type, b, b_type, ldb, c, c_type, ldc, m, n, k, groups, beta } => key
+                .extend_from_slice(&[
+                    7,
+                    a,
+                    a_type as u64,
+                    b,
+                    b_type as u64,
+                    ldb as u64,
+                    c,
+                    c_type as u64,
+                    ldc as u64,
+                    m as u64,
+                    n as u64,
+                    k as u64,
+                    groups as u64,
+                    u64::from(beta.to_bits()),
+                ]),
             BlasOp::PointerArrays { arrays, m, n, k, batch } => {
                 key.extend_from_slice(&[8, arrays[0], arrays[1], arrays[2], m as u64, n as u64, k as u64, batch as u64])
             }
@@ -83,7 +87,7 @@ impl BlasOp {
         let (compute, algo) = (cublasComputeType_t::CUBLAS_COMPUTE_32F, cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT);
         let one = &alpha as *const f32 as *const c_void;
         match *self {
-            BlasOp::Strided { a, a_type, b, b_type, ldb, c, ldc, m, n, k, groups, beta } => {
+            BlasOp::Strided { a, a_type, b, b_type, ldb, c, c_type, ldc, m, n, k, groups, beta } => {
                 // SAFETY: the caller's contract above.
                 unsafe {
                     cudarc::cublas::result::gemm_strided_batched_ex(
@@ -104,7 +108,7 @@ impl BlasOp {
                         k as i64,
                         &beta as *const f32 as *const c_void,
                         c as *mut c_void,
-                        cudaDataType::CUDA_R_32F,
+                        c_type,
                         ldc as i32,
                         m as i64,
                         groups as i32,

@@ -95,7 +95,7 @@ pub(crate) fn swiglu_bf16(gpu: &Gpu, out: u64, g: u64, u: u64, n: usize, limit: 
 /// at `out` (the caller counts the product).
 pub(crate) fn product_of_bf16_rows(gpu: &Gpu, x: u64, rows: usize, w: &CudaWeight, out: u64) {
     let op = Operand { x: 0, x_stride: w.cols, out, out_stride: w.rows, rows, groups: 1 };
-    bf16_gemm(gpu, op, w, x, out, w.rows, rows, 0.0);
+    bf16_gemm(gpu, op, w, x, (out, F32), w.rows, rows, 0.0);
 }
 
 /// f32 activation rows rounded once to bf16 (dense `rows × cols`), for every product
@@ -128,9 +128,24 @@ impl RoundedRows {
             (op.rows, op.groups * w.cols),
             "rounded activations do not match the product"
         );
-        bf16_gemm(gpu, op, w, gpu.ptr(&self.buf), op.out, op.out_stride, self.rows, 0.0);
+        bf16_gemm(gpu, op, w, gpu.ptr(&self.buf), (op.out, F32), op.out_stride, self.rows, 0.0);
+    }
+
+    /// [`RoundedRows::product`] with bf16 outputs at `out` (`op.out` is not read):
+    /// cuBLAS rounds each f32 sum once as it stores it, for a product that reads the
+    /// output as its bf16 input (`wo_a` before `wo_b`) instead of rounding f32 rows again.
+    pub(crate) fn product_to_bf16(&self, gpu: &Gpu, op: Operand, w: &CudaWeight, out: u64) {
+        assert_eq!(
+            (self.rows, self.cols),
+            (op.rows, op.groups * w.cols),
+            "rounded activations do not match the product"
+        );
+        bf16_gemm(gpu, op, w, gpu.ptr(&self.buf), (out, BF16), op.out_stride, self.rows, 0.0);
     }
 }
+
+const F32: cudaDataType = cudaDataType::CUDA_R_32F;
+const BF16: cudaDataType = cudaDataType::CUDA_R_16BF;
 
 /// `op`'s rows rounded once for products over every one of `ws` (plain, of one input
 /// width) where each would take cuBLAS with bf16 activations; `None` (nothing issued)
@@ -166,7 +181,7 @@ impl SplitRows {
 pub(crate) fn product_of_split(gpu: &Gpu, xs: &SplitRows, op: Operand, w: &CudaWeight) {
     let (rows, cols) = (xs.rows, xs.cols);
     assert_eq!((rows, cols), (op.rows, op.groups * w.cols), "split activations do not match the product");
-    let gemm = |b: u64, c: u64, ldc: usize, n: usize, beta: f32| bf16_gemm(gpu, op, w, b, c, ldc, n, beta);
+    let gemm = |b: u64, c: u64, ldc: usize, n: usize, beta: f32| bf16_gemm(gpu, op, w, b, (c, F32), ldc, n, beta);
     let (hi, lo) = (gpu.ptr(&xs.buf), gpu.ptr(&xs.buf) + 2 * (rows * cols) as u64);
     if rows <= STACKED_MAX_ROWS {
         let halves = gpu.alloc::<f32>(2 * rows * w.rows);
@@ -189,15 +204,24 @@ pub(crate) fn product_of_split(gpu: &Gpu, xs: &SplitRows, op: Operand, w: &CudaW
 }
 
 /// One cuBLAS product of `n` bf16 activation rows at `b` (rows `op.groups · K` apart) with
-/// the BF16 weight `w` into f32 rows at `c`, `ldc` apart: `c = b · Wᵀ + beta · c`.
+/// the BF16 weight `w` into rows at `c` of `c_type` (f32 or bf16), `ldc` apart:
+/// `c = b · Wᵀ + beta · c`.
 #[allow(clippy::too_many_arguments)]
-fn bf16_gemm(gpu: &Gpu, op: Operand, w: &CudaWeight, b: u64, c: u64, ldc: usize, n: usize, beta: f32) {
+fn bf16_gemm(
+    gpu: &Gpu,
+    op: Operand,
+    w: &CudaWeight,
+    b: u64,
+    (c, c_type): (u64, cudaDataType),
+    ldc: usize,
+    n: usize,
+    beta: f32,
+) {
     let WeightData::Bf16(weights) = &w.data else { panic!("cuBLAS BF16 products take BF16 weights") };
-    let bf16 = cudaDataType::CUDA_R_16BF;
     let (a, ldb, m, k, groups) = (gpu.ptr(weights), op.groups * w.cols, w.rows / op.groups, w.cols, op.groups);
-    let product = BlasOp::Strided { a, a_type: bf16, b, b_type: bf16, ldb, c, ldc, m, n, k, groups, beta };
+    let product = BlasOp::Strided { a, a_type: BF16, b, b_type: BF16, ldb, c, c_type, ldc, m, n, k, groups, beta };
     // SAFETY: the weight is groups × (m × k) bf16 values; b holds n rows of groups · k
-    // bf16 activations and c n rows of ldc f32 outputs (the callers allocate them so).
+    // bf16 activations and c n rows of ldc outputs of c_type (the callers allocate them so).
     unsafe { gpu.blas(product) }
 }
 

@@ -587,8 +587,21 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
             let f32_type = cudaDataType::CUDA_R_32F;
             let (a, m, k) = (gpu.ptr(d), w.rows / op.groups, w.cols);
             let (b, ldb, c, ldc, n, groups) = (op.x, op.x_stride, op.out, op.out_stride, op.rows, op.groups);
-            let product =
-                BlasOp::Strided { a, a_type: f32_type, b, b_type: f32_type, ldb, c, ldc, m, n, k, groups, beta: 0.0 };
+            let product = BlasOp::Strided {
+                a,
+                a_type: f32_type,
+                b,
+                b_type: f32_type,
+                ldb,
+                c,
+                c_type: f32_type,
+                ldc,
+                m,
+                n,
+                k,
+                groups,
+                beta: 0.0,
+            };
             // SAFETY: the weight is groups × (m × k) f32 values; the operand's rows hold
             // groups · k inputs and groups · m outputs (the callers size them).
             unsafe { gpu.blas(product) }

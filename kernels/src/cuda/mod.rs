@@ -755,12 +755,12 @@ impl Backend for CudaBackend {
         plan: &BatchPlan,
         io: AttentionIo<'_, Self>,
         proj: &OutputProjection<'_, Self>,
-        grouped: &mut CudaBuf,
+        out: &mut CudaBuf,
     ) {
         if !attention_io::projects_in_bf16(&self.gpu, plan.rows(), proj.groups, proj.wo_a) {
-            return attention_projected_apart(self, kv, layout, layer, plan, io, proj, grouped);
+            return attention_projected_apart(self, kv, layout, layer, plan, io, proj, out);
         }
-        self.prof("attention", || attention_io::attention_projected(self, kv, layout, (layer, plan), io, proj, grouped))
+        self.prof("attention", || attention_io::attention_projected(self, kv, layout, (layer, plan), io, proj, out))
     }
 
     fn store_window(

@@ -520,9 +520,9 @@ impl<B: Backend> Backend for Sharded<B> {
         plan: &BatchPlan,
         io: AttentionIo<'_, Self>,
         proj: &OutputProjection<'_, Self>,
-        grouped: &mut ShardBuf<B>,
+        out: &mut ShardBuf<B>,
     ) {
-        seq_ops::attention_projected(self, kv, (layout, layer, plan), io, proj, grouped)
+        seq_ops::attention_projected(self, kv, (layout, layer, plan), io, proj, out)
     }
 
     fn attention_preps_query(&self, layout: &KvLayout, layer: usize, plan: &BatchPlan, heads: usize) -> bool {

@@ -146,14 +146,15 @@ pub(super) fn attention_projected<B: Backend>(
     (layout, layer, plan): (&KvLayout, usize, &BatchPlan),
     io: AttentionIo<'_, Sharded<B>>,
     proj: &OutputProjection<'_, Sharded<B>>,
-    grouped: &mut ShardBuf<B>,
+    out: &mut ShardBuf<B>,
 ) {
     let AttentionIo { q, new_kv, selected, sinks, heads, scale, prep } = io;
     let step = step(s, plan, q);
     let (qp, kp) = (q.rows_mut().1, new_kv.rows().1);
-    each_rank(s, kv, &step, selected, grouped, |r, b, v, p, sel, o| {
+    each_rank(s, kv, &step, selected, out, |r, b, v, p, sel, o| {
         let io = AttentionIo { q: &mut qp[r], new_kv: &kp[r], selected: sel, sinks: sinks.on(r), heads, scale, prep };
-        let proj = OutputProjection { rope: proj.rope, groups: proj.groups, wo_a: proj.wo_a.on(r) };
+        let (wo_a, wo_b) = (proj.wo_a.on(r), proj.wo_b.on(r));
+        let proj = OutputProjection { rope: proj.rope, groups: proj.groups, wo_a, wo_b };
         b.attention_projected(v, layout, layer, p, io, &proj, o)
     });
 }

@@ -44,7 +44,7 @@ struct StepInputs {
 
 /// Run one layer of one step on a backend: compressors, indexer (optionally forced to a
 /// given selection), attention, ring update. Returns (attention output, selection, and
-/// with `proj` = (wo_a, groups) `attention_projected`'s output).
+/// with `proj` = (wo_a, groups, wo_b) `attention_projected`'s output).
 /// `raw_query`: q is passed raw to `attention_of_raw_query` (head norm and RoPE still to
 /// do; the CPU does them first, the GPU's `attention_wg` while staging q). `twice` runs
 /// the attention a second time over the same inputs and requires the same bits: a restored prefix reproduces a cold run only if a row's attention does not
@@ -62,7 +62,7 @@ fn run_layer<B: Backend>(
     from: &dyn Fn(&B, &[i32]) -> B::Idx,
     twice: bool,
     raw_query: bool,
-    proj: Option<(&B::Weight, usize)>,
+    proj: Option<(&B::Weight, usize, &B::Weight)>,
 ) -> (Vec<f32>, Option<Vec<i32>>, Option<Vec<f32>>) {
     let b = s.b;
     let spec = layout.layers[l].spec;
@@ -103,9 +103,9 @@ fn run_layer<B: Backend>(
     let out = attend();
     // The sub-block's way on to wo_a, where asked: attention again (q uploaded afresh),
     // rotated back and multiplied, before the window rings change.
-    let projected = proj.map(|(wo_a, groups)| {
+    let projected = proj.map(|(wo_a, groups, wo_b)| {
         let mut q = up(&inp.q);
-        let mut grouped = poisoned(b, plan.rows() * b.weight_shape(wo_a).0);
+        let mut projected = poisoned(b, plan.rows() * b.weight_shape(wo_b).0);
         let prep = QueryPrep { eps: 1e-6, rope };
         let io = AttentionIo {
             q: &mut q,
@@ -122,10 +122,10 @@ fn run_layer<B: Backend>(
             l,
             plan,
             io,
-            &OutputProjection { rope, groups, wo_a },
-            &mut grouped,
+            &OutputProjection { rope, groups, wo_a, wo_b },
+            &mut projected,
         );
-        b.download(&grouped)
+        b.download(&projected)
     });
     if twice {
         let again = attend();
@@ -191,12 +191,16 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
     // cannot carry the scaled runs' 2^-17, so those pass it prepared.
     let raw_query = activations == Activations::Bf16 && kv_scale == 1.0;
     let mut folded = 0;
-    // Those runs also take the sub-block on to a BF16 wo_a (8 groups of 128 outputs):
-    // attention_projected, whose output goes to the product as bf16 rows rotated back.
+    // Those runs also take the sub-block on to a BF16 wo_a (8 groups of 128 outputs) and
+    // wo_b (1024 × 384): attention_projected, whose output goes to wo_a as bf16 rows
+    // rotated back and wo_a's to wo_b as bf16 rows cuBLAS stores.
     let wo_a = raw_query.then(|| {
         let w = weight(&mut rng(&format!("{name} wo_a")), O_GROUPS * 128, HEADS * HD / O_GROUPS, 0.02, "bf16");
-        (g.weight(w.view()), CpuBackend::new().weight(w.view()))
+        let wb = weight(&mut rng(&format!("{name} wo_b")), 384, O_GROUPS * 128, 0.05, "bf16");
+        let c = CpuBackend::new();
+        ((g.weight(w.view()), g.weight(wb.view())), (c.weight(w.view()), c.weight(wb.view())))
     });
+    let mut wo_b_bf16 = 0;
     let (mut projected_bf16, mut worst_projected) = (0, 0f32);
     let mut rng = rng(&name);
     let specs = [
@@ -270,7 +274,7 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                 &|b: &CudaBackend, v| kernels::cuda::CudaIdx::from_host(b, v),
                 true,
                 raw_query,
-                wo_a.as_ref().map(|(gw, _)| (gw, O_GROUPS)),
+                wo_a.as_ref().map(|((gw, gb), _)| (gw, O_GROUPS, gb)),
             );
             // The CPU attends over the GPU's selection, so attention is compared on
             // identical inputs; the selections are compared on their own below.
@@ -285,7 +289,7 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                 &|_, v| v.to_vec(),
                 false,
                 raw_query,
-                wo_a.as_ref().map(|(_, cw)| (cw, O_GROUPS)),
+                wo_a.as_ref().map(|(_, (cw, cb))| (cw, O_GROUPS, cb)),
             );
             let e = rel_err(&gout, &cout);
             worst = worst.max(e);
@@ -303,18 +307,23 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
                     spec.kind, plan.positions[row], gout[i], cout[i]
                 );
             }
-            if let (Some(gp), Some(cp), Some((gw, _))) = (gproj, cproj, &wo_a) {
-                let what = format!("attention → wo_a layer {l} ({:?}) step {step:?}", spec.kind);
+            if let (Some(gp), Some(cp), Some(((gw, gb), _))) = (gproj, cproj, &wo_a) {
+                let what = format!("attention → wo_a → wo_b layer {l} ({:?}) step {step:?}", spec.kind);
                 check(&what, "bf16", &gp, &cp);
-                // The same product from the GPU's own f32 attention output, rotated back
-                // and rounded apart: only the rotation's f32 contraction may differ.
+                // The same products from the GPU's own f32 attention output, rotated back
+                // and rounded apart: only the rotation's f32 contraction and where wo_a's
+                // output is rounded may differ.
                 let mut apart = g.upload(&gout);
                 g.rope(&mut apart, HEADS, HD, &plan.positions, &rope, true);
+                let mut grouped = poisoned(g, rows * O_GROUPS * 128);
+                g.grouped_matmul(&apart, rows, O_GROUPS, gw, &mut grouped);
                 let mut want = poisoned(g, gp.len());
-                g.grouped_matmul(&apart, rows, O_GROUPS, gw, &mut want);
+                g.matmul(&grouped, rows, gb, &mut want);
                 let e = rel_err(&gp, &g.download(&want));
                 assert!(e <= 1e-3, "{what}: {e:.2e} from the GPU's ops run apart");
                 projected_bf16 += usize::from(g.attention_output_in_bf16(rows, O_GROUPS, gw));
+                wo_b_bf16 +=
+                    usize::from(g.attention_output_in_bf16(rows, O_GROUPS, gw) && g.wo_a_output_in_bf16(rows, gb));
                 worst_projected = worst_projected.max(e);
             }
             if let (Some(gsel), Some(csel)) = (gsel, csel) {
@@ -398,6 +407,12 @@ fn sequence_ops(dtype: EntryDtype, kv_scale: f32, activations: Activations) {
             dtype.name()
         );
         assert!(projected_bf16 > 0, "no batch handed wo_a bf16 rows");
+        eprintln!(
+            "PARITY attention → wo_a → wo_b {}: {wo_b_bf16} layer steps with wo_a's output in bf16",
+            dtype.name()
+        );
+        let hands = std::env::var("SLUICE_CUDA_WO_A_BF16_OUT").map_or(true, |v| v != "0");
+        assert_eq!(wo_b_bf16 > 0, hands, "wo_a handed wo_b bf16 rows in {wo_b_bf16} layer steps");
         eprintln!("PARITY attention {}: {folded} layer steps with the query prepared in attention_wg", dtype.name());
         let folds = std::env::var("SLUICE_CUDA_ATT_WG_QPREP").map_or(true, |v| v != "0");
         assert!(!(wgmma && folds) || folded > 0, "no batch folded the query's prep into attention_wg");

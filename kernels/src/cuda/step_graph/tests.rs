@@ -13,7 +13,21 @@ fn side_lane_products_are_found() {
     let t = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
     let blas = || {
         let (ldb, ldc, m, n, k, groups, beta) = (64, 32, 32, 8, 64, 1, 0.0);
-        Op::Blas(BlasOp::Strided { a: 1, a_type: t, b: 2, b_type: t, ldb, c: 3, ldc, m, n, k, groups, beta })
+        Op::Blas(BlasOp::Strided {
+            a: 1,
+            a_type: t,
+            b: 2,
+            b_type: t,
+            ldb,
+            c: 3,
+            c_type: cudarc::cublas::sys::cudaDataType::CUDA_R_32F,
+            ldc,
+            m,
+            n,
+            k,
+            groups,
+            beta,
+        })
     };
     assert!(!side_lane_blas(&[blas(), Op::Fork, launch(1, 1, &[]), Op::Main, blas(), Op::Join, blas()]));
     assert!(side_lane_blas(&[launch(1, 1, &[]), Op::Fork, blas(), Op::Main, Op::Join]));
@@ -46,7 +60,21 @@ fn record_keys_tell_steps_apart() {
     let product = |beta: f32, c: u64| {
         let t = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
         let (ldb, ldc, m, n, k, groups) = (64, 32, 32, 8, 64, 1);
-        Op::Blas(BlasOp::Strided { a: 1, a_type: t, b: 2, b_type: t, ldb, c, ldc, m, n, k, groups, beta })
+        Op::Blas(BlasOp::Strided {
+            a: 1,
+            a_type: t,
+            b: 2,
+            b_type: t,
+            ldb,
+            c,
+            c_type: cudarc::cublas::sys::cudaDataType::CUDA_R_32F,
+            ldc,
+            m,
+            n,
+            k,
+            groups,
+            beta,
+        })
     };
     let with_blas = |beta: f32, c: u64| {
         let mut ops = base();
