@@ -242,10 +242,14 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
     let timed = if prefill_s.len() > 1 { &prefill_s[1..] } else { &prefill_s[..] };
     let prefill_secs = median(timed.to_vec());
     let prefill_tps = a.prefill_tokens as f64 / prefill_secs;
-    // The products' FLOPs (attention's are not counted) over the time, against the peak
-    // of all the GPUs together.
+    // The products' FLOPs over the time, against the peak of all the GPUs together; then
+    // with attention's (q·Kᵀ and P·V over the keys each token attends to, which the
+    // tensor cores run too: the usual model-FLOPs count) added.
     let prefill_tflops = prefill_flops as f64 / prefill_secs / 1e12;
     let prefill_of_peak = prefill_tflops / (peak_tflops * ranks as f64);
+    let attention_flops = prefill_attention_flops(&engine.model.layout, engine.config(), a.prefill_tokens);
+    let with_attention_tflops = (prefill_flops as f64 + attention_flops) / prefill_secs / 1e12;
+    let with_attention_of_peak = with_attention_tflops / (peak_tflops * ranks as f64);
     eprintln!(
         "prefill {} tokens: {prefill_tps:.0} tokens/s, products {:.2} TFLOP at {prefill_tflops:.0} TFLOP/s \
          ({:.0}% of the cuBLAS BF16 peak)",
@@ -408,6 +412,9 @@ fn run_on<B: MeasuredGpus>(c: &Common<'_>, a: &GpuBenchArgs, run: &Run, backend:
         "prefill_product_flops": prefill_flops,
         "prefill_product_tflop_s": prefill_tflops,
         "prefill_fraction_of_bf16_peak": prefill_of_peak,
+        "prefill_attention_flops": attention_flops,
+        "prefill_with_attention_tflop_s": with_attention_tflops,
+        "prefill_with_attention_fraction_of_bf16_peak": with_attention_of_peak,
         "bf16_peak_tflop_s": peak_tflops,
         "prefill_bytes": prefill_traffic.0 + prefill_traffic.1,
         "decode": decode_rows,
@@ -479,12 +486,15 @@ fn print_table(r: &Value) {
         l["peak_extra_host_bytes"].as_u64().map(|b| (b >> 20).to_string()).unwrap_or_else(|| "?".into())
     );
     println!(
-        "  prefill {:>6} tokens {:>10.0} tokens/s, products at {:.0} TFLOP/s = {:.1}% of the cuBLAS BF16 peak ({:.0} TFLOP/s a GPU)",
+        "  prefill {:>6} tokens {:>10.0} tokens/s, products at {:.0} TFLOP/s = {:.1}% of the cuBLAS BF16 peak ({:.0} TFLOP/s a GPU); \
+         with attention's {:.0} TFLOP/s = {:.1}%",
         r["prefill_tokens"].as_u64().unwrap_or(0),
         r["prefill_tokens_per_s"].as_f64().unwrap_or(0.0),
         r["prefill_product_tflop_s"].as_f64().unwrap_or(0.0),
         100.0 * r["prefill_fraction_of_bf16_peak"].as_f64().unwrap_or(0.0),
-        r["bf16_peak_tflop_s"].as_f64().unwrap_or(0.0)
+        r["bf16_peak_tflop_s"].as_f64().unwrap_or(0.0),
+        r["prefill_with_attention_tflop_s"].as_f64().unwrap_or(0.0),
+        100.0 * r["prefill_with_attention_fraction_of_bf16_peak"].as_f64().unwrap_or(0.0)
     );
     println!(
         "  {:>8} {:>6} {:>10} {:>10} {:>10} {:>9} {:>7}",
@@ -588,4 +598,14 @@ fn compress_bench(b: &CudaBackend, tokens: usize, dtype: EntryDtype, reps: usize
         }));
     }
     Value::Array(out)
+}
+
+/// Attention's FLOPs in a prefill of `tokens` tokens from position 0: q·Kᵀ and P·V
+/// (2·head_dim each a head) over the keys each token attends to in each layer
+/// (`KvLayout::attended_keys`: its window and the compressed entries it sees).
+fn prefill_attention_flops(layout: &kernels::KvLayout, c: &engine::config::ModelConfig, tokens: usize) -> f64 {
+    let per_key = |l: usize| 4.0 * c.num_heads as f64 * layout.layers[l].spec.head_dim as f64;
+    (0..layout.layers.len())
+        .map(|l| (0..tokens).map(|t| layout.attended_keys(l, t, c.index_topk) as f64).sum::<f64>() * per_key(l))
+        .sum()
 }

@@ -365,11 +365,46 @@ impl KvLayout {
     pub fn snapshot_bytes(&self) -> usize {
         self.window_bytes() + self.comp_carry_elems * 4
     }
+
+    /// Keys the token at position `t` attends to in layer `layer`: its window (itself
+    /// and up to `window - 1` tokens before it) and the compressed entries it sees
+    /// (entry i summarises tokens up to `ratio·(i+1) - 1`): all of them in an HCA layer,
+    /// the indexer's `top_k` at most in a CSA layer. What attention's FLOPs are counted
+    /// over (`sluice bench engine`).
+    pub fn attended_keys(&self, layer: usize, t: usize, top_k: usize) -> usize {
+        let spec = &self.layers[layer].spec;
+        let window = (t + 1).min(self.window);
+        let visible = (t + 1).checked_div(spec.ratio).unwrap_or(0);
+        window
+            + match spec.kind {
+                AttnKind::Window => 0,
+                AttnKind::Hca => visible,
+                AttnKind::Csa => visible.min(top_k),
+            }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The window grows to its length, an HCA layer sees every finished entry, a CSA
+    /// layer at most its top-k of them.
+    #[test]
+    fn attended_keys_count_the_window_and_the_entries_seen() {
+        let layout = KvLayout::new(128, 128, EntryDtype::Bf16, &flash_like());
+        let (w, c, h) = (0, 2, layout.layers.iter().position(|l| l.kind() == AttnKind::Hca).expect("an HCA layer"));
+        assert_eq!(layout.attended_keys(w, 0, 512), 1);
+        assert_eq!(layout.attended_keys(w, 5000, 512), 128);
+        assert_eq!(layout.attended_keys(c, 2, 512), 3);
+        assert_eq!(layout.attended_keys(c, 3, 512), 4 + 1);
+        assert_eq!(layout.attended_keys(c, 2047, 512), 128 + 512);
+        assert_eq!(layout.attended_keys(c, 8191, 512), 128 + 512);
+        assert_eq!(layout.attended_keys(c, 8191, 4096), 128 + 2048);
+        assert_eq!(layout.attended_keys(h, 126, 512), 127);
+        assert_eq!(layout.attended_keys(h, 127, 512), 128 + 1);
+        assert_eq!(layout.attended_keys(h, 8191, 512), 128 + 64);
+    }
 
     fn flash_like() -> Vec<LayerSpec> {
         let w = LayerSpec { kind: AttnKind::Window, ratio: 0, head_dim: 512, index_dim: 0, rope_dim: 64 };
