@@ -288,18 +288,21 @@ pub(crate) fn hc_post_pre(
     g.traffic.add_weights(w.mix.device_bytes());
     let parts = post_mix_parts(d);
     let partials = g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS);
+    let per_block = post_mix_rows_per_block(rows);
     b.prof("hc_post_pre: post + mix", || {
         launch!(
             g,
             name,
-            cfg((parts as u32, rows as u32, 1), POST_MIX_THREADS, 0),
+            cfg((parts as u32, rows.div_ceil(per_block) as u32, 1), POST_MIX_THREADS, 0),
             g.ptr(&streams.mem),
             g.ptr(&out.mem),
             g.ptr(&post.mem),
             g.ptr(&comb.mem),
             d as i32,
             wp,
-            partials
+            partials,
+            rows as i32,
+            per_block as i32
         )
     });
     finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
@@ -320,9 +323,19 @@ fn post_mix_parts(d: usize) -> usize {
     d / POST_MIX_COLS
 }
 
+/// Rows a `hc_post_mix` block takes from one copy of its weight slice: one up to 8 rows
+/// (every row its own block, as latency wants), past that enough for at most 8 groups of
+/// rows, so a batch of 32 copies the slices 8 times instead of 32.
+/// `SLUICE_CUDA_HC_POST_MIX_GROUP=1` (read once): one row a block always, to compare.
+fn post_mix_rows_per_block(rows: usize) -> usize {
+    static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let one = *ONE.get_or_init(|| std::env::var("SLUICE_CUDA_HC_POST_MIX_GROUP").is_ok_and(|v| v == "1"));
+    if one || rows <= 8 { 1 } else { rows.div_ceil(8) }
+}
+
 /// Most rows that take `hc_post_mix` (`SLUICE_CUDA_HC_POST_MIX_ROWS`, read once; 0 = never):
 /// 64, the largest decode batch a CUDA graph records. Its blocks read the mixing weight
-/// (L2-resident) once a row where `mix_rows` reads it once per 4 rows, so it is for
+/// (L2-resident) once a group of rows ([`post_mix_rows_per_block`]), so it is for
 /// decode-sized batches; there it still beat the three kernels it replaces (flash-bench on
 /// the H200, batch 16 / 32 / 64 1.45–1.49 → 1.41–1.44, 1.69–1.70 → 1.67–1.68, 2.15–2.18 →
 /// 2.08–2.11 ms a step; it was 8 before, docs/perf.md).

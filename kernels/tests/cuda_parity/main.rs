@@ -330,7 +330,8 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
     let d = 4096;
-    // Decode (gemv at one row, mix_rows up to 64) and prefill-sized (cuBLAS past 64 rows;
+    // Decode (gemv at one row, mix_rows up to 64; hc_post_mix a row a block up to 8 rows,
+    // groups of rows past 8) and prefill-sized (cuBLAS past 64 rows;
     // from as many rows as SMs, V4's shape, `hc_pre_finish_rows`) mixing products; the mixing weight as stored in the checkpoints (f32) and in bf16;
     // V4's 4 streams, and 6 (36 logits: the Sinkhorn rounds of a block, not a warp).
     for (hc, mix_dtype, rows) in [
@@ -341,6 +342,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         (4, "f32", 300),
         (4, "bf16", 1),
         (4, "bf16", 5),
+        (4, "bf16", 64),
         (4, "bf16", 100),
         (4, "bf16", 600),
         (6, "f32", 3),
