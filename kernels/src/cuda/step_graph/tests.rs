@@ -7,28 +7,18 @@ fn launch(func: usize, grid: u32, params: &[u64]) -> Op {
     Op::Launch { func, cfg, params: params.to_vec(), offsets: (0..params.len()).collect() }
 }
 
+/// A recorded BF16 cuBLAS product (32 × 8 × 64) into f32 rows at `c`.
+fn product(beta: f32, c: u64) -> Op {
+    use cudarc::cublas::sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+    let (ldb, ldc, m, n, k, groups) = (64, 32, 32, 8, 64, 1);
+    let (a, b, t) = (1, 2, CUDA_R_16BF);
+    Op::Blas(BlasOp::Strided { a, a_type: t, b, b_type: t, ldb, c, c_type: CUDA_R_32F, ldc, m, n, k, groups, beta })
+}
+
 /// Only a cuBLAS product between a Fork and its Main or Join is on the side lane.
 #[test]
 fn side_lane_products_are_found() {
-    let t = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
-    let blas = || {
-        let (ldb, ldc, m, n, k, groups, beta) = (64, 32, 32, 8, 64, 1, 0.0);
-        Op::Blas(BlasOp::Strided {
-            a: 1,
-            a_type: t,
-            b: 2,
-            b_type: t,
-            ldb,
-            c: 3,
-            c_type: cudarc::cublas::sys::cudaDataType::CUDA_R_32F,
-            ldc,
-            m,
-            n,
-            k,
-            groups,
-            beta,
-        })
-    };
+    let blas = || product(0.0, 3);
     assert!(!side_lane_blas(&[blas(), Op::Fork, launch(1, 1, &[]), Op::Main, blas(), Op::Join, blas()]));
     assert!(side_lane_blas(&[launch(1, 1, &[]), Op::Fork, blas(), Op::Main, Op::Join]));
     assert!(!side_lane_blas(&[Op::Fork, launch(1, 1, &[]), Op::Join]));
@@ -57,25 +47,6 @@ fn record_keys_tell_steps_apart() {
     let branched = branch();
     let mut on_main = branch();
     on_main.insert(2, Op::Main);
-    let product = |beta: f32, c: u64| {
-        let t = cudarc::cublas::sys::cudaDataType::CUDA_R_16BF;
-        let (ldb, ldc, m, n, k, groups) = (64, 32, 32, 8, 64, 1);
-        Op::Blas(BlasOp::Strided {
-            a: 1,
-            a_type: t,
-            b: 2,
-            b_type: t,
-            ldb,
-            c,
-            c_type: cudarc::cublas::sys::cudaDataType::CUDA_R_32F,
-            ldc,
-            m,
-            n,
-            k,
-            groups,
-            beta,
-        })
-    };
     let with_blas = |beta: f32, c: u64| {
         let mut ops = base();
         ops.insert(1, product(beta, c));
