@@ -150,12 +150,24 @@ extern "C" __global__ void __launch_bounds__(IW_THREADS, 1)
     if (r0 >= r1) return;
     const bool bf16 = geo.dtype == DTYPE_BF16;
     const int kend = min(k0 + IW_KEYS, geo.n_max);
+    // Whether row r sees a key of this block's tile. A prefill's rows see keys up to their
+    // position / ratio, so about half the (tile, rows) blocks are the causal triangle's
+    // other side: such a block only writes -inf, and elsewhere the rows that see none of
+    // the tile are not fetched (each row's q image is 32 KiB: an 8K prefill's blocks read
+    // ~2 GB of them a CSA layer, half for rows that multiply nothing).
+    auto sees = [&](int r) { return k0 < (int)((positions[r] + 1) / (u32)geo.ratio); };
+    // (A thread a row: rows_per_block is at most 64, indexer_wg.rs::block_rows.)
+    if (!__syncthreads_or(r0 + tid < r1 && sees(r0 + tid))) {
+        for (int r = r0; r < r1; r++)
+            for (int ee = k0 + tid; ee < kend; ee += IW_THREADS) scores[(long long)r * geo.n_max + ee] = NEG_INF;
+        return;
+    }
 
     u32 a[8][4];
     int cur_seq = -1;
-    iw_fetch(base, tiles, r0);
+    if (sees(r0)) iw_fetch(base, tiles, r0);
     cp_async_commit();
-    if (r0 + 1 < r1) iw_fetch(base + IW_TILE, tiles, r0 + 1);
+    if (r0 + 1 < r1 && sees(r0 + 1)) iw_fetch(base + IW_TILE, tiles, r0 + 1);
     cp_async_commit();
     for (int r = r0; r < r1; r++) {
         const int buf = (r - r0) & 1;
@@ -185,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(IW_THREADS, 1)
             wm_hold(d);
         }
         __syncthreads();  // every warpgroup is done with this buffer: the row after next may land in it
-        if (r + 2 < r1) iw_fetch(base + buf * IW_TILE, tiles, r + 2);
+        if (r + 2 < r1 && sees(r + 2)) iw_fetch(base + buf * IW_TILE, tiles, r + 2);
         cp_async_commit();
         float* out = scores + (long long)r * geo.n_max;
         if (live) {
