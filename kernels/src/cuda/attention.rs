@@ -334,6 +334,23 @@ fn mma_keys_per_block(
 
 /// Rows of more candidates than this are split over several blocks.
 const TOPK_ONE_BLOCK_MAX: usize = 16384;
+
+/// Threads of a `topk_select` block: 1,024, or 256 where a prefill gives many short rows
+/// (at least four blocks an SM, at most 2,048 candidates: 8 a thread). A 1,024-thread
+/// block spends a row's three radix passes and its compaction mostly in block barriers
+/// with 2 candidates a thread, and only two fit an SM. `SLUICE_CUDA_TOPK_ROW_THREADS=1024`
+/// (read once) keeps 1,024 always.
+fn topk_row_threads(sms: usize, rows: usize, n_max: usize) -> u32 {
+    static FIXED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("SLUICE_CUDA_TOPK_ROW_THREADS").ok().and_then(|v| v.parse().ok()).filter(|&t| t == 1024)
+    });
+    match fixed {
+        Some(t) => t,
+        None if rows >= 4 * sms && n_max <= 2048 => 256,
+        None => 1024,
+    }
+}
 /// Candidates per block on the multi-launch path.
 const TOPK_CHUNK: usize = 2048;
 /// Largest k of the multi-block path (`TK_K_MAX` in indexer.cu: the ids are collected
@@ -360,7 +377,8 @@ pub(crate) fn select_topk(
 ) {
     let (n_max_i, ratio_i, k_i) = (n_max as i32, ratio as i32, k as i32);
     if n_max <= TOPK_ONE_BLOCK_MAX {
-        launch!(g, "topk_select", cfg((rows as u32, 1, 1), 1024, 0), scores, n_max_i, positions, ratio_i, k_i, out);
+        let threads = topk_row_threads(g.sms, rows, n_max);
+        launch!(g, "topk_select", cfg((rows as u32, 1, 1), threads, 0), scores, n_max_i, positions, ratio_i, k_i, out);
         return;
     }
     assert!(k <= TOPK_K_MAX, "index top-k of {k} over {n_max} candidates: the CUDA path sorts at most {TOPK_K_MAX}");

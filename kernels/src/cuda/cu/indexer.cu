@@ -182,14 +182,14 @@ __device__ __forceinline__ void tk_hist_add(u32* hist, u32 bin, bool active) {
     if (active && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], (u32)__popc(peers));
 }
 
-// With blockDim.x == 1024: the bin b (of `nbins`, a multiple of 1024 or at most 1024,
-// counted from the top) where the count of keys in bins above b is < `remaining` <=
-// that count plus hist[b]. Thread 0 of the answer writes (*bin, *above). Every thread
-// must call it.
+// The bin b (of `nbins`, a multiple of blockDim.x or at most blockDim.x, counted from the
+// top) where the count of keys in bins above b is < `remaining` <= that count plus
+// hist[b]; blockDim.x a multiple of 32, at most 1024. Thread 0 of the answer writes
+// (*bin, *above). Every thread must call it.
 __device__ void tk_find_bin(const u32* hist, int nbins, u32 remaining, u32* bin, u32* above) {
     __shared__ u32 warp_tot[32];
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int per = nbins >= 1024 ? nbins / 1024 : 1;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
+    const int per = nbins >= (int)blockDim.x ? nbins / (int)blockDim.x : 1;
     u32 local = 0;
     for (int q = 0; q < per; q++)
         if (tid * per + q < nbins) local += hist[nbins - 1 - (tid * per + q)];
@@ -202,7 +202,7 @@ __device__ void tk_find_bin(const u32* hist, int nbins, u32 remaining, u32* bin,
     if (lane == 31) warp_tot[w] = incl;
     __syncthreads();
     if (w == 0) {
-        u32 t = warp_tot[lane], x = t;
+        u32 t = lane < nw ? warp_tot[lane] : 0u, x = t;
 #pragma unroll
         for (int off = 1; off < 32; off <<= 1) {
             u32 v = __shfl_up_sync(0xffffffffu, x, off);
@@ -227,7 +227,7 @@ __device__ void tk_find_bin(const u32* hist, int nbins, u32 remaining, u32* bin,
     __syncthreads();
 }
 
-// Block-wide radix select (blockDim.x == 1024) over the keys key_at(j), j < n, for which
+// Block-wide radix select (any blockDim.x tk_find_bin takes) over the keys key_at(j), j < n, for which
 // key_at sets its flag: from digit `first_pass` on, narrows (prefix, mask) to the
 // `remaining`-th largest key T; on return *prefix == T and *remaining is how many keys
 // equal to T belong to the top. Every thread must call it; all get the same answer.
@@ -311,8 +311,9 @@ __device__ void tk_take_all(int* o, int n, int k) {
     for (int j = threadIdx.x; j < k; j += blockDim.x) o[j] = j < n ? j : -1;
 }
 
-// One block (1024 threads) per row: the three radix passes over the row's scores in
-// shared-memory histograms, then the ordered compaction. Used while rows are short.
+// One block per row (1,024 threads; 256 for a prefill's many short rows, attention.rs
+// says when): the three radix passes over the row's scores in shared-memory histograms,
+// then the ordered compaction. Used while rows are short.
 extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scores, int n_max, const u32* positions,
                                                                int ratio, int k, int* out) {
     pdl_begin();
