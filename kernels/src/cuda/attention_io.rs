@@ -12,7 +12,6 @@ use super::cublas_bf16::{self, RoundedRows};
 use super::matmul::{Operand, count_product};
 use super::memory::{CudaBuf, CudaWeight};
 use super::runtime::Gpu;
-use crate::Activations;
 use crate::backend::{AttentionIo, Backend, KvView, OutputProjection};
 use crate::kv_layout::KvLayout;
 use crate::plan::BatchPlan;
@@ -45,9 +44,7 @@ pub(crate) fn projects_in_bf16(g: &Gpu, rows: usize, groups: usize, wo_a: &CudaW
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_BF16_OUT").map_or(true, |v| v != "0"));
     let op = Operand { x: 0, x_stride: groups * wo_a.cols, out: 0, out_stride: wo_a.rows, rows, groups };
-    on && g.activations == Activations::Bf16
-        && cublas_bf16::takes(rows, wo_a)
-        && super::gemm_rows::gemm_rows_plan(g, &op, wo_a).is_none()
+    on && cublas_bf16::reads_bf16_rows(g, &op, wo_a)
 }
 
 /// Whether `wo_a`'s product (which [`projects_in_bf16`]) hands `wo_b` bf16 rows: `wo_b`
@@ -57,9 +54,7 @@ pub(crate) fn wo_a_hands_bf16(g: &Gpu, rows: usize, wo_b: &CudaWeight) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_WO_A_BF16_OUT").map_or(true, |v| v != "0"));
     let op = Operand { x: 0, x_stride: wo_b.cols, out: 0, out_stride: wo_b.rows, rows, groups: 1 };
-    on && g.activations == Activations::Bf16
-        && cublas_bf16::takes(rows, wo_b)
-        && super::gemm_rows::gemm_rows_plan(g, &op, wo_b).is_none()
+    on && cublas_bf16::reads_bf16_rows(g, &op, wo_b)
 }
 
 /// `Backend::attention_projected` where [`projects_in_bf16`]: attention into bf16 rows

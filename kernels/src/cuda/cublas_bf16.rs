@@ -151,12 +151,15 @@ const BF16: cudaDataType = cudaDataType::CUDA_R_16BF;
 /// width) where each would take cuBLAS with bf16 activations; `None` (nothing issued)
 /// otherwise, and the products go their own ways.
 pub(crate) fn rounded_for(gpu: &Gpu, op: &Operand, ws: &[&CudaWeight]) -> Option<RoundedRows> {
-    let shared = gpu.activations == Activations::Bf16
-        && op.groups == 1
-        && ws.iter().all(|w| {
-            takes(op.rows, w) && w.cols == ws[0].cols && super::gemm_rows::gemm_rows_plan(gpu, op, w).is_none()
-        });
+    let shared = op.groups == 1 && ws.iter().all(|w| w.cols == ws[0].cols && reads_bf16_rows(gpu, op, w));
     shared.then(|| RoundedRows::new(gpu, op.x, op.x_stride, op.rows, ws[0].cols))
+}
+
+/// Whether the product of `op` over `w` runs on cuBLAS from bf16 rows: bf16 activations,
+/// rows cuBLAS takes ([`takes`]) and no one-launch `gemm_rows` product asked for instead.
+/// Where it does, a producer may hand it rows already in bf16 (`RoundedRows`).
+pub(crate) fn reads_bf16_rows(gpu: &Gpu, op: &Operand, w: &CudaWeight) -> bool {
+    gpu.activations == Activations::Bf16 && takes(op.rows, w) && super::gemm_rows::gemm_rows_plan(gpu, op, w).is_none()
 }
 
 /// f32 activation rows split into bf16 hi rows followed by lo rows in one buffer (the

@@ -192,13 +192,7 @@ pub(super) fn takes_bf16_rows(g: &super::runtime::Gpu, w: &MoeWeights<CudaBacken
 fn rows_in_bf16(g: &super::runtime::Gpu, w: &MoeWeights<CudaBackend>) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_BF16_ROWS").map_or(true, |v| v != "0"));
-    let Some(first) = w.experts.first() else { return false };
-    let shape = |m: &super::CudaWeight| (m.rows, m.cols);
-    on && g.activations == Activations::Bf16
-        && first.w1.cols.is_multiple_of(8)
-        && w.experts.iter().all(|e| {
-            shape(&e.w1) == shape(&first.w1) && shape(&e.w3) == shape(&first.w1) && shape(&e.w2) == shape(&first.w2)
-        })
+    on && g.activations == Activations::Bf16 && uniform_experts(w) && w.experts[0].w1.cols.is_multiple_of(8)
 }
 
 /// The routed rows of BF16 experts (a prefill) on cuBLAS, as the reference computes
@@ -282,14 +276,21 @@ fn experts_on_cublas_rows(
 /// tiles their products.
 fn grouped_experts(w: &MoeWeights<CudaBackend>) -> bool {
     let Some(first) = w.experts.first() else { return false };
+    let op = |cols: usize| Operand { x: 0, x_stride: cols, out: 0, out_stride: 0, rows: 0, groups: 1 };
+    uniform_experts(w)
+        && gemm_kernel(&op(first.w1.cols), &first.w1).is_some()
+        && gemm_kernel(&op(first.w2.cols), &first.w2).is_some()
+}
+
+/// Whether every expert has the first one's formats and shapes, its gate and up alike
+/// (false without experts).
+fn uniform_experts(w: &MoeWeights<CudaBackend>) -> bool {
+    let Some(first) = w.experts.first() else { return false };
     let same = |a: &super::CudaWeight, b: &super::CudaWeight| {
         (a.rows, a.cols) == (b.rows, b.cols) && std::mem::discriminant(&a.data) == std::mem::discriminant(&b.data)
     };
-    let op = |cols: usize| Operand { x: 0, x_stride: cols, out: 0, out_stride: 0, rows: 0, groups: 1 };
     w.experts.iter().all(|e| same(&e.w1, &first.w1) && same(&e.w3, &first.w3) && same(&e.w2, &first.w2))
         && same(&first.w1, &first.w3)
-        && gemm_kernel(&op(first.w1.cols), &first.w1).is_some()
-        && gemm_kernel(&op(first.w2.cols), &first.w2).is_some()
 }
 
 /// (weights, scales) of one projection of every expert, for a grouped launch.

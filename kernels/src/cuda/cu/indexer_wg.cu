@@ -155,7 +155,8 @@ extern "C" __global__ void __launch_bounds__(IW_THREADS, 1)
     // other side: such a block only writes -inf, and elsewhere the rows that see none of
     // the tile are not fetched (each row's q image is 32 KiB: an 8K prefill's blocks read
     // ~2 GB of them a CSA layer, half for rows that multiply nothing).
-    auto sees = [&](int r) { return k0 < (int)((positions[r] + 1) / (u32)geo.ratio); };
+    auto visible = [&](int r) { return (int)((positions[r] + 1) / (u32)geo.ratio); };  // keys row r sees
+    auto sees = [&](int r) { return k0 < visible(r); };
     // (A thread a row: rows_per_block is at most 64, indexer_wg.rs::block_rows.)
     if (!__syncthreads_or(r0 + tid < r1 && sees(r0 + tid))) {
         for (int r = r0; r < r1; r++)
@@ -171,13 +172,13 @@ extern "C" __global__ void __launch_bounds__(IW_THREADS, 1)
     cp_async_commit();
     for (int r = r0; r < r1; r++) {
         const int buf = (r - r0) & 1;
-        const int n = (int)((positions[r] + 1) / (u32)geo.ratio);
+        const int n = visible(r);
         const int sq = row_seq[r];
         if (sq != cur_seq && k0 < n) {
             // The keys this run of the sequence sees: up to its last row in the block's rows.
             int hi = n;
             for (int rr = r + 1; rr < r1 && row_seq[rr] == sq; rr++)
-                hi = max(hi, (int)((positions[rr] + 1) / (u32)geo.ratio));
+                hi = max(hi, visible(rr));
             iw_keys(a, e, hi, seqs + sq * SEQ_STRIDE, pages, page_base, geo, t, bf16);
             cur_seq = sq;
         }
