@@ -576,8 +576,9 @@ pub(crate) fn attention(
     };
     let rope = table.map_or(RopeParams::none(), RopeParams::new);
     let dp_pages = g.ptr(&dp.pages);
+    let function = if wg && !wg_splits_keys() { "attention_wg_whole" } else { kernel };
     launch!(
-        g, kernel, launch_cfg, q, new_at, rings, pages, dp_pages, sel, sinks_at, pos, row_seq, seqs, out_at, part_at,
+        g, function, launch_cfg, q, new_at, rings, pages, dp_pages, sel, sinks_at, pos, row_seq, seqs, out_at, part_at,
         geom, rope
     );
     if let Some(part) = &part {
@@ -662,6 +663,15 @@ pub(crate) fn attention_kernel(
 fn wg_from_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_FROM").unwrap_or(16))
+}
+
+/// Whether `attention_wg`'s two warpgroups split each key tile for q · Kᵀ and exchange the
+/// softmax weights through shared memory (default) or both compute the whole tile's logits
+/// (`attention_wg_whole`, `SLUICE_CUDA_ATT_WG_HALVES=0`, for comparisons): the same
+/// numbers but for the order in which the row's weight sum is added.
+fn wg_splits_keys() -> bool {
+    static WHOLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*WHOLE.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_WG_HALVES").is_ok_and(|v| v == "0"))
 }
 
 /// Whether the warpgroup kernel (attention_wg.cu) can take a layer's batches (those whose

@@ -68,7 +68,11 @@ __device__ __forceinline__ AttnRow attn_row(const AttnGeom& g, int r, int split,
     a.t = (int)positions[r];
     a.seq = seqs + row_seq[r] * SEQ_STRIDE;
     a.n_win = min(a.t + 1, g.window);
-    const int n = a.n_win + (g.kind == 2 ? (a.t + 1) / g.ratio : (g.kind == 1 ? g.top_k : 0));
+    // A CSA row's selection holds its ids first and -1 after (every top-k here and the
+    // CPU's write it so): with fewer than top_k entries visible, the keys past them are
+    // all missing and are not walked (an 8K prefill's rows before position 2,048).
+    const int visible = (a.t + 1) / g.ratio;
+    const int n = a.n_win + (g.kind == 2 ? visible : (g.kind == 1 ? min(g.top_k, visible) : 0));
     a.j0 = split * g.keys_per_split;
     a.j1 = min(n, a.j0 + g.keys_per_split);
     a.sel_row = g.kind == 1 ? sel + (long long)r * g.top_k : nullptr;

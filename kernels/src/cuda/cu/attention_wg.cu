@@ -9,15 +9,17 @@
 // prefill's CSA layer took ~10 ms in it, ~7% of the tensor cores' rate (docs/perf.md).
 // Here a block is one row and 64 heads (the whole query of a row: V4's keys are shared by
 // all heads, so the heads are wgmma's M), two warpgroups, and a tile is 64 keys:
-// - QK: each warpgroup computes all of S[64 heads × 64 keys] = q · Kᵀ (32 `m64n64k16`,
-//   q and the keys both from shared memory). Both compute the same S so that each holds
-//   every weight of its rows in registers; the alternative, half the keys each and the
-//   weights exchanged through shared memory, saves a third of the products and costs two
-//   more block barriers a tile.
-// - The online softmax in registers (a row's 64 logits on the 4 threads of a quad).
-// - PV: warpgroup w adds P · V over dims 256w..256w+255 (4 `m64n256k16`, P from registers
-//   in the accumulator's own layout, V — the same key tile — from shared memory read
-//   MN-major).
+// - QK: warpgroup w computes its half of the tile's logits, S_w[64 heads × 32 keys] =
+//   q · K_wᵀ for keys 32w..32w+31 (32 `m64n32k16`, q and the keys both from shared memory).
+// - The online softmax in registers (a row's 32 logits of the half on the 4 threads of a
+//   quad), the halves' row maxima exchanged through shared memory so that both move a
+//   row's reference point alike; each writes its weights as bf16 into a swizzled 64 × 64
+//   plane (the fp8 staging rows, free by then).
+// - PV: warpgroup w adds P · V over dims 256w..256w+255 and all 64 keys (4 `m64n256k16`,
+//   P and V — the same key tile, read MN-major — from shared memory).
+// Against both warpgroups computing all of S and keeping P in registers
+// (`attention_wg_whole`, kept for comparisons), a third less tensor work and half the
+// softmax a thread for two more block barriers a tile: flash-bench prefill 8K +1.7%.
 // Numbers as `attention_mma` with `one_part`: q and the softmax weights rounded once to
 // bf16 (as the reference model's bf16 attention has them), keys exact (bf16 entries, or
 // fp8 codes times a power-of-two scale), f32 sums, the sink as there; the exponentials in
@@ -28,7 +30,7 @@
 // Shared memory (dynamic, 1 KiB aligned): q as bf16 and two key tiles as bf16, all in
 // wgmma's 128-byte-swizzled layout (8 planes of 64 dims, a plane 64 rows × 128 bytes, the
 // 16-byte piece c of row r at piece c ^ (r % 8)), and the fp8 codes and scale bytes of
-// the next tile's keys. The next tile is fetched by `cp.async` while this one is
+// the next tile's keys (from their conversion to the tile's end, the softmax weights). The next tile is fetched by `cp.async` while this one is
 // multiplied: bf16 values (this chunk's new entries, bf16 entries, fp8 entries' bf16
 // tails) straight into their places in the other tile buffer, fp8 codes into the staging
 // rows, converted into that buffer while this tile's q · Kᵀ runs on the tensor cores.
@@ -63,6 +65,46 @@ __device__ __forceinline__ void aw_qk(float (&d)[32], u64 da, u64 db, int acc) {
 // D (64 × 256, f32) += A · B, A (bf16) from registers, B (bf16) from shared memory MN-major.
 __device__ __forceinline__ void aw_pv(float (&d)[128], const u32 (&a)[4], u64 db) {
     wg_mma_n256_rs<1>(d, a, db);
+}
+
+// S_w (64 × 32, f32) = A · B, A and B bf16 from shared memory, K-major: a warpgroup's half
+// of a tile's logits (the kernel that splits the keys).
+__device__ __forceinline__ void aw_qk32(float (&d)[16], u64 da, u64 db, int acc) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, 0, 0;\n}\n"
+        : WG_D16(d, 0)
+        : "l"(da), "l"(db), "r"(acc));
+#else
+    __trap();
+#endif
+}
+
+// D (64 × 256, f32) += A · B, A (bf16, K-major) and B (bf16, MN-major) from shared memory:
+// P · V with both warpgroups' weights read from where they were exchanged.
+__device__ __forceinline__ void aw_pv_ss(float (&d)[128], u64 da, u64 db) {
+#if WG_AVAILABLE
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+        "{" WG_R0_31 ", " WG_R32_63 ", " WG_R64_127 "}, "
+        "%128, %129, p, 1, 1, 0, 1;\n}\n"
+        : WG_D128(d)
+        : "l"(da), "l"(db), "r"(1));
+#else
+    __trap();
+#endif
+}
+
+// Descriptor `d` with its start address moved `off` bytes on: the address field is the low
+// 14 bits of addr / 16, and shared-memory addresses (< 256 KiB) never carry out of it, so
+// one 32-bit add on the low word. A k-step's descriptor from the tile's, not rebuilt from
+// its address (the rebuild was ~8 instructions a wgmma, a sixth of the loop's issue).
+__device__ __forceinline__ u64 aw_moved(u64 d, u32 off) {
+    return ((u64)(u32)(d >> 32) << 32) | (u32)((u32)d + (off >> 4));
 }
 
 // Byte offset of 16-byte piece `c` (8 dims from 8c) of row `r` in a swizzled matrix.
@@ -239,15 +281,17 @@ __device__ __forceinline__ void aw_store_bf16(const float (&o)[128], u16* out, i
 // grid (heads / 64, splits, rows), AW_THREADS threads, AW_DYN_SMEM bytes of dynamic shared
 // memory. Requires head_dim 512, bf16 new entries (`new_bf16`), bf16 or fp8 entries with
 // aligned offsets (the launcher checks, as for attention_mma).
-extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
-    attention_wg(const float* q, const u16* new_kv, const u8* rings, const u8* page_base, const u32* pages,
-                 const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
-                 float* out, float* part, AttnGeom g, RopeParams rp) {
+template <bool HALVES>
+__device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, const u8* rings, const u8* page_base,
+                                          const u32* pages, const int* sel, const float* sinks, const u32* positions,
+                                          const int* row_seq, const int* seqs, float* out, float* part, AttnGeom g,
+                                          RopeParams rp) {
     pdl_begin();
     extern __shared__ __align__(16) u8 aw_dyn[];
     __shared__ int kinds[AW_SLOTS][AW_KEYS];  // key places of tile i in slot i % AW_SLOTS
     __shared__ long long offs[AW_SLOTS][AW_KEYS];
     __shared__ u32 present[AW_SLOTS][2];      // the tiles' keys that exist, a bit a key
+    __shared__ float halves[2][AW_HEADS];     // HALVES: each warpgroup's rows' maxima, then sums
     u8* qs = aw_dyn + ((1024 - (smem_addr(aw_dyn) & 1023)) & 1023);  // swizzle atoms need 1 KiB alignment
     u8* tiles = qs + AW_MAT;                                          // two, tile i in tiles + (i & 1) · AW_MAT
     u8* codes = tiles + 2 * AW_MAT;
@@ -318,15 +362,113 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         const int cur = it % AW_SLOTS;
         const u32 tile_addr = t_addr + (it & 1) * AW_MAT;
         const bool next = jt + AW_KEYS < j1;
+        if (HALVES) {
+            // 1. S_w = q · K_wᵀ, this warpgroup's half of the tile's keys (32·wg..32·wg + 31).
+            float s[16];
+            const u64 q_desc = wg_desc(q_addr, 16, 1024, 1);
+            const u64 k_desc = wg_desc(tile_addr + wg * (AW_KEYS / 2) * 128, 16, 1024, 1);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < AW_HD / 16; ks++) {
+                const u32 off = (ks >> 2) * AW_PLANE + (ks & 3) * 32;
+                aw_qk32(s, aw_moved(q_desc, off), aw_moved(k_desc, off), ks > 0);
+            }
+            wg_commit();
+            if (threadIdx.x < AW_KEYS) place((it + 3) % AW_SLOTS, jt + 3 * AW_KEYS + threadIdx.x);
+            // 2. fp8: the next tile's staged codes into its buffer while the products run
+            //    (every thread's copies landed first).
+            if (g.dtype == DTYPE_FP8) {
+                cp_async_wait<0>();
+                __syncthreads();
+                if (next) aw_convert(tiles + ((it + 1) & 1) * AW_MAT, codes, kinds[(it + 1) % AW_SLOTS], g);
+            }
+            wg_wait<0>();
+            wm_hold(s);
+            // 3. This half's logits (s[4j + e]: row row0 (e < 2) or row0 + 8, key 32·wg + 8j +
+            //    2tq + (e & 1)); the rows' maxima of both halves through shared memory, so
+            //    both warpgroups move the reference points alike.
+            const u32 here = present[cur][wg];
+            float mt[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int key = 8 * j + 2 * tq + (e & 1);
+                    s[4 * j + e] = (here >> key) & 1u ? s[4 * j + e] * scale2 : NEG_INF;
+                    mt[e >> 1] = fmaxf(mt[e >> 1], s[4 * j + e]);
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
+                mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
+                if (tq == 0) halves[wg][row0 + 8 * h] = mt[h];
+            }
+            __syncthreads();  // the maxima; fp8: every conversion done, the staging rows free for P
+            float corr[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                mt[h] = fmaxf(mt[h], halves[wg ^ 1][row0 + 8 * h]);
+                const float m_new = mt[h] > m_run[h] + AW_SLACK ? mt[h] : m_run[h];
+                corr[h] = m_new == m_run[h] ? 1.0f : ex2(m_run[h] - m_new);
+                m_run[h] = m_new;
+                s_run[h] *= corr[h];
+            }
+            const float mz[2] = {m_run[0] == NEG_INF ? 0.0f : m_run[0], m_run[1] == NEG_INF ? 0.0f : m_run[1]};
+            // 4. This half's weights as bf16 into the staging rows, where PV reads P as wgmma's
+            //    A (64 rows of 64 keys, 128-byte swizzled: piece 4·wg + j of each row).
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    p[e] = ex2(s[4 * j + e] - mz[e >> 1]);
+                    s_run[e >> 1] += p[e];
+                }
+                const int piece = ((4 * wg + j) ^ (row0 & 7)) << 4;
+                *(u32*)(codes + row0 * 128 + piece + 4 * tq) = bf16x2_rn(p[0], p[1]);
+                *(u32*)(codes + (row0 + 8) * 128 + piece + 4 * tq) = bf16x2_rn(p[2], p[3]);
+            }
+            if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+                for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
+            }
+            wg_proxy_fence();
+            __syncthreads();  // P whole
+            // 5. O = corr · O + P · V over this warpgroup's 256 dims and all 64 keys.
+            const u64 p_desc = wg_desc(c_addr, 16, 1024, 1);
+            const u64 v_desc = wg_desc(tile_addr + wg * 4 * AW_PLANE, AW_PLANE, 1024, 1);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < AW_KEYS / 16; ks++)
+                aw_pv_ss(o, aw_moved(p_desc, ks * 32), aw_moved(v_desc, ks * 16 * 128));
+            wg_commit();
+            wg_wait<0>();
+            wm_hold(o);
+            // 6. The next tile's copies landed (bf16; fp8 waited in 2.) and visible to the
+            //    tensor cores; this tile's buffer, P and the staging rows free: the tile
+            //    after next is fetched into them.
+            if (g.dtype != DTYPE_FP8) cp_async_wait<0>();
+            wg_proxy_fence();
+            __syncthreads();
+            if (jt + 2 * AW_KEYS < j1) fetch(it + 2);
+            continue;
+        }
         // 1. S = q · Kᵀ over 32 k-steps of 16 dims, on the tensor cores while 2. runs.
         float s[32];
+        const u64 q_desc = wg_desc(q_addr, 16, 1024, 1), k_desc = wg_desc(tile_addr, 16, 1024, 1);
         wg_fence();
 #pragma unroll
         for (int ks = 0; ks < AW_HD / 16; ks++) {
             const u32 off = (ks >> 2) * AW_PLANE + (ks & 3) * 32;
-            aw_qk(s, wg_desc(q_addr + off, 16, 1024, 1), wg_desc(tile_addr + off, 16, 1024, 1), ks > 0);
+            aw_qk(s, aw_moved(q_desc, off), aw_moved(k_desc, off), ks > 0);
         }
         wg_commit();
+        // The tile after next's key places (slot (it + 3) % AW_SLOTS last held tile it - 1's,
+        // all of whose readers passed the last barrier): their loads' latency (the
+        // selection, then the page table) under the tensor cores' q · Kᵀ rather than in
+        // front of the next tile's.
+        if (threadIdx.x < AW_KEYS) place((it + 3) % AW_SLOTS, jt + 3 * AW_KEYS + threadIdx.x);
         // 2. The next tile's fp8 codes (landed: every thread waited for its copies) into
         //    the other tile buffer.
         cp_async_wait<0>();
@@ -382,10 +524,10 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
 #pragma unroll
             for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
         }
+        const u64 v_desc = wg_desc(tile_addr + wg * 4 * AW_PLANE, AW_PLANE, 1024, 1);
         wg_fence();
 #pragma unroll
-        for (int ks = 0; ks < AW_KEYS / 16; ks++)
-            aw_pv(o, pa[ks], wg_desc(tile_addr + wg * 4 * AW_PLANE + ks * 16 * 128, AW_PLANE, 1024, 1));
+        for (int ks = 0; ks < AW_KEYS / 16; ks++) aw_pv(o, pa[ks], aw_moved(v_desc, ks * 16 * 128));
         wg_commit();
         wg_wait<0>();
         wm_hold(o);
@@ -394,7 +536,6 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         wg_proxy_fence();
         __syncthreads();
         if (jt + 2 * AW_KEYS < j1) fetch(it + 2);
-        if (threadIdx.x < AW_KEYS) place((it + 3) % AW_SLOTS, jt + 3 * AW_KEYS + threadIdx.x);
     }
 
     // Row totals over the quad, the maxima back in natural units, then the sink and the
@@ -404,6 +545,16 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
         s_run[h] += __shfl_xor_sync(0xffffffffu, s_run[h], 1);
         s_run[h] += __shfl_xor_sync(0xffffffffu, s_run[h], 2);
         m_run[h] *= 0.6931471805599453f;
+    }
+    if (HALVES) {
+        // Each warpgroup summed its own keys' weights: a row's total is both halves'.
+        if (tq == 0) {
+            halves[wg][row0] = s_run[0];
+            halves[wg][row0 + 8] = s_run[1];
+        }
+        __syncthreads();
+        s_run[0] = halves[0][row0] + halves[1][row0];
+        s_run[1] = halves[0][row0 + 8] + halves[1][row0 + 8];
     }
     if (g.out_bf16) {
         // The output as the next product reads it: each head's tail rotated back to the
@@ -433,4 +584,21 @@ extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
 #pragma unroll
         for (int j = 0; j < 32; j++) *(float2*)(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * f, o[4 * j + 2 * h + 1] * f);
     }
+}
+
+// The two warpgroups split each tile's keys for q · Kᵀ (half the products and half the
+// softmax a thread) and exchange the weights through shared memory for P · V.
+extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
+    attention_wg(const float* q, const u16* new_kv, const u8* rings, const u8* page_base, const u32* pages,
+                 const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
+                 float* out, float* part, AttnGeom g, RopeParams rp) {
+    aw_attend<true>(q, new_kv, rings, page_base, pages, sel, sinks, positions, row_seq, seqs, out, part, g, rp);
+}
+
+// Both warpgroups compute the whole tile's logits (no exchange; `SLUICE_CUDA_ATT_WG_HALVES=0`).
+extern "C" __global__ void __launch_bounds__(AW_THREADS, 1)
+    attention_wg_whole(const float* q, const u16* new_kv, const u8* rings, const u8* page_base, const u32* pages,
+                 const int* sel, const float* sinks, const u32* positions, const int* row_seq, const int* seqs,
+                 float* out, float* part, AttnGeom g, RopeParams rp) {
+    aw_attend<false>(q, new_kv, rings, page_base, pages, sel, sinks, positions, row_seq, seqs, out, part, g, rp);
 }
