@@ -647,6 +647,12 @@ impl CudaBackend {
         super::attention_io::wo_a_hands_bf16(&self.gpu, rows, wo_b)
     }
 
+    /// Whether `hc_post_pre` of `rows` rows takes `hc_post_mix_rows` (a prefill's residual
+    /// update and next mixing product in one pass), for the parity suite.
+    pub fn hc_post_pre_in_one_pass(&self, rows: usize, w: &crate::backend::HcWeights<Self>) -> bool {
+        super::hc::post_pre_in_one_pass(&self.gpu, rows, w)
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {

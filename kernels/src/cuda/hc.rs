@@ -221,7 +221,8 @@ fn finish(
     };
     let threads = row_block_threads(g, rows);
     // A prefill's rows of V4's shape held in registers (the same arguments; partials unused).
-    let in_registers = partials == 0 && blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d);
+    // (Part sums come from `hc_post_mix_rows` there: `hc_post_mix`'s batches are fewer rows than SMs.)
+    let in_registers = blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d);
     launch!(
         g,
         if in_registers { "hc_pre_finish_rows" } else { "hc_pre_finish" },
@@ -278,6 +279,10 @@ pub(crate) fn hc_post_pre(
     };
     let fits =
         hc == POST_MIX_HC && d.is_multiple_of(POST_MIX_COLS) && w.mix.rows == (2 + hc) * hc && w.mix.cols == hc * d;
+    if let Some((name, wp)) = kernel.filter(|_| fits && post_mix_rows_takes(g, rows, d)) {
+        post_mix_rows(b, streams, rows, out, w, norm, (name, wp), collapsed, post, comb);
+        return;
+    }
     let Some((name, wp)) = kernel.filter(|_| fits && (1..=post_mix_max_rows()).contains(&rows)) else {
         hc_post(b, streams, rows, hc, out, post, comb);
         hc_pre(b, streams, rows, w, norm, collapsed, post, comb);
@@ -303,6 +308,87 @@ pub(crate) fn hc_post_pre(
             partials,
             rows as i32,
             per_block as i32
+        )
+    });
+    finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
+}
+
+/// Columns of each stream a `hc_post_mix_rows` block takes (`HPR_COLS` in hc.cu), a lane a
+/// row (`HPR_THREADS` rows a block), and its dynamic shared memory (`HPR_SMEM`: the part's
+/// 24 logits' weights for its 4 × 256 stream columns, in f32).
+const POST_MIX_ROWS_COLS: usize = 256;
+const POST_MIX_ROWS_THREADS: u32 = 256;
+pub(crate) const POST_MIX_ROWS_SMEM: usize = 4 * POST_MIX_ROWS_COLS * 24 * 4;
+
+/// Whether a prefill-sized batch takes `hc_post_mix_rows` (`SLUICE_CUDA_HC_POST_MIX_PREFILL=0`,
+/// read once, keeps `hc_post`, the cuBLAS mixing product and `hc_pre_finish_rows`): rows
+/// that `hc_pre_finish_rows` then finishes (at least as many as SMs, V4's shape), hidden a
+/// multiple of its parts.
+fn post_mix_rows_takes(g: &super::runtime::Gpu, rows: usize, d: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_POST_MIX_PREFILL").map_or(true, |v| v != "0"));
+    on && rows > post_mix_max_rows()
+        && !fewer_rows_than_sms(g, rows)
+        && finish_rows_takes(4, d)
+        && d.is_multiple_of(POST_MIX_ROWS_COLS)
+}
+
+/// Whether `hc_post_pre` of `rows` rows with these weights runs `hc_post_mix_rows` (the
+/// parity suite asserts which cases do).
+pub(crate) fn post_pre_in_one_pass(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> bool {
+    let d = w.hidden;
+    let weight_ok = matches!(w.mix.data, WeightData::F32(_) | WeightData::Bf16(_));
+    weight_ok
+        && w.hc == POST_MIX_HC
+        && d.is_multiple_of(POST_MIX_COLS)
+        && w.mix.rows == (2 + w.hc) * w.hc
+        && w.mix.cols == w.hc * d
+        && post_mix_rows_takes(g, rows, d)
+}
+
+/// A prefill's `hc_post` and the next sub-block's mixing product in one pass over the
+/// streams (`hc_post_mix_rows`: a lane a row, each adding its own 24 sums over a part of
+/// the columns), then `hc_pre_finish_rows` on the part sums. Where `hc_post`, cuBLAS's f32
+/// product (24 outputs in a tile of 64 or more) and the pre-mix each read the 512 MB of an
+/// 8K prefill's streams, the streams are read twice.
+#[allow(clippy::too_many_arguments)]
+fn post_mix_rows(
+    b: &CudaBackend,
+    streams: &mut CudaBuf,
+    rows: usize,
+    out: &CudaBuf,
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    (name, wp): (&str, u64),
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) {
+    check_pre(streams, rows, w, norm, collapsed, post, comb);
+    let d = w.hidden;
+    assert_eq!(out.len, rows * d, "hc_post_pre: the sub-block output is not [rows, hidden]");
+    let g = &b.gpu;
+    g.traffic.add_weights(w.mix.device_bytes());
+    let parts = d / POST_MIX_ROWS_COLS;
+    let partials = g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS);
+    let kernel = if name == "hc_post_mix_f32" { "hc_post_mix_rows_f32" } else { "hc_post_mix_rows_bf16" };
+    b.prof("hc_post_pre: post + mix (rows)", || {
+        launch!(
+            g,
+            kernel,
+            cfg(
+                (parts as u32, rows.div_ceil(POST_MIX_ROWS_THREADS as usize) as u32, 1),
+                POST_MIX_ROWS_THREADS,
+                POST_MIX_ROWS_SMEM as u32
+            ),
+            g.ptr(&streams.mem),
+            g.ptr(&out.mem),
+            g.ptr(&post.mem),
+            g.ptr(&comb.mem),
+            rows as i32,
+            d as i32,
+            wp,
+            partials
         )
     });
     finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);

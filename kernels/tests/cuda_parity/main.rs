@@ -330,9 +330,11 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
     let c = CpuBackend::new();
     let mut rng = rng("mhc");
     let d = 4096;
+    let mut one_pass = 0;
     // Decode (gemv at one row, mix_rows up to 64; hc_post_mix a row a block up to 8 rows,
     // groups of rows past 8) and prefill-sized (cuBLAS past 64 rows;
-    // from as many rows as SMs, V4's shape, `hc_pre_finish_rows`) mixing products; the mixing weight as stored in the checkpoints (f32) and in bf16;
+    // from as many rows as SMs, V4's shape, `hc_pre_finish_rows`, and `hc_post_pre` in one
+    // pass, `hc_post_mix_rows`, which 300 and 600 rows take: asserted below) mixing products; the mixing weight as stored in the checkpoints (f32) and in bf16;
     // V4's 4 streams, and 6 (36 logits: the Sinkhorn rounds of a block, not a warp).
     for (hc, mix_dtype, rows) in [
         (4, "f32", 1),
@@ -409,6 +411,7 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         let mut cs3 = s.clone();
         c.hc_post_pre(&mut cs3, rows, hc, &out, &cw, Some((&norm_w, 1e-6)), &mut ccol3, &mut cpost3, &mut ccomb3);
         assert_eq!(g.download(&fused_s), g.download(&gs), "hc_post_pre rows={rows}: streams differ from hc_post's");
+        one_pass += usize::from(g.hc_post_pre_in_one_pass(rows, &gw));
         check(&format!("hc_post_pre streams rows={rows}"), "f32", &g.download(&fused_s), &cs3);
         check(&format!("hc_post_pre normed rows={rows} mix {mix_dtype}"), "f32", &g.download(&fcol), &ccol3);
         check(&format!("hc_post_pre post rows={rows}"), "f32", &g.download(&fpost), &cpost3);
@@ -440,6 +443,10 @@ fn cuda_hyper_connections_match_cpu_at_flash_shapes() {
         c.hc_head(&s, rows, &ch, &mut want);
         check(&format!("hc_head rows={rows}"), "f32", &g.download(&got), &want);
     }
+    // 300 and 600 rows (f32 and bf16 weights) are at least as many as an H200's SMs.
+    let one_pass_on = std::env::var("SLUICE_CUDA_HC_POST_MIX_PREFILL").map_or(true, |v| v != "0");
+    eprintln!("PARITY hc_post_pre: {one_pass} cases in one pass (hc_post_mix_rows)");
+    assert!(!one_pass_on || one_pass >= 2, "hc_post_mix_rows ran in {one_pass} cases, expected 300 and 600 rows");
 }
 
 #[test]

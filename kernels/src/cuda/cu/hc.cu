@@ -176,7 +176,8 @@ __device__ __forceinline__ void hc_pre_weights(const float* m, float inv, const 
 // again for the collapse and the collapsed row again for its norm — the same elements
 // by the same thread each time (thread t: float4s t + 256u, so stream j, columns t +
 // 256k at u = 4j + k), so the sums here are those, in the same order, and the outputs
-// the same bits; only the passes over memory go.
+// the same bits; only the passes over memory go. With `partials` (hc_post_mix_rows'),
+// the product and the sum of squares come from there, added as hc_pre_finish adds them.
 #define HCR_THREADS 256
 #define HCR_HC 4
 #define HCR_COLS 4  // float4 columns of a stream a thread: hidden = 4 · HCR_THREADS · HCR_COLS
@@ -184,21 +185,37 @@ __device__ __forceinline__ void hc_pre_weights(const float* m, float inv, const 
 extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     hc_pre_finish_rows(const float* streams, const float* mix, F80 base, float s_pre, float s_post, float s_comb,
                        int hc, int d, int iters, float norm_eps, float hc_eps, float* collapsed, float* post,
-                       float* comb, const float* out_norm, float out_eps,
-                       const float* /* partials */, int /* parts: hc_pre_finish's, unused here (one launch) */) {
+                       float* comb, const float* out_norm, float out_eps, const float* partials, int parts) {
     pdl_begin();
     const int r = blockIdx.x, t = threadIdx.x, width = HCR_HC * d;
     const float4* s4 = reinterpret_cast<const float4*>(streams + (long long)r * width);
     __shared__ float pre_s[HC_MAX];
     __shared__ float c[HC_MAX * HC_MAX];
+    __shared__ float mix_s[HC_MIX_SLOTS];
     float4 v[HCR_PIECES];
-    float ss = 0.0f;
 #pragma unroll
     for (int u = 0; u < HCR_PIECES; u++) v[u] = s4[t + HCR_THREADS * u];
+    float inv;
+    const float* m;
+    if (partials) {
+        // hc_post_mix_rows left the product and the sum of squares in parts: a thread a
+        // slot adds them in part order.
+        if (t < HC_MIX_SLOTS) {
+            float sum = 0.0f;
+            for (int q = 0; q < parts; q++) sum += partials[((long long)r * parts + q) * HC_MIX_SLOTS + t];
+            mix_s[t] = sum;
+        }
+        __syncthreads();
+        inv = 1.0f / sqrtf(mix_s[HC_SUMSQ_SLOT] / (float)width + norm_eps);
+        m = mix_s;
+    } else {
+        float ss = 0.0f;
 #pragma unroll
-    for (int u = 0; u < HCR_PIECES; u++) ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
-    const float inv = 1.0f / sqrtf(block_sum(ss) / (float)width + norm_eps);
-    const float* m = mix + (long long)r * (2 + hc) * hc;
+        for (int u = 0; u < HCR_PIECES; u++)
+            ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+        inv = 1.0f / sqrtf(block_sum(ss) / (float)width + norm_eps);
+        m = mix + (long long)r * (2 + hc) * hc;
+    }
     hc_pre_weights(m, inv, base, s_pre, s_post, s_comb, hc, iters, hc_eps, pre_s, c, post + r * hc,
                    comb + (long long)r * hc * hc);
     // The collapse (hc_collapse's sums) and, fused, the sub-block's input norm
@@ -561,4 +578,103 @@ extern "C" __global__ void __launch_bounds__(64) hc_post_mix_bf16(float* streams
                                                                    float* partials, int rows, int per_block) {
     pdl_begin();
     hc_post_mix_body<1, 4>(streams, out, post, comb, d, w, partials, rows, per_block);
+}
+
+// hc_post and the next sub-block's mixing product for a prefill's rows (hc_post_mix is
+// for decode batches: its blocks hold a weight slice for a few rows and fold each row's
+// sums across threads). Here a lane is a row: it walks its row's columns of the block's
+// part, 8 at a time (32 bytes of each stream, whole sectors), updates them as hc_post
+// does (the same rounding steps: the streams are bit for bit hc_post's) and adds each
+// updated value times its 24 weights into its own 24 sums, so nothing is folded across
+// threads; the part's weights sit in shared memory as [stream][column][logit], where all
+// lanes read the same 16 bytes at once (a broadcast). The sums go to
+// partials[r, part, 32] as hc_post_mix leaves them (the sum of squares in slot 31), which
+// the pre-mix kernel adds in a fixed order. One pass over the streams where hc_post, the
+// mixing product (cuBLAS's f32 GEMM, its 24 outputs in a tile of 64 or more) and the
+// pre-mix read them three times. grid (hidden / HPR_COLS parts, rows / HPR_THREADS),
+// HPR_THREADS threads, HPR_SMEM bytes of dynamic shared memory.
+#define HPR_THREADS 256
+#define HPR_COLS 256  // columns of each stream a block's part holds
+#define HPR_STEP 8    // columns a lane takes at once
+#define HPR_N 24      // V4's logits: (2 + 4) · 4
+#define HPR_SMEM (4 * HPR_COLS * HPR_N * 4)
+template <int WT>
+__device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ streams, const float* __restrict__ out,
+                                                      const float* __restrict__ post,
+                                                      const float* __restrict__ comb, int rows, int d,
+                                                      const void* __restrict__ w, float* __restrict__ partials) {
+    extern __shared__ __align__(16) float hpr_w[];
+    const int part = blockIdx.x, parts = gridDim.x, x0 = part * HPR_COLS;
+    const long long K = 4LL * d;
+    // The part's weights (static: read before waiting for the kernel before), coalesced
+    // along the columns.
+    for (int e = threadIdx.x; e < HPR_N * 4 * HPR_COLS; e += HPR_THREADS) {
+        const int x = e % HPR_COLS, nk = e / HPR_COLS, k = nk % 4, n = nk / 4;
+        const long long at = n * K + (long long)k * d + x0 + x;
+        hpr_w[(k * HPR_COLS + x) * HPR_N + n] = WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
+    }
+    __syncthreads();
+    pdl_begin();
+    const int r = blockIdx.y * HPR_THREADS + threadIdx.x;
+    if (r >= rows) return;
+    float p[4], c[16];
+#pragma unroll
+    for (int k = 0; k < 4; k++) p[k] = post[(long long)r * 4 + k];
+#pragma unroll
+    for (int i = 0; i < 16; i++) c[i] = comb[(long long)r * 16 + i];
+    float acc[HPR_N], ss = 0.0f;
+#pragma unroll
+    for (int n = 0; n < HPR_N; n++) acc[n] = 0.0f;
+    float* s = streams + (long long)r * K + x0;
+    const float* o_row = out + (long long)r * d + x0;
+#pragma unroll 1
+    for (int xs = 0; xs < HPR_COLS; xs += HPR_STEP) {
+        float a[4][HPR_STEP], ob[HPR_STEP];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            *(float4*)&a[k][0] = *(const float4*)(s + (long long)k * d + xs);
+            *(float4*)&a[k][4] = *(const float4*)(s + (long long)k * d + xs + 4);
+        }
+        *(float4*)&ob[0] = __ldg((const float4*)(o_row + xs));
+        *(float4*)&ob[4] = __ldg((const float4*)(o_row + xs + 4));
+#pragma unroll
+        for (int i = 0; i < HPR_STEP; i++) {
+            const float old[4] = {a[0][i], a[1][i], a[2][i], a[3][i]};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float v = hc_post_value(p[k], ob[i], c + k, 4, old, 4);
+                a[k][i] = v;
+                ss += v * v;
+                const float4* wk = (const float4*)(hpr_w + (k * HPR_COLS + xs + i) * HPR_N);
+#pragma unroll
+                for (int q = 0; q < HPR_N / 4; q++) {
+                    const float4 wv = wk[q];
+                    acc[4 * q] += wv.x * v;
+                    acc[4 * q + 1] += wv.y * v;
+                    acc[4 * q + 2] += wv.z * v;
+                    acc[4 * q + 3] += wv.w * v;
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            *(float4*)(s + (long long)k * d + xs) = *(const float4*)&a[k][0];
+            *(float4*)(s + (long long)k * d + xs + 4) = *(const float4*)&a[k][4];
+        }
+    }
+    float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
+#pragma unroll
+    for (int q = 0; q < HPR_N / 4; q++) dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+    dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
+}
+extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
+    hc_post_mix_rows_f32(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
+                         const void* w, float* partials) {
+    hc_post_mix_rows_body<0>(streams, out, post, comb, rows, d, w, partials);
+}
+extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
+    hc_post_mix_rows_bf16(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
+                          const void* w, float* partials) {
+    hc_post_mix_rows_body<1>(streams, out, post, comb, rows, d, w, partials);
 }
