@@ -313,12 +313,14 @@ pub(crate) fn hc_post_pre(
     finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
 }
 
-/// Columns of each stream a `hc_post_mix_rows` block takes (`HPR_COLS` in hc.cu), a lane a
-/// row (`HPR_THREADS` rows a block), and its dynamic shared memory (`HPR_SMEM`: the part's
-/// 24 logits' weights for its 4 × 256 stream columns, in f32).
-const POST_MIX_ROWS_COLS: usize = 256;
+/// Columns of each stream a `hc_post_mix_rows` block takes (`HPR_COLS` in hc.cu), its
+/// rows (`HPR_ROWS`) and threads, and its dynamic shared memory (`HPR_SMEM`: the part's 24
+/// logits' weights for its 4 × 128 stream columns, in f32, 7 16-byte chunks a column and
+/// one more every 4 columns).
+const POST_MIX_ROWS_COLS: usize = 128;
+const POST_MIX_ROWS_ROWS: usize = 256;
 const POST_MIX_ROWS_THREADS: u32 = 256;
-pub(crate) const POST_MIX_ROWS_SMEM: usize = 4 * POST_MIX_ROWS_COLS * 24 * 4;
+pub(crate) const POST_MIX_ROWS_SMEM: usize = 4 * (7 * POST_MIX_ROWS_COLS + POST_MIX_ROWS_COLS / 4) * 16;
 
 /// Whether a prefill-sized batch takes `hc_post_mix_rows` (`SLUICE_CUDA_HC_POST_MIX_PREFILL=0`,
 /// read once, keeps `hc_post`, the cuBLAS mixing product and `hc_pre_finish_rows`): rows
@@ -347,8 +349,8 @@ pub(crate) fn post_pre_in_one_pass(g: &super::runtime::Gpu, rows: usize, w: &HcW
 }
 
 /// A prefill's `hc_post` and the next sub-block's mixing product in one pass over the
-/// streams (`hc_post_mix_rows`: a lane a row, each adding its own 24 sums over a part of
-/// the columns), then `hc_pre_finish_rows` on the part sums. Where `hc_post`, cuBLAS's f32
+/// streams (`hc_post_mix_rows`: 8 lanes a row, each adding its own 24 sums over its
+/// columns of a part, folded over the row's lanes), then `hc_pre_finish_rows` on the part sums. Where `hc_post`, cuBLAS's f32
 /// product (24 outputs in a tile of 64 or more) and the pre-mix each read the 512 MB of an
 /// 8K prefill's streams, the streams are read twice.
 #[allow(clippy::too_many_arguments)]
@@ -377,7 +379,7 @@ fn post_mix_rows(
             g,
             kernel,
             cfg(
-                (parts as u32, rows.div_ceil(POST_MIX_ROWS_THREADS as usize) as u32, 1),
+                (parts as u32, rows.div_ceil(POST_MIX_ROWS_ROWS) as u32, 1),
                 POST_MIX_ROWS_THREADS,
                 POST_MIX_ROWS_SMEM as u32
             ),

@@ -198,12 +198,22 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     float inv;
     const float* m;
     if (partials) {
-        // hc_post_mix_rows left the product and the sum of squares in parts: a thread a
-        // slot adds them in part order.
+        // hc_post_mix_rows left the product and the sum of squares in parts: each warp adds
+        // every 8th part of each slot, then the warps' sums are added in warp order (the
+        // loads in flight together: one thread a slot walking the parts waited for each).
+        __shared__ float by_warp[HCR_THREADS / 32][HC_MIX_SLOTS];
+        const int slot = t & 31, wp = t >> 5;
+        float sum = 0.0f;
+#pragma unroll 4
+        for (int q = wp; q < parts; q += HCR_THREADS / 32)
+            sum += partials[((long long)r * parts + q) * HC_MIX_SLOTS + slot];
+        by_warp[wp][slot] = sum;
+        __syncthreads();
         if (t < HC_MIX_SLOTS) {
-            float sum = 0.0f;
-            for (int q = 0; q < parts; q++) sum += partials[((long long)r * parts + q) * HC_MIX_SLOTS + t];
-            mix_s[t] = sum;
+            float tot = 0.0f;
+#pragma unroll
+            for (int q = 0; q < HCR_THREADS / 32; q++) tot += by_warp[q][t];
+            mix_s[t] = tot;
         }
         __syncthreads();
         inv = 1.0f / sqrtf(mix_s[HC_SUMSQ_SLOT] / (float)width + norm_eps);
@@ -582,22 +592,27 @@ extern "C" __global__ void __launch_bounds__(64) hc_post_mix_bf16(float* streams
 
 // hc_post and the next sub-block's mixing product for a prefill's rows (hc_post_mix is
 // for decode batches: its blocks hold a weight slice for a few rows and fold each row's
-// sums across threads). Here a lane is a row: it walks its row's columns of the block's
-// part, 8 at a time (32 bytes of each stream, whole sectors), updates them as hc_post
-// does (the same rounding steps: the streams are bit for bit hc_post's) and adds each
-// updated value times its 24 weights into its own 24 sums, so nothing is folded across
-// threads; the part's weights sit in shared memory as [stream][column][logit], where all
-// lanes read the same 16 bytes at once (a broadcast). The sums go to
-// partials[r, part, 32] as hc_post_mix leaves them (the sum of squares in slot 31), which
-// the pre-mix kernel adds in a fixed order. One pass over the streams where hc_post, the
-// mixing product (cuBLAS's f32 GEMM, its 24 outputs in a tile of 64 or more) and the
-// pre-mix read them three times. grid (hidden / HPR_COLS parts, rows / HPR_THREADS),
-// HPR_THREADS threads, HPR_SMEM bytes of dynamic shared memory.
+// sums across the block at every row). Here a warp takes 4 rows at a time, 8 lanes a row,
+// a lane 4 columns of each stream a step (a row's 128 bytes a stream in one access of 8
+// lanes: 4 lines an instruction; a lane a row touched 32): it updates them as hc_post does
+// (the same rounding steps: the streams are bit for bit hc_post's) and adds each updated
+// value times its 24 weights into its own sums, folded over the row's 8 lanes once the
+// row's part is done. The part's weights sit in shared memory as [stream][column][logit],
+// a column's 24 in 6 16-byte chunks at chunk 7x + x/4 (`hpr_at`): the 8 columns 4 apart
+// that a warp reads at once start on chunks 29g + const, distinct mod 8, so on distinct
+// banks (a plain stride of 28 floats put them on two). The sums go to partials[r, part, 32] as hc_post_mix leaves
+// them (the sum of squares in slot 31), which hc_pre_finish_rows adds in a fixed order.
+// One pass over the streams where hc_post, the mixing product (cuBLAS's f32 GEMM, its 24
+// outputs in a tile of 64 or more) and the pre-mix read them three times.
+// grid (hidden / HPR_COLS parts, rows / HPR_ROWS), HPR_THREADS threads, HPR_SMEM bytes of
+// dynamic shared memory.
 #define HPR_THREADS 256
-#define HPR_COLS 256  // columns of each stream a block's part holds
-#define HPR_STEP 8    // columns a lane takes at once
-#define HPR_N 24      // V4's logits: (2 + 4) · 4
-#define HPR_SMEM (4 * HPR_COLS * HPR_N * 4)
+#define HPR_ROWS 256     // rows a block: each warp 32, 4 at a time
+#define HPR_COLS 128     // columns of each stream a block's part holds
+#define HPR_N 24         // V4's logits: (2 + 4) · 4
+#define HPR_KCHUNKS (7 * HPR_COLS + HPR_COLS / 4)  // 16-byte chunks a stream's weights take
+#define HPR_SMEM (4 * HPR_KCHUNKS * 16)
+__device__ __forceinline__ int hpr_at(int k, int x) { return 4 * (k * HPR_KCHUNKS + 7 * x + (x >> 2)); }
 template <int WT>
 __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ streams, const float* __restrict__ out,
                                                       const float* __restrict__ post,
@@ -611,62 +626,69 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ stream
     for (int e = threadIdx.x; e < HPR_N * 4 * HPR_COLS; e += HPR_THREADS) {
         const int x = e % HPR_COLS, nk = e / HPR_COLS, k = nk % 4, n = nk / 4;
         const long long at = n * K + (long long)k * d + x0 + x;
-        hpr_w[(k * HPR_COLS + x) * HPR_N + n] = WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
+        hpr_w[hpr_at(k, x) + n] = WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
     }
     __syncthreads();
     pdl_begin();
-    const int r = blockIdx.y * HPR_THREADS + threadIdx.x;
-    if (r >= rows) return;
-    float p[4], c[16];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, col = 4 * (lane & 7);
+    for (int r0 = blockIdx.y * HPR_ROWS + warp * 32; r0 < min(rows, blockIdx.y * HPR_ROWS + warp * 32 + 32); r0 += 4) {
+        const int r = r0 + sub;
+        const bool live = r < rows;
+        float p[4], c[16], acc[HPR_N], ss = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 4; k++) p[k] = post[(long long)r * 4 + k];
+        for (int k = 0; k < 4; k++) p[k] = live ? post[(long long)r * 4 + k] : 0.0f;
 #pragma unroll
-    for (int i = 0; i < 16; i++) c[i] = comb[(long long)r * 16 + i];
-    float acc[HPR_N], ss = 0.0f;
+        for (int i = 0; i < 16; i++) c[i] = live ? comb[(long long)r * 16 + i] : 0.0f;
 #pragma unroll
-    for (int n = 0; n < HPR_N; n++) acc[n] = 0.0f;
-    float* s = streams + (long long)r * K + x0;
-    const float* o_row = out + (long long)r * d + x0;
+        for (int n = 0; n < HPR_N; n++) acc[n] = 0.0f;
+        float* s = streams + (long long)r * K + x0 + col;
+        const float* o_row = out + (long long)r * d + x0 + col;
+        if (live) {
 #pragma unroll 1
-    for (int xs = 0; xs < HPR_COLS; xs += HPR_STEP) {
-        float a[4][HPR_STEP], ob[HPR_STEP];
+            for (int xs = 0; xs < HPR_COLS; xs += 32) {
+                float a[4][4], ob[4];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            *(float4*)&a[k][0] = *(const float4*)(s + (long long)k * d + xs);
-            *(float4*)&a[k][4] = *(const float4*)(s + (long long)k * d + xs + 4);
-        }
-        *(float4*)&ob[0] = __ldg((const float4*)(o_row + xs));
-        *(float4*)&ob[4] = __ldg((const float4*)(o_row + xs + 4));
+                for (int k = 0; k < 4; k++) *(float4*)&a[k][0] = *(const float4*)(s + (long long)k * d + xs);
+                *(float4*)&ob[0] = __ldg((const float4*)(o_row + xs));
 #pragma unroll
-        for (int i = 0; i < HPR_STEP; i++) {
-            const float old[4] = {a[0][i], a[1][i], a[2][i], a[3][i]};
+                for (int i = 0; i < 4; i++) {
+                    const float old[4] = {a[0][i], a[1][i], a[2][i], a[3][i]};
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float v = hc_post_value(p[k], ob[i], c + k, 4, old, 4);
-                a[k][i] = v;
-                ss += v * v;
-                const float4* wk = (const float4*)(hpr_w + (k * HPR_COLS + xs + i) * HPR_N);
+                    for (int k = 0; k < 4; k++) {
+                        const float v = hc_post_value(p[k], ob[i], c + k, 4, old, 4);
+                        a[k][i] = v;
+                        ss += v * v;
+                        const float4* wk = (const float4*)(hpr_w + hpr_at(k, xs + col + i));
 #pragma unroll
-                for (int q = 0; q < HPR_N / 4; q++) {
-                    const float4 wv = wk[q];
-                    acc[4 * q] += wv.x * v;
-                    acc[4 * q + 1] += wv.y * v;
-                    acc[4 * q + 2] += wv.z * v;
-                    acc[4 * q + 3] += wv.w * v;
+                        for (int q = 0; q < HPR_N / 4; q++) {
+                            const float4 wv = wk[q];
+                            acc[4 * q] += wv.x * v;
+                            acc[4 * q + 1] += wv.y * v;
+                            acc[4 * q + 2] += wv.z * v;
+                            acc[4 * q + 3] += wv.w * v;
+                        }
+                    }
                 }
+#pragma unroll
+                for (int k = 0; k < 4; k++) *(float4*)(s + (long long)k * d + xs) = *(const float4*)&a[k][0];
             }
         }
+        // The row's 8 lanes' sums, folded in a fixed order; its first lane writes them.
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            *(float4*)(s + (long long)k * d + xs) = *(const float4*)&a[k][0];
-            *(float4*)(s + (long long)k * d + xs + 4) = *(const float4*)&a[k][4];
+        for (int m = 1; m < 8; m <<= 1) {
+#pragma unroll
+            for (int n = 0; n < HPR_N; n++) acc[n] += __shfl_xor_sync(0xffffffffu, acc[n], m);
+            ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        }
+        if (live && col == 0) {
+            float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
+#pragma unroll
+            for (int q = 0; q < HPR_N / 4; q++)
+                dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+            dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
         }
     }
-    float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
-#pragma unroll
-    for (int q = 0; q < HPR_N / 4; q++) dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-    dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
 }
 extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
     hc_post_mix_rows_f32(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
