@@ -629,7 +629,9 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ stream
         hpr_w[hpr_at(k, x) + n] = WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
     }
     __syncthreads();
-    pdl_begin();
+    // The next kernel (hc_pre_finish_rows) is let in only as blocks finish (below): placed
+    // early, its waiting blocks held registers this kernel's later blocks needed.
+    pdl_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, col = 4 * (lane & 7);
     for (int r0 = blockIdx.y * HPR_ROWS + warp * 32; r0 < min(rows, blockIdx.y * HPR_ROWS + warp * 32 + 32); r0 += 4) {
         const int r = r0 + sub;
@@ -689,6 +691,7 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ stream
             dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
         }
     }
+    pdl_launch_dependents();
 }
 extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
     hc_post_mix_rows_f32(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
