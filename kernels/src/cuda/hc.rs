@@ -4,7 +4,9 @@
 //! the Sinkhorn projection (else the first block's first warp does it). The product runs
 //! in `mix_rows` (few outputs, long rows, K split over blocks when rows are few) from 2
 //! to 64 rows, in the gemv at one row, and through `matmul` (cuBLAS) for prefill-sized
-//! batches.
+//! batches — where the residual update comes first (`hc_post_pre`), in the same pass over
+//! the streams as the update (`hc_post_mix` for decode rows, `hc_post_mix_rows` for a
+//! prefill's).
 
 use cudarc::driver::DeviceRepr;
 
