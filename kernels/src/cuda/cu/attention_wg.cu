@@ -342,6 +342,20 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
                                                                bf16x2_rn(b[u].x, b[u].y), bf16x2_rn(b[u].z, b[u].w));
         }
     }
+    // A row's q (128 KiB of f32) was most of its start's wait; blocks start in row order,
+    // one an SM, so the row about to start when this one ends is r + SMs: its q brought
+    // into L2 now (a prefill's rows, one key split).
+    if (gridDim.y == 1) {
+        u32 nsm;
+        asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+        const int nr = r + (int)nsm;
+        if (nr < (int)gridDim.z) {
+            const char* nq = (const char*)(q + ((long long)nr * g.heads + h0) * AW_HD);
+#pragma unroll
+            for (int i = 0; i < AW_HEADS * AW_HD * 4 / 128 / AW_THREADS; i++)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(nq + 128 * (threadIdx.x + AW_THREADS * i)));
+        }
+    }
     cp_async_wait<0>();
     __syncthreads();
     aw_convert(tiles, codes, kinds[0], g);
