@@ -84,9 +84,13 @@ fn wgmma_gpu_in(test: &str, knobs: &[&str], activations: Activations) -> Option<
 }
 
 fn rng(test: &str) -> ChaCha8Rng {
-    // Fresh inputs on every run, reproducible from the printed seed.
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-    eprintln!("{test}: seed {seed}");
+    // Fresh inputs on every run, reproducible from the printed seed: a failing run's
+    // output shows it, and `SLUICE_PARITY_SEED=<seed>` draws the same inputs again (for
+    // every generator of the run, so run the one failing test with it).
+    let seed = std::env::var("SLUICE_PARITY_SEED").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+    });
+    eprintln!("{test}: seed {seed} (SLUICE_PARITY_SEED={seed} repeats it)");
     ChaCha8Rng::seed_from_u64(seed)
 }
 
