@@ -222,8 +222,8 @@ fn finish(
         Mixed::Parts { partials, parts } => (0, partials, parts),
     };
     let threads = row_block_threads(g, rows);
-    // A prefill's rows of V4's shape held in registers (the same arguments; partials unused).
-    // (Part sums come from `hc_post_mix_rows` there: `hc_post_mix`'s batches are fewer rows than SMs.)
+    // A prefill's rows of V4's shape held in registers (the same arguments; part sums
+    // there are `hc_post_mix_rows`': `hc_post_mix`'s batches are fewer rows than SMs).
     let in_registers = blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d);
     launch!(
         g,
@@ -281,7 +281,7 @@ pub(crate) fn hc_post_pre(
     };
     let fits =
         hc == POST_MIX_HC && d.is_multiple_of(POST_MIX_COLS) && w.mix.rows == (2 + hc) * hc && w.mix.cols == hc * d;
-    if let Some((name, wp)) = kernel.filter(|_| fits && post_mix_rows_takes(g, rows, d)) {
+    if let Some((name, wp)) = kernel.filter(|_| post_pre_in_one_pass(g, rows, w)) {
         post_mix_rows(b, streams, rows, out, w, norm, (name, wp), collapsed, post, comb);
         return;
     }
@@ -337,8 +337,9 @@ fn post_mix_rows_takes(g: &super::runtime::Gpu, rows: usize, d: usize) -> bool {
         && d.is_multiple_of(POST_MIX_ROWS_COLS)
 }
 
-/// Whether `hc_post_pre` of `rows` rows with these weights runs `hc_post_mix_rows` (the
-/// parity suite asserts which cases do).
+/// Whether `hc_post_pre` of `rows` rows with these weights runs `hc_post_mix_rows` (its
+/// dispatch asks this; the parity suite asserts which cases do): V4's shape with an f32
+/// or bf16 mixing weight, prefill-sized rows.
 pub(crate) fn post_pre_in_one_pass(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> bool {
     let d = w.hidden;
     let weight_ok = matches!(w.mix.data, WeightData::F32(_) | WeightData::Bf16(_));
@@ -352,9 +353,9 @@ pub(crate) fn post_pre_in_one_pass(g: &super::runtime::Gpu, rows: usize, w: &HcW
 
 /// A prefill's `hc_post` and the next sub-block's mixing product in one pass over the
 /// streams (`hc_post_mix_rows`: 8 lanes a row, each adding its own 24 sums over its
-/// columns of a part, folded over the row's lanes), then `hc_pre_finish_rows` on the part sums. Where `hc_post`, cuBLAS's f32
-/// product (24 outputs in a tile of 64 or more) and the pre-mix each read the 512 MB of an
-/// 8K prefill's streams, the streams are read twice.
+/// columns of a part, folded over the row's lanes), then `hc_pre_finish_rows` on the part
+/// sums. Where `hc_post`, cuBLAS's f32 product (24 outputs in a tile of 64 or more) and the
+/// pre-mix each read the 512 MB of an 8K prefill's streams, the streams are read twice.
 #[allow(clippy::too_many_arguments)]
 fn post_mix_rows(
     b: &CudaBackend,
