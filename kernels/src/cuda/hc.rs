@@ -279,8 +279,7 @@ pub(crate) fn hc_post_pre(
         WeightData::Bf16(m) => Some(("hc_post_mix_bf16", g.ptr(m))),
         WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
     };
-    let fits =
-        hc == POST_MIX_HC && d.is_multiple_of(POST_MIX_COLS) && w.mix.rows == (2 + hc) * hc && w.mix.cols == hc * d;
+    let fits = post_mix_fits(w);
     if let Some((name, wp)) = kernel.filter(|_| post_pre_in_one_pass(g, rows, w)) {
         post_mix_rows(b, streams, rows, out, w, norm, (name, wp), collapsed, post, comb);
         return;
@@ -341,14 +340,15 @@ fn post_mix_rows_takes(g: &super::runtime::Gpu, rows: usize, d: usize) -> bool {
 /// dispatch asks this; the parity suite asserts which cases do): V4's shape with an f32
 /// or bf16 mixing weight, prefill-sized rows.
 pub(crate) fn post_pre_in_one_pass(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> bool {
-    let d = w.hidden;
     let weight_ok = matches!(w.mix.data, WeightData::F32(_) | WeightData::Bf16(_));
-    weight_ok
-        && w.hc == POST_MIX_HC
-        && d.is_multiple_of(POST_MIX_COLS)
-        && w.mix.rows == (2 + w.hc) * w.hc
-        && w.mix.cols == w.hc * d
-        && post_mix_rows_takes(g, rows, d)
+    weight_ok && post_mix_fits(w) && post_mix_rows_takes(g, rows, w.hidden)
+}
+
+/// Whether the mHC weights have the shape the `hc_post_mix` kernels are built for: V4's 4
+/// streams, hidden a multiple of a block's columns, the mixing weight [(2 + hc)·hc, hc·hidden].
+fn post_mix_fits(w: &HcWeights<CudaBackend>) -> bool {
+    let (hc, d) = (w.hc, w.hidden);
+    hc == POST_MIX_HC && d.is_multiple_of(POST_MIX_COLS) && w.mix.rows == (2 + hc) * hc && w.mix.cols == hc * d
 }
 
 /// A prefill's `hc_post` and the next sub-block's mixing product in one pass over the

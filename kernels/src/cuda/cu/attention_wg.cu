@@ -278,6 +278,34 @@ __device__ __forceinline__ void aw_store_bf16(const float (&o)[128], u16* out, i
     }
 }
 
+// A tile's row maxima `mt` (log2 units) into the running reference points: a row's point
+// moves only when a tile's maximum passes it by more than AW_SLACK (2^8): the weights then
+// lie in [0, 256] (bf16 rounds them to the same relative precision, f32 sums hold them),
+// and O's 128 registers are rescaled on the few tiles that move it instead of most tiles.
+// The result is the same function of the logits (numerator and denominator share the
+// point), to rounding. Leaves each row's factor for O and its running sum in `corr` and
+// the point to subtract (0 while no key was seen) in `mz`.
+__device__ __forceinline__ void aw_move_reference(const float (&mt)[2], float (&m_run)[2], float (&s_run)[2],
+                                                  float (&corr)[2], float (&mz)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const float m_new = mt[h] > m_run[h] + AW_SLACK ? mt[h] : m_run[h];
+        corr[h] = m_new == m_run[h] ? 1.0f : ex2(m_run[h] - m_new);  // from -inf: 0
+        m_run[h] = m_new;
+        s_run[h] *= corr[h];
+        mz[h] = m_run[h] == NEG_INF ? 0.0f : m_run[h];
+    }
+}
+
+// O (rows row0 and row0 + 8 of this thread's 256 dims) times its rows' factors, skipped
+// when no row of the warp moved its point (an exact no-op then).
+__device__ __forceinline__ void aw_rescale(float (&o)[128], const float (&corr)[2]) {
+    if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
+    }
+}
+
 // grid (heads / 64, splits, rows), AW_THREADS threads, AW_DYN_SMEM bytes of dynamic shared
 // memory. Requires head_dim 512, bf16 new entries (`new_bf16`), bf16 or fp8 entries with
 // aligned offsets (the launcher checks, as for attention_mma).
@@ -419,16 +447,10 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
                 if (tq == 0) halves[wg][row0 + 8 * h] = mt[h];
             }
             __syncthreads();  // the maxima; fp8: every conversion done, the staging rows free for P
-            float corr[2];
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                mt[h] = fmaxf(mt[h], halves[wg ^ 1][row0 + 8 * h]);
-                const float m_new = mt[h] > m_run[h] + AW_SLACK ? mt[h] : m_run[h];
-                corr[h] = m_new == m_run[h] ? 1.0f : ex2(m_run[h] - m_new);
-                m_run[h] = m_new;
-                s_run[h] *= corr[h];
-            }
-            const float mz[2] = {m_run[0] == NEG_INF ? 0.0f : m_run[0], m_run[1] == NEG_INF ? 0.0f : m_run[1]};
+            for (int h = 0; h < 2; h++) mt[h] = fmaxf(mt[h], halves[wg ^ 1][row0 + 8 * h]);
+            float corr[2], mz[2];
+            aw_move_reference(mt, m_run, s_run, corr, mz);
             // 4. This half's weights as bf16 into the staging rows, where PV reads P as wgmma's
             //    A (64 rows of 64 keys, 128-byte swizzled: piece 4·wg + j of each row).
 #pragma unroll
@@ -443,10 +465,7 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
                 *(u32*)(codes + row0 * 128 + piece + 4 * tq) = bf16x2_rn(p[0], p[1]);
                 *(u32*)(codes + (row0 + 8) * 128 + piece + 4 * tq) = bf16x2_rn(p[2], p[3]);
             }
-            if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-                for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
-            }
+            aw_rescale(o, corr);
             wg_proxy_fence();
             __syncthreads();  // P whole
             // 5. O = corr · O + P · V over this warpgroup's 256 dims and all 64 keys.
@@ -504,23 +523,13 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
                 mt[e >> 1] = fmaxf(mt[e >> 1], s[4 * j + e]);
             }
         }
-        // The reference point of a row's exponentials moves only when a tile's maximum
-        // passes it by more than AW_SLACK (2^8): the weights then lie in [0, 256] (bf16
-        // rounds them to the same relative precision, f32 sums hold them), and O's 128
-        // registers are rescaled on the few tiles that move it instead of most tiles. The
-        // result is the same function of the logits (numerator and denominator share the
-        // point), to rounding.
-        float corr[2];
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 1));
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(0xffffffffu, mt[h], 2));
-            const float m_new = mt[h] > m_run[h] + AW_SLACK ? mt[h] : m_run[h];
-            corr[h] = m_new == m_run[h] ? 1.0f : ex2(m_run[h] - m_new);  // from -inf: 0
-            m_run[h] = m_new;
-            s_run[h] *= corr[h];
         }
-        const float mz[2] = {m_run[0] == NEG_INF ? 0.0f : m_run[0], m_run[1] == NEG_INF ? 0.0f : m_run[1]};
+        float corr[2], mz[2];
+        aw_move_reference(mt, m_run, s_run, corr, mz);
         u32 pa[4][4];  // P's A fragments, k-step ks = keys 16ks..16ks+15
 #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -534,10 +543,7 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
             pa[j >> 1][2 * (j & 1) + 1] = bf16x2_rn(p[2], p[3]);
         }
         // 4. O = corr · O + P · V over this warpgroup's 256 dims.
-        if (__any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
-#pragma unroll
-            for (int i = 0; i < 128; i++) o[i] *= corr[(i >> 1) & 1];
-        }
+        aw_rescale(o, corr);
         const u64 v_desc = wg_desc(tile_addr + wg * 4 * AW_PLANE, AW_PLANE, 1024, 1);
         wg_fence();
 #pragma unroll

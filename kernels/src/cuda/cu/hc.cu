@@ -170,6 +170,27 @@ __device__ __forceinline__ void hc_pre_weights(const float* m, float inv, const 
     }
 }
 
+// Row r's part sums (`partials[r, part, HC_MIX_SLOTS]`, hc_post_mix's or
+// hc_post_mix_rows') into mix_s: each warp adds every nw-th part of each slot, its loads
+// in flight together (a thread a slot walking the parts waited for each), then the warps'
+// sums are added in warp order — a fixed order. Every thread of the block calls it.
+__device__ __forceinline__ void hc_add_parts(const float* partials, int r, int parts, float* mix_s) {
+    __shared__ float by_warp[32][HC_MIX_SLOTS];
+    const int slot = threadIdx.x & 31, wp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* q = partials + (long long)r * parts * HC_MIX_SLOTS + slot;
+    float v = 0.0f;
+#pragma unroll 4
+    for (int i = wp; i < parts; i += nw) v += q[(long long)i * HC_MIX_SLOTS];
+    by_warp[wp][slot] = v;
+    __syncthreads();
+    if (threadIdx.x < HC_MIX_SLOTS) {
+        float t = 0.0f;
+        for (int w = 0; w < nw; w++) t += by_warp[w][threadIdx.x];
+        mix_s[threadIdx.x] = t;
+    }
+    __syncthreads();
+}
+
 // hc_pre_finish of a prefill-sized batch (a block of HCR_THREADS a row, the product in
 // `mix`) of V4's shape (hc 4 × hidden 4096, HCR_PIECES float4s a thread): the row's
 // streams read once into registers. hc_pre_finish reads them for the sum of squares,
@@ -198,24 +219,8 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     float inv;
     const float* m;
     if (partials) {
-        // hc_post_mix_rows left the product and the sum of squares in parts: each warp adds
-        // every 8th part of each slot, then the warps' sums are added in warp order (the
-        // loads in flight together: one thread a slot walking the parts waited for each).
-        __shared__ float by_warp[HCR_THREADS / 32][HC_MIX_SLOTS];
-        const int slot = t & 31, wp = t >> 5;
-        float sum = 0.0f;
-#pragma unroll 4
-        for (int q = wp; q < parts; q += HCR_THREADS / 32)
-            sum += partials[((long long)r * parts + q) * HC_MIX_SLOTS + slot];
-        by_warp[wp][slot] = sum;
-        __syncthreads();
-        if (t < HC_MIX_SLOTS) {
-            float tot = 0.0f;
-#pragma unroll
-            for (int q = 0; q < HCR_THREADS / 32; q++) tot += by_warp[q][t];
-            mix_s[t] = tot;
-        }
-        __syncthreads();
+        // hc_post_mix_rows left the product and the sum of squares in parts.
+        hc_add_parts(partials, r, parts, mix_s);
         inv = 1.0f / sqrtf(mix_s[HC_SUMSQ_SLOT] / (float)width + norm_eps);
         m = mix_s;
     } else {
@@ -277,22 +282,9 @@ extern "C" __global__ void hc_pre_finish(const float* streams, const float* mix,
     float ss;
     const float* m;
     if (partials) {
-        // hc_post_mix left the product and the sum of squares in parts: each warp adds
-        // every nw-th part of each slot, then the warps' sums are added in warp order (the
-        // same order in both blocks of the row, so the same value).
-        __shared__ float by_warp[32][HC_MIX_SLOTS];
-        const int slot = threadIdx.x & 31, wp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-        const float* q = partials + (long long)r * parts * HC_MIX_SLOTS + slot;
-        float v = 0.0f;
-        for (int i = wp; i < parts; i += nw) v += q[(long long)i * HC_MIX_SLOTS];
-        by_warp[wp][slot] = v;
-        __syncthreads();
-        if (threadIdx.x < HC_MIX_SLOTS) {
-            float t = 0.0f;
-            for (int q2 = 0; q2 < nw; q2++) t += by_warp[q2][threadIdx.x];
-            mix_s[threadIdx.x] = t;
-        }
-        __syncthreads();
+        // hc_post_mix left the product and the sum of squares in parts (the same order in
+        // both blocks of the row, so the same value).
+        hc_add_parts(partials, r, parts, mix_s);
         ss = mix_s[HC_SUMSQ_SLOT];
         m = mix_s;
     } else {
