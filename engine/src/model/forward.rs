@@ -135,13 +135,19 @@ impl<B: Backend> Model<B> {
         let mut input = layers.first().map(|lw| self.attention_input(lw, &streams, rows));
         for (l, lw) in layers.iter().enumerate() {
             let entry = input.take().expect("each layer starts from its attention input");
-            input = self.layer_from(l, lw, &mut streams, kv, plan, entry, layers.get(l + 1));
+            // After the last layer only the logit rows' streams are read: its residual
+            // update is made for those rows alone (`streams` then holds them, in order).
+            let next = match layers.get(l + 1) {
+                Some(nl) => Next::Layer(nl),
+                None => Next::Rows(logit_rows),
+            };
+            input = self.layer_from(l, lw, &mut streams, kv, plan, entry, next);
         }
 
         if logit_rows.is_empty() {
             return None;
         }
-        let picked = b.gather_rows(&streams, hc * d, logit_rows);
+        let picked = if layers.is_empty() { b.gather_rows(&streams, hc * d, logit_rows) } else { streams };
         let mut h = b.output(logit_rows.len() * d);
         b.hc_head(&picked, logit_rows.len(), &self.weights.hc_head, &mut h);
         b.rms_norm(&mut h, d, Some(&self.weights.norm), c.rms_norm_eps as f32);
@@ -160,7 +166,7 @@ impl<B: Backend> Model<B> {
         plan: &BatchPlan,
     ) {
         let input = self.attention_input(lw, streams, plan.rows());
-        self.layer_from(l, lw, streams, kv, plan, input, None);
+        self.layer_from(l, lw, streams, kv, plan, input, Next::Update);
     }
 
     /// The pre-mix of `lw`'s attention: its input and the mixing it leaves for hc_post.
@@ -182,9 +188,10 @@ impl<B: Backend> Model<B> {
         input
     }
 
-    /// Layer `l` from its attention input on. With `next` the layer ends with the next
-    /// layer's attention input (its pre-mix taken as this layer's last residual update is
-    /// written, which a backend may fuse), else with the residual update alone.
+    /// Layer `l` from its attention input on, ending as `next` says: with the next layer's
+    /// attention input (its pre-mix taken as this layer's last residual update is written,
+    /// which a backend may fuse), with the residual update alone, or with the update of
+    /// some rows alone (`streams` then holds those rows' streams, in the order given).
     #[allow(clippy::too_many_arguments)]
     fn layer_from(
         &self,
@@ -194,7 +201,7 @@ impl<B: Backend> Model<B> {
         kv: &mut KvState<B>,
         plan: &BatchPlan,
         mut input: SubBlockInput<B>,
-        next: Option<&LayerWeights<B>>,
+        next: Next<'_, B>,
     ) -> Option<SubBlockInput<B>> {
         let b = &self.backend;
         let c = &self.config;
@@ -207,12 +214,23 @@ impl<B: Backend> Model<B> {
         let mut y = b.output(rows * d);
         b.moe(x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
         match next {
-            Some(nl) => {
+            Next::Layer(nl) => {
                 b.hc_post_pre(streams, rows, hc, &y, &nl.hc_attn, Some((&nl.attn_norm, eps)), x, post, comb);
                 Some(input)
             }
-            None => {
+            Next::Update => {
                 b.hc_post(streams, rows, hc, &y, post, comb);
+                None
+            }
+            Next::Rows(kept) => {
+                // Each row's update reads only that row: the kept rows gathered first.
+                if !kept.is_empty() {
+                    let mut s = b.gather_rows(streams, hc * d, kept);
+                    let y = b.gather_rows(&y, d, kept);
+                    let (post, comb) = (b.gather_rows(post, hc, kept), b.gather_rows(comb, hc * hc, kept));
+                    b.hc_post(&mut s, kept.len(), hc, &y, &post, &comb);
+                    *streams = s;
+                }
                 None
             }
         }
@@ -350,6 +368,16 @@ impl<B: Backend> Model<B> {
         b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
         out
     }
+}
+
+/// How [`Model::layer_from`] ends a layer.
+enum Next<'a, B: Backend> {
+    /// With this next layer's attention input.
+    Layer(&'a LayerWeights<B>),
+    /// With every row's residual update.
+    Update,
+    /// With these rows' residual updates alone (the last layer's: the logit rows).
+    Rows(&'a [usize]),
 }
 
 /// A sub-block's input mixed from the residual streams (`x[rows, hidden]`, normed) and

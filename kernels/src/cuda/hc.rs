@@ -129,7 +129,7 @@ fn fewer_rows_than_sms(g: &super::runtime::Gpu, rows: usize) -> bool {
     rows < g.sms
 }
 
-/// Threads of `hc_pre_finish_rows` (`HCR_THREADS` in hc.cu) and the shape it is
+/// Threads of `hc_pre_finish_rows` (`HCR_THREADS` in hc_rows.cu) and the shape it is
 /// compiled for (`HCR_HC` streams of `HCR_COLS` float4 columns a thread).
 const ROWS_THREADS: u32 = 256;
 const ROWS_SHAPE: (usize, usize) = (4, 4 * 256 * 4);
@@ -141,6 +141,16 @@ fn finish_rows_takes(hc: usize, d: usize) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_PRE_ROWS").map_or(true, |v| v != "0"));
     on && (hc, d) == ROWS_SHAPE
+}
+
+/// Whether a prefill's mHC boundary takes its rows' mixing weights from
+/// `hc_post_mix_rows`' part sums in a kernel of their own (`hc_weights_rows`, then
+/// `hc_collapse_rows`) instead of in `hc_pre_finish_rows`' block of each row, whose norm
+/// waited for the Sinkhorn rounds. `SLUICE_CUDA_HC_WEIGHTS_APART=0` (read once) keeps the
+/// one kernel, to compare.
+fn weights_apart() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_WEIGHTS_APART").map_or(true, |v| v != "0"))
 }
 
 /// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
@@ -225,29 +235,65 @@ fn finish(
     // A prefill's rows of V4's shape held in registers (the same arguments; part sums
     // there are `hc_post_mix_rows`': `hc_post_mix`'s batches are fewer rows than SMs).
     let in_registers = blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d);
-    launch!(
-        g,
-        if in_registers { "hc_pre_finish_rows" } else { "hc_pre_finish" },
-        cfg((rows as u32, blocks_a_row, 1), threads, 0),
-        g.ptr(&streams.mem),
-        m,
-        f80(&w.base),
-        w.scale[0],
-        w.scale[1],
-        w.scale[2],
-        hc as i32,
-        d as i32,
-        w.sinkhorn_iters as i32,
-        w.norm_eps,
-        w.hc_eps,
-        g.ptr(&collapsed.mem),
-        g.ptr(&post.mem),
-        g.ptr(&comb.mem),
-        norm_w,
-        norm_eps,
-        partials,
-        parts as i32,
-    );
+    if in_registers && partials != 0 && weights_apart() {
+        // The weights of every row at once (16 lanes a row), then the collapse as a pass
+        // over the streams (hc_rows.cu says why).
+        let pre = g.scratch("hc_pre_weights", rows * hc);
+        launch!(
+            g,
+            "hc_weights_rows",
+            cfg((rows.div_ceil(16) as u32, 1, 1), 256, 0),
+            partials,
+            parts as i32,
+            f80(&w.base),
+            w.scale[0],
+            w.scale[1],
+            w.scale[2],
+            (hc * d) as i32,
+            w.sinkhorn_iters as i32,
+            w.norm_eps,
+            w.hc_eps,
+            pre,
+            g.ptr(&post.mem),
+            g.ptr(&comb.mem),
+            rows as i32,
+        );
+        launch!(
+            g,
+            "hc_collapse_rows",
+            cfg((rows as u32, 1, 1), ROWS_THREADS, 0),
+            g.ptr(&streams.mem),
+            pre,
+            d as i32,
+            g.ptr(&collapsed.mem),
+            norm_w,
+            norm_eps,
+        );
+    } else {
+        launch!(
+            g,
+            if in_registers { "hc_pre_finish_rows" } else { "hc_pre_finish" },
+            cfg((rows as u32, blocks_a_row, 1), threads, 0),
+            g.ptr(&streams.mem),
+            m,
+            f80(&w.base),
+            w.scale[0],
+            w.scale[1],
+            w.scale[2],
+            hc as i32,
+            d as i32,
+            w.sinkhorn_iters as i32,
+            w.norm_eps,
+            w.hc_eps,
+            g.ptr(&collapsed.mem),
+            g.ptr(&post.mem),
+            g.ptr(&comb.mem),
+            norm_w,
+            norm_eps,
+            partials,
+            parts as i32,
+        );
+    }
     if let (None, Some((nw, eps))) = (fused, norm) {
         super::rows::rms_norm(b, collapsed, d, Some(nw), eps);
     }
@@ -314,10 +360,10 @@ pub(crate) fn hc_post_pre(
     finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
 }
 
-/// Columns of each stream a `hc_post_mix_rows` block takes (`HPR_COLS` in hc.cu), its
-/// rows (`HPR_ROWS`) and threads, and its dynamic shared memory (`HPR_SMEM`: the part's 24
-/// logits' weights for its 4 × 128 stream columns, in f32, 7 16-byte chunks a column and
-/// one more every 4 columns).
+/// Columns of each stream a `hc_post_mix_rows` block takes (`HPR_COLS` in hc_rows.cu),
+/// its rows (`HPR_ROWS`) and threads, and its dynamic shared memory (`HPR_SMEM`: the
+/// part's 24 logits' weights for its 4 × 128 stream columns, in f32, 7 16-byte chunks a
+/// column and one more every 4 columns).
 const POST_MIX_ROWS_COLS: usize = 128;
 const POST_MIX_ROWS_ROWS: usize = 256;
 const POST_MIX_ROWS_THREADS: u32 = 256;

@@ -16,7 +16,7 @@
 //! once a projection (expert order, as above). On sm_90, batches of 1 to 8 rows run those
 //! segments (of two positions) on `wgmma` instead (`moe_wgmma`).
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::CudaBackend;
 use super::matmul::{
@@ -565,7 +565,8 @@ pub(crate) fn experts_routed_on_device(
         return shared.is_some();
     }
     let xg = b.alloc_buf(n * d);
-    launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
+    let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
+    launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
     // Rows per expert are at most `rows` unless a hash table repeats an expert for one
     // token; the kernels loop over R-row parts either way.
     let r = rows.next_power_of_two().min(GEMV_MAX_ROWS);
@@ -696,6 +697,20 @@ fn combine(
     combine_in_list_order(b, y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out, shared);
 }
 
+/// `moe_combine_rows`' kernel and launch shape for `rows` × `d` outputs: four columns a
+/// thread (`moe_combine_rows4`: a block's threads share a row, 16-byte accesses) where `d`
+/// and the addresses (`out`, `y`, the shared expert's rows) allow it, else a thread a
+/// value. `SLUICE_CUDA_MOE_COMBINE4=0` (read once) keeps a thread a value, to compare.
+pub(crate) fn combine_rows_launch(rows: usize, d: usize, addrs: [u64; 3]) -> (&'static str, LaunchConfig) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_COMBINE4").map_or(true, |v| v != "0"));
+    if on && d.is_multiple_of(4) && addrs.iter().all(|a| a.is_multiple_of(16)) {
+        let blocks_a_row = (d / 4).div_ceil(256).max(1);
+        return ("moe_combine_rows4", cfg((rows.max(1) as u32, blocks_a_row as u32, 1), 256, 0));
+    }
+    ("moe_combine_rows", cfg_elems(rows * d))
+}
+
 /// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches
 /// of more than 8 rows), given each row's positions ascending (`pos[r·k ..]`, -1 after
 /// the last): k reads an output instead of a scan of the whole list.
@@ -710,10 +725,11 @@ pub(crate) fn combine_in_list_order(
 ) {
     let g = &b.gpu;
     let (sy, sfirst, srows) = SharedAdd::args(shared, g);
+    let (kernel, launch_cfg) = combine_rows_launch(rows, d, [g.ptr(&out.mem), g.ptr(&y.mem), sy]);
     launch!(
         g,
-        "moe_combine_rows",
-        cfg_elems(rows * d),
+        kernel,
+        launch_cfg,
         g.ptr(&out.mem),
         g.ptr(&y.mem),
         pos,

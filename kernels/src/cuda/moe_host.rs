@@ -62,16 +62,8 @@ pub(super) fn experts_routed_on_host(
             continue;
         }
         let xg = b.alloc_buf(n * d);
-        launch!(
-            g,
-            "gather_rows",
-            cfg_elems(n * d),
-            g.ptr(&xg.mem),
-            g.ptr(&x.mem),
-            lp + 4 * at as u64,
-            n as i32,
-            d as i32
-        );
+        let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
+        launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), lp + 4 * at as u64, n as i32, d as i32);
         let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit, variant);
         // A row listed twice for one expert (a hash table may repeat an expert) must be
         // summed in order: then one thread walks each column; otherwise every element
@@ -253,10 +245,11 @@ fn experts_on_cublas_rows(
     drop((h, u));
     each(&|e, at, count| product(&e.w2, bf16_rows(&hb, at, inter), f32_rows(&y, at, d), count));
     let (sy, s_first, s_rows) = SharedAdd::args(shared, g);
+    let (kernel, launch_cfg) = super::moe::combine_rows_launch(rows, d, [g.ptr(&out.mem), g.ptr(&y.mem), sy]);
     launch!(
         g,
-        "moe_combine_rows",
-        cfg_elems(rows * d),
+        kernel,
+        launch_cfg,
         g.ptr(&out.mem),
         g.ptr(&y.mem),
         word(pos_at),
@@ -386,7 +379,8 @@ fn experts_grouped(
         moe_fp4wg::product(g, &ph, &first.w2, &by_height, t2, g.ptr(&y.mem));
     } else {
         let xg = b.alloc_buf(n * d);
-        launch!(g, "gather_rows", cfg_elems(n * d), g.ptr(&xg.mem), g.ptr(&x.mem), lp, n as i32, d as i32);
+        let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
+        launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), lp, n as i32, d as i32);
         let in_x =
             Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
         let name_up = gemm_kernel(&Operand { x: 0, x_stride: d, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w1)
@@ -403,10 +397,11 @@ fn experts_grouped(
         let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
         gemm(g, name_down, in_h, &first.w2, Some(&over(t2)));
     }
+    let (kernel, launch_cfg) = super::moe::combine_rows_launch(rows, d, [g.ptr(&out.mem), g.ptr(&y.mem), 0]);
     launch!(
         g,
-        "moe_combine_rows",
-        cfg_elems(rows * d),
+        kernel,
+        launch_cfg,
         g.ptr(&out.mem),
         g.ptr(&y.mem),
         word(pos_at),

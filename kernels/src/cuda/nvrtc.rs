@@ -25,6 +25,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("gemm_rows.cu", include_str!("cu/gemm_rows.cu")),
     ("tcgemv.cu", include_str!("cu/tcgemv.cu")),
     ("hc.cu", include_str!("cu/hc.cu")),
+    ("hc_rows.cu", include_str!("cu/hc_rows.cu")),
     ("moe.cu", include_str!("cu/moe.cu")),
     ("moe_slots.cu", include_str!("cu/moe_slots.cu")),
     ("compress.cu", include_str!("cu/compress.cu")),

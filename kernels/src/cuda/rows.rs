@@ -1,7 +1,7 @@
 //! Row-wise ops on the GPU: embedding gather, row gather, RMSNorm, RoPE, scaling and
 //! storage rounding.
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::CudaBackend;
 use super::memory::{CudaBuf, CudaWeight, WeightData};
@@ -57,6 +57,11 @@ pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &m
     let (o, t) = (g.ptr(&out.mem), g.ptr(&tok));
     match &table.data {
         WeightData::F32(w) => launch!(g, "embed_f32", c, o, g.ptr(w), t, rows, cols),
+        // Eight columns a thread where the rows allow 16-byte accesses.
+        WeightData::Bf16(w) if d.is_multiple_of(8) && o.is_multiple_of(16) && g.ptr(w).is_multiple_of(16) => {
+            let blocks_a_row = (d / 8).div_ceil(256).max(1) as u32;
+            launch!(g, "embed_bf16_8", cfg((rows.max(1) as u32, blocks_a_row, 1), 256, 0), o, g.ptr(w), t, rows, cols)
+        }
         WeightData::Bf16(w) => launch!(g, "embed_bf16", c, o, g.ptr(w), t, rows, cols),
         WeightData::Fp8 { codes, scales, .. } => {
             launch!(g, "embed_fp8", c, o, g.ptr(codes), g.ptr(scales), t, rows, cols)
@@ -94,6 +99,20 @@ fn greedy_parts(vocab: usize) -> (usize, usize) {
     (parts, vocab.div_ceil(parts))
 }
 
+/// `gather_rows`' kernel and launch shape for `rows` output rows of `width` values: four
+/// values a thread (`gather_rows4`: a block's threads share a row, 16-byte accesses)
+/// where `width` and the addresses allow it, else a value a thread.
+/// `SLUICE_CUDA_GATHER4=0` (read once) keeps a value a thread, to compare.
+pub(crate) fn gather_rows_launch(rows: usize, width: usize, addrs: [u64; 2]) -> (&'static str, LaunchConfig) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GATHER4").map_or(true, |v| v != "0"));
+    if on && width.is_multiple_of(4) && addrs.iter().all(|a| a.is_multiple_of(16)) {
+        let blocks_a_row = (width / 4).div_ceil(256).max(1);
+        return ("gather_rows4", cfg((rows.max(1) as u32, blocks_a_row as u32, 1), 256, 0));
+    }
+    ("gather_rows", cfg_elems(rows * width))
+}
+
 pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {
     let g = &b.gpu;
     let out = b.alloc_buf(rows.len() * width);
@@ -104,16 +123,8 @@ pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[
     assert!(rows.iter().all(|&r| r < n_src), "gather_rows index outside {n_src} rows");
     let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
     let idx = g.upload(&idx);
-    launch!(
-        g,
-        "gather_rows",
-        cfg_elems(rows.len() * width),
-        g.ptr(&out.mem),
-        g.ptr(&src.mem),
-        g.ptr(&idx),
-        rows.len() as i32,
-        width as i32
-    );
+    let (kernel, launch_cfg) = gather_rows_launch(rows.len(), width, [g.ptr(&out.mem), g.ptr(&src.mem)]);
+    launch!(g, kernel, launch_cfg, g.ptr(&out.mem), g.ptr(&src.mem), g.ptr(&idx), rows.len() as i32, width as i32);
     out
 }
 

@@ -80,13 +80,14 @@ __device__ __forceinline__ void hc_sinkhorn(float* c, int hc, int iters, float h
 }
 
 // The hc values of lanes first, first + step, … (a row: step 1; a column: step hc) into
-// v, by shuffles every lane takes part in. N = HC when hc is fixed at compile time (the
-// loops unroll and the shuffles issue together), else HC_MAX with hc bounding it.
-template <int N>
+// v, by shuffles every lane takes part in; lanes counted within each W-lane segment of
+// the warp. N = HC when hc is fixed at compile time (the loops unroll and the shuffles
+// issue together), else HC_MAX with hc bounding it.
+template <int N, int W = 32>
 __device__ __forceinline__ void hc_gather(float c, int hc, int first, int step, float* v) {
 #pragma unroll
     for (int q = 0; q < N; q++)
-        if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, first + q * step);
+        if (q < hc) v[q] = __shfl_sync(0xffffffffu, c, first + q * step, W);
 }
 
 // c / (Σ of v's hc values in index order + eps): one row or column normalisation.
@@ -106,15 +107,16 @@ __device__ __forceinline__ float hc_normalised(float c, int hc, const float* v, 
 // Every lane must call it. HC > 0 fixes hc at compile time so the loops unroll and a
 // sum's shuffles issue together: the rounds are a chain of dependent steps (20 rounds ×
 // 2 sums), and with hc a run-time value they took ~10 µs of a decode step's pre-mix.
-template <int HC>
+// W < 32 (hc² ≤ W): each W-lane segment of the warp projects its own matrix.
+template <int HC, int W = 32>
 __device__ __forceinline__ float hc_sinkhorn_lanes(float c, int hc_rt, int iters, float hc_eps) {
     constexpr int N = HC > 0 ? HC : HC_MAX;
     const int hc = HC > 0 ? HC : hc_rt;
-    const int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & (W - 1);
     const int l = lane < hc * hc ? lane : 0;
     const int j = l / hc, k = l % hc;
     float v[N];
-    hc_gather<N>(c, hc, j * hc, 1, v);
+    hc_gather<N, W>(c, hc, j * hc, 1, v);
     float mx = NEG_INF;
 #pragma unroll
     for (int q = 0; q < N; q++)
@@ -126,10 +128,10 @@ __device__ __forceinline__ float hc_sinkhorn_lanes(float c, int hc_rt, int iters
     c = expf(c - mx) / sum + hc_eps;
     for (int it = 0; it < iters; it++) {
         if (it > 0) {
-            hc_gather<N>(c, hc, j * hc, 1, v);
+            hc_gather<N, W>(c, hc, j * hc, 1, v);
             c = hc_normalised<N>(c, hc, v, hc_eps);
         }
-        hc_gather<N>(c, hc, k, hc, v);
+        hc_gather<N, W>(c, hc, k, hc, v);
         c = hc_normalised<N>(c, hc, v, hc_eps);
     }
     return c;
@@ -189,76 +191,6 @@ __device__ __forceinline__ void hc_add_parts(const float* partials, int r, int p
         mix_s[threadIdx.x] = t;
     }
     __syncthreads();
-}
-
-// hc_pre_finish of a prefill-sized batch (a block of HCR_THREADS a row, the product in
-// `mix`) of V4's shape (hc 4 × hidden 4096, HCR_PIECES float4s a thread): the row's
-// streams read once into registers. hc_pre_finish reads them for the sum of squares,
-// again for the collapse and the collapsed row again for its norm — the same elements
-// by the same thread each time (thread t: float4s t + 256u, so stream j, columns t +
-// 256k at u = 4j + k), so the sums here are those, in the same order, and the outputs
-// the same bits; only the passes over memory go. With `partials` (hc_post_mix_rows'),
-// the product and the sum of squares come from there, added as hc_pre_finish adds them.
-#define HCR_THREADS 256
-#define HCR_HC 4
-#define HCR_COLS 4  // float4 columns of a stream a thread: hidden = 4 · HCR_THREADS · HCR_COLS
-#define HCR_PIECES (HCR_HC * HCR_COLS)
-extern "C" __global__ void __launch_bounds__(HCR_THREADS)
-    hc_pre_finish_rows(const float* streams, const float* mix, F80 base, float s_pre, float s_post, float s_comb,
-                       int hc, int d, int iters, float norm_eps, float hc_eps, float* collapsed, float* post,
-                       float* comb, const float* out_norm, float out_eps, const float* partials, int parts) {
-    pdl_begin();
-    const int r = blockIdx.x, t = threadIdx.x, width = HCR_HC * d;
-    const float4* s4 = reinterpret_cast<const float4*>(streams + (long long)r * width);
-    __shared__ float pre_s[HC_MAX];
-    __shared__ float c[HC_MAX * HC_MAX];
-    __shared__ float mix_s[HC_MIX_SLOTS];
-    float4 v[HCR_PIECES];
-#pragma unroll
-    for (int u = 0; u < HCR_PIECES; u++) v[u] = s4[t + HCR_THREADS * u];
-    float inv;
-    const float* m;
-    if (partials) {
-        // hc_post_mix_rows left the product and the sum of squares in parts.
-        hc_add_parts(partials, r, parts, mix_s);
-        inv = 1.0f / sqrtf(mix_s[HC_SUMSQ_SLOT] / (float)width + norm_eps);
-        m = mix_s;
-    } else {
-        float ss = 0.0f;
-#pragma unroll
-        for (int u = 0; u < HCR_PIECES; u++)
-            ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
-        inv = 1.0f / sqrtf(block_sum(ss) / (float)width + norm_eps);
-        m = mix + (long long)r * (2 + hc) * hc;
-    }
-    hc_pre_weights(m, inv, base, s_pre, s_post, s_comb, hc, iters, hc_eps, pre_s, c, post + r * hc,
-                   comb + (long long)r * hc * hc);
-    // The collapse (hc_collapse's sums) and, fused, the sub-block's input norm
-    // (block_rms_norm_row's) from the registers.
-    float4 o[HCR_COLS];
-    float oss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < HCR_COLS; k++) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int j = 0; j < HCR_HC; j++) {
-            const float4 x = v[j * HCR_COLS + k];
-            acc.x += pre_s[j] * x.x;
-            acc.y += pre_s[j] * x.y;
-            acc.z += pre_s[j] * x.z;
-            acc.w += pre_s[j] * x.w;
-        }
-        o[k] = acc;
-        oss += acc.x * acc.x + acc.y * acc.y + acc.z * acc.z + acc.w * acc.w;
-    }
-    float4* out4 = reinterpret_cast<float4*>(collapsed + (long long)r * d);
-    const float onv = out_norm ? 1.0f / sqrtf(block_sum(oss) / (float)d + out_eps) : 1.0f;
-    const float4* w4 = reinterpret_cast<const float4*>(out_norm);
-#pragma unroll
-    for (int k = 0; k < HCR_COLS; k++) {
-        const int col = t + HCR_THREADS * k;
-        out4[col] = out_norm ? rms_scale4(o[k], onv, w4, col) : o[k];
-    }
 }
 
 // One block per row (blockIdx.y 0). mix[rows, (2+hc)*hc] = W · streams (un-normalised),
@@ -580,118 +512,4 @@ extern "C" __global__ void __launch_bounds__(64) hc_post_mix_bf16(float* streams
                                                                    float* partials, int rows, int per_block) {
     pdl_begin();
     hc_post_mix_body<1, 4>(streams, out, post, comb, d, w, partials, rows, per_block);
-}
-
-// hc_post and the next sub-block's mixing product for a prefill's rows (hc_post_mix is
-// for decode batches: its blocks hold a weight slice for a few rows and fold each row's
-// sums across the block at every row). Here a warp takes 4 rows at a time, 8 lanes a row,
-// a lane 4 columns of each stream a step (a row's 128 bytes a stream in one access of 8
-// lanes: 4 lines an instruction; a lane a row touched 32): it updates them as hc_post does
-// (the same rounding steps: the streams are bit for bit hc_post's) and adds each updated
-// value times its 24 weights into its own sums, folded over the row's 8 lanes once the
-// row's part is done. The part's weights sit in shared memory as [stream][column][logit],
-// a column's 24 in 6 16-byte chunks at chunk 7x + x/4 (`hpr_at`): the 8 columns 4 apart
-// that a warp reads at once start on chunks 29g + const, distinct mod 8, so on distinct
-// banks (a plain stride of 28 floats put them on two). The sums go to partials[r, part, 32] as hc_post_mix leaves
-// them (the sum of squares in slot 31), which hc_pre_finish_rows adds in a fixed order.
-// One pass over the streams where hc_post, the mixing product (cuBLAS's f32 GEMM, its 24
-// outputs in a tile of 64 or more) and the pre-mix read them three times.
-// grid (hidden / HPR_COLS parts, rows / HPR_ROWS), HPR_THREADS threads, HPR_SMEM bytes of
-// dynamic shared memory.
-#define HPR_THREADS 256
-#define HPR_ROWS 256     // rows a block: each warp 32, 4 at a time
-#define HPR_COLS 128     // columns of each stream a block's part holds
-#define HPR_N 24         // V4's logits: (2 + 4) · 4
-#define HPR_KCHUNKS (7 * HPR_COLS + HPR_COLS / 4)  // 16-byte chunks a stream's weights take
-#define HPR_SMEM (4 * HPR_KCHUNKS * 16)
-__device__ __forceinline__ int hpr_at(int k, int x) { return 4 * (k * HPR_KCHUNKS + 7 * x + (x >> 2)); }
-template <int WT>
-__device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ streams, const float* __restrict__ out,
-                                                      const float* __restrict__ post,
-                                                      const float* __restrict__ comb, int rows, int d,
-                                                      const void* __restrict__ w, float* __restrict__ partials) {
-    extern __shared__ __align__(16) float hpr_w[];
-    const int part = blockIdx.x, parts = gridDim.x, x0 = part * HPR_COLS;
-    const long long K = 4LL * d;
-    // The part's weights (static: read before waiting for the kernel before), coalesced
-    // along the columns.
-    for (int e = threadIdx.x; e < HPR_N * 4 * HPR_COLS; e += HPR_THREADS) {
-        const int x = e % HPR_COLS, nk = e / HPR_COLS, k = nk % 4, n = nk / 4;
-        const long long at = n * K + (long long)k * d + x0 + x;
-        hpr_w[hpr_at(k, x) + n] = WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
-    }
-    __syncthreads();
-    // The next kernel (hc_pre_finish_rows) is let in only as blocks finish (below): placed
-    // early, its waiting blocks held registers this kernel's later blocks needed.
-    pdl_wait();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, col = 4 * (lane & 7);
-    for (int r0 = blockIdx.y * HPR_ROWS + warp * 32; r0 < min(rows, blockIdx.y * HPR_ROWS + warp * 32 + 32); r0 += 4) {
-        const int r = r0 + sub;
-        const bool live = r < rows;
-        float p[4], c[16], acc[HPR_N], ss = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 4; k++) p[k] = live ? post[(long long)r * 4 + k] : 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; i++) c[i] = live ? comb[(long long)r * 16 + i] : 0.0f;
-#pragma unroll
-        for (int n = 0; n < HPR_N; n++) acc[n] = 0.0f;
-        float* s = streams + (long long)r * K + x0 + col;
-        const float* o_row = out + (long long)r * d + x0 + col;
-        if (live) {
-#pragma unroll 1
-            for (int xs = 0; xs < HPR_COLS; xs += 32) {
-                float a[4][4], ob[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++) *(float4*)&a[k][0] = *(const float4*)(s + (long long)k * d + xs);
-                *(float4*)&ob[0] = __ldg((const float4*)(o_row + xs));
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    const float old[4] = {a[0][i], a[1][i], a[2][i], a[3][i]};
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        const float v = hc_post_value(p[k], ob[i], c + k, 4, old, 4);
-                        a[k][i] = v;
-                        ss += v * v;
-                        const float4* wk = (const float4*)(hpr_w + hpr_at(k, xs + col + i));
-#pragma unroll
-                        for (int q = 0; q < HPR_N / 4; q++) {
-                            const float4 wv = wk[q];
-                            acc[4 * q] += wv.x * v;
-                            acc[4 * q + 1] += wv.y * v;
-                            acc[4 * q + 2] += wv.z * v;
-                            acc[4 * q + 3] += wv.w * v;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int k = 0; k < 4; k++) *(float4*)(s + (long long)k * d + xs) = *(const float4*)&a[k][0];
-            }
-        }
-        // The row's 8 lanes' sums, folded in a fixed order; its first lane writes them.
-#pragma unroll
-        for (int m = 1; m < 8; m <<= 1) {
-#pragma unroll
-            for (int n = 0; n < HPR_N; n++) acc[n] += __shfl_xor_sync(0xffffffffu, acc[n], m);
-            ss += __shfl_xor_sync(0xffffffffu, ss, m);
-        }
-        if (live && col == 0) {
-            float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
-#pragma unroll
-            for (int q = 0; q < HPR_N / 4; q++)
-                dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-            dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
-        }
-    }
-    pdl_launch_dependents();
-}
-extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
-    hc_post_mix_rows_f32(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
-                         const void* w, float* partials) {
-    hc_post_mix_rows_body<0>(streams, out, post, comb, rows, d, w, partials);
-}
-extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
-    hc_post_mix_rows_bf16(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
-                          const void* w, float* partials) {
-    hc_post_mix_rows_body<1>(streams, out, post, comb, rows, d, w, partials);
 }
