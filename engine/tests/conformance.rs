@@ -200,6 +200,13 @@ fn run_fixture(name: &str, model: &str) {
         check(name, &what("one-shot prefill"), &one_shot, &case.prefill);
         engine.release(seq);
 
+        // The last row's logits alone (the last layer's residual update then runs for
+        // that row only).
+        let mut seq = engine.open_sequence().unwrap();
+        let last = engine.prefill(&mut seq, &case.prompt, Logits::Last).unwrap();
+        check(name, &what("prefill, last row only"), &last, &case.prefill[case.prefill.len() - vocab..]);
+        engine.release(seq);
+
         // The fixture's uneven chunks, then greedy decoding from that state.
         let mut seq = engine.open_sequence().unwrap();
         let mut chunked = Vec::new();

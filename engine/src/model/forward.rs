@@ -222,6 +222,11 @@ impl<B: Backend> Model<B> {
                 b.hc_post(streams, rows, hc, &y, post, comb);
                 None
             }
+            Next::Rows(kept) if kept.iter().copied().eq(0..rows) => {
+                // Every row, in order (a decode step's logits): the update in place.
+                b.hc_post(streams, rows, hc, &y, post, comb);
+                None
+            }
             Next::Rows(kept) => {
                 // Each row's update reads only that row: the kept rows gathered first.
                 if !kept.is_empty() {

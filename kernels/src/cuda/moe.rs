@@ -704,11 +704,10 @@ fn combine(
 pub(crate) fn combine_rows_launch(rows: usize, d: usize, addrs: [u64; 3]) -> (&'static str, LaunchConfig) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_COMBINE4").map_or(true, |v| v != "0"));
-    if on && d.is_multiple_of(4) && addrs.iter().all(|a| a.is_multiple_of(16)) {
-        let blocks_a_row = (d / 4).div_ceil(256).max(1);
-        return ("moe_combine_rows4", cfg((rows.max(1) as u32, blocks_a_row as u32, 1), 256, 0));
+    match super::rows::vector_rows_cfg(rows, d, 4, &addrs) {
+        Some(c) if on => ("moe_combine_rows4", c),
+        _ => ("moe_combine_rows", cfg_elems(rows * d)),
     }
-    ("moe_combine_rows", cfg_elems(rows * d))
 }
 
 /// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches

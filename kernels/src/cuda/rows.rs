@@ -58,9 +58,8 @@ pub(crate) fn embed(b: &CudaBackend, table: &CudaWeight, tokens: &[u32], out: &m
     match &table.data {
         WeightData::F32(w) => launch!(g, "embed_f32", c, o, g.ptr(w), t, rows, cols),
         // Eight columns a thread where the rows allow 16-byte accesses.
-        WeightData::Bf16(w) if d.is_multiple_of(8) && o.is_multiple_of(16) && g.ptr(w).is_multiple_of(16) => {
-            let blocks_a_row = (d / 8).div_ceil(256).max(1) as u32;
-            launch!(g, "embed_bf16_8", cfg((rows.max(1) as u32, blocks_a_row, 1), 256, 0), o, g.ptr(w), t, rows, cols)
+        WeightData::Bf16(w) if let Some(v) = vector_rows_cfg(tokens.len(), d, 8, &[o, g.ptr(w)]) => {
+            launch!(g, "embed_bf16_8", v, o, g.ptr(w), t, rows, cols)
         }
         WeightData::Bf16(w) => launch!(g, "embed_bf16", c, o, g.ptr(w), t, rows, cols),
         WeightData::Fp8 { codes, scales, .. } => {
@@ -106,11 +105,20 @@ fn greedy_parts(vocab: usize) -> (usize, usize) {
 pub(crate) fn gather_rows_launch(rows: usize, width: usize, addrs: [u64; 2]) -> (&'static str, LaunchConfig) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GATHER4").map_or(true, |v| v != "0"));
-    if on && width.is_multiple_of(4) && addrs.iter().all(|a| a.is_multiple_of(16)) {
-        let blocks_a_row = (width / 4).div_ceil(256).max(1);
-        return ("gather_rows4", cfg((rows.max(1) as u32, blocks_a_row as u32, 1), 256, 0));
+    match vector_rows_cfg(rows, width, 4, &addrs) {
+        Some(c) if on => ("gather_rows4", c),
+        _ => ("gather_rows", cfg_elems(rows * width)),
     }
-    ("gather_rows", cfg_elems(rows * width))
+}
+
+/// The launch of a kernel that gives each of `rows` rows of `width` values a block row
+/// (256 threads a block, `per` values a thread in 16-byte accesses): None where `width`
+/// is not a multiple of `per` or an address is not 16-byte aligned.
+pub(crate) fn vector_rows_cfg(rows: usize, width: usize, per: usize, addrs: &[u64]) -> Option<LaunchConfig> {
+    if !width.is_multiple_of(per) || !addrs.iter().all(|a| a.is_multiple_of(16)) {
+        return None;
+    }
+    Some(cfg((rows.max(1) as u32, (width / per).div_ceil(256).max(1) as u32, 1), 256, 0))
 }
 
 pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[usize]) -> CudaBuf {

@@ -247,8 +247,11 @@ __device__ __forceinline__ void aw_prep_query(float4 (&a)[16], float4 (&b)[16], 
 
 // The normalised output of heads `head` and `head` + 8 (row r; this thread's pairs of dims
 // 256·wg + 8j + 2tq) as bf16, the last 2·pairs dims rotated back: what `attention_merge`
-// (no split here), the `rope` launch and `round_bf16_rows8` leave, in one store.
-__device__ __forceinline__ void aw_store_bf16(const float (&o)[128], u16* out, int r, int head, const AttnGeom& g,
+// (no split here), the `rope` launch and `round_bf16_rows8` leave. Into shared memory at
+// `stage` (the block's 64 heads, AW_OUT_STRIDE bytes a head: with 16 bytes of padding a
+// warp's 32 words fall on 32 banks), which `aw_copy_out` then writes out whole.
+#define AW_OUT_STRIDE (2 * AW_HD + 16)
+__device__ __forceinline__ void aw_stage_bf16(const float (&o)[128], u8* stage, int row0, int head, const AttnGeom& g,
                                               const float* sinks, const float (&m_run)[2], const float (&s_run)[2],
                                               float pos, const RopeParams& rp, int wg, int tq) {
     float f[2];
@@ -257,8 +260,8 @@ __device__ __forceinline__ void aw_store_bf16(const float (&o)[128], u16* out, i
         const float sink = sinks[head + 8 * h], mf = fmaxf(m_run[h], sink), c = expf(m_run[h] - mf);
         f[h] = c / (s_run[h] * c + expf(sink - mf));
     }
-    u16* dst0 = out + ((long long)r * g.heads + head) * AW_HD + 256 * wg + 2 * tq;
-    u16* dst1 = dst0 + 8 * AW_HD;
+    u8* dst0 = stage + row0 * AW_OUT_STRIDE + 2 * (256 * wg + 2 * tq);
+    u8* dst1 = dst0 + 8 * AW_OUT_STRIDE;
     const int r0 = AW_HD - 2 * rp.pairs;
 #pragma unroll
     for (int j = 0; j < 32; j++) {
@@ -273,9 +276,19 @@ __device__ __forceinline__ void aw_store_bf16(const float (&o)[128], u16* out, i
             const float a1 = x1 * cs - y1 * sn, b1 = y1 * cs + x1 * sn;
             x0 = a0, y0 = b0, x1 = a1, y1 = b1;
         }
-        *(u32*)(dst0 + 8 * j) = bf16x2_rn(x0, y0);
-        *(u32*)(dst1 + 8 * j) = bf16x2_rn(x1, y1);
+        *(u32*)(dst0 + 16 * j) = bf16x2_rn(x0, y0);
+        *(u32*)(dst1 + 16 * j) = bf16x2_rn(x1, y1);
     }
+}
+
+// The staged rows of the block's 64 heads (row r) to `out`, where they are 64 KiB in a
+// row: 16-byte pieces, a warp 512 contiguous bytes an instruction. Written from the
+// registers, a warp's store touched 8 heads' 16 bytes each, ~16K stores a block.
+__device__ __forceinline__ void aw_copy_out(const u8* stage, u16* out, int r, int h0, const AttnGeom& g) {
+    uint4* dst = (uint4*)(out + ((long long)r * g.heads + h0) * AW_HD);
+#pragma unroll 4
+    for (int p = threadIdx.x; p < AW_HEADS * AW_HD / 8; p += AW_THREADS)
+        dst[p] = *(const uint4*)(stage + (p >> 6) * AW_OUT_STRIDE + 16 * (p & 63));
 }
 
 // A tile's row maxima `mt` (log2 units) into the running reference points: a row's point
@@ -345,29 +358,31 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
         aw_fetch(tiles + (tile_i & 1) * AW_MAT, c_addr, kinds[slot], offs[slot], g, new_kv, rings, page_base);
     };
 
-    // Tile 0 fetched and converted, tile 1's fetch in flight, q as bf16 meanwhile.
+    // Tile 0 fetched and converted, tile 1's fetch in flight, q as bf16 meanwhile. The
+    // q loads go first (a thread 16 pieces of 8 dims, every load issued before the first
+    // conversion: one block an SM, nothing else hides their latency), so they are in
+    // flight under the first key places' dependent loads (the selection, the page table).
+    constexpr int PIECES = AW_HEADS * AW_HD / 8 / AW_THREADS;
+    float4 qa[PIECES], qb[PIECES];
+#pragma unroll
+    for (int u = 0; u < PIECES; u++) {
+        const int p = threadIdx.x + AW_THREADS * u;
+        const float* src = q + ((long long)r * g.heads + h0 + (p >> 6)) * AW_HD + 8 * (p & 63);
+        qa[u] = *(const float4*)src;
+        qb[u] = *(const float4*)(src + 4);
+    }
     if (threadIdx.x < AW_KEYS) place(0, j0 + threadIdx.x);
     __syncthreads();
     fetch(0);
     if (threadIdx.x < AW_KEYS) place(1, j0 + AW_KEYS + threadIdx.x);
     {
-        // q rounded once, swizzled: a thread 16 pieces of 8 dims, every load issued before
-        // the first conversion (one block an SM: nothing else hides their latency).
-        constexpr int PIECES = AW_HEADS * AW_HD / 8 / AW_THREADS;
-        float4 a[PIECES], b[PIECES];
+        // q rounded once, swizzled.
+        if (g.q_prep) aw_prep_query(qa, qb, (float)positions[r], g.q_eps, rp);
 #pragma unroll
         for (int u = 0; u < PIECES; u++) {
             const int p = threadIdx.x + AW_THREADS * u;
-            const float* src = q + ((long long)r * g.heads + h0 + (p >> 6)) * AW_HD + 8 * (p & 63);
-            a[u] = *(const float4*)src;
-            b[u] = *(const float4*)(src + 4);
-        }
-        if (g.q_prep) aw_prep_query(a, b, (float)positions[r], g.q_eps, rp);
-#pragma unroll
-        for (int u = 0; u < PIECES; u++) {
-            const int p = threadIdx.x + AW_THREADS * u;
-            *(uint4*)(qs + aw_at(p >> 6, p & 63)) = make_uint4(bf16x2_rn(a[u].x, a[u].y), bf16x2_rn(a[u].z, a[u].w),
-                                                               bf16x2_rn(b[u].x, b[u].y), bf16x2_rn(b[u].z, b[u].w));
+            *(uint4*)(qs + aw_at(p >> 6, p & 63)) = make_uint4(bf16x2_rn(qa[u].x, qa[u].y), bf16x2_rn(qa[u].z, qa[u].w),
+                                                               bf16x2_rn(qb[u].x, qb[u].y), bf16x2_rn(qb[u].z, qb[u].w));
         }
     }
     // A row's q (128 KiB of f32) was most of its start's wait; blocks start in row order,
@@ -581,7 +596,11 @@ __device__ __forceinline__ void aw_attend(const float* q, const u16* new_kv, con
         // row's position (rope_pair's inverse; a pair's angle taken once for both of the
         // thread's heads) and rounded once to bf16 (cuBLAS's input for wo_a, which would
         // otherwise read the f32 output in one pass and the rotation in another).
-        aw_store_bf16(o, (u16*)out, r, h0 + row0, g, sinks, m_run, s_run, (float)positions[r], rp, wg, tq);
+        // q and the tiles are free (every warp passed the last tile's barrier, and every
+        // wgmma that read them completed): the rows are staged there.
+        aw_stage_bf16(o, qs, row0, h0 + row0, g, sinks, m_run, s_run, (float)positions[r], rp, wg, tq);
+        __syncthreads();
+        aw_copy_out(qs, (u16*)out, r, h0, g);
         return;
     }
 #pragma unroll
