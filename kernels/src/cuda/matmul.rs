@@ -613,6 +613,20 @@ pub(crate) fn matmul_as(gpu: &Gpu, op: Operand, w: &CudaWeight, variant: Decode)
 /// `out[rows, inter] = silu(min(x·w1ᵀ, limit)) * clamp(x·w3ᵀ, ±limit)`, with the decode
 /// kernels given.
 pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeight, limit: f32, variant: Decode) {
+    swiglu_pair_of(gpu, op, (w1, w3), limit, variant, None);
+}
+
+/// [`swiglu_pair`] where the caller may hold `op`'s rows already rounded to bf16 for both
+/// products (`cublas_bf16::rounded_for` over them and more): they are read instead of
+/// rounding the rows again, where the pair takes cuBLAS.
+pub(crate) fn swiglu_pair_of(
+    gpu: &Gpu,
+    op: Operand,
+    (w1, w3): (&CudaWeight, &CudaWeight),
+    limit: f32,
+    variant: Decode,
+    rounded: Option<&cublas_bf16::RoundedRows>,
+) {
     if op.rows == 0 {
         return;
     }
@@ -633,9 +647,10 @@ pub(crate) fn swiglu_pair(gpu: &Gpu, op: Operand, w1: &CudaWeight, w3: &CudaWeig
     let n = op.rows * w1.rows;
     let up = gpu.alloc::<f32>(n);
     let op_up = Operand { out: gpu.ptr(&up), out_stride: w3.rows, ..op };
+    let own = if on_wgmma || rounded.is_some() { None } else { cublas_bf16::rounded_for(gpu, &op, &[w1, w3]) };
     if on_wgmma {
         fp8wg_products_sharing_parts(gpu, &[(op, w1), (op_up, w3)]);
-    } else if let Some(xb) = cublas_bf16::rounded_for(gpu, &op, &[w1, w3]) {
+    } else if let Some(xb) = rounded.or(own.as_ref()) {
         for (o, w) in [(op, w1), (op_up, w3)] {
             count_product(gpu, o.rows, w);
             xb.product(gpu, o, w);

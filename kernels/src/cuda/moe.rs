@@ -20,7 +20,8 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::CudaBackend;
 use super::matmul::{
-    Decode, GEMV_MAX_ROWS, Operand, family, matmul_as, outputs_per_block, swiglu_pair, tc_family, tc_scratch,
+    Decode, GEMV_MAX_ROWS, Operand, count_product, family, matmul_as, outputs_per_block, swiglu_pair_of, tc_family,
+    tc_scratch,
 };
 use super::memory::{CudaBuf, CudaWeight};
 use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
@@ -49,6 +50,7 @@ pub(super) fn expert(
     e: &ExpertWeights<CudaBackend>,
     limit: f32,
     variant: Decode,
+    rounded: Option<&cublas_bf16::RoundedRows>,
 ) -> CudaBuf {
     let g = &b.gpu;
     let y = b.alloc_buf(rows * e.w2.rows);
@@ -58,7 +60,7 @@ pub(super) fn expert(
     let inter = e.w1.rows;
     let h = b.alloc_buf(rows * inter);
     let op = Operand { x, x_stride: e.w1.cols, out: g.ptr(&h.mem), out_stride: inter, rows, groups: 1 };
-    swiglu_pair(g, op, &e.w1, &e.w3, limit, variant);
+    swiglu_pair_of(g, op, (&e.w1, &e.w3), limit, variant, rounded);
     let op = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: e.w2.rows, rows, groups: 1 };
     matmul_as(g, op, &e.w2, variant);
     y
@@ -102,6 +104,15 @@ pub(crate) fn moe_as(
     // latency-bound kernels (a recorded step then runs them at once; otherwise this is
     // just its place in the order).
     let branch = rows <= moe_branch_rows();
+    // The rows rounded to bf16 once where the router's product and the shared expert's
+    // pair both read them so (a prefill's, on cuBLAS): each rounded them itself (an 8K
+    // prefill's 128 MB read twice a layer).
+    let x_op = Operand { x: g.ptr(&x.mem), x_stride: d, out: 0, out_stride: n_exp, rows, groups: 1 };
+    let x_bf16 = w
+        .shared
+        .as_ref()
+        .filter(|_| !branch && shared_rows == (0..rows) && router_shares_rounding())
+        .and_then(|s| cublas_bf16::rounded_for(g, &x_op, &[&w.gate, &s.w1, &s.w3]));
     let shared_expert = || {
         w.shared.as_ref().filter(|_| !shared_rows.is_empty()).map(|shared| {
             assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");
@@ -110,7 +121,7 @@ pub(crate) fn moe_as(
             }
             let y = b.prof("moe: shared", || {
                 let (at, n) = (4 * (shared_rows.start * d) as u64, shared_rows.len());
-                expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant)
+                expert(b, g.ptr(&x.mem) + at, n, shared, w.swiglu_limit, variant, x_bf16.as_ref())
             });
             if branch {
                 g.to_main();
@@ -126,8 +137,14 @@ pub(crate) fn moe_as(
     let mut shared = if on_device { shared_expert() } else { None };
     let route = b.prof("moe: router", || {
         let logits = b.alloc_buf(rows * n_exp);
-        let op = Operand { x: g.ptr(&x.mem), x_stride: d, out: g.ptr(&logits.mem), out_stride: n_exp, rows, groups: 1 };
-        matmul_as(g, op, &w.gate, variant);
+        let op = Operand { out: g.ptr(&logits.mem), ..x_op };
+        match &x_bf16 {
+            Some(xb) => {
+                count_product(g, rows, &w.gate);
+                xb.product(g, op, &w.gate);
+            }
+            None => matmul_as(g, op, &w.gate, variant),
+        }
 
         let mut bias = F512 { v: [0.0; MAX_EXPERTS] };
         let hash_rows = match &w.routing {
@@ -695,6 +712,14 @@ fn combine(
     let pos = g.alloc::<i32>(n);
     launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&pos), list_rows, n as i32, rows as i32, k as i32);
     combine_in_list_order(b, y, (rows, k, d), (g.ptr(&pos), list_widx), weights, out, shared);
+}
+
+/// Whether a batch's router product and shared expert share one bf16 rounding of the
+/// rows where both take cuBLAS. `SLUICE_CUDA_MOE_SHARED_ROUNDING=0` (read once) has each
+/// round them, to compare.
+fn router_shares_rounding() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_SHARED_ROUNDING").map_or(true, |v| v != "0"))
 }
 
 /// `moe_combine_rows`' kernel and launch shape for `rows` × `d` outputs: four columns a

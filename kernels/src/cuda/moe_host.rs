@@ -64,7 +64,7 @@ pub(super) fn experts_routed_on_host(
         let xg = b.alloc_buf(n * d);
         let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
         launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), lp + 4 * at as u64, n as i32, d as i32);
-        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit, variant);
+        let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit, variant, None);
         // A row listed twice for one expert (a hash table may repeat an expert) must be
         // summed in order: then one thread walks each column; otherwise every element
         // has its own thread.
