@@ -582,8 +582,7 @@ pub(crate) fn experts_routed_on_device(
         return shared.is_some();
     }
     let xg = b.alloc_buf(n * d);
-    let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
-    launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n as i32, d as i32);
+    super::rows::gather_rows_at(g, g.ptr(&xg.mem), g.ptr(&x.mem), list_rows, n, d);
     // Rows per expert are at most `rows` unless a hash table repeats an expert for one
     // token; the kernels loop over R-row parts either way.
     let r = rows.next_power_of_two().min(GEMV_MAX_ROWS);
@@ -726,7 +725,7 @@ fn router_shares_rounding() -> bool {
 /// thread (`moe_combine_rows4`: a block's threads share a row, 16-byte accesses) where `d`
 /// and the addresses (`out`, `y`, the shared expert's rows) allow it, else a thread a
 /// value. `SLUICE_CUDA_MOE_COMBINE4=0` (read once) keeps a thread a value, to compare.
-pub(crate) fn combine_rows_launch(rows: usize, d: usize, addrs: [u64; 3]) -> (&'static str, LaunchConfig) {
+fn combine_rows_launch(rows: usize, d: usize, addrs: [u64; 3]) -> (&'static str, LaunchConfig) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_MOE_COMBINE4").map_or(true, |v| v != "0"));
     match super::rows::vector_rows_cfg(rows, d, 4, &addrs) {
@@ -736,8 +735,9 @@ pub(crate) fn combine_rows_launch(rows: usize, d: usize, addrs: [u64; 3]) -> (&'
 }
 
 /// out[r] = Σ over row r's list positions i, in list order, of weight(i) · y[i] (batches
-/// of more than 8 rows), given each row's positions ascending (`pos[r·k ..]`, -1 after
-/// the last): k reads an output instead of a scan of the whole list.
+/// of more than 8 rows, routed on the device or read back), given each row's positions
+/// ascending (`pos[r·k ..]`, -1 after the last): k reads an output instead of a scan of
+/// the whole list.
 pub(crate) fn combine_in_list_order(
     b: &CudaBackend,
     y: &CudaBuf,

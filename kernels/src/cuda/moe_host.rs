@@ -10,7 +10,8 @@ use super::CudaBackend;
 use super::cublas_bf16;
 use super::matmul::{Decode, GEMM_BM, Operand, Tiles, gemm, gemm_kernel, gemm_split, split_x, swiglu_act};
 use super::memory::CudaBuf;
-use super::moe::{SharedAdd, expert};
+use super::moe::{SharedAdd, combine_in_list_order, expert};
+use super::rows::gather_rows_at;
 use super::runtime::{DevBuf, cfg, cfg_elems, launch};
 use super::{moe_cublas, moe_fp4wg};
 use crate::Activations;
@@ -62,8 +63,7 @@ pub(super) fn experts_routed_on_host(
             continue;
         }
         let xg = b.alloc_buf(n * d);
-        let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
-        launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), lp + 4 * at as u64, n as i32, d as i32);
+        gather_rows_at(g, g.ptr(&xg.mem), g.ptr(&x.mem), lp + 4 * at as u64, n, d);
         let y = expert(b, g.ptr(&xg.mem), n, &w.experts[e], w.swiglu_limit, variant, None);
         // A row listed twice for one expert (a hash table may repeat an expert) must be
         // summed in order: then one thread walks each column; otherwise every element
@@ -244,25 +244,9 @@ fn experts_on_cublas_rows(
     cublas_bf16::swiglu_bf16(g, g.ptr(&hb), g.ptr(&h.mem), g.ptr(&u.mem), n * inter, w.swiglu_limit);
     drop((h, u));
     each(&|e, at, count| product(&e.w2, bf16_rows(&hb, at, inter), f32_rows(&y, at, d), count));
-    let (sy, s_first, s_rows) = SharedAdd::args(shared, g);
-    let (kernel, launch_cfg) = super::moe::combine_rows_launch(rows, d, [g.ptr(&out.mem), g.ptr(&y.mem), sy]);
-    launch!(
-        g,
-        kernel,
-        launch_cfg,
-        g.ptr(&out.mem),
-        g.ptr(&y.mem),
-        word(pos_at),
-        word(n),
-        g.ptr(&weights.mem),
-        k as i32,
-        rows as i32,
-        d as i32,
-        sy,
-        s_first,
-        s_rows
-    );
-    shared.is_some()
+    let added = shared.is_some();
+    combine_in_list_order(b, &y, (rows, k, d), (word(pos_at), word(n)), weights, out, shared);
+    added
 }
 
 /// Whether every expert has the first one's format and shapes and the tensor-core kernel
@@ -379,8 +363,7 @@ fn experts_grouped(
         moe_fp4wg::product(g, &ph, &first.w2, &by_height, t2, g.ptr(&y.mem));
     } else {
         let xg = b.alloc_buf(n * d);
-        let (kernel, launch_cfg) = super::rows::gather_rows_launch(n, d, [g.ptr(&xg.mem), g.ptr(&x.mem)]);
-        launch!(g, kernel, launch_cfg, g.ptr(&xg.mem), g.ptr(&x.mem), lp, n as i32, d as i32);
+        gather_rows_at(g, g.ptr(&xg.mem), g.ptr(&x.mem), lp, n, d);
         let in_x =
             Operand { x: g.ptr(&xg.mem), x_stride: d, out: g.ptr(&h.mem), out_stride: inter, rows: n, groups: 1 };
         let name_up = gemm_kernel(&Operand { x: 0, x_stride: d, out: 0, out_stride: 0, rows: 0, groups: 1 }, &first.w1)
@@ -397,23 +380,7 @@ fn experts_grouped(
         let in_h = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: d, rows: n, groups: 1 };
         gemm(g, name_down, in_h, &first.w2, Some(&over(t2)));
     }
-    let (kernel, launch_cfg) = super::moe::combine_rows_launch(rows, d, [g.ptr(&out.mem), g.ptr(&y.mem), 0]);
-    launch!(
-        g,
-        kernel,
-        launch_cfg,
-        g.ptr(&out.mem),
-        g.ptr(&y.mem),
-        word(pos_at),
-        lp + 4 * n as u64,
-        g.ptr(&weights.mem),
-        k as i32,
-        rows as i32,
-        d as i32,
-        0u64,
-        0i32,
-        0i32
-    );
+    combine_in_list_order(b, &y, (rows, k, d), (word(pos_at), lp + 4 * n as u64), weights, out, None);
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::CudaBackend;
 use super::memory::{CudaBuf, CudaWeight, WeightData};
-use super::runtime::{cfg, cfg_elems, launch};
+use super::runtime::{Gpu, cfg, cfg_elems, launch};
 use crate::EntryDtype;
 use crate::backend::{HeadNormJob, HeadNormShared};
 use crate::kv_layout::{EntryFormat, FP8_SCALE_BLOCK};
@@ -102,13 +102,20 @@ fn greedy_parts(vocab: usize) -> (usize, usize) {
 /// values a thread (`gather_rows4`: a block's threads share a row, 16-byte accesses)
 /// where `width` and the addresses allow it, else a value a thread.
 /// `SLUICE_CUDA_GATHER4=0` (read once) keeps a value a thread, to compare.
-pub(crate) fn gather_rows_launch(rows: usize, width: usize, addrs: [u64; 2]) -> (&'static str, LaunchConfig) {
+fn gather_rows_launch(rows: usize, width: usize, addrs: [u64; 2]) -> (&'static str, LaunchConfig) {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_GATHER4").map_or(true, |v| v != "0"));
     match vector_rows_cfg(rows, width, 4, &addrs) {
         Some(c) if on => ("gather_rows4", c),
         _ => ("gather_rows", cfg_elems(rows * width)),
     }
+}
+
+/// `rows` rows of `width` f32 values of `src`, picked by the u32 list at `idx` (an entry
+/// of 0xffffffff: a zero row), into `out` (dense), with [`gather_rows_launch`]'s kernel.
+pub(crate) fn gather_rows_at(g: &Gpu, out: u64, src: u64, idx: u64, rows: usize, width: usize) {
+    let (kernel, launch_cfg) = gather_rows_launch(rows, width, [out, src]);
+    launch!(g, kernel, launch_cfg, out, src, idx, rows as i32, width as i32);
 }
 
 /// The launch of a kernel that gives each of `rows` rows of `width` values a block row
@@ -131,8 +138,7 @@ pub(crate) fn gather_rows(b: &CudaBackend, src: &CudaBuf, width: usize, rows: &[
     assert!(rows.iter().all(|&r| r < n_src), "gather_rows index outside {n_src} rows");
     let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
     let idx = g.upload(&idx);
-    let (kernel, launch_cfg) = gather_rows_launch(rows.len(), width, [g.ptr(&out.mem), g.ptr(&src.mem)]);
-    launch!(g, kernel, launch_cfg, g.ptr(&out.mem), g.ptr(&src.mem), g.ptr(&idx), rows.len() as i32, width as i32);
+    gather_rows_at(g, g.ptr(&out.mem), g.ptr(&src.mem), g.ptr(&idx), rows.len(), width);
     out
 }
 

@@ -156,8 +156,9 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
 // row's part is done. The part's weights sit in shared memory as [stream][column][logit],
 // a column's 24 in 6 16-byte chunks at chunk 7x + x/4 (`hpr_at`): the 8 columns 4 apart
 // that a warp reads at once start on chunks 29g + const, distinct mod 8, so on distinct
-// banks (a plain stride of 28 floats put them on two). The sums go to partials[r, part, 32] as hc_post_mix leaves
-// them (the sum of squares in slot 31), which hc_pre_finish_rows adds in a fixed order.
+// banks (a plain stride of 28 floats put them on two). The sums go to partials[r, part,
+// 32] as hc_post_mix leaves them (the sum of squares in slot 31), which hc_weights_rows
+// (or hc_pre_finish_rows) adds in a fixed order.
 // One pass over the streams where hc_post, the mixing product (cuBLAS's f32 GEMM, its 24
 // outputs in a tile of 64 or more) and the pre-mix read them three times. An 8K
 // prefill's call takes ~530 µs where hc_post's pass over the same bytes takes ~370; most
@@ -190,7 +191,7 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ stream
         hpr_w[hpr_at(k, x) + n] = WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
     }
     __syncthreads();
-    // The next kernel (hc_pre_finish_rows) is let in only as blocks finish (below): placed
+    // The next kernel (the rows' finish) is let in only as blocks finish (below): placed
     // early, its waiting blocks held registers this kernel's later blocks needed.
     pdl_wait();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, col = 4 * (lane & 7);
