@@ -91,6 +91,32 @@ pub struct HcWeights<B: Backend + ?Sized> {
     pub hc_eps: f32,
 }
 
+/// Residual streams `[rows, hc, hidden]` that are `hc` copies of each row of `x`
+/// (`[rows, hidden]`): a step's streams before its first residual update, every one the
+/// token's embedding ([`Backend::hc_pre_copies`], [`Backend::hc_post_pre_copies`]).
+pub struct StreamCopies<'a, B: Backend + ?Sized> {
+    pub x: &'a B::Buf,
+    pub rows: usize,
+    pub hc: usize,
+    pub hidden: usize,
+}
+
+impl<B: Backend + ?Sized> StreamCopies<'_, B> {
+    /// The streams made: each row of `x` repeated `hc` times.
+    pub fn make(&self, b: &B) -> B::Buf {
+        b.gather_rows(self.x, self.hidden, &self.copied_rows(0..self.rows))
+    }
+
+    /// The streams of `rows` alone, in that order (`[rows.len(), hc, hidden]`).
+    pub fn make_rows(&self, b: &B, rows: &[usize]) -> B::Buf {
+        b.gather_rows(self.x, self.hidden, &self.copied_rows(rows.iter().copied()))
+    }
+
+    fn copied_rows(&self, rows: impl Iterator<Item = usize>) -> Vec<usize> {
+        rows.flat_map(|r| std::iter::repeat_n(r, self.hc)).collect()
+    }
+}
+
 /// The final stream collapse before the output norm.
 pub struct HcHeadWeights<B: Backend + ?Sized> {
     /// `[hc, hc * hidden]`.
@@ -577,6 +603,39 @@ pub trait Backend: Send + Sync + 'static {
     ) {
         self.hc_post(streams, rows, hc, out, post, comb);
         self.hc_pre(streams, rows, w, norm, collapsed, post, comb);
+    }
+    /// [`Backend::hc_pre`] on streams that are `hc` copies of each row of `streams.x` (a
+    /// step's first sub-block: every stream starts as the token's embedding), which need
+    /// not be made: backends may read the rows alone, a `hc`-th of the bytes. By default
+    /// the streams are made ([`StreamCopies::make`]) and [`Backend::hc_pre`] runs on them.
+    fn hc_pre_copies(
+        &self,
+        streams: &StreamCopies<'_, Self>,
+        w: &Self::Hc,
+        norm: Option<(&Self::Buf, f32)>,
+        collapsed: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    ) {
+        self.hc_pre(&streams.make(self), streams.rows, w, norm, collapsed, post, comb);
+    }
+    /// [`Backend::hc_post_pre`] whose streams before the update are `hc` copies of each
+    /// row of `streams.x` (the first residual update of a step); returns the updated
+    /// streams `[rows, hc, hidden]`. By default the copies are made first.
+    #[allow(clippy::too_many_arguments)]
+    fn hc_post_pre_copies(
+        &self,
+        streams: &StreamCopies<'_, Self>,
+        out: &Self::Buf,
+        w: &Self::Hc,
+        norm: Option<(&Self::Buf, f32)>,
+        collapsed: &mut Self::Buf,
+        post: &mut Self::Buf,
+        comb: &mut Self::Buf,
+    ) -> Self::Buf {
+        let mut made = streams.make(self);
+        self.hc_post_pre(&mut made, streams.rows, streams.hc, out, w, norm, collapsed, post, comb);
+        made
     }
     /// Final collapse: `out[rows, hidden] = Σ_j pre_j · streams[j]`.
     fn hc_head(&self, streams: &Self::Buf, rows: usize, w: &Self::HcHead, out: &mut Self::Buf);

@@ -9,6 +9,7 @@
 
 use kernels::backend::{
     AttentionIo, CompressorParams, GreedyPicks, HeadNormJob, HeadNormShared, OutputProjection, QueryPrep, Selection,
+    StreamCopies,
 };
 use kernels::{AttnKind, Backend, BatchPlan, Branch, KvState};
 
@@ -127,9 +128,9 @@ impl<B: Backend> Model<B> {
         let (d, hc) = (c.hidden_size, c.hc_mult);
         let mut x = b.output(rows * d);
         b.embed(&self.weights.embed, plan, &mut x);
-        // Every residual stream starts as the embedding: `[rows, hc, d]`.
-        let copies: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
-        let mut streams = b.gather_rows(&x, d, &copies);
+        // Every residual stream starts as the embedding (`[rows, hc, d]` once the first
+        // residual update writes them).
+        let mut streams = Streams::Copies(x);
 
         let layers = &self.weights.layers;
         let mut input = layers.first().map(|lw| self.attention_input(lw, &streams, rows));
@@ -147,7 +148,10 @@ impl<B: Backend> Model<B> {
         if logit_rows.is_empty() {
             return None;
         }
-        let picked = if layers.is_empty() { b.gather_rows(&streams, hc * d, logit_rows) } else { streams };
+        let picked = match streams {
+            Streams::Copies(x) => StreamCopies { x: &x, rows, hc, hidden: d }.make_rows(b, logit_rows),
+            Streams::Made(made) => made,
+        };
         let mut h = b.output(logit_rows.len() * d);
         b.hc_head(&picked, logit_rows.len(), &self.weights.hc_head, &mut h);
         b.rms_norm(&mut h, d, Some(&self.weights.norm), c.rms_norm_eps as f32);
@@ -156,36 +160,62 @@ impl<B: Backend> Model<B> {
         Some(logits)
     }
 
-    /// One layer on `streams` (its attention input mixed from them first).
+    /// One layer on `streams`, whose updated streams it returns (its attention input
+    /// mixed from them first).
     pub(super) fn layer(
         &self,
         l: usize,
         lw: &LayerWeights<B>,
-        streams: &mut B::Buf,
+        mut streams: Streams<B>,
         kv: &mut KvState<B>,
         plan: &BatchPlan,
-    ) {
-        let input = self.attention_input(lw, streams, plan.rows());
-        self.layer_from(l, lw, streams, kv, plan, input, Next::Update);
+    ) -> B::Buf {
+        let input = self.attention_input(lw, &streams, plan.rows());
+        self.layer_from(l, lw, &mut streams, kv, plan, input, Next::Update);
+        streams.made()
     }
 
     /// The pre-mix of `lw`'s attention: its input and the mixing it leaves for hc_post.
-    fn attention_input(&self, lw: &LayerWeights<B>, streams: &B::Buf, rows: usize) -> SubBlockInput<B> {
+    fn attention_input(&self, lw: &LayerWeights<B>, streams: &Streams<B>, rows: usize) -> SubBlockInput<B> {
         let b = &self.backend;
         let c = &self.config;
         let (d, hc, eps) = (c.hidden_size, c.hc_mult, c.rms_norm_eps as f32);
         let mut input =
             SubBlockInput { x: b.output(rows * d), post: b.output(rows * hc), comb: b.output(rows * hc * hc) };
-        b.hc_pre(
-            streams,
-            rows,
-            &lw.hc_attn,
-            Some((&lw.attn_norm, eps)),
-            &mut input.x,
-            &mut input.post,
-            &mut input.comb,
-        );
+        let norm = Some((&lw.attn_norm, eps));
+        let SubBlockInput { x: collapsed, post, comb } = &mut input;
+        match streams {
+            Streams::Made(made) => b.hc_pre(made, rows, &lw.hc_attn, norm, collapsed, post, comb),
+            Streams::Copies(x) => {
+                let copies = StreamCopies { x, rows, hc, hidden: d };
+                b.hc_pre_copies(&copies, &lw.hc_attn, norm, collapsed, post, comb)
+            }
+        }
         input
+    }
+
+    /// [`Backend::hc_post_pre`] on the streams, which an update of their copies makes.
+    #[allow(clippy::too_many_arguments)]
+    fn post_pre(
+        &self,
+        streams: &mut Streams<B>,
+        rows: usize,
+        out: &B::Buf,
+        w: &B::Hc,
+        norm: Option<(&B::Buf, f32)>,
+        input: &mut SubBlockInput<B>,
+    ) {
+        let b = &self.backend;
+        let (d, hc) = (self.config.hidden_size, self.config.hc_mult);
+        let SubBlockInput { x, post, comb } = input;
+        match streams {
+            Streams::Made(made) => b.hc_post_pre(made, rows, hc, out, w, norm, x, post, comb),
+            Streams::Copies(e) => {
+                let copies = StreamCopies { x: e, rows, hc, hidden: d };
+                let made = b.hc_post_pre_copies(&copies, out, w, norm, x, post, comb);
+                *streams = Streams::Made(made);
+            }
+        }
     }
 
     /// Layer `l` from its attention input on, ending as `next` says: with the next layer's
@@ -197,7 +227,7 @@ impl<B: Backend> Model<B> {
         &self,
         l: usize,
         lw: &LayerWeights<B>,
-        streams: &mut B::Buf,
+        streams: &mut Streams<B>,
         kv: &mut KvState<B>,
         plan: &BatchPlan,
         mut input: SubBlockInput<B>,
@@ -207,28 +237,27 @@ impl<B: Backend> Model<B> {
         let c = &self.config;
         let rows = plan.rows();
         let (d, hc, eps) = (c.hidden_size, c.hc_mult, c.rms_norm_eps as f32);
-        let SubBlockInput { x, post, comb } = &mut input;
 
-        let attn = self.attention(l, lw, x, kv, plan);
-        b.hc_post_pre(streams, rows, hc, &attn, &lw.hc_ffn, Some((&lw.ffn_norm, eps)), x, post, comb);
+        let attn = self.attention(l, lw, &input.x, kv, plan);
+        self.post_pre(streams, rows, &attn, &lw.hc_ffn, Some((&lw.ffn_norm, eps)), &mut input);
         let mut y = b.output(rows * d);
-        b.moe(x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
-        match next {
+        b.moe(&input.x, rows, &plan.tokens, &lw.moe, 0..rows, &mut y);
+        let kept = match next {
             Next::Layer(nl) => {
-                b.hc_post_pre(streams, rows, hc, &y, &nl.hc_attn, Some((&nl.attn_norm, eps)), x, post, comb);
-                Some(input)
+                self.post_pre(streams, rows, &y, &nl.hc_attn, Some((&nl.attn_norm, eps)), &mut input);
+                return Some(input);
             }
-            Next::Update => {
-                b.hc_post(streams, rows, hc, &y, post, comb);
-                None
-            }
-            Next::Rows(kept) if kept.iter().copied().eq(0..rows) => {
-                // Every row, in order (a decode step's logits): the update in place.
-                b.hc_post(streams, rows, hc, &y, post, comb);
-                None
-            }
-            Next::Rows(kept) => {
-                // Each row's update reads only that row: the kept rows gathered first.
+            Next::Update => None,
+            Next::Rows(kept) => Some(kept),
+        };
+        let SubBlockInput { post, comb, .. } = &input;
+        let streams = streams.made_mut();
+        match kept {
+            // Every row in order (a decode step's logits: the update in place) or all of them.
+            None => b.hc_post(streams, rows, hc, &y, post, comb),
+            Some(kept) if kept.iter().copied().eq(0..rows) => b.hc_post(streams, rows, hc, &y, post, comb),
+            // Each row's update reads only that row: the kept rows gathered first.
+            Some(kept) => {
                 if !kept.is_empty() {
                     let mut s = b.gather_rows(streams, hc * d, kept);
                     let y = b.gather_rows(&y, d, kept);
@@ -236,9 +265,9 @@ impl<B: Backend> Model<B> {
                     b.hc_post(&mut s, kept.len(), hc, &y, &post, &comb);
                     *streams = s;
                 }
-                None
             }
         }
+        None
     }
 
     fn project(&self, x: &B::Buf, rows: usize, w: &B::Weight) -> B::Buf {
@@ -372,6 +401,31 @@ impl<B: Backend> Model<B> {
         b.attention_projected(&kv.view(), &self.layout, l, plan, io, &proj, &mut out);
         b.store_window(&mut kv.view_mut(), &self.layout, l, plan, &new_kv);
         out
+    }
+}
+
+/// A step's residual streams: `hc` copies of each row of the embedding until the first
+/// residual update makes them (`[rows, hc, hidden]`), which backends may take from the
+/// embedding alone ([`Backend::hc_post_pre_copies`]).
+pub(super) enum Streams<B: Backend> {
+    Copies(B::Buf),
+    Made(B::Buf),
+}
+
+impl<B: Backend> Streams<B> {
+    /// The made streams: every layer's first residual update makes them.
+    fn made(self) -> B::Buf {
+        match self {
+            Streams::Made(made) => made,
+            Streams::Copies(_) => panic!("a layer's residual update left the streams unmade"),
+        }
+    }
+
+    fn made_mut(&mut self) -> &mut B::Buf {
+        match self {
+            Streams::Made(made) => made,
+            Streams::Copies(_) => panic!("a layer's residual update left the streams unmade"),
+        }
     }
 }
 

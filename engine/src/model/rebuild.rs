@@ -20,6 +20,7 @@
 use kernels::{Backend, BatchPlan, KvState, SeqSlice};
 
 use super::Model;
+use super::forward::Streams;
 
 impl<B: Backend> Model<B> {
     /// Rebuild the window rings and compressor slots of the sequence in `slot` after
@@ -52,23 +53,24 @@ impl<B: Backend> Model<B> {
         let start = first(0);
         let mut x = b.output((p - start) * d);
         b.embed(&self.weights.embed, &plan_from(start), &mut x);
-        let copies: Vec<usize> = (0..p - start).flat_map(|r| std::iter::repeat_n(r, hc)).collect();
-        let mut streams = b.gather_rows(&x, d, &copies);
+        // Every residual stream starts as the embedding.
+        let mut streams = Streams::Copies(x);
 
         let mut work = 0;
         for (l, lw) in self.weights.layers.iter().enumerate() {
             let from = first(l);
             let rows = p - from;
             let plan = plan_from(from);
-            self.layer(l, lw, &mut streams, kv, &plan);
+            let mut made = self.layer(l, lw, streams, kv, &plan);
             work += rows;
             if l + 1 < layers {
                 let drop = first(l + 1) - from;
                 if drop > 0 {
                     let keep: Vec<usize> = (drop..rows).collect();
-                    streams = b.gather_rows(&streams, hc * d, &keep);
+                    made = b.gather_rows(&made, hc * d, &keep);
                 }
             }
+            streams = Streams::Made(made);
         }
         work
     }

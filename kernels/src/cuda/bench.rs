@@ -653,6 +653,12 @@ impl CudaBackend {
         super::hc::post_pre_in_one_pass(&self.gpu, rows, w)
     }
 
+    /// Whether a step's first mHC boundary of `rows` rows reads the embedding's rows
+    /// alone (`hc_mix_copies_rows`, `hc_post_mix_rows` on the copies), for the parity suite.
+    pub fn hc_copies_from_rows(&self, rows: usize, w: &crate::backend::HcWeights<Self>) -> bool {
+        super::hc::copies_from_rows(&self.gpu, rows, w)
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {

@@ -14,7 +14,7 @@ use super::CudaBackend;
 use super::matmul::{GEMV_MAX_ROWS, Operand, matmul};
 use super::memory::{CudaBuf, WeightData};
 use super::runtime::{cfg, cfg_row_cols, env_rows, launch};
-use crate::backend::{HcHeadWeights, HcWeights};
+use crate::backend::{HcHeadWeights, HcWeights, StreamCopies};
 
 /// Largest number of residual streams the kernels handle.
 const HC_MAX: usize = 8;
@@ -176,7 +176,123 @@ pub(crate) fn hc_pre(
         return;
     }
     let m = b.prof("hc_pre: mix", || mix(b, streams, rows, &w.mix));
-    finish(b, streams, rows, w, norm, Mixed::Product(&m), collapsed, post, comb);
+    finish(b, streams, false, rows, w, norm, Mixed::Product(&m), collapsed, post, comb);
+}
+
+/// [`crate::Backend::hc_pre_copies`]: a prefill's rows of V4's shape (those
+/// `hc_post_mix_rows` takes) mix, weigh and collapse from each row alone
+/// ([`pre_of_copies`]); other batches make the streams and take [`hc_pre`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn hc_pre_copies(
+    b: &CudaBackend,
+    s: &StreamCopies<'_, CudaBackend>,
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) {
+    assert_eq!((s.hc, s.hidden), (w.hc, w.hidden), "hc_pre_copies: the streams and the mHC weights disagree");
+    assert_eq!(s.x.len, s.rows * s.hidden, "hc_pre_copies: the copied rows are not [rows, hidden]");
+    match copies_kernel(&b.gpu, s.rows, w) {
+        Some(kernel) => pre_of_copies(b, s, kernel, w, norm, collapsed, post, comb),
+        None => hc_pre(b, &s.make(b), s.rows, w, norm, collapsed, post, comb),
+    }
+}
+
+/// [`crate::Backend::hc_post_pre_copies`]: where [`hc_pre_copies`] reads the rows alone,
+/// `hc_post_mix_rows` reads them for the update too, and writes the made streams.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn hc_post_pre_copies(
+    b: &CudaBackend,
+    s: &StreamCopies<'_, CudaBackend>,
+    out: &CudaBuf,
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) -> CudaBuf {
+    assert_eq!((s.hc, s.hidden), (w.hc, w.hidden), "hc_post_pre_copies: the streams and the mHC weights disagree");
+    assert_eq!(s.x.len, s.rows * s.hidden, "hc_post_pre_copies: the copied rows are not [rows, hidden]");
+    let Some(kernel) = copies_kernel(&b.gpu, s.rows, w) else {
+        let mut made = s.make(b);
+        hc_post_pre(b, &mut made, s.rows, s.hc, out, w, norm, collapsed, post, comb);
+        return made;
+    };
+    let mut made = b.alloc_buf(s.rows * s.hc * s.hidden);
+    let post_mix = if kernel.0 == "hc_mix_copies_rows_f32" { "hc_post_mix_f32" } else { "hc_post_mix_bf16" };
+    post_mix_rows(b, &mut made, Some(s.x), s.rows, out, w, norm, (post_mix, kernel.1), collapsed, post, comb);
+    made
+}
+
+/// Whether copies of `rows` rows mix from the rows alone, with the kernel and weight
+/// pointer if so: where `hc_post_mix_rows` would take the made streams (a prefill's rows,
+/// V4's shape, an f32 or bf16 mixing weight) and the weights are taken apart
+/// (`hc_collapse_rows` is the finish that reads copies). `SLUICE_CUDA_HC_COPIES=0` (read
+/// once) makes the streams first, as before.
+fn copies_kernel(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> Option<(&'static str, u64)> {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_COPIES").map_or(true, |v| v != "0"));
+    if !(on && weights_apart() && post_pre_in_one_pass(g, rows, w)) {
+        return None;
+    }
+    match &w.mix.data {
+        WeightData::F32(m) => Some(("hc_mix_copies_rows_f32", g.ptr(m))),
+        WeightData::Bf16(m) => Some(("hc_mix_copies_rows_bf16", g.ptr(m))),
+        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
+    }
+}
+
+/// Whether [`hc_pre_copies`] and [`hc_post_pre_copies`] of `rows` rows read the rows
+/// alone (the parity suite asserts which cases do).
+pub(crate) fn copies_from_rows(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> bool {
+    copies_kernel(g, rows, w).is_some()
+}
+
+/// Shared memory of `hc_mix_copies_rows`: the part's summed weights, laid out as stream
+/// 0's of `hc_post_mix_rows` (`HPR_KCHUNKS` 16-byte chunks).
+const MIX_COPIES_SMEM: usize = (7 * POST_MIX_ROWS_COLS + POST_MIX_ROWS_COLS / 4) * 16;
+
+/// The mixing product of copied rows from the rows alone (`hc_mix_copies_rows`: the
+/// weights summed over the streams; `hc_post_mix_rows`' part sums), then the weights and
+/// the collapse of the copies (`hc_weights_rows`, `hc_collapse_rows`): a quarter of the
+/// bytes of the streams, which are never made (where cuBLAS's product of the streams,
+/// `hc_pre_finish_rows` and the copying read or wrote them).
+#[allow(clippy::too_many_arguments)]
+fn pre_of_copies(
+    b: &CudaBackend,
+    s: &StreamCopies<'_, CudaBackend>,
+    (kernel, wp): (&str, u64),
+    w: &HcWeights<CudaBackend>,
+    norm: Option<(&CudaBuf, f32)>,
+    collapsed: &mut CudaBuf,
+    post: &mut CudaBuf,
+    comb: &mut CudaBuf,
+) {
+    let (rows, d) = (s.rows, s.hidden);
+    assert_eq!((collapsed.len, post.len, comb.len), (rows * d, rows * s.hc, rows * s.hc * s.hc), "hc_pre outputs");
+    let g = &b.gpu;
+    g.traffic.add_weights(w.mix.device_bytes());
+    let parts = d / POST_MIX_ROWS_COLS;
+    let partials = g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS);
+    b.prof("hc_pre: mix of copies (rows)", || {
+        launch!(
+            g,
+            kernel,
+            cfg(
+                (parts as u32, rows.div_ceil(POST_MIX_ROWS_ROWS) as u32, 1),
+                POST_MIX_ROWS_THREADS,
+                MIX_COPIES_SMEM as u32
+            ),
+            g.ptr(&s.x.mem),
+            rows as i32,
+            d as i32,
+            wp,
+            partials
+        )
+    });
+    finish(b, s.x, true, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
 }
 
 fn check_pre(
@@ -206,11 +322,13 @@ enum Mixed<'a> {
 }
 
 /// The sigmoids, the Sinkhorn projection and the collapse of each row (`hc_pre_finish`),
-/// with the sub-block's input norm.
+/// with the sub-block's input norm. With `copies`, `streams` is `[rows, hidden]`, each
+/// row every stream of its row (only `hc_collapse_rows` reads such: [`pre_of_copies`]).
 #[allow(clippy::too_many_arguments)]
 fn finish(
     b: &CudaBackend,
     streams: &CudaBuf,
+    copies: bool,
     rows: usize,
     w: &HcWeights<CudaBackend>,
     norm: Option<(&CudaBuf, f32)>,
@@ -235,7 +353,9 @@ fn finish(
     // A prefill's rows of V4's shape held in registers (the same arguments; part sums
     // there are `hc_post_mix_rows`': `hc_post_mix`'s batches are fewer rows than SMs).
     let in_registers = blocks_a_row == 1 && threads == ROWS_THREADS && finish_rows_takes(hc, d);
-    if in_registers && partials != 0 && weights_apart() {
+    let apart = in_registers && partials != 0 && weights_apart();
+    assert!(apart || !copies, "only hc_collapse_rows collapses a row's copies");
+    if apart {
         // The weights of every row at once (16 lanes a row), then the collapse as a pass
         // over the streams (hc_rows.cu says why).
         let pre = g.scratch("hc_pre_weights", rows * hc);
@@ -268,6 +388,7 @@ fn finish(
             g.ptr(&collapsed.mem),
             norm_w,
             norm_eps,
+            copies as i32,
         );
     } else {
         launch!(
@@ -327,7 +448,7 @@ pub(crate) fn hc_post_pre(
     };
     let fits = post_mix_fits(w);
     if let Some((name, wp)) = kernel.filter(|_| post_pre_in_one_pass(g, rows, w)) {
-        post_mix_rows(b, streams, rows, out, w, norm, (name, wp), collapsed, post, comb);
+        post_mix_rows(b, streams, None, rows, out, w, norm, (name, wp), collapsed, post, comb);
         return;
     }
     let Some((name, wp)) = kernel.filter(|_| fits && (1..=post_mix_max_rows()).contains(&rows)) else {
@@ -357,7 +478,7 @@ pub(crate) fn hc_post_pre(
             per_block as i32
         )
     });
-    finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
+    finish(b, streams, false, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
 }
 
 /// Columns of each stream a `hc_post_mix_rows` block takes (`HPR_COLS` in hc_rows.cu),
@@ -402,10 +523,13 @@ fn post_mix_fits(w: &HcWeights<CudaBackend>) -> bool {
 /// columns of a part, folded over the row's lanes), then `hc_pre_finish_rows` on the part
 /// sums. Where `hc_post`, cuBLAS's f32 product (24 outputs in a tile of 64 or more) and the
 /// pre-mix each read the 512 MB of an 8K prefill's streams, the streams are read twice.
+/// With `copies`, the streams before the update are `hc` copies of each of its rows
+/// (`[rows, hidden]`; the kernel reads those) and `streams` is only written.
 #[allow(clippy::too_many_arguments)]
 fn post_mix_rows(
     b: &CudaBackend,
     streams: &mut CudaBuf,
+    copies: Option<&CudaBuf>,
     rows: usize,
     out: &CudaBuf,
     w: &HcWeights<CudaBackend>,
@@ -433,6 +557,8 @@ fn post_mix_rows(
                 POST_MIX_ROWS_SMEM as u32
             ),
             g.ptr(&streams.mem),
+            g.ptr(&copies.unwrap_or(streams).mem),
+            copies.is_some() as i32,
             g.ptr(&out.mem),
             g.ptr(&post.mem),
             g.ptr(&comb.mem),
@@ -442,7 +568,7 @@ fn post_mix_rows(
             partials
         )
     });
-    finish(b, streams, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
+    finish(b, streams, false, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
 }
 
 /// `hc_post_mix`'s sums a row and part (`HC_MIX_SLOTS` in hc.cu): (2 + hc)·hc ≤ 31

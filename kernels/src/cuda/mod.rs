@@ -96,7 +96,8 @@ mod upload;
 use crate::EntryDtype;
 use crate::backend::{
     AttentionIo, Backend, CompressorParams, GreedyPicks, HcHeadWeights, HcWeights, HeadNormJob, HeadNormShared, KvView,
-    KvViewMut, MoeWeights, OutputProjection, QueryPrep, Selection, attention_projected_apart, indexer_select_apart,
+    KvViewMut, MoeWeights, OutputProjection, QueryPrep, Selection, StreamCopies, attention_projected_apart,
+    indexer_select_apart,
 };
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
@@ -602,6 +603,31 @@ impl Backend for CudaBackend {
         comb: &mut CudaBuf,
     ) {
         self.prof("hc_pre", || hc::hc_pre(self, streams, rows, w, norm, collapsed, post, comb))
+    }
+
+    fn hc_pre_copies(
+        &self,
+        streams: &StreamCopies<'_, Self>,
+        w: &HcWeights<Self>,
+        norm: Option<(&CudaBuf, f32)>,
+        collapsed: &mut CudaBuf,
+        post: &mut CudaBuf,
+        comb: &mut CudaBuf,
+    ) {
+        self.prof("hc_pre", || hc::hc_pre_copies(self, streams, w, norm, collapsed, post, comb))
+    }
+
+    fn hc_post_pre_copies(
+        &self,
+        streams: &StreamCopies<'_, Self>,
+        out: &CudaBuf,
+        w: &HcWeights<Self>,
+        norm: Option<(&CudaBuf, f32)>,
+        collapsed: &mut CudaBuf,
+        post: &mut CudaBuf,
+        comb: &mut CudaBuf,
+    ) -> CudaBuf {
+        hc::hc_post_pre_copies(self, streams, out, w, norm, collapsed, post, comb)
     }
 
     fn hc_post(&self, streams: &mut CudaBuf, rows: usize, hc: usize, out: &CudaBuf, post: &CudaBuf, comb: &CudaBuf) {

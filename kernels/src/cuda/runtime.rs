@@ -189,6 +189,8 @@ const KERNELS: &[&str] = &[
     "attention_wg_whole",
     "hc_post_mix_rows_f32",
     "hc_post_mix_rows_bf16",
+    "hc_mix_copies_rows_f32",
+    "hc_mix_copies_rows_bf16",
     "store_window",
     "gpu_sleep",
     "kv_checksum",

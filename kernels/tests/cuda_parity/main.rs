@@ -38,6 +38,8 @@ mod decode;
 mod f8wg;
 /// BF16 products of 9-32 decode rows in one tensor-core launch.
 mod gemm_rows;
+/// A step's first mHC boundary from the embedding's rows alone.
+mod hc_copies;
 /// Products of one input in one launch or one split.
 mod many;
 /// Routed FP4 experts of prefill-sized batches on `wgmma` (sm_90).

@@ -132,15 +132,28 @@ extern "C" __global__ void __launch_bounds__(256)
 // The collapse and norm of hc_pre_finish_rows with the row's pre weights from
 // hc_weights_rows: no barrier but the norm's, so the kernel is a pass over the streams.
 // grid rows, HCR_THREADS threads.
+// With `copies`, `streams` is `[rows, d]`: every stream of a row is that row (a step's
+// first sub-block, whose streams are the embedding's copies), read once; the sums are
+// those of the row's copies made and collapsed.
 extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     hc_collapse_rows(const float* streams, const float* pre, int d, float* collapsed, const float* out_norm,
-                     float out_eps) {
+                     float out_eps, int copies) {
     pdl_begin();
     const int r = blockIdx.x, t = threadIdx.x;
-    const float4* s4 = reinterpret_cast<const float4*>(streams + (long long)r * HCR_HC * d);
     float4 v[HCR_PIECES];
+    if (copies) {
+        const float4* x4 = reinterpret_cast<const float4*>(streams + (long long)r * d);
 #pragma unroll
-    for (int u = 0; u < HCR_PIECES; u++) v[u] = s4[t + HCR_THREADS * u];
+        for (int k = 0; k < HCR_COLS; k++) {
+            const float4 x = x4[t + HCR_THREADS * k];
+#pragma unroll
+            for (int j = 0; j < HCR_HC; j++) v[j * HCR_COLS + k] = x;
+        }
+    } else {
+        const float4* s4 = reinterpret_cast<const float4*>(streams + (long long)r * HCR_HC * d);
+#pragma unroll
+        for (int u = 0; u < HCR_PIECES; u++) v[u] = s4[t + HCR_THREADS * u];
+    }
     const float4 p = *reinterpret_cast<const float4*>(pre + (long long)r * HCR_HC);
     const float pre_s[HCR_HC] = {p.x, p.y, p.z, p.w};
     hcr_collapse_store(v, pre_s, r, d, collapsed, out_norm, out_eps);
@@ -176,7 +189,8 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
 #define HPR_SMEM (4 * HPR_KCHUNKS * 16)
 __device__ __forceinline__ int hpr_at(int k, int x) { return 4 * (k * HPR_KCHUNKS + 7 * x + (x >> 2)); }
 template <int WT>
-__device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ streams, const float* __restrict__ out,
+__device__ __forceinline__ void hc_post_mix_rows_body(float* streams, const float* src, int copies,
+                                                      const float* __restrict__ out,
                                                       const float* __restrict__ post,
                                                       const float* __restrict__ comb, int rows, int d,
                                                       const void* __restrict__ w, float* __restrict__ partials) {
@@ -210,11 +224,14 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ stream
 #pragma unroll
         for (int i = 0; i < 16; i++) c[i] = live ? comb[(long long)r * 16 + i] : 0.0f;
     };
+    // The streams before the update: `streams` itself, or with `copies` the rows of `src`
+    // (`[rows, d]`), every stream of a row that row (the embedding's copies, never made).
+    const long long src_row = copies ? d : K, src_stream = copies ? 0 : d;
     auto load_step = [&](int r, int xs, float (&a)[4][4], float (&ob)[4]) {
         if (r < rend) {
-            const float* s = streams + (long long)r * K + x0 + col + xs;
+            const float* s = src + (long long)r * src_row + x0 + col + xs;
 #pragma unroll
-            for (int k = 0; k < 4; k++) *(float4*)&a[k][0] = *(const float4*)(s + (long long)k * d);
+            for (int k = 0; k < 4; k++) *(float4*)&a[k][0] = *(const float4*)(s + k * src_stream);
             *(float4*)&ob[0] = __ldg((const float4*)(out + (long long)r * d + x0 + col + xs));
         }
     };
@@ -286,12 +303,97 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* __restrict__ stream
     pdl_launch_dependents();
 }
 extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
-    hc_post_mix_rows_f32(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
-                         const void* w, float* partials) {
-    hc_post_mix_rows_body<0>(streams, out, post, comb, rows, d, w, partials);
+    hc_post_mix_rows_f32(float* streams, const float* src, int copies, const float* out, const float* post,
+                         const float* comb, int rows, int d, const void* w, float* partials) {
+    hc_post_mix_rows_body<0>(streams, src, copies, out, post, comb, rows, d, w, partials);
 }
 extern "C" __global__ void __launch_bounds__(HPR_THREADS, 2)
-    hc_post_mix_rows_bf16(float* streams, const float* out, const float* post, const float* comb, int rows, int d,
-                          const void* w, float* partials) {
-    hc_post_mix_rows_body<1>(streams, out, post, comb, rows, d, w, partials);
+    hc_post_mix_rows_bf16(float* streams, const float* src, int copies, const float* out, const float* post,
+                          const float* comb, int rows, int d, const void* w, float* partials) {
+    hc_post_mix_rows_body<1>(streams, src, copies, out, post, comb, rows, d, w, partials);
+}
+
+// The mixing product of a step's first sub-block for a prefill's rows, whose 4 streams
+// are copies of the row (the embedding; hc.rs `pre_of_copies`): the product of the
+// copies is Σ_k W[n, k·d + c] · x[c] = x[c] · Σ_k W[n, k·d + c], so a block sums its
+// part's weights over the streams as it stages them (k in order) and the pass reads the
+// row alone — a quarter of the bytes and of hc_post_mix_rows' products, where cuBLAS's
+// product and the finish read the 4 streams' copies. Lanes, rows and weights as in
+// hc_post_mix_rows (the summed weights where its stream 0's sit); the part sums go to
+// partials[r, part, 32] as it leaves them, the sum of squares of the 4 copies (4 · Σ x²,
+// exact) in slot 31, for hc_weights_rows.
+// grid (hidden / HPR_COLS parts, rows / HPR_ROWS), HPR_THREADS threads, HPR_SMEM bytes.
+template <int WT>
+__device__ __forceinline__ void hc_mix_copies_rows_body(const float* __restrict__ x, int rows, int d,
+                                                        const void* __restrict__ w, float* __restrict__ partials) {
+    extern __shared__ __align__(16) float hpr_w[];
+    const int part = blockIdx.x, parts = gridDim.x, x0 = part * HPR_COLS;
+    const long long K = 4LL * d;
+    for (int e = threadIdx.x; e < HPR_N * HPR_COLS; e += HPR_THREADS) {
+        const int c = e % HPR_COLS, n = e / HPR_COLS;
+        float sum = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const long long at = n * K + (long long)k * d + x0 + c;
+            sum += WT == 0 ? ((const float*)w)[at] : bf2f(((const u16*)w)[at]);
+        }
+        hpr_w[hpr_at(0, c) + n] = sum;
+    }
+    __syncthreads();
+    pdl_wait();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane >> 3, col = 4 * (lane & 7);
+    const int rbeg = blockIdx.y * HPR_ROWS + warp * 32, rend = min(rows, rbeg + 32);
+    for (int r0 = rbeg; r0 < rend; r0 += 4) {
+        const int r = r0 + sub;
+        const bool live = r < rend;
+        float4 v[HPR_COLS / 32];
+#pragma unroll
+        for (int st = 0; st < HPR_COLS / 32; st++)
+            v[st] = live ? __ldg((const float4*)(x + (long long)r * d + x0 + col + 32 * st))
+                         : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float acc[HPR_N], ss = 0.0f;
+#pragma unroll
+        for (int n = 0; n < HPR_N; n++) acc[n] = 0.0f;
+#pragma unroll
+        for (int st = 0; st < HPR_COLS / 32; st++) {
+            const float vals[4] = {v[st].x, v[st].y, v[st].z, v[st].w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float val = vals[i];
+                ss += val * val;
+                const float4* wk = (const float4*)(hpr_w + hpr_at(0, 32 * st + col + i));
+#pragma unroll
+                for (int q = 0; q < HPR_N / 4; q++) {
+                    const float4 wv = wk[q];
+                    acc[4 * q] += wv.x * val;
+                    acc[4 * q + 1] += wv.y * val;
+                    acc[4 * q + 2] += wv.z * val;
+                    acc[4 * q + 3] += wv.w * val;
+                }
+            }
+        }
+#pragma unroll
+        for (int m = 1; m < 8; m <<= 1) {
+#pragma unroll
+            for (int n = 0; n < HPR_N; n++) acc[n] += __shfl_xor_sync(0xffffffffu, acc[n], m);
+            ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        }
+        if (live && col == 0) {
+            float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
+#pragma unroll
+            for (int q = 0; q < HPR_N / 4; q++)
+                dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+            dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            dst[7] = make_float4(0.0f, 0.0f, 0.0f, 4.0f * ss);
+        }
+    }
+    pdl_launch_dependents();
+}
+extern "C" __global__ void __launch_bounds__(HPR_THREADS)
+    hc_mix_copies_rows_f32(const float* x, int rows, int d, const void* w, float* partials) {
+    hc_mix_copies_rows_body<0>(x, rows, d, w, partials);
+}
+extern "C" __global__ void __launch_bounds__(HPR_THREADS)
+    hc_mix_copies_rows_bf16(const float* x, int rows, int d, const void* w, float* partials) {
+    hc_mix_copies_rows_body<1>(x, rows, d, w, partials);
 }

@@ -1,0 +1,88 @@
+//! A step's first mHC boundary, whose streams are copies of the embedding: the GPU reads
+//! the rows alone (`Backend::hc_pre_copies`, `Backend::hc_post_pre_copies`); the CPU
+//! makes the streams and runs `hc_pre` / `hc_post_pre` on them.
+
+use kernels::backend::StreamCopies;
+
+use super::*;
+
+/// The mHC weights of V4's shape on either backend.
+fn hc_weights<B: Backend>(b: &B, mix: &TestWeight, base: &[f32], d: usize) -> HcWeights<B> {
+    HcWeights {
+        mix: b.weight(mix.view()),
+        base: base.to_vec(),
+        scale: [0.8, 1.1, 0.9],
+        hc: 4,
+        hidden: d,
+        sinkhorn_iters: 20,
+        norm_eps: 1e-6,
+        hc_eps: 1e-6,
+    }
+}
+
+/// Decode rows (the streams made, then the usual kernels) and prefill rows of an f32 and
+/// a bf16 mixing weight (`hc_mix_copies_rows` and `hc_post_mix_rows` reading the rows:
+/// asserted), against the CPU on the made streams; the updated streams bit for bit those
+/// of the GPU's update of the made streams.
+#[test]
+fn cuda_hc_of_copied_streams_match_cpu() {
+    let Some(g) = gpu("cuda_hc_of_copied_streams_match_cpu") else { return };
+    let g = &*g;
+    let c = CpuBackend::new();
+    let mut rng = rng("mhc copies");
+    let (hc, d) = (4, 4096);
+    let mut from_rows = 0;
+    for (mix_dtype, rows) in [("f32", 8), ("f32", 300), ("bf16", 600)] {
+        let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, mix_dtype);
+        let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
+        let (gw, cw) = (hc_weights(g, &mix, &base, d), hc_weights(&c, &mix, &base, d));
+        let x = rand_vec(&mut rng, rows * d, 1.0);
+        let made: Vec<f32> = x.chunks(d).flat_map(|row| std::iter::repeat_n(row, hc).flatten().copied()).collect();
+        let norm_w = rand_vec(&mut rng, d, 1.0);
+        let out = rand_vec(&mut rng, rows * d, 1.0);
+        let (gx, gnorm) = (g.upload(&x), g.upload(&norm_w));
+        let copies = StreamCopies { x: &gx, rows, hc, hidden: d };
+        from_rows += usize::from(g.hc_copies_from_rows(rows, &gw));
+
+        // The pre-mix of the copies.
+        let (mut col, mut post, mut comb) =
+            (poisoned(g, rows * d), poisoned(g, rows * hc), poisoned(g, rows * hc * hc));
+        g.hc_pre_copies(&copies, &gw, Some((&gnorm, 1e-6)), &mut col, &mut post, &mut comb);
+        let (mut ccol, mut cpost, mut ccomb) =
+            (vec![0f32; rows * d], vec![0f32; rows * hc], vec![0f32; rows * hc * hc]);
+        c.hc_pre(&made, rows, &cw, Some((&norm_w, 1e-6)), &mut ccol, &mut cpost, &mut ccomb);
+        check(&format!("hc_pre_copies normed rows={rows} mix {mix_dtype}"), "f32", &g.download(&col), &ccol);
+        check(&format!("hc_pre_copies post rows={rows}"), "f32", &g.download(&post), &cpost);
+        check(&format!("hc_pre_copies comb rows={rows}"), "f32", &g.download(&comb), &ccomb);
+
+        // The first update of the copies with the next sub-block's pre-mix; post and comb
+        // are read, then overwritten.
+        let gout = g.upload(&out);
+        let (mut fcol, mut fpost, mut fcomb) = (poisoned(g, rows * d), g.upload(&cpost), g.upload(&ccomb));
+        let streams =
+            g.hc_post_pre_copies(&copies, &gout, &gw, Some((&gnorm, 1e-6)), &mut fcol, &mut fpost, &mut fcomb);
+        let mut gmade = g.upload(&made);
+        let (mut mcol, mut mpost, mut mcomb) = (poisoned(g, rows * d), g.upload(&cpost), g.upload(&ccomb));
+        g.hc_post_pre(&mut gmade, rows, hc, &gout, &gw, Some((&gnorm, 1e-6)), &mut mcol, &mut mpost, &mut mcomb);
+        assert_eq!(
+            g.download(&streams),
+            g.download(&gmade),
+            "rows={rows}: the copies' update differs from the made streams'"
+        );
+        assert_eq!(
+            g.download(&fcol),
+            g.download(&mcol),
+            "rows={rows}: the next pre-mix differs from the made streams'"
+        );
+        let (mut cs, mut ccol2, mut cpost2, mut ccomb2) =
+            (made.clone(), vec![0f32; rows * d], cpost.clone(), ccomb.clone());
+        c.hc_post_pre(&mut cs, rows, hc, &out, &cw, Some((&norm_w, 1e-6)), &mut ccol2, &mut cpost2, &mut ccomb2);
+        check(&format!("hc_post_pre_copies streams rows={rows}"), "f32", &g.download(&streams), &cs);
+        check(&format!("hc_post_pre_copies normed rows={rows} mix {mix_dtype}"), "f32", &g.download(&fcol), &ccol2);
+        check(&format!("hc_post_pre_copies post rows={rows}"), "f32", &g.download(&fpost), &cpost2);
+        check(&format!("hc_post_pre_copies comb rows={rows}"), "f32", &g.download(&fcomb), &ccomb2);
+    }
+    let on = std::env::var("SLUICE_CUDA_HC_COPIES").map_or(true, |v| v != "0");
+    eprintln!("PARITY hc copies: {from_rows} cases from the rows alone (hc_mix_copies_rows)");
+    assert!(!on || from_rows == 2, "the rows alone were read in {from_rows} cases, expected 300 and 600 rows");
+}
