@@ -351,6 +351,26 @@ fn topk_row_threads(sms: usize, rows: usize, n_max: usize) -> u32 {
         None => 1024,
     }
 }
+/// Most candidates `topk_select_warp` holds a row (`TKW_MAX`: 64 keys a lane), and its rows a block.
+const TOPK_WARP_MAX: usize = 2048;
+const TOPK_WARP_ROWS_A_BLOCK: usize = 8;
+
+/// Whether a batch's top-k takes `topk_select_warp` (a warp a row, the keys in registers):
+/// a prefill's many short rows (at least four 256-thread blocks an SM for `topk_select`,
+/// at most [`TOPK_WARP_MAX`] candidates). Decode batches keep `topk_select`'s blocks, one a
+/// row. `SLUICE_CUDA_TOPK_WARP=0` (read once) keeps `topk_select` always.
+fn topk_warp_takes(sms: usize, rows: usize, n_max: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_TOPK_WARP").map_or(true, |v| v != "0"));
+    on && rows >= 4 * sms && n_max <= TOPK_WARP_MAX
+}
+
+/// Whether [`select_topk`] of `rows` rows of `n_max` candidates runs `topk_select_warp`
+/// (the parity suite asserts which cases do).
+pub(crate) fn topk_in_warps(g: &Gpu, rows: usize, n_max: usize) -> bool {
+    topk_warp_takes(g.sms, rows, n_max)
+}
+
 /// Candidates per block on the multi-launch path.
 const TOPK_CHUNK: usize = 2048;
 /// Largest k of the multi-block path (`TK_K_MAX` in indexer.cu: the ids are collected
@@ -376,6 +396,23 @@ pub(crate) fn select_topk(
     out: u64,
 ) {
     let (n_max_i, ratio_i, k_i) = (n_max as i32, ratio as i32, k as i32);
+    if topk_warp_takes(g.sms, rows, n_max) {
+        let rows_i = rows as i32;
+        let blocks = rows.div_ceil(TOPK_WARP_ROWS_A_BLOCK) as u32;
+        launch!(
+            g,
+            "topk_select_warp",
+            cfg((blocks, 1, 1), 256, 0),
+            scores,
+            n_max_i,
+            positions,
+            ratio_i,
+            k_i,
+            rows_i,
+            out
+        );
+        return;
+    }
     if n_max <= TOPK_ONE_BLOCK_MAX {
         let threads = topk_row_threads(g.sms, rows, n_max);
         launch!(g, "topk_select", cfg((rows as u32, 1, 1), threads, 0), scores, n_max_i, positions, ratio_i, k_i, out);

@@ -501,6 +501,12 @@ impl CudaBackend {
         host
     }
 
+    /// Whether the top-k of `rows` rows of `n_max` candidates takes a warp a row
+    /// (`topk_select_warp`), for the parity suite.
+    pub fn topk_in_warps(&self, rows: usize, n_max: usize) -> bool {
+        attention::topk_in_warps(&self.gpu, rows, n_max)
+    }
+
     /// Time of the indexer's top-k selection alone (radix select and ordered ids, one
     /// block or several per row as `index_topk` chooses) for one row of `n` random
     /// scores keeping `k`.

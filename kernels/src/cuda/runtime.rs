@@ -180,6 +180,7 @@ const KERNELS: &[&str] = &[
     "index_q_tile",
     "index_scores_wg",
     "topk_select",
+    "topk_select_warp",
     "topk_hist",
     "topk_gather",
     "attention",

@@ -127,6 +127,50 @@ fn cuda_topk_long_rows_equal_the_definition() {
     }
 }
 
+/// A prefill's many short rows (a warp a row, `topk_select_warp`: asserted) equal the
+/// definition exactly: rows of every length up to 2,048 candidates (shorter than k, just
+/// past it, full), on uniform scores, one repeated value, a handful of values (tie groups
+/// at the threshold) and signed zeros with negatives.
+#[test]
+fn cuda_topk_prefill_rows_equal_the_definition() {
+    let Some(g) = gpu("cuda_topk_prefill_rows_equal_the_definition") else { return };
+    let g = &*g;
+    let mut rng = rng("topk_prefill_rows");
+    let (ratio, n_max, rows) = (4, 2048, 1100);
+    assert!(g.topk_in_warps(rows, n_max), "{rows} rows of {n_max} candidates should take a warp a row");
+    type Score = Box<dyn Fn(&mut ChaCha8Rng, usize) -> f32>;
+    let cases: Vec<(&str, Score)> = vec![
+        ("uniform", Box::new(|r, _| r.random::<f32>() * 2.0 - 1.0)),
+        ("one value", Box::new(|_, _| 0.25)),
+        ("five values", Box::new(|_, i| ((i * 7919) % 5) as f32 - 2.0)),
+        ("signed zeros and negatives", Box::new(|r, i| [-0.0, 0.0, -r.random::<f32>()][i % 3])),
+    ];
+    // Every length from 1 to n_max, with the edges (k, k + 1, n_max) present.
+    let lens: Vec<usize> = (0..rows)
+        .map(|r| match r {
+            0 => TOP_K,
+            1 => TOP_K + 1,
+            2 => n_max,
+            _ => 1 + (r * 1931) % n_max,
+        })
+        .collect();
+    for (name, score) in cases {
+        let mut scores = vec![f32::NEG_INFINITY; rows * n_max];
+        for (r, &n) in lens.iter().enumerate() {
+            for i in 0..n {
+                scores[r * n_max + i] = score(&mut rng, i);
+            }
+        }
+        let positions: Vec<u32> = lens.iter().map(|&n| (n * ratio - 1) as u32).collect();
+        let got = g.topk_of_scores(&scores, n_max, &positions, ratio, TOP_K);
+        for (r, &n) in lens.iter().enumerate() {
+            let want = topk_reference(&scores[r * n_max..r * n_max + n], TOP_K);
+            assert_eq!(&got[r * TOP_K..(r + 1) * TOP_K], &want[..], "{name}: row {r} ({n} candidates)");
+        }
+        eprintln!("PARITY topk {name}: {rows} prefill rows of up to {n_max} candidates identical to the definition");
+    }
+}
+
 /// A random indexer key for every entry slot of layer 0 in `pages` pages, in the layer's
 /// entry format: (element offset, bytes), to write into either backend's pages.
 fn random_index_entries(rng: &mut ChaCha8Rng, layout: &KvLayout, pages: usize) -> Vec<(usize, Vec<u8>)> {

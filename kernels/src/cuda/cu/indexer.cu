@@ -330,6 +330,63 @@ extern "C" __global__ void __launch_bounds__(1024) topk_select(const float* scor
     tk_compact([&](int i) { return fkey(s[i]); }, 0, n, prefix, remaining, 0, 0, o);
 }
 
+// A prefill's rows of at most TKW_MAX candidates, a warp a row (8 rows a block, no block
+// barriers): the row's keys are read once into the lanes' registers (entry j at lane
+// j % 32, slot j / 32), the k-th largest key T is built bit by bit from the top (a bit is
+// kept where at least k keys are at or above the key with it: 32 warp-wide counts), and
+// the keys above T and the first k - count(> T) keys equal to T in index order are
+// written in index order (slot by slot, lanes in order: ascending ids). The same
+// selection as topk_select's radix passes and compaction, which spent an 8K prefill's CSA
+// layer ~300 µs mostly in block barriers and shared-memory histograms. Padding keys are
+// 0, below every float's key (fkey(-inf) = 0x007fffff), so they never count.
+#define TKW_PER_LANE 64
+#define TKW_MAX (32 * TKW_PER_LANE)
+extern "C" __global__ void __launch_bounds__(256) topk_select_warp(const float* scores, int n_max,
+                                                                   const u32* positions, int ratio, int k, int rows,
+                                                                   int* out) {
+    pdl_begin();
+    const int lane = threadIdx.x & 31, r = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    const int n = (int)((positions[r] + 1) / (u32)ratio);
+    const float* s = scores + (long long)r * n_max;
+    int* o = out + (long long)r * k;
+    if (n <= k) {
+        for (int j = lane; j < k; j += 32) o[j] = j < n ? j : -1;
+        return;
+    }
+    u32 key[TKW_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < TKW_PER_LANE; i++) {
+        const int j = lane + 32 * i;
+        key[i] = j < n ? fkey(s[j]) : 0u;
+    }
+    u32 t = 0;
+    for (int bit = 31; bit >= 0; bit--) {
+        const u32 cand = t | (1u << bit);
+        int c = 0;
+#pragma unroll
+        for (int i = 0; i < TKW_PER_LANE; i++) c += key[i] >= cand;
+        if (warp_sum(c) >= k) t = cand;
+    }
+    int above = 0;
+#pragma unroll
+    for (int i = 0; i < TKW_PER_LANE; i++) above += key[i] > t;
+    const int remaining = k - warp_sum(above);
+    const u32 lt_mask = (1u << lane) - 1u;
+    int taken = 0, eq_seen = 0;
+#pragma unroll
+    for (int i = 0; i < TKW_PER_LANE; i++) {
+        if (32 * i >= n) break;
+        const bool eq = key[i] == t;
+        const u32 beq = __ballot_sync(0xffffffffu, eq);
+        const bool sel = key[i] > t || (eq && eq_seen + __popc(beq & lt_mask) < remaining);
+        const u32 bsel = __ballot_sync(0xffffffffu, sel);
+        if (sel) o[taken + __popc(bsel & lt_mask)] = lane + 32 * i;
+        taken += __popc(bsel);
+        eq_seen += __popc(beq);
+    }
+}
+
 // Long rows take three launches over `gridDim.x` blocks per row, each block a slice of
 // `chunk` scores, with per-row scratch:
 //   state[8r..]: 0 prefix, 1 its mask, 2 keys still to take among those matching it,
