@@ -659,6 +659,12 @@ impl CudaBackend {
         super::hc::post_pre_in_one_pass(&self.gpu, rows, w)
     }
 
+    /// Whether `x` carries its values rounded to bf16 beside them (`CudaBuf::bf16`: a
+    /// prefill's mHC collapse stores them for the products), for the parity suite.
+    pub fn carries_bf16_rows(&self, x: &CudaBuf) -> bool {
+        x.bf16.is_some()
+    }
+
     /// Whether a step's first mHC boundary of `rows` rows reads the embedding's rows
     /// alone (`hc_mix_copies_rows`, `hc_post_mix_rows` on the copies), for the parity suite.
     pub fn hc_copies_from_rows(&self, rows: usize, w: &crate::backend::HcWeights<Self>) -> bool {

@@ -102,23 +102,43 @@ pub(crate) fn product_of_bf16_rows(gpu: &Gpu, x: u64, rows: usize, w: &CudaWeigh
 /// that reads them: a layer's projections of its input, a SwiGLU pair's gate and up. Each
 /// product rounding the rows itself read an 8K prefill's 128 MB of f32 rows again
 /// (`round_bf16_rows8` was ~11% of a flash-bench prefill, docs/perf.md).
-pub(crate) struct RoundedRows {
-    buf: DevBuf<u16>,
+pub(crate) struct RoundedRows<'a> {
+    buf: Bf16Rows<'a>,
     rows: usize,
     cols: usize,
 }
 
-impl RoundedRows {
-    pub(crate) fn new(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, cols: usize) -> RoundedRows {
+/// Where [`RoundedRows`]' values are: rounded for it, or a buffer's own
+/// ([`crate::cuda::CudaBuf`]'s `bf16`, written by the buffer's producer).
+enum Bf16Rows<'a> {
+    Own(DevBuf<u16>),
+    Lent(&'a DevBuf<u16>),
+}
+
+impl<'a> RoundedRows<'a> {
+    pub(crate) fn new(gpu: &Gpu, x: u64, x_stride: usize, rows: usize, cols: usize) -> RoundedRows<'a> {
         let buf = gpu.alloc::<u16>(rows * cols);
         round_rows(gpu, gpu.ptr(&buf), x, rows, cols, x_stride);
-        RoundedRows { buf, rows, cols }
+        RoundedRows { buf: Bf16Rows::Own(buf), rows, cols }
     }
 
     /// Rows already in bf16 (`rows × cols` values in `buf`), e.g. written so by their producer.
-    pub(crate) fn from_bf16(buf: DevBuf<u16>, rows: usize, cols: usize) -> RoundedRows {
+    pub(crate) fn from_bf16(buf: DevBuf<u16>, rows: usize, cols: usize) -> RoundedRows<'a> {
         assert!(buf.len() >= rows * cols, "{} bf16 values hold no {rows} rows of {cols}", buf.len());
-        RoundedRows { buf, rows, cols }
+        RoundedRows { buf: Bf16Rows::Own(buf), rows, cols }
+    }
+
+    /// [`RoundedRows::from_bf16`] of a buffer that stays its owner's (a `CudaBuf`'s bf16 rows).
+    pub(crate) fn lent(buf: &'a DevBuf<u16>, rows: usize, cols: usize) -> RoundedRows<'a> {
+        assert!(buf.len() >= rows * cols, "{} bf16 values hold no {rows} rows of {cols}", buf.len());
+        RoundedRows { buf: Bf16Rows::Lent(buf), rows, cols }
+    }
+
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        match &self.buf {
+            Bf16Rows::Own(buf) => gpu.ptr(buf),
+            Bf16Rows::Lent(buf) => gpu.ptr(*buf),
+        }
     }
 
     /// `out = x · Wᵀ` from these rows (`op.x` is not read; the caller counted the product).
@@ -128,7 +148,7 @@ impl RoundedRows {
             (op.rows, op.groups * w.cols),
             "rounded activations do not match the product"
         );
-        bf16_gemm(gpu, op, w, gpu.ptr(&self.buf), (op.out, F32), op.out_stride, self.rows, 0.0);
+        bf16_gemm(gpu, op, w, self.ptr(gpu), (op.out, F32), op.out_stride, self.rows, 0.0);
     }
 
     /// [`RoundedRows::product`] with bf16 outputs at `out` (`op.out` is not read):
@@ -140,7 +160,7 @@ impl RoundedRows {
             (op.rows, op.groups * w.cols),
             "rounded activations do not match the product"
         );
-        bf16_gemm(gpu, op, w, gpu.ptr(&self.buf), (out, BF16), op.out_stride, self.rows, 0.0);
+        bf16_gemm(gpu, op, w, self.ptr(gpu), (out, BF16), op.out_stride, self.rows, 0.0);
     }
 }
 
@@ -150,9 +170,24 @@ const BF16: cudaDataType = cudaDataType::CUDA_R_16BF;
 /// `op`'s rows rounded once for products over every one of `ws` (plain, of one input
 /// width) where each would take cuBLAS with bf16 activations; `None` (nothing issued)
 /// otherwise, and the products go their own ways.
-pub(crate) fn rounded_for(gpu: &Gpu, op: &Operand, ws: &[&CudaWeight]) -> Option<RoundedRows> {
+pub(crate) fn rounded_for<'a>(gpu: &Gpu, op: &Operand, ws: &[&CudaWeight]) -> Option<RoundedRows<'a>> {
+    rounded_or_lent(gpu, op, ws, None)
+}
+
+/// [`rounded_for`], taking `lent` (the rows' own bf16 values, `CudaBuf::bf16`, of
+/// `op.x`'s dense rows) where it is given instead of rounding them.
+pub(crate) fn rounded_or_lent<'a>(
+    gpu: &Gpu,
+    op: &Operand,
+    ws: &[&CudaWeight],
+    lent: Option<&'a DevBuf<u16>>,
+) -> Option<RoundedRows<'a>> {
     let shared = op.groups == 1 && ws.iter().all(|w| w.cols == ws[0].cols && reads_bf16_rows(gpu, op, w));
-    shared.then(|| RoundedRows::new(gpu, op.x, op.x_stride, op.rows, ws[0].cols))
+    let cols = ws.first()?.cols;
+    shared.then(|| match lent {
+        Some(buf) if op.x_stride == cols => RoundedRows::lent(buf, op.rows, cols),
+        _ => RoundedRows::new(gpu, op.x, op.x_stride, op.rows, cols),
+    })
 }
 
 /// Whether the product of `op` over `w` runs on cuBLAS from bf16 rows: bf16 activations,

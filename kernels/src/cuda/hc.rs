@@ -153,6 +153,16 @@ fn weights_apart() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_WEIGHTS_APART").map_or(true, |v| v != "0"))
 }
 
+/// Whether a prefill's collapse also stores its normed rows in bf16 (`CudaBuf::bf16`), which
+/// the sub-block's cuBLAS products read instead of rounding them again (two 128 MB
+/// passes over an 8K prefill's rows a layer): with bf16 activations, unless
+/// `SLUICE_CUDA_HC_ROUNDED=0` (read once).
+fn collapse_rounds(g: &super::runtime::Gpu) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_ROUNDED").map_or(true, |v| v != "0"));
+    on && g.activations == crate::Activations::Bf16
+}
+
 /// Threads of a one-block-per-row kernel over the `hc · hidden` streams: 1,024 when the
 /// rows are fewer than the SMs (a decode batch: each block reads its 64 KiB row alone,
 /// bound by how many loads it has in flight), 256 otherwise.
@@ -339,6 +349,8 @@ fn finish(
 ) {
     let (hc, d) = (w.hc, w.hidden);
     let g = &b.gpu;
+    // Whatever bf16 rows the buffer carried are of its old values.
+    collapsed.bf16 = None;
     // The sub-block's input RMSNorm in the same kernel (its block holds the collapsed
     // row), unless `SLUICE_CUDA_FUSE_NORMS=0`.
     let fused = norm.filter(|_| super::rows::fuse_norms());
@@ -357,8 +369,10 @@ fn finish(
     assert!(apart || !copies, "only hc_collapse_rows collapses a row's copies");
     if apart {
         // The weights of every row at once (16 lanes a row), then the collapse as a pass
-        // over the streams (hc_rows.cu says why).
+        // over the streams (hc_rows.cu says why), with the normed rows also in bf16 where
+        // the sub-block's products read them so.
         let pre = g.scratch("hc_pre_weights", rows * hc);
+        let rounded = (fused.is_some() && collapse_rounds(g)).then(|| g.alloc::<u16>(rows * d));
         launch!(
             g,
             "hc_weights_rows",
@@ -389,7 +403,9 @@ fn finish(
             norm_w,
             norm_eps,
             copies as i32,
+            rounded.as_ref().map_or(0, |r| g.ptr(r)),
         );
+        collapsed.bf16 = rounded;
     } else {
         launch!(
             g,

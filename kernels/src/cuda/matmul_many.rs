@@ -26,7 +26,7 @@ use super::gemm_rows::gemm_rows_plan;
 use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
 use super::matmul::{Operand, count_product, fp8_on_fp8wg, fp8wg_products_sharing_parts, matmul, outputs_per_block};
 use super::memory::{CudaWeight, WeightData};
-use super::runtime::{Gpu, cfg, launch};
+use super::runtime::{DevBuf, Gpu, cfg, launch};
 use crate::Activations;
 
 /// Products one `gemv_many_bf16_r*` launch takes (`GEMV_MANY_MAX` in cu/gemv.cu).
@@ -51,8 +51,10 @@ fn fused_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("SLUICE_CUDA_FUSED_PRODUCTS").map(|v| v != "0").unwrap_or(true))
 }
 
-/// `outs[i] = x · ws[i]ᵀ` for contiguous `x[rows, K]` and outputs `[rows, ws[i].rows]`.
-pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u64)]) {
+/// `outs[i] = x · ws[i]ᵀ` for contiguous `x[rows, K]` and outputs `[rows, ws[i].rows]`;
+/// `lent`: x's rows already rounded to bf16 by their producer (`CudaBuf::bf16`), which
+/// the cuBLAS products read where they take bf16 rows.
+pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u64)], lent: Option<&DevBuf<u16>>) {
     if rows == 0 || ws.is_empty() {
         return;
     }
@@ -75,7 +77,12 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
             cublas_bf16::product_of_split(gpu, &xs, Operand::contiguous(x, out, rows, 1, w), w);
         }
     } else if on_cublas {
-        let xb = RoundedRows::new(gpu, x, k, rows, k);
+        // The rows' own bf16 values where their producer wrote them (a prefill's
+        // sub-block input, `CudaBuf::bf16`), else rounded here.
+        let xb = match lent {
+            Some(buf) => RoundedRows::lent(buf, rows, k),
+            None => RoundedRows::new(gpu, x, k, rows, k),
+        };
         for &&(w, out) in &bf16 {
             count_product(gpu, rows, w);
             xb.product(gpu, Operand::contiguous(x, out, rows, 1, w), w);

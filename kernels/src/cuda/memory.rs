@@ -15,6 +15,14 @@ use crate::stored::{FP4_GROUP, FP8_BLOCK, Stored, WeightView};
 pub struct CudaBuf {
     pub(crate) mem: DevBuf<f32>,
     pub(crate) len: usize,
+    /// The same values rounded once to bf16 (`[rows, cols]` as `mem`), written beside them
+    /// by the kernel that wrote them, for the products that read bf16 rows (cuBLAS with bf16
+    /// activations) instead of rounding them again: a prefill's sub-block input, from
+    /// `hc_collapse_rows` (`hc.rs::finish`, which replaces or drops it whenever it writes
+    /// the buffer). None for every other buffer. Only the mHC finish writes a buffer that
+    /// carries one (the engine reads a sub-block's input until the next boundary
+    /// rewrites it); a writer of such a buffer must drop it first.
+    pub(crate) bf16: Option<DevBuf<u16>>,
 }
 
 impl std::fmt::Debug for CudaBuf {

@@ -284,7 +284,7 @@ impl CudaBackend {
     }
 
     fn alloc_buf(&self, len: usize) -> CudaBuf {
-        CudaBuf { mem: self.gpu.alloc(len), len }
+        CudaBuf { mem: self.gpu.alloc(len), len, bf16: None }
     }
 }
 
@@ -315,7 +315,7 @@ impl Backend for CudaBackend {
     }
 
     fn zeros(&self, len: usize) -> CudaBuf {
-        CudaBuf { mem: self.gpu.zeros(len), len }
+        CudaBuf { mem: self.gpu.zeros(len), len, bf16: None }
     }
 
     fn output(&self, len: usize) -> CudaBuf {
@@ -323,7 +323,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, data: &[f32]) -> CudaBuf {
-        CudaBuf { mem: self.gpu.upload(data), len: data.len() }
+        CudaBuf { mem: self.gpu.upload(data), len: data.len(), bf16: None }
     }
 
     fn download(&self, buf: &CudaBuf) -> Vec<f32> {
@@ -521,7 +521,7 @@ impl Backend for CudaBackend {
             assert_eq!(out.len, rows * w.rows, "matmul output is not [rows, {}]", w.rows);
         }
         let products: Vec<(&CudaWeight, u64)> = ws.iter().zip(outs.iter()).map(|(w, o)| (*w, g.ptr(&o.mem))).collect();
-        self.prof("matmul (many)", || matmul_many::matmul_many(g, g.ptr(&x.mem), rows, &products));
+        self.prof("matmul (many)", || matmul_many::matmul_many(g, g.ptr(&x.mem), rows, &products, x.bf16.as_ref()));
     }
 
     fn grouped_matmul(&self, x: &CudaBuf, rows: usize, groups: usize, w: &CudaWeight, out: &mut CudaBuf) {

@@ -112,7 +112,7 @@ pub(crate) fn moe_as(
         .shared
         .as_ref()
         .filter(|_| !branch && shared_rows == (0..rows) && router_shares_rounding())
-        .and_then(|s| cublas_bf16::rounded_for(g, &x_op, &[&w.gate, &s.w1, &s.w3]));
+        .and_then(|s| cublas_bf16::rounded_or_lent(g, &x_op, &[&w.gate, &s.w1, &s.w3], x.bf16.as_ref()));
     let shared_expert = || {
         w.shared.as_ref().filter(|_| !shared_rows.is_empty()).map(|shared| {
             assert!(shared_rows.end <= rows, "shared rows {shared_rows:?} outside the batch's {rows}");

@@ -217,7 +217,13 @@ fn experts_on_cublas_rows(
     let dev = b.upload_staged(&words);
     let word = |i: usize| g.ptr(&dev) + 4 * i as u64;
     let xb = g.alloc::<u16>(n * d);
-    cublas_bf16::gather_rows_bf16(g, g.ptr(&xb), g.ptr(&x.mem), word(0), n, d);
+    match &x.bf16 {
+        // The rows' own bf16 values (`CudaBuf::bf16`): gathered as words, two values each.
+        Some(rounded) if d.is_multiple_of(2) => {
+            super::rows::gather_rows_at(g, g.ptr(&xb), g.ptr(rounded), word(0), n, d / 2)
+        }
+        _ => cublas_bf16::gather_rows_bf16(g, g.ptr(&xb), g.ptr(&x.mem), word(0), n, d),
+    }
     let (h, u) = (b.alloc_buf(n * inter), b.alloc_buf(n * inter));
     let (hb, y) = (g.alloc::<u16>(n * inter), b.alloc_buf(n * d));
     let product = |w: &super::CudaWeight, x_at: u64, out_at: u64, rows: usize| {

@@ -1,8 +1,10 @@
-//! A step's first mHC boundary, whose streams are copies of the embedding: the GPU reads
-//! the rows alone (`Backend::hc_pre_copies`, `Backend::hc_post_pre_copies`); the CPU
-//! makes the streams and runs `hc_pre` / `hc_post_pre` on them.
+//! What a prefill's mHC boundary hands on: the first boundary, whose streams are copies
+//! of the embedding (the GPU reads the rows alone: `Backend::hc_pre_copies`,
+//! `Backend::hc_post_pre_copies`; the CPU makes the streams and runs `hc_pre` /
+//! `hc_post_pre` on them), and the collapse's rows in bf16 for the products.
 
 use kernels::backend::StreamCopies;
+use kernels::cuda::CudaBuf;
 
 use super::*;
 
@@ -85,4 +87,55 @@ fn cuda_hc_of_copied_streams_match_cpu() {
     let on = std::env::var("SLUICE_CUDA_HC_COPIES").map_or(true, |v| v != "0");
     eprintln!("PARITY hc copies: {from_rows} cases from the rows alone (hc_mix_copies_rows)");
     assert!(!on || from_rows == 2, "the rows alone were read in {from_rows} cases, expected 300 and 600 rows");
+}
+
+/// With bf16 activations a prefill's collapse also stores its normed rows in bf16, which
+/// the sub-block's products read instead of rounding the rows again (asserted: the rows
+/// carry them): every product of `matmul_many` over BF16 weights and a MoE layer of BF16
+/// experts with a shared expert (router, shared pair, routed rows gathered) give the bits
+/// they give on the same f32 rows uploaded afresh, which they round themselves.
+#[test]
+fn cuda_collapse_rounded_rows_feed_the_products_bit_for_bit() {
+    let name = "cuda_collapse_rounded_rows_feed_the_products_bit_for_bit";
+    let Some(g) = gpu_in(name, Activations::Bf16) else { return };
+    let g = &*g;
+    let mut rng = rng(name);
+    let (hc, d, rows) = (4, 4096, 300);
+    let mix = weight(&mut rng, (2 + hc) * hc, hc * d, 0.02, "f32");
+    let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
+    let w = hc_weights(g, &mix, &base, d);
+    let norm = g.upload(&rand_vec(&mut rng, d, 1.0));
+    let streams = g.upload(&rand_vec(&mut rng, rows * hc * d, 1.0));
+    let (mut x, mut post, mut comb) = (poisoned(g, rows * d), poisoned(g, rows * hc), poisoned(g, rows * hc * hc));
+    g.hc_pre(&streams, rows, &w, Some((&norm, 1e-6)), &mut x, &mut post, &mut comb);
+    assert!(g.carries_bf16_rows(&x), "a prefill's collapse in bf16 activations should store bf16 rows");
+    let plain = g.upload(&g.download(&x));
+    assert!(!g.carries_bf16_rows(&plain));
+
+    let outputs = [1024, 512, 64];
+    let ws: Vec<_> = outputs.iter().map(|&n| g.weight(weight(&mut rng, n, d, 0.02, "bf16").view())).collect();
+    let many = |x: &CudaBuf| -> Vec<Vec<f32>> {
+        let mut outs: Vec<_> = outputs.iter().map(|n| poisoned(g, rows * n)).collect();
+        g.matmul_many(x, rows, &ws.iter().collect::<Vec<_>>(), &mut outs.iter_mut().collect::<Vec<_>>());
+        outs.iter().map(|o| g.download(o)).collect()
+    };
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (i, (a, b)) in many(&x).iter().zip(many(&plain)).enumerate() {
+        assert_eq!(bits(a), bits(&b), "matmul_many[{i}]: the collapse's bf16 rows gave other products");
+    }
+
+    let (inter, n_exp, k) = (512, 16, 4);
+    let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+    let experts: Vec<[TestWeight; 3]> = (0..n_exp).map(|_| expert_weights(&mut rng, d, inter, "bf16")).collect();
+    let shared = expert_weights(&mut rng, d, inter, "bf16");
+    let moe = moe_weights(g, &gate, Routing::TopK { bias: rand_vec(&mut rng, n_exp, 0.2) }, &experts, &shared, k);
+    assert!(g.routed_rows_in_bf16(rows * k, &moe), "{rows} rows should gather their routed rows in bf16");
+    let tokens: Vec<u32> = (0..rows as u32).collect();
+    let layer = |x: &CudaBuf| {
+        let mut out = poisoned(g, rows * d);
+        g.moe(x, rows, &tokens, &moe, 0..rows, &mut out);
+        g.download(&out)
+    };
+    assert_eq!(bits(&layer(&x)), bits(&layer(&plain)), "moe: the collapse's bf16 rows gave another output");
+    eprintln!("PARITY collapse bf16 rows: {} products and a MoE layer bit for bit", outputs.len());
 }

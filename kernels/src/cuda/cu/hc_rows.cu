@@ -18,9 +18,11 @@
 
 // A row's collapse with its pre weights (hc_collapse's sums: thread t holds float4s
 // t + 256u of the row, stream j, columns t + 256k at u = 4j + k) and, fused, the
-// sub-block's input norm (block_rms_norm_row's), stored.
+// sub-block's input norm (block_rms_norm_row's), stored; with `rounded`, also rounded
+// once to bf16 there (round_bf16_rows8's rounding of the same values).
 __device__ __forceinline__ void hcr_collapse_store(const float4 (&v)[HCR_PIECES], const float* pre_s, int r, int d,
-                                                   float* collapsed, const float* out_norm, float out_eps) {
+                                                   float* collapsed, const float* out_norm, float out_eps,
+                                                   u16* rounded) {
     const int t = threadIdx.x;
     float4 o[HCR_COLS];
     float oss = 0.0f;
@@ -44,7 +46,11 @@ __device__ __forceinline__ void hcr_collapse_store(const float4 (&v)[HCR_PIECES]
 #pragma unroll
     for (int k = 0; k < HCR_COLS; k++) {
         const int col = t + HCR_THREADS * k;
-        out4[col] = out_norm ? rms_scale4(o[k], onv, w4, col) : o[k];
+        const float4 y = out_norm ? rms_scale4(o[k], onv, w4, col) : o[k];
+        out4[col] = y;
+        if (rounded)
+            reinterpret_cast<uint2*>(rounded + (long long)r * d)[col] =
+                make_uint2((u32)f2bf(y.x) | ((u32)f2bf(y.y) << 16), (u32)f2bf(y.z) | ((u32)f2bf(y.w) << 16));
     }
 }
 
@@ -84,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     }
     hc_pre_weights(m, inv, base, s_pre, s_post, s_comb, hc, iters, hc_eps, pre_s, c, post + r * hc,
                    comb + (long long)r * hc * hc);
-    hcr_collapse_store(v, pre_s, r, d, collapsed, out_norm, out_eps);
+    hcr_collapse_store(v, pre_s, r, d, collapsed, out_norm, out_eps, nullptr);
 }
 
 // A row's mixing weights from hc_post_mix_rows' part sums (`partials[r, parts, 32]`, the
@@ -134,10 +140,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // grid rows, HCR_THREADS threads.
 // With `copies`, `streams` is `[rows, d]`: every stream of a row is that row (a step's
 // first sub-block, whose streams are the embedding's copies), read once; the sums are
-// those of the row's copies made and collapsed.
+// those of the row's copies made and collapsed. With `rounded`, the collapsed rows are
+// also stored rounded to bf16 there, for the products that read them so.
 extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     hc_collapse_rows(const float* streams, const float* pre, int d, float* collapsed, const float* out_norm,
-                     float out_eps, int copies) {
+                     float out_eps, int copies, u16* rounded) {
     pdl_begin();
     const int r = blockIdx.x, t = threadIdx.x;
     float4 v[HCR_PIECES];
@@ -156,7 +163,7 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
     }
     const float4 p = *reinterpret_cast<const float4*>(pre + (long long)r * HCR_HC);
     const float pre_s[HCR_HC] = {p.x, p.y, p.z, p.w};
-    hcr_collapse_store(v, pre_s, r, d, collapsed, out_norm, out_eps);
+    hcr_collapse_store(v, pre_s, r, d, collapsed, out_norm, out_eps, rounded);
 }
 
 // hc_post and the next sub-block's mixing product for a prefill's rows (hc_post_mix is

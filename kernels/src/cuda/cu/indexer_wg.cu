@@ -48,15 +48,23 @@ extern "C" __global__ void __launch_bounds__(256) index_q_tile(const float* q, u
     const float* qg = q + (long long)r * heads * 128;
     const float pos = positions ? (float)positions[r] : 0.0f;
     const int r0 = 128 - 2 * p.pairs;
-    for (int i = tid; i < 64 * 64; i += 256) {
-        float2 v = make_float2(0.0f, 0.0f);
-        if (i < heads * 64) {
-            v = reinterpret_cast<const float2*>(qg)[i];
-            const int d0 = (2 * i) & 127;
-            if (positions && d0 >= r0) rope_pair(&v.x, &v.y, pos, p.inv_freq[(d0 - r0) >> 1], p.attention_factor, false);
+    // A row's 32 KiB in 16-byte loads, all of a thread's issued before any is used (2-value
+    // loads, one at a time around the rotation, ran at ~60% of the copy rate).
+    float4 v[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const int i = tid + 256 * u;
+        v[u] = i < heads * 32 ? reinterpret_cast<const float4*>(qg)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        const int i = tid + 256 * u, d0 = (4 * i) & 127;
+        if (positions && i < heads * 32) {
+            if (d0 >= r0) rope_pair(&v[u].x, &v[u].y, pos, p.inv_freq[(d0 - r0) >> 1], p.attention_factor, false);
+            if (d0 + 2 >= r0)
+                rope_pair(&v[u].z, &v[u].w, pos, p.inv_freq[(d0 + 2 - r0) >> 1], p.attention_factor, false);
         }
-        q_sh[2 * i] = v.x;
-        q_sh[2 * i + 1] = v.y;
+        reinterpret_cast<float4*>(q_sh)[i] = v[u];
     }
     __syncthreads();
     u8* out = (u8*)(tiles + (long long)r * (IW_TILE / 2));
