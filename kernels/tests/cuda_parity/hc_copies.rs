@@ -105,9 +105,14 @@ fn cuda_collapse_rounded_rows_feed_the_products_bit_for_bit() {
     let base = rand_vec(&mut rng, (2 + hc) * hc, 0.5);
     let w = hc_weights(g, &mix, &base, d);
     let norm = g.upload(&rand_vec(&mut rng, d, 1.0));
-    let streams = g.upload(&rand_vec(&mut rng, rows * hc * d, 1.0));
-    let (mut x, mut post, mut comb) = (poisoned(g, rows * d), poisoned(g, rows * hc), poisoned(g, rows * hc * hc));
-    g.hc_pre(&streams, rows, &w, Some((&norm, 1e-6)), &mut x, &mut post, &mut comb);
+    // A boundary inside the step (the update and the next pre-mix in one pass, whose
+    // weights are taken apart and whose collapse stores the rows).
+    let mut streams = g.upload(&rand_vec(&mut rng, rows * hc * d, 1.0));
+    let out = g.upload(&rand_vec(&mut rng, rows * d, 1.0));
+    let mut post = g.upload(&rand_vec(&mut rng, rows * hc, 1.0));
+    let mut comb = g.upload(&rand_vec(&mut rng, rows * hc * hc, 0.5));
+    let mut x = poisoned(g, rows * d);
+    g.hc_post_pre(&mut streams, rows, hc, &out, &w, Some((&norm, 1e-6)), &mut x, &mut post, &mut comb);
     assert!(g.carries_bf16_rows(&x), "a prefill's collapse in bf16 activations should store bf16 rows");
     let plain = g.upload(&g.download(&x));
     assert!(!g.carries_bf16_rows(&plain));
