@@ -48,6 +48,15 @@ extern "C" __global__ void __launch_bounds__(256) index_q_tile(const float* q, u
     const float* qg = q + (long long)r * heads * 128;
     const float pos = positions ? (float)positions[r] : 0.0f;
     const int r0 = 128 - 2 * p.pairs;
+    // The rotation's cos and sin (times the attention factor) of each pair, once a row: the
+    // angle depends on the position and the pair alone, and every head's pair took its own
+    // sincosf (16 M of them an 8K prefill's layer). rope_pair's arithmetic, in its order.
+    __shared__ float2 rot[64];
+    if (positions && tid < p.pairs) {
+        float sn, cs;
+        sincosf(pos * p.inv_freq[tid], &sn, &cs);
+        rot[tid] = make_float2(cs * p.attention_factor, sn * p.attention_factor);
+    }
     // A row's 32 KiB in 16-byte loads, all of a thread's issued before any is used (2-value
     // loads, one at a time around the rotation, ran at ~60% of the copy rate).
     float4 v[8];
@@ -56,13 +65,18 @@ extern "C" __global__ void __launch_bounds__(256) index_q_tile(const float* q, u
         const int i = tid + 256 * u;
         v[u] = i < heads * 32 ? reinterpret_cast<const float4*>(qg)[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
+    __syncthreads();
+    auto rotate = [&](float& a, float& b, int pair) {
+        const float2 r = rot[pair], x = make_float2(a, b);
+        a = x.x * r.x - x.y * r.y;
+        b = x.y * r.x + x.x * r.y;
+    };
 #pragma unroll
     for (int u = 0; u < 8; u++) {
         const int i = tid + 256 * u, d0 = (4 * i) & 127;
         if (positions && i < heads * 32) {
-            if (d0 >= r0) rope_pair(&v[u].x, &v[u].y, pos, p.inv_freq[(d0 - r0) >> 1], p.attention_factor, false);
-            if (d0 + 2 >= r0)
-                rope_pair(&v[u].z, &v[u].w, pos, p.inv_freq[(d0 + 2 - r0) >> 1], p.attention_factor, false);
+            if (d0 >= r0) rotate(v[u].x, v[u].y, (d0 - r0) >> 1);
+            if (d0 + 2 >= r0) rotate(v[u].z, v[u].w, (d0 + 2 - r0) >> 1);
         }
         reinterpret_cast<float4*>(q_sh)[i] = v[u];
     }
