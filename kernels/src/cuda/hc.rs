@@ -283,18 +283,12 @@ fn pre_of_copies(
     let (rows, d) = (s.rows, s.hidden);
     assert_eq!((collapsed.len, post.len, comb.len), (rows * d, rows * s.hc, rows * s.hc * s.hc), "hc_pre outputs");
     let g = &b.gpu;
-    g.traffic.add_weights(w.mix.device_bytes());
-    let parts = d / POST_MIX_ROWS_COLS;
-    let partials = g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS);
+    let (parts, partials) = rows_part_sums(g, rows, w);
     b.prof("hc_pre: mix of copies (rows)", || {
         launch!(
             g,
             kernel,
-            cfg(
-                (parts as u32, rows.div_ceil(POST_MIX_ROWS_ROWS) as u32, 1),
-                POST_MIX_ROWS_THREADS,
-                MIX_COPIES_SMEM as u32
-            ),
+            rows_parts_cfg(parts, rows, MIX_COPIES_SMEM),
             g.ptr(&s.x.mem),
             rows as i32,
             d as i32,
@@ -559,19 +553,13 @@ fn post_mix_rows(
     let d = w.hidden;
     assert_eq!(out.len, rows * d, "hc_post_pre: the sub-block output is not [rows, hidden]");
     let g = &b.gpu;
-    g.traffic.add_weights(w.mix.device_bytes());
-    let parts = d / POST_MIX_ROWS_COLS;
-    let partials = g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS);
+    let (parts, partials) = rows_part_sums(g, rows, w);
     let kernel = if name == "hc_post_mix_f32" { "hc_post_mix_rows_f32" } else { "hc_post_mix_rows_bf16" };
     b.prof("hc_post_pre: post + mix (rows)", || {
         launch!(
             g,
             kernel,
-            cfg(
-                (parts as u32, rows.div_ceil(POST_MIX_ROWS_ROWS) as u32, 1),
-                POST_MIX_ROWS_THREADS,
-                POST_MIX_ROWS_SMEM as u32
-            ),
+            rows_parts_cfg(parts, rows, POST_MIX_ROWS_SMEM),
             g.ptr(&streams.mem),
             g.ptr(&copies.unwrap_or(streams).mem),
             copies.is_some() as i32,
@@ -585,6 +573,22 @@ fn post_mix_rows(
         )
     });
     finish(b, streams, false, rows, w, norm, Mixed::Parts { partials, parts }, collapsed, post, comb);
+}
+
+/// The parts of a prefill row's mixing product (`hidden / POST_MIX_ROWS_COLS`, a block's
+/// columns each) and the scratch their sums go to (`[rows, parts, 32]`), the mixing
+/// weight's bytes counted as read: what `hc_post_mix_rows` and `hc_mix_copies_rows` leave
+/// for `hc_weights_rows`.
+fn rows_part_sums(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> (usize, u64) {
+    g.traffic.add_weights(w.mix.device_bytes());
+    let parts = w.hidden / POST_MIX_ROWS_COLS;
+    (parts, g.scratch("hc_post_mix_partials", rows * parts * POST_MIX_SLOTS))
+}
+
+/// The launch of a kernel over a prefill's rows by parts (`hc_post_mix_rows`,
+/// `hc_mix_copies_rows`): a block a part and [`POST_MIX_ROWS_ROWS`] rows.
+fn rows_parts_cfg(parts: usize, rows: usize, smem: usize) -> cudarc::driver::LaunchConfig {
+    cfg((parts as u32, rows.div_ceil(POST_MIX_ROWS_ROWS) as u32, 1), POST_MIX_ROWS_THREADS, smem as u32)
 }
 
 /// `hc_post_mix`'s sums a row and part (`HC_MIX_SLOTS` in hc.cu): (2 + hc)·hc ≤ 31

@@ -110,21 +110,35 @@ fn cuda_topk_long_rows_equal_the_definition() {
         ("many rows, two launch groups", 290_000, vec![290_000; 58], Box::new(|r, _| r.random::<f32>() * 2.0 - 1.0)),
     ];
     for (name, n_max, lens, score) in cases {
-        let rows = lens.len();
-        let mut scores = vec![f32::NEG_INFINITY; rows * n_max];
-        for (r, &n) in lens.iter().enumerate() {
-            for i in 0..n {
-                scores[r * n_max + i] = score(&mut rng, i);
-            }
-        }
-        let positions: Vec<u32> = lens.iter().map(|&n| (n * ratio - 1) as u32).collect();
-        let got = g.topk_of_scores(&scores, n_max, &positions, ratio, TOP_K);
-        for (r, &n) in lens.iter().enumerate() {
-            let want = topk_reference(&scores[r * n_max..r * n_max + n], TOP_K);
-            assert_eq!(&got[r * TOP_K..(r + 1) * TOP_K], &want[..], "{name}: row {r} ({n} candidates)");
-        }
-        eprintln!("PARITY topk {name}: {rows} rows of up to {n_max} candidates identical to the definition");
+        check_topk_rows(g, &mut rng, name, n_max, &lens, ratio, &score);
     }
+}
+
+/// Rows of `lens[r]` candidates (of `n_max` slots, -inf past them) scored by `score`,
+/// selected on the GPU: each row's ids equal the definition's ([`topk_reference`]).
+fn check_topk_rows(
+    g: &CudaBackend,
+    rng: &mut ChaCha8Rng,
+    name: &str,
+    n_max: usize,
+    lens: &[usize],
+    ratio: usize,
+    score: &dyn Fn(&mut ChaCha8Rng, usize) -> f32,
+) {
+    let rows = lens.len();
+    let mut scores = vec![f32::NEG_INFINITY; rows * n_max];
+    for (r, &n) in lens.iter().enumerate() {
+        for i in 0..n {
+            scores[r * n_max + i] = score(rng, i);
+        }
+    }
+    let positions: Vec<u32> = lens.iter().map(|&n| (n * ratio - 1) as u32).collect();
+    let got = g.topk_of_scores(&scores, n_max, &positions, ratio, TOP_K);
+    for (r, &n) in lens.iter().enumerate() {
+        let want = topk_reference(&scores[r * n_max..r * n_max + n], TOP_K);
+        assert_eq!(&got[r * TOP_K..(r + 1) * TOP_K], &want[..], "{name}: row {r} ({n} candidates)");
+    }
+    eprintln!("PARITY topk {name}: {rows} rows of up to {n_max} candidates identical to the definition");
 }
 
 /// A prefill's many short rows (a warp a row, `topk_select_warp`: asserted) equal the
@@ -155,19 +169,7 @@ fn cuda_topk_prefill_rows_equal_the_definition() {
         })
         .collect();
     for (name, score) in cases {
-        let mut scores = vec![f32::NEG_INFINITY; rows * n_max];
-        for (r, &n) in lens.iter().enumerate() {
-            for i in 0..n {
-                scores[r * n_max + i] = score(&mut rng, i);
-            }
-        }
-        let positions: Vec<u32> = lens.iter().map(|&n| (n * ratio - 1) as u32).collect();
-        let got = g.topk_of_scores(&scores, n_max, &positions, ratio, TOP_K);
-        for (r, &n) in lens.iter().enumerate() {
-            let want = topk_reference(&scores[r * n_max..r * n_max + n], TOP_K);
-            assert_eq!(&got[r * TOP_K..(r + 1) * TOP_K], &want[..], "{name}: row {r} ({n} candidates)");
-        }
-        eprintln!("PARITY topk {name}: {rows} prefill rows of up to {n_max} candidates identical to the definition");
+        check_topk_rows(g, &mut rng, &format!("prefill rows, {name}"), n_max, &lens, ratio, &score);
     }
 }
 

@@ -195,6 +195,36 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
 #define HPR_KCHUNKS (7 * HPR_COLS + HPR_COLS / 4)  // 16-byte chunks a stream's weights take
 #define HPR_SMEM (4 * HPR_KCHUNKS * 16)
 __device__ __forceinline__ int hpr_at(int k, int x) { return 4 * (k * HPR_KCHUNKS + 7 * x + (x >> 2)); }
+// acc[n] += w[n] · v for a column's 24 weights (6 16-byte chunks from `w`, hpr_at's place).
+__device__ __forceinline__ void hpr_add_weighted(float (&acc)[HPR_N], const float* w, float v) {
+    const float4* wk = (const float4*)w;
+#pragma unroll
+    for (int q = 0; q < HPR_N / 4; q++) {
+        const float4 wv = wk[q];
+        acc[4 * q] += wv.x * v;
+        acc[4 * q + 1] += wv.y * v;
+        acc[4 * q + 2] += wv.z * v;
+        acc[4 * q + 3] += wv.w * v;
+    }
+}
+// A row's part sums over its 8 lanes (lanes 8 apart hold other rows), folded in a fixed
+// order, written by the row's first lane (`write`) as hc_post_mix leaves them: the 24
+// logits, zeros, the sum of squares `ss` (folded like them) in slot 31.
+__device__ __forceinline__ void hpr_fold_store(float (&acc)[HPR_N], float ss, bool write, float* dst_row) {
+#pragma unroll
+    for (int m = 1; m < 8; m <<= 1) {
+#pragma unroll
+        for (int n = 0; n < HPR_N; n++) acc[n] += __shfl_xor_sync(0xffffffffu, acc[n], m);
+        ss += __shfl_xor_sync(0xffffffffu, ss, m);
+    }
+    if (write) {
+        float4* dst = (float4*)dst_row;
+#pragma unroll
+        for (int q = 0; q < HPR_N / 4; q++) dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
+        dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
+    }
+}
 template <int WT>
 __device__ __forceinline__ void hc_post_mix_rows_body(float* streams, const float* src, int copies,
                                                       const float* __restrict__ out,
@@ -268,15 +298,7 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* streams, const floa
                         const float v = hc_post_value(p[k], ob[i], c + k, 4, old, 4);
                         a[k][i] = v;
                         ss += v * v;
-                        const float4* wk = (const float4*)(hpr_w + hpr_at(k, xs + col + i));
-#pragma unroll
-                        for (int q = 0; q < HPR_N / 4; q++) {
-                            const float4 wv = wk[q];
-                            acc[4 * q] += wv.x * v;
-                            acc[4 * q + 1] += wv.y * v;
-                            acc[4 * q + 2] += wv.z * v;
-                            acc[4 * q + 3] += wv.w * v;
-                        }
+                        hpr_add_weighted(acc, hpr_w + hpr_at(k, xs + col + i), v);
                     }
                 }
 #pragma unroll
@@ -292,20 +314,7 @@ __device__ __forceinline__ void hc_post_mix_rows_body(float* streams, const floa
         // The next rows' post and comb (this row's are done with), in flight under the fold.
         load_mix(r + 4, p, c);
         // The row's 8 lanes' sums, folded in a fixed order; its first lane writes them.
-#pragma unroll
-        for (int m = 1; m < 8; m <<= 1) {
-#pragma unroll
-            for (int n = 0; n < HPR_N; n++) acc[n] += __shfl_xor_sync(0xffffffffu, acc[n], m);
-            ss += __shfl_xor_sync(0xffffffffu, ss, m);
-        }
-        if (live && col == 0) {
-            float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
-#pragma unroll
-            for (int q = 0; q < HPR_N / 4; q++)
-                dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-            dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            dst[7] = make_float4(0.0f, 0.0f, 0.0f, ss);
-        }
+        hpr_fold_store(acc, ss, live && col == 0, partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
     }
     pdl_launch_dependents();
 }
@@ -368,31 +377,11 @@ __device__ __forceinline__ void hc_mix_copies_rows_body(const float* __restrict_
             for (int i = 0; i < 4; i++) {
                 const float val = vals[i];
                 ss += val * val;
-                const float4* wk = (const float4*)(hpr_w + hpr_at(0, 32 * st + col + i));
-#pragma unroll
-                for (int q = 0; q < HPR_N / 4; q++) {
-                    const float4 wv = wk[q];
-                    acc[4 * q] += wv.x * val;
-                    acc[4 * q + 1] += wv.y * val;
-                    acc[4 * q + 2] += wv.z * val;
-                    acc[4 * q + 3] += wv.w * val;
-                }
+                hpr_add_weighted(acc, hpr_w + hpr_at(0, 32 * st + col + i), val);
             }
         }
-#pragma unroll
-        for (int m = 1; m < 8; m <<= 1) {
-#pragma unroll
-            for (int n = 0; n < HPR_N; n++) acc[n] += __shfl_xor_sync(0xffffffffu, acc[n], m);
-            ss += __shfl_xor_sync(0xffffffffu, ss, m);
-        }
-        if (live && col == 0) {
-            float4* dst = (float4*)(partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
-#pragma unroll
-            for (int q = 0; q < HPR_N / 4; q++)
-                dst[q] = make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]);
-            dst[6] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            dst[7] = make_float4(0.0f, 0.0f, 0.0f, 4.0f * ss);
-        }
+        // The copies' sum of squares: 4 times the row's (exact).
+        hpr_fold_store(acc, 4.0f * ss, live && col == 0, partials + ((long long)r * parts + part) * HC_MIX_SLOTS);
     }
     pdl_launch_dependents();
 }
