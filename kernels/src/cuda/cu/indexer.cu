@@ -360,13 +360,14 @@ extern "C" __global__ void __launch_bounds__(256) topk_select_warp(const float* 
         const int j = lane + 32 * i;
         key[i] = j < n ? fkey(s[j]) : 0u;
     }
+    // (Four partial counts: one count was a chain of 64 dependent adds a bit.)
     u32 t = 0;
     for (int bit = 31; bit >= 0; bit--) {
         const u32 cand = t | (1u << bit);
-        int c = 0;
+        int c[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int i = 0; i < TKW_PER_LANE; i++) c += key[i] >= cand;
-        if (warp_sum(c) >= k) t = cand;
+        for (int i = 0; i < TKW_PER_LANE; i++) c[i & 3] += key[i] >= cand;
+        if (warp_sum((c[0] + c[1]) + (c[2] + c[3])) >= k) t = cand;
     }
     int above = 0;
 #pragma unroll
