@@ -60,10 +60,36 @@ pub(super) fn expert(
     let inter = e.w1.rows;
     let h = b.alloc_buf(rows * inter);
     let op = Operand { x, x_stride: e.w1.cols, out: g.ptr(&h.mem), out_stride: inter, rows, groups: 1 };
+    let down =
+        Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: e.w2.rows, rows, groups: 1 };
+    if let Some(xb) = rounded.filter(|_| shared_swiglu_bf16() && cublas_bf16::reads_bf16_rows(g, &down, &e.w2)) {
+        // The pair from rows already in bf16 (which it reads on cuBLAS) into a down product
+        // that reads bf16 rows: the SwiGLU is written rounded (`swiglu_bf16`: swiglu_act's
+        // value rounded as the down product's own rounding would), where swiglu_act wrote
+        // f32 rows for `round_bf16_rows8` to read again — the same bits, one pass less.
+        let n = rows * inter;
+        let up = g.alloc::<f32>(n);
+        for (out, w) in [(g.ptr(&h.mem), &e.w1), (g.ptr(&up), &e.w3)] {
+            count_product(g, rows, w);
+            xb.product(g, Operand { out, ..op }, w);
+        }
+        let hb = g.alloc::<u16>(n);
+        cublas_bf16::swiglu_bf16(g, g.ptr(&hb), g.ptr(&h.mem), g.ptr(&up), n, limit);
+        count_product(g, rows, &e.w2);
+        cublas_bf16::product_of_bf16_rows(g, g.ptr(&hb), rows, &e.w2, g.ptr(&y.mem));
+        return y;
+    }
     swiglu_pair_of(g, op, (&e.w1, &e.w3), limit, variant, rounded);
-    let op = Operand { x: g.ptr(&h.mem), x_stride: inter, out: g.ptr(&y.mem), out_stride: e.w2.rows, rows, groups: 1 };
-    matmul_as(g, op, &e.w2, variant);
+    matmul_as(g, down, &e.w2, variant);
     y
+}
+
+/// Whether an expert whose SwiGLU pair reads rows already in bf16 writes its SwiGLU in
+/// bf16 for the down product ([`expert`]; a prefill's shared expert).
+/// `SLUICE_CUDA_SHARED_SWIGLU_BF16=0` (read once) keeps `swiglu_act`'s f32 rows.
+fn shared_swiglu_bf16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_SHARED_SWIGLU_BF16").map_or(true, |v| v != "0"))
 }
 
 /// The MoE block with the decode kernels `SLUICE_CUDA_DECODE_KERNELS` selects.

@@ -93,7 +93,8 @@ fn cuda_hc_of_copied_streams_match_cpu() {
 /// the sub-block's products read instead of rounding the rows again (asserted: the rows
 /// carry them): every product of `matmul_many` over BF16 weights and a MoE layer of BF16
 /// experts with a shared expert (router, shared pair, routed rows gathered) give the bits
-/// they give on the same f32 rows uploaded afresh, which they round themselves.
+/// they give on the same f32 rows uploaded afresh, which they round themselves; the MoE
+/// layer (its shared expert's SwiGLU written in bf16) is within the bf16 bound of the CPU's.
 #[test]
 fn cuda_collapse_rounded_rows_feed_the_products_bit_for_bit() {
     let name = "cuda_collapse_rounded_rows_feed_the_products_bit_for_bit";
@@ -129,11 +130,15 @@ fn cuda_collapse_rounded_rows_feed_the_products_bit_for_bit() {
         assert_eq!(bits(a), bits(&b), "matmul_many[{i}]: the collapse's bf16 rows gave other products");
     }
 
+    // A BF16 router too, so the router's product and the shared expert's pair read the
+    // rows' one rounding (and the shared expert writes its SwiGLU in bf16): checked
+    // against the CPU as well.
     let (inter, n_exp, k) = (512, 16, 4);
-    let gate = weight(&mut rng, n_exp, d, 0.05, "f32");
+    let gate = weight(&mut rng, n_exp, d, 0.05, "bf16");
     let experts: Vec<[TestWeight; 3]> = (0..n_exp).map(|_| expert_weights(&mut rng, d, inter, "bf16")).collect();
     let shared = expert_weights(&mut rng, d, inter, "bf16");
-    let moe = moe_weights(g, &gate, Routing::TopK { bias: rand_vec(&mut rng, n_exp, 0.2) }, &experts, &shared, k);
+    let bias = rand_vec(&mut rng, n_exp, 0.2);
+    let moe = moe_weights(g, &gate, Routing::TopK { bias: bias.clone() }, &experts, &shared, k);
     assert!(g.routed_rows_in_bf16(rows * k, &moe), "{rows} rows should gather their routed rows in bf16");
     let tokens: Vec<u32> = (0..rows as u32).collect();
     let layer = |x: &CudaBuf| {
@@ -141,6 +146,12 @@ fn cuda_collapse_rounded_rows_feed_the_products_bit_for_bit() {
         g.moe(x, rows, &tokens, &moe, 0..rows, &mut out);
         g.download(&out)
     };
-    assert_eq!(bits(&layer(&x)), bits(&layer(&plain)), "moe: the collapse's bf16 rows gave another output");
+    let got = layer(&x);
+    assert_eq!(bits(&got), bits(&layer(&plain)), "moe: the collapse's bf16 rows gave another output");
+    let c = CpuBackend::new();
+    let cmoe = moe_weights(&c, &gate, Routing::TopK { bias }, &experts, &shared, k);
+    let mut want = vec![0f32; rows * d];
+    c.moe(&g.download(&x), rows, &tokens, &cmoe, 0..rows, &mut want);
+    check("moe on the collapse's bf16 rows", "bf16", &got, &want);
     eprintln!("PARITY collapse bf16 rows: {} products and a MoE layer bit for bit", outputs.len());
 }
