@@ -8,8 +8,10 @@
 
 use crate::EntryDtype;
 pub use crate::attention_io::{AttentionIo, OutputProjection, QueryPrep, attention_projected_apart};
+pub use crate::hc_params::{HcHeadWeights, HcWeights, StreamCopies};
 use crate::kv_layout::{Branch, EntryFormat, KvLayout};
 use crate::plan::BatchPlan;
+pub use crate::readout::{GreedyPicks, argmax, greedy_pick, log_normaliser, split_parts};
 use crate::rope::RopeTable;
 use crate::stored::WeightView;
 
@@ -74,59 +76,6 @@ pub struct HeadNormShared<'a> {
     pub eps: f32,
     pub positions: &'a [u32],
     pub rope: &'a RopeTable,
-}
-
-/// Parameters of one mHC site (attention or FFN side of a layer).
-pub struct HcWeights<B: Backend + ?Sized> {
-    /// `[(2 + hc) * hc, hc * hidden]`: rows are pre, post, then comb logits.
-    pub mix: B::Weight,
-    /// `(2 + hc) * hc` biases.
-    pub base: Vec<f32>,
-    /// Scales for pre, post and comb logits.
-    pub scale: [f32; 3],
-    pub hc: usize,
-    pub hidden: usize,
-    pub sinkhorn_iters: usize,
-    pub norm_eps: f32,
-    pub hc_eps: f32,
-}
-
-/// Residual streams `[rows, hc, hidden]` that are `hc` copies of each row of `x`
-/// (`[rows, hidden]`): a step's streams before its first residual update, every one the
-/// token's embedding ([`Backend::hc_pre_copies`], [`Backend::hc_post_pre_copies`]).
-pub struct StreamCopies<'a, B: Backend + ?Sized> {
-    pub x: &'a B::Buf,
-    pub rows: usize,
-    pub hc: usize,
-    pub hidden: usize,
-}
-
-impl<B: Backend + ?Sized> StreamCopies<'_, B> {
-    /// The streams made: each row of `x` repeated `hc` times.
-    pub fn make(&self, b: &B) -> B::Buf {
-        b.gather_rows(self.x, self.hidden, &self.copied_rows(0..self.rows))
-    }
-
-    /// The streams of `rows` alone, in that order (`[rows.len(), hc, hidden]`).
-    pub fn make_rows(&self, b: &B, rows: &[usize]) -> B::Buf {
-        b.gather_rows(self.x, self.hidden, &self.copied_rows(rows.iter().copied()))
-    }
-
-    fn copied_rows(&self, rows: impl Iterator<Item = usize>) -> Vec<usize> {
-        rows.flat_map(|r| std::iter::repeat_n(r, self.hc)).collect()
-    }
-}
-
-/// The final stream collapse before the output norm.
-pub struct HcHeadWeights<B: Backend + ?Sized> {
-    /// `[hc, hc * hidden]`.
-    pub mix: B::Weight,
-    pub base: Vec<f32>,
-    pub scale: f32,
-    pub hc: usize,
-    pub hidden: usize,
-    pub norm_eps: f32,
-    pub hc_eps: f32,
 }
 
 /// One SwiGLU expert: `w2 · (silu(min(w1·x, limit)) * clamp(w3·x, ±limit))`.
@@ -793,53 +742,4 @@ pub trait Backend: Send + Sync + 'static {
         plan: &BatchPlan,
         new_kv: &Self::Buf,
     );
-}
-
-/// Index of the largest value, the first one on ties (NaN values never win; a row that
-/// starts with NaN keeps index 0): the greedy token, on the host (`engine::sampling`)
-/// and in [`greedy_pick`].
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
-/// `(m, ln Σ exp(lⱼ - m))` of a row of logits, `m` its largest non-NaN value, in f64: the
-/// log-softmax of `l` is `l - m - z` (`engine::sampling::log_softmax`, [`greedy_pick`]).
-pub fn log_normaliser(logits: &[f32]) -> (f64, f64) {
-    let m = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let z = logits.iter().map(|&l| (l as f64 - m).exp()).sum::<f64>().ln();
-    (m, z)
-}
-
-/// Greedy picks of a step's rows ([`Backend::greedy_rows_start`]): made already, or in a
-/// device buffer of `2 · rows` values holding each row's token and log-probability as
-/// f32 bits, to be read by [`Backend::greedy_rows_finish`].
-pub enum GreedyPicks<Buf> {
-    Ready(Vec<(u32, f32)>),
-    OnDevice { buf: Buf, rows: usize },
-}
-
-/// The greedy token of a row of logits and its log-probability, exactly as the engine's
-/// sampler computes them ([`argmax`], [`log_normaliser`]).
-pub fn greedy_pick(row: &[f32]) -> (u32, f32) {
-    let best = argmax(row);
-    let (m, z) = log_normaliser(row);
-    (best, (row.get(best as usize).map_or(f64::NAN, |&l| l as f64) - m - z) as f32)
-}
-
-/// `all` cut into consecutive parts of `lens` values (which must cover it exactly).
-pub fn split_parts(all: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
-    assert_eq!(lens.iter().sum::<usize>(), all.len(), "download parts do not cover the buffer");
-    let mut at = 0;
-    lens.iter()
-        .map(|&n| {
-            at += n;
-            all[at - n..at].to_vec()
-        })
-        .collect()
 }

@@ -7,6 +7,10 @@
 //!   and the weight/parameter bundles its fused ops take.
 //! - [`attention_io`]: the attention sub-block's raw query and output projection as
 //!   backends take them (a GPU folds the query's prep and keeps the output in bf16).
+//! - [`hc_params`]: the mHC sites' parameters and a step's streams while they are still
+//!   copies of the embedding.
+//! - [`readout`]: a step's greedy read-out on the host (the sampler's argmax and
+//!   log-probability) and a downloaded buffer cut into parts.
 //! - [`cpu`]: the CPU backend (GEMMs through the `gemm` crate, rayon across cores).
 //! - `cuda` (feature `cuda`): the CUDA backend (NVRTC-compiled kernels, cuBLAS).
 //! - [`sharded`]: one backend over several devices (data-parallel attention, expert-
@@ -30,11 +34,13 @@ pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod hc_params;
 pub mod kv_checksum;
 pub mod kv_entry;
 pub mod mapped;
 pub mod plan;
 pub mod quant;
+pub mod readout;
 pub mod reference;
 pub mod rope;
 pub mod sharded;

@@ -28,7 +28,7 @@ use super::memory::CudaWeight;
 use super::moe::{ListsRouting, experts_routed_on_device, moe_as, with_routing_apart};
 use super::moe_v2::{experts_v2_plan, segments_plan};
 use super::moe_wgmma::{wgmoe_plan, without_wgmoe};
-use super::{CudaBackend, CudaBuf, KernelTime, attention};
+use super::{CudaBackend, CudaBuf};
 use crate::Activations;
 use crate::backend::{Backend, ExpertWeights, MoeWeights, Routing};
 use crate::kv_layout::KvLayout;
@@ -484,47 +484,6 @@ impl CudaBackend {
         } else {
             moe_as(self, x, rows, tokens, w, shared_rows, out, decode_variant(variant));
         }
-    }
-
-    /// The indexer's top-k selection alone over given scores (`scores[rows, n_max]`,
-    /// row r choosing among its first `(positions[r] + 1) / ratio`), as `index_topk`
-    /// runs it: ascending ids, -1 past the visible count. For parity tests of the
-    /// selection on inputs the indexer would rarely produce (ties, one repeated value).
-    pub fn topk_of_scores(&self, scores: &[f32], n_max: usize, positions: &[u32], ratio: usize, k: usize) -> Vec<i32> {
-        let g = &self.gpu;
-        let rows = positions.len();
-        assert_eq!(scores.len(), rows * n_max, "scores are not [rows, n_max]");
-        let (s, pos, out) = (g.upload(scores), g.upload(positions), g.alloc::<i32>(rows * k));
-        attention::select_topk(g, g.ptr(&s), n_max, g.ptr(&pos), rows, ratio, k, g.ptr(&out));
-        let mut host = vec![0i32; rows * k];
-        g.read(&out, 0, &mut host);
-        host
-    }
-
-    /// Whether the top-k of `rows` rows of `n_max` candidates takes a warp a row
-    /// (`topk_select_warp`), for the parity suite.
-    pub fn topk_in_warps(&self, rows: usize, n_max: usize) -> bool {
-        attention::topk_in_warps(&self.gpu, rows, n_max)
-    }
-
-    /// Time of the indexer's top-k selection alone (radix select and ordered ids, one
-    /// block or several per row as `index_topk` chooses) for one row of `n` random
-    /// scores keeping `k`.
-    pub fn time_topk(&self, n: usize, k: usize, reps: usize) -> KernelTime {
-        let g = &self.gpu;
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let scores: Vec<f32> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32
-            })
-            .collect();
-        let s = g.upload(&scores);
-        let pos = g.upload(&[(4 * n - 1) as u32]);
-        let out = g.alloc::<i32>(k);
-        self.time_kernel_us(reps, || attention::select_topk(g, g.ptr(&s), n, g.ptr(&pos), 1, 4, k, g.ptr(&out)))
     }
 
     /// Whether [`Backend::indexer_select`] folds q's rotation and the weights' scale into

@@ -34,7 +34,7 @@
 //!   the tensor memory accelerator (cu/gemv_f8wg.cu), tried before `gemv_f8mma`.
 //! - `rows`, `hc`, `moe`, `compress`, `attention`: the trait's ops; `attention_io`: a raw
 //!   query prepped in `attention_wg`, its output handed to `wo_a` as bf16 rows;
-//!   `indexer_wg`: prefill indexer scores on `wgmma`.
+//!   `indexer_wg`: prefill indexer scores on `wgmma`; `topk`: the indexer's top-k.
 //! - `moe_cublas`: routed BF16 experts of decode batches as cuBLAS batched products.
 //! - `moe_host`: routed experts of batches whose routing is read back (prefill).
 //! - `moe_fp4wg`: prefill-sized products on Hopper's `wgmma` (cu/moe_fp4wg.cu): those
@@ -47,6 +47,8 @@
 //! - [`collective`]: rows between GPUs for the sharded backend (NCCL, peer copies).
 //! - [`peer`]: GPU-to-GPU copy bandwidth, the ceiling of KV transfers between GPUs.
 //! - `timing`: device-timed calls, stream holds and the copy bandwidth (benchmarks).
+//! - `counters`: what a benchmark reads back of the ops issued (bytes, FLOPs, launches,
+//!   graph replays, the per-op profile) and the graphs switch tests flip.
 //! - `profile`: time per op (`SLUICE_CUDA_PROFILE=1` synchronised, `events` device-side,
 //!   `host` the issuing thread's).
 //!
@@ -62,6 +64,7 @@ mod capture_lock;
 mod checksum;
 pub mod collective;
 mod compress;
+mod counters;
 mod cublas_bf16;
 mod decode_v2;
 mod devplan;
@@ -91,6 +94,7 @@ mod rows;
 pub(crate) mod runtime;
 mod step_graph;
 mod timing;
+mod topk;
 mod upload;
 
 use crate::EntryDtype;
@@ -219,50 +223,6 @@ impl CudaBackend {
     /// transport that reaches GPU memory (the storage must outlive the registration).
     pub fn kv_device_range(&self, kv: &CudaKv) -> (u64, usize) {
         (self.gpu.ptr(&kv.mem), kv.len * kv.dtype.size())
-    }
-
-    /// Bytes of weights and of KV entries the ops issued since the last call must read
-    /// at least (each once), and reset the counters.
-    pub fn take_traffic(&self) -> (u64, u64) {
-        use std::sync::atomic::Ordering;
-        let t = &self.gpu.traffic;
-        let device = self.gpu.take_device_traffic();
-        (t.weights.swap(0, Ordering::Relaxed) + device, t.kv.swap(0, Ordering::Relaxed))
-    }
-
-    /// Floating-point operations of the products issued since the last call (2 per
-    /// multiply-add; the routed experts' counted from the pairs routed), and reset.
-    pub fn take_flops(&self) -> u64 {
-        self.gpu.traffic.flops.swap(0, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Decode steps recorded, replayed from a CUDA graph, captured and issued eagerly
-    /// since the last call (`step_graph`).
-    pub fn take_graph_stats(&self) -> GraphStats {
-        self.gpu.steps.take_stats()
-    }
-
-    /// Record decode steps and replay them as CUDA graphs (`on`, the default unless
-    /// `SLUICE_CUDA_GRAPHS=0`), or issue every op as it comes: tests compare the two in
-    /// one process.
-    pub fn set_graphs(&self, on: bool) {
-        self.gpu.set_graphs(on);
-    }
-
-    /// Kernel launches and cuBLAS calls issued since the last call.
-    pub fn take_launches(&self) -> u64 {
-        self.gpu.launches.swap(0, std::sync::atomic::Ordering::Relaxed)
-    }
-
-    /// Per-op `(name, seconds, calls)` since the last call, when profiling is on
-    /// (`SLUICE_CUDA_PROFILE=1`, `events` or `host`), largest first.
-    pub fn take_profile(&self) -> Option<Vec<(&'static str, f64, u64)>> {
-        Some(self.profile.as_ref()?.take(&self.gpu))
-    }
-
-    /// Whether the profile is of the host's time in ops (`SLUICE_CUDA_PROFILE=host`).
-    pub fn profiles_host(&self) -> bool {
-        self.profile.as_ref().is_some_and(|p| p.times_host())
     }
 
     fn prof<R>(&self, name: &'static str, f: impl FnOnce() -> R) -> R {
