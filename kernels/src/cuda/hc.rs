@@ -36,6 +36,32 @@ fn f80(v: &[f32]) -> F80 {
     a
 }
 
+/// A mixing weight as the mHC kernels read it: f32 or bf16 values at a device address
+/// (each kernel has a variant for either; FP8 and FP4 weights take the general paths).
+#[derive(Clone, Copy)]
+enum MixWeight {
+    F32(u64),
+    Bf16(u64),
+}
+
+impl MixWeight {
+    fn of(g: &super::runtime::Gpu, w: &super::CudaWeight) -> Option<MixWeight> {
+        match &w.data {
+            WeightData::F32(d) => Some(MixWeight::F32(g.ptr(d))),
+            WeightData::Bf16(d) => Some(MixWeight::Bf16(g.ptr(d))),
+            WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
+        }
+    }
+
+    /// The kernel of `pair` (f32 variant, bf16 variant) for this weight, and its address.
+    fn kernel(self, (f32_kernel, bf16_kernel): (&'static str, &'static str)) -> (&'static str, u64) {
+        match self {
+            MixWeight::F32(p) => (f32_kernel, p),
+            MixWeight::Bf16(p) => (bf16_kernel, p),
+        }
+    }
+}
+
 /// Outputs the many-row mixing kernel handles (`MAXN` in hc.cu).
 const MIX_ROWS_MAX_N: usize = 24;
 /// Rows per block of that kernel (`ROWS` in hc.cu).
@@ -44,11 +70,7 @@ const MIX_ROWS_PER_BLOCK: usize = 4;
 fn mix(b: &CudaBackend, streams: &CudaBuf, rows: usize, w: &super::CudaWeight) -> CudaBuf {
     let out = b.alloc_buf(rows * w.rows);
     let g = &b.gpu;
-    let kernel = match &w.data {
-        WeightData::F32(d) => Some(("mix_rows_f32", g.ptr(d))),
-        WeightData::Bf16(d) => Some(("mix_rows_bf16", g.ptr(d))),
-        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
-    };
+    let kernel = MixWeight::of(g, w).map(|m| m.kernel(("mix_rows_f32", "mix_rows_bf16")));
     if (mix_rows_from()..=mix_rows_upto()).contains(&rows)
         && w.rows <= MIX_ROWS_MAX_N
         && let Some((name, wp)) = kernel
@@ -204,8 +226,8 @@ pub(crate) fn hc_pre_copies(
 ) {
     assert_eq!((s.hc, s.hidden), (w.hc, w.hidden), "hc_pre_copies: the streams and the mHC weights disagree");
     assert_eq!(s.x.len, s.rows * s.hidden, "hc_pre_copies: the copied rows are not [rows, hidden]");
-    match copies_kernel(&b.gpu, s.rows, w) {
-        Some(kernel) => pre_of_copies(b, s, kernel, w, norm, collapsed, post, comb),
+    match copies_weight(&b.gpu, s.rows, w) {
+        Some(weight) => pre_of_copies(b, s, weight, w, norm, collapsed, post, comb),
         None => hc_pre(b, &s.make(b), s.rows, w, norm, collapsed, post, comb),
     }
 }
@@ -225,39 +247,31 @@ pub(crate) fn hc_post_pre_copies(
 ) -> CudaBuf {
     assert_eq!((s.hc, s.hidden), (w.hc, w.hidden), "hc_post_pre_copies: the streams and the mHC weights disagree");
     assert_eq!(s.x.len, s.rows * s.hidden, "hc_post_pre_copies: the copied rows are not [rows, hidden]");
-    let Some(kernel) = copies_kernel(&b.gpu, s.rows, w) else {
+    let Some(weight) = copies_weight(&b.gpu, s.rows, w) else {
         let mut made = s.make(b);
         hc_post_pre(b, &mut made, s.rows, s.hc, out, w, norm, collapsed, post, comb);
         return made;
     };
     let mut made = b.alloc_buf(s.rows * s.hc * s.hidden);
-    let post_mix = if kernel.0 == "hc_mix_copies_rows_f32" { "hc_post_mix_f32" } else { "hc_post_mix_bf16" };
-    post_mix_rows(b, &mut made, Some(s.x), s.rows, out, w, norm, (post_mix, kernel.1), collapsed, post, comb);
+    post_mix_rows(b, &mut made, Some(s.x), s.rows, out, w, norm, weight, collapsed, post, comb);
     made
 }
 
-/// Whether copies of `rows` rows mix from the rows alone, with the kernel and weight
-/// pointer if so: where `hc_post_mix_rows` would take the made streams (a prefill's rows,
-/// V4's shape, an f32 or bf16 mixing weight) and the weights are taken apart
-/// (`hc_collapse_rows` is the finish that reads copies). `SLUICE_CUDA_HC_COPIES=0` (read
-/// once) makes the streams first, as before.
-fn copies_kernel(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> Option<(&'static str, u64)> {
+/// Whether copies of `rows` rows mix from the rows alone, with the mixing weight if so:
+/// where `hc_post_mix_rows` would take the made streams (a prefill's rows, V4's shape, an
+/// f32 or bf16 mixing weight) and the weights are taken apart (`hc_collapse_rows` is the
+/// finish that reads copies). `SLUICE_CUDA_HC_COPIES=0` (read once) makes the streams
+/// first, as before.
+fn copies_weight(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> Option<MixWeight> {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_COPIES").map_or(true, |v| v != "0"));
-    if !(on && weights_apart() && post_pre_in_one_pass(g, rows, w)) {
-        return None;
-    }
-    match &w.mix.data {
-        WeightData::F32(m) => Some(("hc_mix_copies_rows_f32", g.ptr(m))),
-        WeightData::Bf16(m) => Some(("hc_mix_copies_rows_bf16", g.ptr(m))),
-        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
-    }
+    MixWeight::of(g, &w.mix).filter(|_| on && weights_apart() && post_pre_in_one_pass(g, rows, w))
 }
 
 /// Whether [`hc_pre_copies`] and [`hc_post_pre_copies`] of `rows` rows read the rows
 /// alone (the parity suite asserts which cases do).
 pub(crate) fn copies_from_rows(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> bool {
-    copies_kernel(g, rows, w).is_some()
+    copies_weight(g, rows, w).is_some()
 }
 
 /// Shared memory of `hc_mix_copies_rows`: the part's summed weights, laid out as stream
@@ -273,7 +287,7 @@ const MIX_COPIES_SMEM: usize = (7 * POST_MIX_ROWS_COLS + POST_MIX_ROWS_COLS / 4)
 fn pre_of_copies(
     b: &CudaBackend,
     s: &StreamCopies<'_, CudaBackend>,
-    (kernel, wp): (&str, u64),
+    weight: MixWeight,
     w: &HcWeights<CudaBackend>,
     norm: Option<(&CudaBuf, f32)>,
     collapsed: &mut CudaBuf,
@@ -283,6 +297,7 @@ fn pre_of_copies(
     let (rows, d) = (s.rows, s.hidden);
     assert_eq!((collapsed.len, post.len, comb.len), (rows * d, rows * s.hc, rows * s.hc * s.hc), "hc_pre outputs");
     let g = &b.gpu;
+    let (kernel, wp) = weight.kernel(("hc_mix_copies_rows_f32", "hc_mix_copies_rows_bf16"));
     let (parts, partials) = rows_part_sums(g, rows, w);
     b.prof("hc_pre: mix of copies (rows)", || {
         launch!(
@@ -451,16 +466,13 @@ pub(crate) fn hc_post_pre(
     assert_eq!(hc, w.hc, "hc_post_pre: the streams and the next sub-block's mHC weights disagree on hc");
     let d = w.hidden;
     let g = &b.gpu;
-    let kernel = match &w.mix.data {
-        WeightData::F32(m) => Some(("hc_post_mix_f32", g.ptr(m))),
-        WeightData::Bf16(m) => Some(("hc_post_mix_bf16", g.ptr(m))),
-        WeightData::Fp8 { .. } | WeightData::Fp4 { .. } => None,
-    };
+    let weight = MixWeight::of(g, &w.mix);
     let fits = post_mix_fits(w);
-    if let Some((name, wp)) = kernel.filter(|_| post_pre_in_one_pass(g, rows, w)) {
-        post_mix_rows(b, streams, None, rows, out, w, norm, (name, wp), collapsed, post, comb);
+    if let Some(weight) = weight.filter(|_| post_pre_in_one_pass(g, rows, w)) {
+        post_mix_rows(b, streams, None, rows, out, w, norm, weight, collapsed, post, comb);
         return;
     }
+    let kernel = weight.map(|m| m.kernel(("hc_post_mix_f32", "hc_post_mix_bf16")));
     let Some((name, wp)) = kernel.filter(|_| fits && (1..=post_mix_max_rows()).contains(&rows)) else {
         hc_post(b, streams, rows, hc, out, post, comb);
         hc_pre(b, streams, rows, w, norm, collapsed, post, comb);
@@ -517,8 +529,7 @@ fn post_mix_rows_takes(g: &super::runtime::Gpu, rows: usize, d: usize) -> bool {
 /// dispatch asks this; the parity suite asserts which cases do): V4's shape with an f32
 /// or bf16 mixing weight, prefill-sized rows.
 pub(crate) fn post_pre_in_one_pass(g: &super::runtime::Gpu, rows: usize, w: &HcWeights<CudaBackend>) -> bool {
-    let weight_ok = matches!(w.mix.data, WeightData::F32(_) | WeightData::Bf16(_));
-    weight_ok && post_mix_fits(w) && post_mix_rows_takes(g, rows, w.hidden)
+    MixWeight::of(g, &w.mix).is_some() && post_mix_fits(w) && post_mix_rows_takes(g, rows, w.hidden)
 }
 
 /// Whether the mHC weights have the shape the `hc_post_mix` kernels are built for: V4's 4
@@ -544,7 +555,7 @@ fn post_mix_rows(
     out: &CudaBuf,
     w: &HcWeights<CudaBackend>,
     norm: Option<(&CudaBuf, f32)>,
-    (name, wp): (&str, u64),
+    weight: MixWeight,
     collapsed: &mut CudaBuf,
     post: &mut CudaBuf,
     comb: &mut CudaBuf,
@@ -554,7 +565,7 @@ fn post_mix_rows(
     assert_eq!(out.len, rows * d, "hc_post_pre: the sub-block output is not [rows, hidden]");
     let g = &b.gpu;
     let (parts, partials) = rows_part_sums(g, rows, w);
-    let kernel = if name == "hc_post_mix_f32" { "hc_post_mix_rows_f32" } else { "hc_post_mix_rows_bf16" };
+    let (kernel, wp) = weight.kernel(("hc_post_mix_rows_f32", "hc_post_mix_rows_bf16"));
     b.prof("hc_post_pre: post + mix (rows)", || {
         launch!(
             g,
