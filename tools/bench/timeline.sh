@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One decode step as the device really ran it: every kernel's start and end, overlaps
-# included (CUPTI concurrent-kernel records through an injection library; the device
-# machines have no Nsight Systems, and Nsight Compute serialises kernels). Builds
-# tools/bench/timeline/cupti_trace.c with the machine's CUPTI, runs `sluice bench
-# engine` with it loaded, and prints tools/bench/timeline.py's breakdown of a step.
+# One decode step as the device really ran it: every kernel's (and copy's and memset's)
+# start and end, overlaps included (CUPTI concurrent-kernel records through an injection
+# library; the device machines have no Nsight Systems, and Nsight Compute serialises
+# kernels). Builds tools/bench/timeline/cupti_trace.c with the machine's CUPTI, runs
+# `sluice bench engine` with it loaded, and prints tools/bench/timeline.py's breakdown of
+# a step.
 #
 #   tools/bench/timeline.sh MODEL [BATCH] [CONTEXT]      (device machine, repo root)
 # Env: B (executables, or the folder pack_device.sh filled; default .device), KV (kv
@@ -37,10 +38,16 @@ if [ ! -f "$lib" ]; then
   incdir=$(dirname "$inc")
   # The newest kernel record the header declares: the one this CUPTI writes.
   rec=$(grep -rhoE 'CUpti_ActivityKernel[0-9]+' "$incdir" | sort -uV | tail -1)
+  # Copies and memsets too (a step's uploads and read-back), where the header names them.
+  mcp=$(grep -rhoE 'CUpti_ActivityMemcpy[0-9]+' "$incdir" | sort -uV | tail -1 || true)
+  mst=$(grep -rhoE 'CUpti_ActivityMemset[0-9]+' "$incdir" | sort -uV | tail -1 || true)
+  extra=()
+  [ -n "$mcp" ] && extra+=(-DMEMCPY_RECORD="$mcp")
+  [ -n "$mst" ] && extra+=(-DMEMSET_RECORD="$mst")
   cudainc=/usr/local/cuda/include
-  cc -shared -fPIC -O2 -DKERNEL_RECORD="$rec" -I"$incdir" -I"$cudainc" tools/bench/timeline/cupti_trace.c \
+  cc -shared -fPIC -O2 -DKERNEL_RECORD="$rec" "${extra[@]}" -I"$incdir" -I"$cudainc" tools/bench/timeline/cupti_trace.c \
     "$so" -Wl,-rpath,"$(dirname "$so")" -o "$lib"
-  echo "timeline: built with $so ($rec)"
+  echo "timeline: built with $so ($rec ${mcp:-no copies} ${mst:-no memsets})"
 fi
 
 log=$OUT/timeline_$tag.log

@@ -6,8 +6,13 @@
 // Systems; tools/bench/timeline.sh builds this file there and tools/bench/timeline.py
 // reads what it writes.
 //
-// Build: cc -shared -fPIC -O2 -DKERNEL_RECORD=CUpti_ActivityKernelN -I<cupti include>
-//        cupti_trace.c -L<cupti lib> -lcupti -o libcupti_trace.so
+// With MEMCPY_RECORD / MEMSET_RECORD (the newest CUpti_ActivityMemcpyN / MemsetN) it also
+// writes a line a copy or memset (a step's uploads, the read-back), named memcpy_HtoD,
+// memcpy_DtoH, memcpy_DtoD (memcpy_kN otherwise) or memset, with its bytes in grid_x and
+// zeros in grid_y and block_x.
+//
+// Build: cc -shared -fPIC -O2 -DKERNEL_RECORD=CUpti_ActivityKernelN [-DMEMCPY_RECORD=…
+//        -DMEMSET_RECORD=…] -I<cupti include> cupti_trace.c -L<cupti lib> -lcupti -o libcupti_trace.so
 #include <cupti.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +45,30 @@ static void CUPTIAPI buffer_completed(CUcontext ctx, uint32_t stream, uint8_t *b
     (void)size;
     CUpti_Activity *record = NULL;
     while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+#ifdef MEMCPY_RECORD
+        if (record->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
+            const MEMCPY_RECORD *m = (const MEMCPY_RECORD *)record;
+            const char *what = m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? "memcpy_HtoD"
+                               : m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? "memcpy_DtoH"
+                               : m->copyKind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? "memcpy_DtoD"
+                                                                                : NULL;
+            if (what)
+                fprintf(out, "%llu,%llu,%u,0,%llu,0,0,%s\n", (unsigned long long)m->start, (unsigned long long)m->end,
+                        m->streamId, (unsigned long long)m->bytes, what);
+            else
+                fprintf(out, "%llu,%llu,%u,0,%llu,0,0,memcpy_k%u\n", (unsigned long long)m->start,
+                        (unsigned long long)m->end, m->streamId, (unsigned long long)m->bytes, (unsigned)m->copyKind);
+            continue;
+        }
+#endif
+#ifdef MEMSET_RECORD
+        if (record->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
+            const MEMSET_RECORD *m = (const MEMSET_RECORD *)record;
+            fprintf(out, "%llu,%llu,%u,0,%llu,0,0,memset\n", (unsigned long long)m->start, (unsigned long long)m->end,
+                    m->streamId, (unsigned long long)m->bytes);
+            continue;
+        }
+#endif
         if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL && record->kind != CUPTI_ACTIVITY_KIND_KERNEL)
             continue;
         const KERNEL_RECORD *k = (const KERNEL_RECORD *)record;
@@ -82,6 +111,12 @@ int InitializeInjection(void) {
         fail("cuptiActivityEnable(CONCURRENT_KERNEL)", r);
         return 0;
     }
+#ifdef MEMCPY_RECORD
+    if ((r = cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY)) != CUPTI_SUCCESS) fail("cuptiActivityEnable(MEMCPY)", r);
+#endif
+#ifdef MEMSET_RECORD
+    if ((r = cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET)) != CUPTI_SUCCESS) fail("cuptiActivityEnable(MEMSET)", r);
+#endif
     CUpti_SubscriberHandle sub;
     if (cuptiSubscribe(&sub, (CUpti_CallbackFunc)on_resource, NULL) == CUPTI_SUCCESS)
         cuptiEnableCallback(1, sub, CUPTI_CB_DOMAIN_RESOURCE, CUPTI_CBID_RESOURCE_CONTEXT_DESTROY_STARTING);
