@@ -72,15 +72,20 @@ enum Run<'a> {
     SameCopy,
 }
 
+/// `n` values in [0, 1) from the xorshift sequence that starts at `state` (24 bits each):
+/// the benchmark's inputs, the same every run.
+pub(super) fn xorshift_unit(mut state: u64, n: usize) -> impl Iterator<Item = f32> {
+    (0..n).map(move |_| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    })
+}
+
 fn noise(n: usize, salt: u64) -> Vec<f32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ salt.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
-        })
+    xorshift_unit(0x9e37_79b9_7f4a_7c15u64 ^ salt.wrapping_mul(0xbf58_476d_1ce4_e5b9), n)
+        .map(|u| (u - 0.5) * 0.1)
         .collect()
 }
 

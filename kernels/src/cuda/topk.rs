@@ -157,15 +157,7 @@ impl CudaBackend {
     /// scores keeping `k`.
     pub fn time_topk(&self, n: usize, k: usize, reps: usize) -> KernelTime {
         let g = &self.gpu;
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let scores: Vec<f32> = (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 24) as f32
-            })
-            .collect();
+        let scores: Vec<f32> = super::bench::xorshift_unit(0x2545_f491_4f6c_dd1d, n).collect();
         let s = g.upload(&scores);
         let pos = g.upload(&[(4 * n - 1) as u32]);
         let out = g.alloc::<i32>(k);
