@@ -5,13 +5,14 @@
 //! argument bytes while its temporaries come from the step arena (`arena`), at addresses
 //! that repeat when the step's ops repeat, and its host-to-device copies (the batch
 //! plan, token ids, work lists) run at once into the arena's top, so no recorded op can
-//! read them before they land. Every [`segment_ops`] ops, and at the step's first read
-//! back (the logits), the segment recorded so far is compared, word for word, with the
-//! segments captured before: an equal one replays that segment's graph; one seen once
-//! before is captured (stream capture of the same ops) and replayed; anything else is
-//! issued as recorded, which is what the step would have done without graphs. The device
-//! runs a segment while the host records the next. Equality of every launch's function, grid, block, shared memory
-//! and argument bytes is what makes a replay correct: the host values a graph bakes in
+//! read them before they land. Every [`segment_ops`] ops (the step's first segment
+//! after [`first_segment_ops`]), and at the step's first read back (the logits), the
+//! segment recorded so far is compared, word for word, with the segments captured
+//! before: an equal one replays that segment's graph; one seen once before is captured
+//! (stream capture of the same ops) and replayed; anything else is issued as recorded,
+//! which is what the step would have done without graphs. The device runs a segment
+//! while the host records the next. Equality of every launch's function, grid, block,
+//! shared memory and argument bytes is what makes a replay correct: the host values a graph bakes in
 //! are exactly those this step computed, and everything else the kernels read comes
 //! from device memory (the plan's positions and pages, the KV state, the weights).
 //!
@@ -64,6 +65,15 @@ const FIRST_ARENA: usize = 64 << 20;
 fn segment_ops() -> usize {
     static OPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *OPS.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_GRAPH_OPS").unwrap_or(64).max(1))
+}
+
+/// Recorded ops of a step's first segment (`SLUICE_CUDA_GRAPH_FIRST_OPS`, read once;
+/// default 16): the device idles from the step's start until its first segment is
+/// issued, so that one is cut short; the host, ahead from then on, records the rest in
+/// [`segment_ops`] pieces while the device runs.
+fn first_segment_ops() -> usize {
+    static OPS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *OPS.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_GRAPH_FIRST_OPS").unwrap_or(16).max(1))
 }
 
 /// Whether decode steps are recorded for graphs: `SLUICE_CUDA_GRAPHS` is not `0` (read
@@ -120,6 +130,8 @@ struct Recording {
     spoiled: bool,
     /// The lane ops recorded now go on while a branch is open (a Fork without its Join).
     branch: Option<Lane>,
+    /// Segments of this step issued before this one.
+    issued: usize,
 }
 
 /// A lane of an open branch: the side one from its Fork, the main one again from its Main.
@@ -437,8 +449,10 @@ impl Gpu {
     fn keep(&self, mut rec: std::sync::MutexGuard<'_, Option<Recording>>, op: Op) {
         let Some(r) = rec.as_mut() else { return };
         r.ops.push(op);
-        if r.ops.len() >= segment_ops() && r.branch.is_none() {
+        let limit = if r.issued == 0 { first_segment_ops() } else { segment_ops() };
+        if r.ops.len() >= limit && r.branch.is_none() {
             let full = std::mem::take(r);
+            r.issued = full.issued + 1;
             drop(rec);
             self.issue_segment(full);
         }
@@ -463,6 +477,7 @@ impl Gpu {
         let Some(r) = rec.as_mut() else { return };
         r.join(&self.steps.arena);
         let part = std::mem::take(r);
+        r.issued = part.issued + 1;
         drop(rec);
         self.issue_segment(part);
     }
