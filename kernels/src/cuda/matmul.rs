@@ -245,9 +245,12 @@ pub(crate) fn family(w: &CudaWeight) -> (&'static str, usize) {
     }
 }
 
-/// Outputs per block so the grid has about two blocks per multiprocessor or more.
+/// Outputs per block so the grid has about two blocks per multiprocessor or more
+/// (`SLUICE_CUDA_GEMV_BLOCKS_PER_SM`, read once, moves the two).
 pub(crate) fn outputs_per_block(gpu: &Gpu, n: usize) -> usize {
-    let want = 2 * gpu.sms;
+    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let per_sm = *PER_SM.get_or_init(|| super::runtime::env_rows("SLUICE_CUDA_GEMV_BLOCKS_PER_SM").unwrap_or(2).max(1));
+    let want = per_sm * gpu.sms;
     [8, 4, 2].into_iter().find(|&opb| n / opb >= want).unwrap_or(1)
 }
 
