@@ -12,9 +12,10 @@
 //! (stream capture of the same ops) and replayed; anything else is issued as recorded,
 //! which is what the step would have done without graphs. The device runs a segment
 //! while the host records the next. Equality of every launch's function, grid, block,
-//! shared memory and argument bytes is what makes a replay correct: the host values a graph bakes in
-//! are exactly those this step computed, and everything else the kernels read comes
-//! from device memory (the plan's positions and pages, the KV state, the weights).
+//! shared memory and argument bytes is what makes a replay correct: the host values a
+//! graph bakes in are exactly those this step computed, and everything else the kernels
+//! read comes from device memory (the plan's positions and pages, the KV state, the
+//! weights).
 //!
 //! Branches: between [`Gpu::fork`] and [`Gpu::join`] a step's ops are recorded on two
 //! lanes — the side lane from the fork, the main lane again from [`Gpu::to_main`] — for
