@@ -150,6 +150,15 @@ impl Recording {
             arena.hold(false);
         }
     }
+
+    /// The ops recorded so far, as a segment to issue; this recording goes on with the
+    /// step's next segment (counted, so the first one keeps its own length).
+    fn take_segment(&mut self) -> Recording {
+        let issued = self.issued + 1;
+        let part = std::mem::take(self);
+        self.issued = issued;
+        part
+    }
 }
 
 /// A captured step.
@@ -452,8 +461,7 @@ impl Gpu {
         r.ops.push(op);
         let limit = if r.issued == 0 { first_segment_ops() } else { segment_ops() };
         if r.ops.len() >= limit && r.branch.is_none() {
-            let full = std::mem::take(r);
-            r.issued = full.issued + 1;
+            let full = r.take_segment();
             drop(rec);
             self.issue_segment(full);
         }
@@ -477,8 +485,7 @@ impl Gpu {
         let mut rec = self.steps.rec.lock().expect("recording poisoned");
         let Some(r) = rec.as_mut() else { return };
         r.join(&self.steps.arena);
-        let part = std::mem::take(r);
-        r.issued = part.issued + 1;
+        let part = r.take_segment();
         drop(rec);
         self.issue_segment(part);
     }
