@@ -635,6 +635,19 @@ impl CudaBackend {
         super::hc::copies_from_rows(&self.gpu, rows, w)
     }
 
+    /// How many of `ws`, products of one input of `rows` rows through `matmul_many`, share
+    /// one batched cuBLAS call of chunks (`chunked_products`; 0 where none do), for the
+    /// parity suite.
+    pub fn products_in_chunks(&self, rows: usize, ws: &[&CudaWeight]) -> usize {
+        let g = &self.gpu;
+        let on_cublas = g.activations == crate::Activations::Bf16
+            && ws.len() > 1
+            && (ws.iter().all(|w| super::cublas_bf16::takes(rows, w))
+                || super::chunked_products::below_cublas(g, rows, ws.iter().copied()));
+        let joining = ws.iter().filter(|w| super::chunked_products::joins(rows, w)).count();
+        if on_cublas && joining > 1 { joining } else { 0 }
+    }
+
     /// Whether the routed experts of a top-k decode batch of `rows` rows run as cuBLAS
     /// batched products (BF16 experts, `moe_cublas`), for the parity suite.
     pub fn cublas_experts(&self, rows: usize, w: &MoeWeights<Self>) -> bool {

@@ -134,7 +134,8 @@ impl<'a> RoundedRows<'a> {
         RoundedRows { buf: Bf16Rows::Lent(buf), rows, cols }
     }
 
-    fn ptr(&self, gpu: &Gpu) -> u64 {
+    /// The device address of the bf16 rows.
+    pub(crate) fn ptr(&self, gpu: &Gpu) -> u64 {
         match &self.buf {
             Bf16Rows::Own(buf) => gpu.ptr(buf),
             Bf16Rows::Lent(buf) => gpu.ptr(*buf),

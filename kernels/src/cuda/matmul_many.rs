@@ -11,7 +11,8 @@
 //! - The BF16 weights at 9-32 rows when `SLUICE_CUDA_GEMM_ROWS` routes them to
 //!   `gemm_rows`: product by product (each launch splits x as it streams it).
 //! - The BF16 weights on cuBLAS: x split (split activations) or rounded to bf16 once, one
-//!   product each.
+//!   product each; with bf16 activations at 9-64 rows the products of at most 4,096
+//!   outputs as one batched call over 64-row chunks (`chunked_products.rs`).
 //! - The FP8 weights (`wq_a` and `wkv` of a real checkpoint) at one or two rows on sm_90:
 //!   one `gemv_f8wg_many_*` launch (`gemv_f8wg.rs`, [`f8wg_many_plan`]) where it takes
 //!   them (`SLUICE_CUDA_F8WG_MANY=0`: one launch each).
@@ -21,6 +22,7 @@
 
 use cudarc::driver::DeviceRepr;
 
+use super::chunked_products;
 use super::cublas_bf16::{self, RoundedRows, SplitRows};
 use super::gemm_rows::gemm_rows_plan;
 use super::gemv_f8wg::{F8WG_MANY_MAX, f8wg_many, f8wg_many_member, f8wg_many_plan};
@@ -33,14 +35,29 @@ use crate::Activations;
 pub(crate) const GEMV_MANY_MAX: usize = 8;
 
 /// `struct GemvMany` in cu/gemv.cu: each product's weight, output, outputs and first block.
+/// `products_from_chunks` takes it too (`chunked_products.rs`: `first` counts chunks there).
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct GemvMany {
+pub(crate) struct GemvMany {
     w: [u64; GEMV_MANY_MAX],
-    out: [u64; GEMV_MANY_MAX],
-    n: [i32; GEMV_MANY_MAX],
-    first: [i32; GEMV_MANY_MAX],
+    pub(crate) out: [u64; GEMV_MANY_MAX],
+    pub(crate) n: [i32; GEMV_MANY_MAX],
+    pub(crate) first: [i32; GEMV_MANY_MAX],
     count: i32,
+}
+
+impl GemvMany {
+    /// A table of `count` products, every entry zero until set.
+    pub(crate) fn empty(count: usize) -> GemvMany {
+        assert!(count <= GEMV_MANY_MAX, "{count} products exceed a launch's {GEMV_MANY_MAX}");
+        GemvMany {
+            w: [0; GEMV_MANY_MAX],
+            out: [0; GEMV_MANY_MAX],
+            n: [0; GEMV_MANY_MAX],
+            first: [0; GEMV_MANY_MAX],
+            count: count as i32,
+        }
+    }
 }
 
 // SAFETY: #[repr(C)] u64 and i32 arrays and an i32, laid out as the C struct.
@@ -76,16 +93,29 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
             count_product(gpu, rows, w);
             cublas_bf16::product_of_split(gpu, &xs, Operand::contiguous(x, out, rows, 1, w), w);
         }
-    } else if on_cublas {
+    } else if on_cublas || (!rows_kernel && chunked_products::below_cublas(gpu, rows, bf16.iter().map(|(w, _)| *w))) {
         // The rows' own bf16 values where their producer wrote them (a prefill's
         // sub-block input, `CudaBuf::bf16`), else rounded here.
         let xb = match lent {
             Some(buf) => RoundedRows::lent(buf, rows, k),
             None => RoundedRows::new(gpu, x, k, rows, k),
         };
-        for &&(w, out) in &bf16 {
-            count_product(gpu, rows, w);
-            xb.product(gpu, Operand::contiguous(x, out, rows, 1, w), w);
+        // The small ones (a layer's input projections) in one batched call of chunks.
+        let (chunked, single): (Vec<&&(&CudaWeight, u64)>, Vec<_>) =
+            bf16.iter().partition(|(w, _)| chunked_products::joins(rows, w));
+        let single = if chunked.len() > 1 {
+            chunked_products::products(gpu, &xb, rows, &chunked.iter().map(|p| ***p).collect::<Vec<_>>());
+            single
+        } else {
+            bf16.iter().collect()
+        };
+        if on_cublas {
+            for &&&(w, out) in &single {
+                count_product(gpu, rows, w);
+                xb.product(gpu, Operand::contiguous(x, out, rows, 1, w), w);
+            }
+        } else {
+            alone.extend(single.into_iter().copied());
         }
     } else if !on_cublas && bf16.len() > 1 && rows <= 2 && k.is_multiple_of(8) {
         for chunk in bf16.chunks(GEMV_MANY_MAX) {
@@ -125,13 +155,7 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
 fn gemv_many(gpu: &Gpu, x: u64, rows: usize, ws: &[&(&CudaWeight, u64)]) {
     let total: usize = ws.iter().map(|(w, _)| w.rows).sum();
     let opb = outputs_per_block(gpu, total);
-    let mut t = GemvMany {
-        w: [0; GEMV_MANY_MAX],
-        out: [0; GEMV_MANY_MAX],
-        n: [0; GEMV_MANY_MAX],
-        first: [0; GEMV_MANY_MAX],
-        count: ws.len() as i32,
-    };
+    let mut t = GemvMany::empty(ws.len());
     let mut blocks = 0;
     for (i, &&(w, out)) in ws.iter().enumerate() {
         let WeightData::Bf16(d) = &w.data else { unreachable!("checked by matmul_many") };

@@ -17,6 +17,8 @@
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, tensor-core tiles for prefill over stored formats.
 //! - `matmul_many`: products of the same activations in one launch (few rows) or one split.
+//! - `chunked_products`: a layer's small BF16 products of one input at 9-64 rows as one
+//!   batched cuBLAS call over 64-row chunks of their weights.
 //! - `blas_op`: a cuBLAS product as a value (recorded into decode steps' graphs), and
 //!   the handles' own workspaces.
 //! - `step_graph`, `arena`: decode steps recorded and replayed as CUDA graphs, and the
@@ -62,6 +64,7 @@ mod bench;
 mod blas_op;
 mod capture_lock;
 mod checksum;
+mod chunked_products;
 pub mod collective;
 mod compress;
 mod counters;

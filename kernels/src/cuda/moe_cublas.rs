@@ -109,8 +109,7 @@ pub(crate) fn experts(
     table.extend(w.experts.iter().map(|e| ptr(&e.w2)));
     table.extend((0..n_exp).map(|i| hs_at + i as u64 * slot_h));
     table.extend((0..n_exp).map(|i| ys_at + i as u64 * slot_y));
-    let table = g.upload(&table);
-    let t = g.ptr(&table);
+    let (t, _upload) = super::chunked_products::address_table(g, &table);
     let at = |i: usize| t + 8 * i as u64;
     batched(g, [at(0), at(2 * n_exp), at(4 * n_exp)], (inter, 2 * r, d), 2 * n_exp);
     launch!(

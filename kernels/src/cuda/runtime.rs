@@ -68,6 +68,7 @@ const KERNELS: &[&str] = &[
     "gemv_bf16_r8",
     "gemv_many_bf16_r1",
     "gemv_many_bf16_r2",
+    "products_from_chunks",
     "gemv_fp8_r1",
     "gemv_fp8_r2",
     "gemv_fp8_r4",
@@ -469,18 +470,26 @@ impl Gpu {
     /// hash of the words and their comparison with the cached copy (a routed layer's
     /// tables are 1,024 words, looked up twice a layer and step).
     pub fn constant_table(&self, table: &[u64]) -> u64 {
+        self.constant_table_within(table, usize::MAX).expect("no bound on the tables")
+    }
+
+    /// [`Gpu::constant_table`], or `None` (nothing uploaded) where the table is new and
+    /// `max_tables` tables are kept already.
+    pub fn constant_table_within(&self, table: &[u64], max_tables: usize) -> Option<u64> {
         let key =
             table.iter().fold(table.len() as u64, |h, &w| (h.rotate_left(5) ^ w).wrapping_mul(0x517c_c1b7_2722_0a95));
         let mut map = self.tables.lock().expect("table map poisoned");
-        // Tables of the same hash share a bucket.
-        let bucket = map.entry(key).or_default();
-        if let Some((_, buf)) = bucket.iter().find(|(host, _)| host.as_slice() == table) {
-            return self.ptr(buf);
+        if let Some((_, buf)) = map.get(&key).and_then(|b| b.iter().find(|(host, _)| host.as_slice() == table)) {
+            return Some(self.ptr(buf));
+        }
+        if map.values().map(Vec::len).sum::<usize>() >= max_tables {
+            return None;
         }
         let buf = self.upload_owned(table);
         let ptr = self.ptr(&buf);
-        bucket.push((table.to_vec(), buf));
-        ptr
+        // Tables of the same hash share a bucket.
+        map.entry(key).or_default().push((table.to_vec(), buf));
+        Some(ptr)
     }
 
     /// How many blocks of `name` with `threads` threads and `smem` bytes of dynamic shared

@@ -214,6 +214,31 @@ struct GemvMany {
 GEMV_MANY_KERNEL(1)
 GEMV_MANY_KERNEL(2)
 
+// The outputs of chunked_products.rs' batched cuBLAS call moved into their products' rows:
+// chunk i's sums are `rows × 64` f32 at `sums + i·rows·64` (row-major), product p owns
+// chunks t.first[p] .. t.first[p] + t.n[p] / 64 and its output is dense [rows, t.n[p]].
+// A thread a float4 of the sums (read and written whole; t.w is not read).
+extern "C" __global__ void products_from_chunks(GemvMany t, const float* sums, int rows, int chunks) {
+    pdl_begin();
+    const long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= (long long)chunks * rows * 16) return;
+    const int q = (int)(e & 15);
+    const long long chunk_row = e >> 4;
+    const int r = (int)(chunk_row % rows), i = (int)(chunk_row / rows);
+    // The product holding chunk i, with constant indices into t (no local copy of it).
+    float* out = t.out[0];
+    int n = t.n[0], first = t.first[0];
+#pragma unroll
+    for (int p = 1; p < GEMV_MANY_MAX; p++)
+        if (p < t.count && i >= t.first[p]) {
+            out = t.out[p];
+            n = t.n[p];
+            first = t.first[p];
+        }
+    const float4 v = reinterpret_cast<const float4*>(sums)[e];
+    reinterpret_cast<float4*>(out + (long long)r * n + (long long)(i - first) * 64)[q] = v;
+}
+
 // Grouped expert products for a decode batch routed on the device: blockIdx.y is the
 // expert, whose rows are x[offsets[e] .. + counts[e]] (gathered in expert order) and
 // whose weights `wtab[4e..4e+4]` point to (w, w3, scales, scales3). Experts nothing was
