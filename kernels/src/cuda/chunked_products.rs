@@ -14,7 +14,7 @@
 
 use super::blas_op::BlasOp;
 use super::cublas_bf16::RoundedRows;
-use super::matmul::count_product;
+use super::matmul::{Operand, count_product};
 use super::matmul_many::{GEMV_MANY_MAX, GemvMany};
 use super::memory::{CudaWeight, WeightData};
 use super::runtime::{DevBuf, Gpu, cfg_elems, launch};
@@ -65,6 +65,25 @@ pub(crate) fn below_cublas<'a>(gpu: &Gpu, rows: usize, ws: impl Iterator<Item = 
     gpu.activations == Activations::Bf16
         && rows >= min_rows().max(3)
         && ws.filter(|w| super::cublas_bf16::takes(MAX_ROWS, w) && joins(rows, w)).count() > 1
+}
+
+/// Products of the rounded rows `xb` (a SwiGLU pair's): those that [`joins`] admits with
+/// dense outputs as one batched call of chunks where two or more do, the others one
+/// cuBLAS call each.
+pub(crate) fn products_of_rounded(gpu: &Gpu, xb: &RoundedRows<'_>, ops: &[(Operand, &CudaWeight)]) {
+    let chunkable = |(o, w): &&(Operand, &CudaWeight)| o.groups == 1 && o.out_stride == w.rows && joins(o.rows, w);
+    let (mut joined, mut alone): (Vec<&(Operand, &CudaWeight)>, Vec<_>) = ops.iter().partition(chunkable);
+    if joined.len() > 1 {
+        let rows = joined[0].0.rows;
+        assert!(joined.iter().all(|(o, _)| o.rows == rows), "products of one input share its rows");
+        products(gpu, xb, rows, &joined.iter().map(|(o, w)| (*w, o.out)).collect::<Vec<_>>());
+    } else {
+        alone.append(&mut joined);
+    }
+    for &&(o, w) in &alone {
+        count_product(gpu, o.rows, w);
+        xb.product(gpu, o, w);
+    }
 }
 
 /// `outs[i] = x · ws[i]ᵀ` from the rounded rows `xb` for products that [`joins`] admits

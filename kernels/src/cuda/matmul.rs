@@ -654,10 +654,7 @@ pub(crate) fn swiglu_pair_of(
     if on_wgmma {
         fp8wg_products_sharing_parts(gpu, &[(op, w1), (op_up, w3)]);
     } else if let Some(xb) = rounded.or(own.as_ref()) {
-        for (o, w) in [(op, w1), (op_up, w3)] {
-            count_product(gpu, o.rows, w);
-            xb.product(gpu, o, w);
-        }
+        super::chunked_products::products_of_rounded(gpu, xb, &[(op, w1), (op_up, w3)]);
     } else {
         matmul_as(gpu, op, w1, variant);
         matmul_as(gpu, op_up, w3, variant);

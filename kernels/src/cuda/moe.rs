@@ -27,7 +27,7 @@ use super::memory::{CudaBuf, CudaWeight};
 use super::moe_v2::{SegmentLists, experts_by_segments, experts_v2, experts_v2_plan, segments_plan};
 use super::moe_wgmma::{experts_wgmma, wgmoe_plan, with_flag_set};
 use super::runtime::{DevBuf, Gpu, cfg, cfg_elems, launch};
-use super::{cublas_bf16, moe_cublas, moe_host};
+use super::{chunked_products, cublas_bf16, moe_cublas, moe_host};
 use crate::backend::{ExpertWeights, MoeWeights, Routing};
 
 /// Most routed experts the routing kernel's by-value bias holds.
@@ -69,10 +69,9 @@ pub(super) fn expert(
         // f32 rows for `round_bf16_rows8` to read again — the same bits, one pass less.
         let n = rows * inter;
         let up = g.alloc::<f32>(n);
-        for (out, w) in [(g.ptr(&h.mem), &e.w1), (g.ptr(&up), &e.w3)] {
-            count_product(g, rows, w);
-            xb.product(g, Operand { out, ..op }, w);
-        }
+        // A decode batch's pair as one batched call of weight chunks (chunked_products.rs).
+        let pair = [(Operand { out: g.ptr(&h.mem), ..op }, &e.w1), (Operand { out: g.ptr(&up), ..op }, &e.w3)];
+        chunked_products::products_of_rounded(g, xb, &pair);
         let hb = g.alloc::<u16>(n);
         cublas_bf16::swiglu_bf16(g, g.ptr(&hb), g.ptr(&h.mem), g.ptr(&up), n, limit);
         count_product(g, rows, &e.w2);

@@ -57,8 +57,10 @@ fn cuda_products_of_one_input_match_cpu() {
 /// one batched call over 64-row chunks of the weights (`chunked_products`): from 9 rows
 /// the same rounded inputs and exact bf16 products as alone, summed by another kernel,
 /// so within f32 rounding of the product alone; below 9 a product alone is a gemv of
-/// the unrounded rows, so there the chunks are held to the CPU's bf16 bound. A list with a product too wide to join (8,192
-/// outputs) runs that one alone and the others chunked.
+/// the unrounded rows, so there the chunks are held to the CPU's bf16 bound. A list
+/// with a product too wide to join (8,192 outputs) runs that one alone and the others
+/// chunked. The SwiGLU pair is chunked the same way at 9-64 rows (within f32 rounding of
+/// its products alone) and bit-equal to them past 64.
 #[test]
 fn cuda_products_of_one_input_share_one_bf16_rounding() {
     let name = "cuda_products_of_one_input_share_one_bf16_rounding";
@@ -135,7 +137,9 @@ fn cuda_products_of_one_input_share_one_bf16_rounding() {
         let got = g.download(&pair);
         let from_alone = swiglu(&g.download(&gate), &g.download(&up));
         let e = rel_err(&got, &from_alone);
-        assert!(e <= 1e-6, "SwiGLU pair rows={rows}: {e:.2e} from its products issued alone");
+        // 9-64 rows: gate and up are one chunked call, summed by another kernel.
+        let bound = if rows <= 64 { 1e-5 } else { 1e-6 };
+        assert!(e <= bound, "SwiGLU pair rows={rows}: {e:.2e} from its products issued alone");
         let (mut cg, mut cu) = (vec![0f32; rows * 1024], vec![0f32; rows * 1024]);
         c.matmul(&x, rows, &c1, &mut cg);
         c.matmul(&x, rows, &c3, &mut cu);
