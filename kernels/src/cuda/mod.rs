@@ -17,7 +17,7 @@
 //! - `devplan`: the batch plan in device memory, uploaded once per step.
 //! - `matmul`: gemv kernels for decode, tensor-core tiles for prefill over stored formats.
 //! - `matmul_many`: products of the same activations in one launch (few rows) or one split.
-//! - `chunked_products`: a layer's small BF16 products of one input at 9-64 rows as one
+//! - `chunked_products`: a layer's small BF16 products of one input at 3-64 rows as one
 //!   batched cuBLAS call over 64-row chunks of their weights.
 //! - `blas_op`: a cuBLAS product as a value (recorded into decode steps' graphs), and
 //!   the handles' own workspaces.
