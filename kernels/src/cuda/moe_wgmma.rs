@@ -186,8 +186,8 @@ pub(crate) fn wgmoe_plan_always(gpu: &Gpu, rows: usize, w: &MoeWeights<CudaBacke
     };
     let seg_rows = if r4 { SEGMENT_ROWS_R4 } else { SEGMENT_ROWS };
     Some(WgMoePlan {
-        swiglu: launch_plan(gpu, kernels_from, max_segs * (inter / TILE), d, 2, seg_rows)?,
-        down: launch_plan(gpu, kernels_from + 3, max_segs * (d / TILE), inter, 1, seg_rows)?,
+        swiglu: launch_plan(gpu, kernels_from, max_segs * (inter / TILE), d, 2, seg_rows, forced_splits().0)?,
+        down: launch_plan(gpu, kernels_from + 3, max_segs * (d / TILE), inter, 1, seg_rows, forced_splits().1)?,
         seg_rows,
     })
 }
@@ -228,17 +228,63 @@ fn max_rows() -> usize {
 /// device ran it"); at 8 rows and fewer these were already the default.
 const WGMOE_MAX_ROWS: usize = 64;
 
+/// K splits forced on the gate/up and the down launches (`SLUICE_CUDA_WGMOE_SPLIT_GATE_UP`,
+/// `SLUICE_CUDA_WGMOE_SPLIT_DOWN`: 1, 2 or 4, or 0 for [`launch_plan`]'s rule; read once),
+/// to compare splits by A/B. A forced split that does not fit a projection's shared
+/// memory leaves it to the rule.
+fn forced_splits() -> (usize, usize) {
+    static ONCE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *ONCE.get_or_init(|| {
+        let split = |name: &str| match super::runtime::env_rows(name) {
+            Some(n) if n == 0 || SPLITS.contains(&n) => n,
+            Some(n) => {
+                tracing::warn!("{name}={n}: expected 1, 2 or 4 (0: the rule); using the rule");
+                0
+            }
+            None => 0,
+        };
+        (split("SLUICE_CUDA_WGMOE_SPLIT_GATE_UP"), split("SLUICE_CUDA_WGMOE_SPLIT_DOWN"))
+    })
+}
+
 /// The K split of one projection (`first`: its kernels' place in [`WGMOE_KERNELS`]) of
-/// at most `units` units over `k` inputs and `matrices` weights a unit: the one that
-/// gives the busiest cluster the least work when the grid is what the GPU holds at once
-/// (gemv_f8wg.rs's rule); ties go to the smaller split.
-fn launch_plan(gpu: &Gpu, first: usize, units: usize, k: usize, matrices: usize, seg_rows: usize) -> Option<Launch> {
+/// at most `units` units over `k` inputs and `matrices` weights a unit: `forced` where it
+/// is not 0 and fits, else the one that gives the busiest cluster the least work when the
+/// grid is what the GPU holds at once (gemv_f8wg.rs's rule); ties go to the smaller split.
+fn launch_plan(
+    gpu: &Gpu,
+    first: usize,
+    units: usize,
+    k: usize,
+    matrices: usize,
+    seg_rows: usize,
+    forced: usize,
+) -> Option<Launch> {
+    if forced != 0 {
+        let only = launch_plan_of(gpu, first, units, k, matrices, seg_rows, |s| s == forced);
+        if only.is_some() {
+            return only;
+        }
+    }
+    launch_plan_of(gpu, first, units, k, matrices, seg_rows, |_| true)
+}
+
+/// [`launch_plan`]'s rule over the splits that `allowed` admits.
+fn launch_plan_of(
+    gpu: &Gpu,
+    first: usize,
+    units: usize,
+    k: usize,
+    matrices: usize,
+    seg_rows: usize,
+    allowed: impl Fn(usize) -> bool,
+) -> Option<Launch> {
     // The staged activations: three e4m3 parts a row in the instruction's 8 or 16 columns,
     // a byte a column an input.
     let columns = if seg_rows > SEGMENT_ROWS { 16 } else { 8 };
     let mut best: Option<(usize, Launch)> = None;
     for (i, &split) in SPLITS.iter().enumerate() {
-        if !k.is_multiple_of(split * CHUNK_INPUTS) {
+        if !allowed(split) || !k.is_multiple_of(split * CHUNK_INPUTS) {
             continue;
         }
         let smem = STAGES * SLOT_BYTES + columns * (k / split);
