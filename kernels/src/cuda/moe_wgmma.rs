@@ -260,31 +260,13 @@ fn launch_plan(
     seg_rows: usize,
     forced: usize,
 ) -> Option<Launch> {
-    if forced != 0 {
-        let only = launch_plan_of(gpu, first, units, k, matrices, seg_rows, |s| s == forced);
-        if only.is_some() {
-            return only;
-        }
-    }
-    launch_plan_of(gpu, first, units, k, matrices, seg_rows, |_| true)
-}
-
-/// [`launch_plan`]'s rule over the splits that `allowed` admits.
-fn launch_plan_of(
-    gpu: &Gpu,
-    first: usize,
-    units: usize,
-    k: usize,
-    matrices: usize,
-    seg_rows: usize,
-    allowed: impl Fn(usize) -> bool,
-) -> Option<Launch> {
     // The staged activations: three e4m3 parts a row in the instruction's 8 or 16 columns,
     // a byte a column an input.
     let columns = if seg_rows > SEGMENT_ROWS { 16 } else { 8 };
-    let mut best: Option<(usize, Launch)> = None;
+    // (split, the busiest cluster's work, the launch) of every split that fits.
+    let mut fitting: Vec<(usize, usize, Launch)> = Vec::with_capacity(SPLITS.len());
     for (i, &split) in SPLITS.iter().enumerate() {
-        if !allowed(split) || !k.is_multiple_of(split * CHUNK_INPUTS) {
+        if !k.is_multiple_of(split * CHUNK_INPUTS) {
             continue;
         }
         let smem = STAGES * SLOT_BYTES + columns * (k / split);
@@ -294,11 +276,14 @@ fn launch_plan_of(
         let name = WGMOE_KERNELS[first + i];
         let clusters = units.min(resident(gpu, name, split, smem)).max(1);
         let busiest = units.div_ceil(clusters) * (matrices * k / split + UNIT_COST);
-        if best.as_ref().is_none_or(|(b, _)| busiest < *b) {
-            best = Some((busiest, Launch { name, grid: clusters * split, smem }));
-        }
+        fitting.push((split, busiest, Launch { name, grid: clusters * split, smem }));
     }
-    best.map(|(_, plan)| plan)
+    let pick = match fitting.iter().position(|&(split, _, _)| split == forced) {
+        Some(at) => at,
+        // `min_by_key` keeps the first of equal keys: the smaller split.
+        None => (0..fitting.len()).min_by_key(|&at| fitting[at].1)?,
+    };
+    Some(fitting.swap_remove(pick).2)
 }
 
 /// The routed experts of a decode batch on these kernels (`lists` from `moe_lists`, cut
