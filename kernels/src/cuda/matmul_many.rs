@@ -11,8 +11,9 @@
 //! - The BF16 weights at 9-32 rows when `SLUICE_CUDA_GEMM_ROWS` routes them to
 //!   `gemm_rows`: product by product (each launch splits x as it streams it).
 //! - The BF16 weights on cuBLAS: x split (split activations) or rounded to bf16 once, one
-//!   product each; with bf16 activations at 9-64 rows the products of at most 4,096
-//!   outputs as one batched call over 64-row chunks (`chunked_products.rs`).
+//!   product each; with bf16 activations at 3-64 rows the products of at most 4,096
+//!   outputs as one batched call over 64-row chunks (`chunked_products.rs`; below 9 rows,
+//!   where cuBLAS does not take a product alone, only where two or more join).
 //! - The FP8 weights (`wq_a` and `wkv` of a real checkpoint) at one or two rows on sm_90:
 //!   one `gemv_f8wg_many_*` launch (`gemv_f8wg.rs`, [`f8wg_many_plan`]) where it takes
 //!   them (`SLUICE_CUDA_F8WG_MANY=0`: one launch each).
