@@ -67,18 +67,21 @@ pub(crate) fn below_cublas<'a>(gpu: &Gpu, rows: usize, ws: impl Iterator<Item = 
         && ws.filter(|w| super::cublas_bf16::takes(MAX_ROWS, w) && joins(rows, w)).count() > 1
 }
 
+/// `items` as (those to chunk, the others): the ones `joining` admits where two or more
+/// do, else none (one product alone gains nothing from a batched call of chunks).
+pub(crate) fn chunk_joining<T>(items: &[T], joining: impl Fn(&T) -> bool) -> (Vec<&T>, Vec<&T>) {
+    let (joined, others): (Vec<&T>, Vec<&T>) = items.iter().partition(|t| joining(t));
+    if joined.len() > 1 { (joined, others) } else { (Vec::new(), items.iter().collect()) }
+}
+
 /// Products of the rounded rows `xb` (a SwiGLU pair's): those that [`joins`] admits with
 /// dense outputs as one batched call of chunks where two or more do, the others one
 /// cuBLAS call each.
 pub(crate) fn products_of_rounded(gpu: &Gpu, xb: &RoundedRows<'_>, ops: &[(Operand, &CudaWeight)]) {
-    let chunkable = |(o, w): &&(Operand, &CudaWeight)| o.groups == 1 && o.out_stride == w.rows && joins(o.rows, w);
-    let (mut joined, mut alone): (Vec<&(Operand, &CudaWeight)>, Vec<_>) = ops.iter().partition(chunkable);
-    if joined.len() > 1 {
-        let rows = joined[0].0.rows;
-        assert!(joined.iter().all(|(o, _)| o.rows == rows), "products of one input share its rows");
-        products(gpu, xb, rows, &joined.iter().map(|(o, w)| (*w, o.out)).collect::<Vec<_>>());
-    } else {
-        alone.append(&mut joined);
+    let (joined, alone) = chunk_joining(ops, |(o, w)| o.groups == 1 && o.out_stride == w.rows && joins(o.rows, w));
+    if let Some((first, _)) = joined.first() {
+        assert!(joined.iter().all(|(o, _)| o.rows == first.rows), "products of one input share its rows");
+        products(gpu, xb, first.rows, &joined.iter().map(|(o, w)| (*w, o.out)).collect::<Vec<_>>());
     }
     for &&(o, w) in &alone {
         count_product(gpu, o.rows, w);

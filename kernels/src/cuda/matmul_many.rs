@@ -102,14 +102,8 @@ pub(crate) fn matmul_many(gpu: &Gpu, x: u64, rows: usize, ws: &[(&CudaWeight, u6
             None => RoundedRows::new(gpu, x, k, rows, k),
         };
         // The small ones (a layer's input projections) in one batched call of chunks.
-        let (chunked, single): (Vec<&&(&CudaWeight, u64)>, Vec<_>) =
-            bf16.iter().partition(|(w, _)| chunked_products::joins(rows, w));
-        let single = if chunked.len() > 1 {
-            chunked_products::products(gpu, &xb, rows, &chunked.iter().map(|p| ***p).collect::<Vec<_>>());
-            single
-        } else {
-            bf16.iter().collect()
-        };
+        let (chunked, single) = chunked_products::chunk_joining(&bf16, |(w, _)| chunked_products::joins(rows, w));
+        chunked_products::products(gpu, &xb, rows, &chunked.iter().map(|p| ***p).collect::<Vec<_>>());
         if on_cublas {
             for &&&(w, out) in &single {
                 count_product(gpu, rows, w);
