@@ -184,8 +184,9 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
 // prefill's call takes ~530 µs where hc_post's pass over the same bytes takes ~370; most
 // stalls wait on the weights' shared-memory loads (Nsight Compute). Tried and slower
 // (docs/perf.md): the product on the tensor cores (`mma.m16n8k16`, the values and
-// weights as bf16 hi + lo; ~585 µs) and a lane a column of two rows, each weight read
-// serving both (~660 µs).
+// weights as bf16 hi + lo; ~585 µs; again as three TF32 products, a warp 16 rows with
+// its 4 lanes a row reading 32 bytes of it an access: ~720–880 µs, waiting on its loads),
+// and a lane a column of two rows, each weight read serving both (~660 µs).
 // grid (hidden / HPR_COLS parts, rows / HPR_ROWS), HPR_THREADS threads, HPR_SMEM bytes of
 // dynamic shared memory.
 #define HPR_THREADS 256
