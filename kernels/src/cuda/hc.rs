@@ -511,6 +511,18 @@ const POST_MIX_ROWS_COLS: usize = 128;
 const POST_MIX_ROWS_ROWS: usize = 256;
 const POST_MIX_ROWS_THREADS: u32 = 256;
 pub(crate) const POST_MIX_ROWS_SMEM: usize = 4 * (7 * POST_MIX_ROWS_COLS + POST_MIX_ROWS_COLS / 4) * 16;
+/// `hc_post_mix_rows_tc` (hc_rows_tc.cu): rows a block (`HPT_ROWS`) and its dynamic shared
+/// memory (`HPT_SMEM`: the part's f32 weights, then each of its 8 warps' ring of two units
+/// of 5 arrays × 16 rows × 128 bytes; one block an SM).
+const POST_MIX_ROWS_TC_ROWS: usize = 512;
+pub(crate) const POST_MIX_ROWS_TC_SMEM: usize = POST_MIX_ROWS_COLS * 4 * 24 * 4 + 8 * 2 * 5 * 16 * 128;
+
+/// Whether a prefill's mixing product takes the tensor cores (`hc_post_mix_rows_tc`;
+/// `SLUICE_CUDA_HC_POST_MIX_TC=0`, read once, keeps `hc_post_mix_rows`' CUDA cores).
+fn post_mix_rows_on_tensor_cores() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("SLUICE_CUDA_HC_POST_MIX_TC").map_or(true, |v| v != "0"))
+}
 
 /// Whether a prefill-sized batch takes `hc_post_mix_rows` (`SLUICE_CUDA_HC_POST_MIX_PREFILL=0`,
 /// read once, keeps `hc_post`, the cuBLAS mixing product and `hc_pre_finish_rows`): rows
@@ -540,9 +552,10 @@ fn post_mix_fits(w: &HcWeights<CudaBackend>) -> bool {
 }
 
 /// A prefill's `hc_post` and the next sub-block's mixing product in one pass over the
-/// streams (`hc_post_mix_rows`: 8 lanes a row, each adding its own 24 sums over its
-/// columns of a part, folded over the row's lanes), then `hc_pre_finish_rows` on the part
-/// sums. Where `hc_post`, cuBLAS's f32 product (24 outputs in a tile of 64 or more) and the
+/// streams (`hc_post_mix_rows_tc`: the product on the tensor cores, a warp 16 rows whose
+/// values it copies into shared memory a unit ahead; with `SLUICE_CUDA_HC_POST_MIX_TC=0`
+/// `hc_post_mix_rows`: 8 lanes a row, each adding its own 24 sums over its columns of a
+/// part, folded over the row's lanes), then the rows' finish on the part sums. Where `hc_post`, cuBLAS's f32 product (24 outputs in a tile of 64 or more) and the
 /// pre-mix each read the 512 MB of an 8K prefill's streams, the streams are read twice.
 /// With `copies`, the streams before the update are `hc` copies of each of its rows
 /// (`[rows, hidden]`; the kernel reads those) and `streams` is only written.
@@ -565,12 +578,19 @@ fn post_mix_rows(
     assert_eq!(out.len, rows * d, "hc_post_pre: the sub-block output is not [rows, hidden]");
     let g = &b.gpu;
     let (parts, partials) = rows_part_sums(g, rows, w);
-    let (kernel, wp) = weight.kernel(("hc_post_mix_rows_f32", "hc_post_mix_rows_bf16"));
+    let (kernel, wp, launch_cfg) = if post_mix_rows_on_tensor_cores() {
+        let (k, wp) = weight.kernel(("hc_post_mix_rows_tc_f32", "hc_post_mix_rows_tc_bf16"));
+        let grid = (parts as u32, rows.div_ceil(POST_MIX_ROWS_TC_ROWS) as u32, 1);
+        (k, wp, cfg(grid, POST_MIX_ROWS_THREADS, POST_MIX_ROWS_TC_SMEM as u32))
+    } else {
+        let (k, wp) = weight.kernel(("hc_post_mix_rows_f32", "hc_post_mix_rows_bf16"));
+        (k, wp, rows_parts_cfg(parts, rows, POST_MIX_ROWS_SMEM))
+    };
     b.prof("hc_post_pre: post + mix (rows)", || {
         launch!(
             g,
             kernel,
-            rows_parts_cfg(parts, rows, POST_MIX_ROWS_SMEM),
+            launch_cfg,
             g.ptr(&streams.mem),
             g.ptr(&copies.unwrap_or(streams).mem),
             copies.is_some() as i32,

@@ -26,6 +26,7 @@ const SOURCES: &[(&str, &str)] = &[
     ("tcgemv.cu", include_str!("cu/tcgemv.cu")),
     ("hc.cu", include_str!("cu/hc.cu")),
     ("hc_rows.cu", include_str!("cu/hc_rows.cu")),
+    ("hc_rows_tc.cu", include_str!("cu/hc_rows_tc.cu")),
     ("moe.cu", include_str!("cu/moe.cu")),
     ("moe_slots.cu", include_str!("cu/moe_slots.cu")),
     ("compress.cu", include_str!("cu/compress.cu")),

@@ -191,6 +191,8 @@ const KERNELS: &[&str] = &[
     "attention_wg_whole",
     "hc_post_mix_rows_f32",
     "hc_post_mix_rows_bf16",
+    "hc_post_mix_rows_tc_f32",
+    "hc_post_mix_rows_tc_bf16",
     "hc_mix_copies_rows_f32",
     "hc_mix_copies_rows_bf16",
     "store_window",
@@ -213,6 +215,8 @@ fn big_shared() -> Vec<(&'static str, usize)> {
     v.push(("attention_wg_whole", super::attention::WG_DYN_SMEM));
     v.push(("hc_post_mix_rows_f32", super::hc::POST_MIX_ROWS_SMEM));
     v.push(("hc_post_mix_rows_bf16", super::hc::POST_MIX_ROWS_SMEM));
+    v.push(("hc_post_mix_rows_tc_f32", super::hc::POST_MIX_ROWS_TC_SMEM));
+    v.push(("hc_post_mix_rows_tc_bf16", super::hc::POST_MIX_ROWS_TC_SMEM));
     v.push(("index_scores_wg", super::indexer_wg::IW_DYN_SMEM));
     v.extend(super::matmul::GEMM_KERNELS.iter().map(|&n| (n, super::matmul::gemm_smem(n))));
     v.extend(super::decode_v2::D2_KERNELS.iter().map(|&n| (n, super::decode_v2::D2_MAX_SMEM)));

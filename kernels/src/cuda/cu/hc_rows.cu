@@ -182,11 +182,12 @@ extern "C" __global__ void __launch_bounds__(HCR_THREADS)
 // One pass over the streams where hc_post, the mixing product (cuBLAS's f32 GEMM, its 24
 // outputs in a tile of 64 or more) and the pre-mix read them three times. An 8K
 // prefill's call takes ~530 µs where hc_post's pass over the same bytes takes ~370; most
-// stalls wait on the weights' shared-memory loads (Nsight Compute). Tried and slower
-// (docs/perf.md): the product on the tensor cores (`mma.m16n8k16`, the values and
-// weights as bf16 hi + lo; ~585 µs; again as three TF32 products, a warp 16 rows with
-// its 4 lanes a row reading 32 bytes of it an access: ~720–880 µs, waiting on its loads),
-// and a lane a column of two rows, each weight read serving both (~660 µs).
+// stalls wait on the weights' shared-memory loads (Nsight Compute). hc_rows_tc.cu's
+// kernel, the product on the tensor cores with the rows staged by `cp.async`, replaced
+// it by default (~357 µs; SLUICE_CUDA_HC_POST_MIX_TC=0 keeps this one). Tried and slower
+// (docs/perf.md): the product on the tensor cores with each lane loading its fragments'
+// values itself (`mma.m16n8k16` on bf16 hi + lo, ~585 µs; TF32, ~720–880 µs) and a lane
+// a column of two rows, each weight read serving both (~660 µs).
 // grid (hidden / HPR_COLS parts, rows / HPR_ROWS), HPR_THREADS threads, HPR_SMEM bytes of
 // dynamic shared memory.
 #define HPR_THREADS 256
