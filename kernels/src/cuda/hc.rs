@@ -515,7 +515,8 @@ pub(crate) const POST_MIX_ROWS_SMEM: usize = 4 * (7 * POST_MIX_ROWS_COLS + POST_
 /// memory (`HPT_SMEM`: the part's f32 weights, then each of its 8 warps' ring of two units
 /// of 5 arrays × 16 rows × 128 bytes; one block an SM).
 const POST_MIX_ROWS_TC_ROWS: usize = 512;
-pub(crate) const POST_MIX_ROWS_TC_SMEM: usize = POST_MIX_ROWS_COLS * 4 * 24 * 4 + 8 * 2 * 5 * 16 * 128;
+pub(crate) const POST_MIX_ROWS_TC_SMEM: usize = POST_MIX_ROWS_COLS * POST_MIX_HC * (2 + POST_MIX_HC) * POST_MIX_HC * 4
+    + (POST_MIX_ROWS_THREADS as usize / 32) * 2 * (POST_MIX_HC + 1) * 16 * 128;
 
 /// Whether a prefill's mixing product takes the tensor cores (`hc_post_mix_rows_tc`;
 /// `SLUICE_CUDA_HC_POST_MIX_TC=0`, read once, keeps `hc_post_mix_rows`' CUDA cores).
@@ -555,8 +556,9 @@ fn post_mix_fits(w: &HcWeights<CudaBackend>) -> bool {
 /// streams (`hc_post_mix_rows_tc`: the product on the tensor cores, a warp 16 rows whose
 /// values it copies into shared memory a unit ahead; with `SLUICE_CUDA_HC_POST_MIX_TC=0`
 /// `hc_post_mix_rows`: 8 lanes a row, each adding its own 24 sums over its columns of a
-/// part, folded over the row's lanes), then the rows' finish on the part sums. Where `hc_post`, cuBLAS's f32 product (24 outputs in a tile of 64 or more) and the
-/// pre-mix each read the 512 MB of an 8K prefill's streams, the streams are read twice.
+/// part, folded over the row's lanes), then the rows' finish on the part sums. Where
+/// `hc_post`, cuBLAS's f32 product (24 outputs in a tile of 64 or more) and the pre-mix
+/// each read the 512 MB of an 8K prefill's streams, the streams are read twice.
 /// With `copies`, the streams before the update are `hc` copies of each of its rows
 /// (`[rows, hidden]`; the kernel reads those) and `streams` is only written.
 #[allow(clippy::too_many_arguments)]
