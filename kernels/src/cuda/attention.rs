@@ -299,12 +299,19 @@ fn scored_candidates(most: usize) -> usize {
     most.next_multiple_of((most.next_power_of_two() / 16).max(64))
 }
 
+/// Blocks an SM the tensor-core indexer's grid aims for ([`mma_keys_per_block`]):
+/// `SLUICE_CUDA_INDEXER_FILL` (read once), default 2.
+fn indexer_fill() -> usize {
+    static FILL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *FILL.get_or_init(|| env_rows("SLUICE_CUDA_INDEXER_FILL").unwrap_or(2).max(1))
+}
+
 /// Keys a block of the tensor-core indexer scores (`index_scores_mma`, `_bf16`), if it
 /// takes this layer: FP8 or BF16 keys with entries aligned to 8 elements, at most 64
 /// heads in groups of 4, whole 64-dim blocks of at most 128 dims (the q fragments' 32 KiB
 /// of shared memory), and
-/// `SLUICE_CUDA_INDEXER_MMA` not `0` (read once; `0` keeps the SIMT kernels, to compare).
-/// 512 keys a block, fewer while the grid would not fill the GPU twice over.
+/// `SLUICE_CUDA_INDEXER_MMA` not `0` (read once; `0` keeps the SIMT kernels, to compare);
+/// [`keys_per_block`] of them.
 fn mma_keys_per_block(
     layout: &KvLayout,
     layer: usize,
@@ -325,19 +332,30 @@ fn mma_keys_per_block(
     if !(on && dtype && aligned && fits) {
         return None;
     }
-    let mut kpb = 512;
-    while kpb > 16 && rows * n_max.div_ceil(kpb) < 2 * sms {
-        kpb /= 2;
-    }
-    Some(kpb)
+    Some(keys_per_block(rows, n_max, indexer_fill() * sms))
+}
+
+/// Keys a block of the tensor-core indexer takes: the fewest (16, 32, 64, then multiples
+/// of 128, the 8 warps' 16 keys each, up to 1,024) whose grid fits the GPU's `places`
+/// block places in one wave; 512 where none does (a prefill's many rows, many waves
+/// anyway). A grid just past one wave pays a second round for a few blocks:
+/// the halving rule before gave a batch of 32 at an 8K context 288 blocks of 256 keys on
+/// 264 places, ~22 µs a CSA layer (flash-bench, H200).
+fn keys_per_block(rows: usize, n_max: usize, places: usize) -> usize {
+    [16, 32, 64]
+        .into_iter()
+        .chain((128..=1024).step_by(128))
+        .find(|&kpb| rows * n_max.div_ceil(kpb) <= places)
+        .unwrap_or(512)
 }
 
 /// Splits of the key axis: about enough blocks to fill `slots` block places when rows are
 /// few (a decode batch: a row's heads are only 2 tensor-core blocks or 4 SIMT ones), each
-/// split a whole number of `tile`-key tiles; one split when the rows alone fill the places.
-fn key_splits(slots: usize, blocks: usize, n_max: usize, tile: usize) -> (usize, usize) {
+/// split a whole number of `tile`-key tiles and at least `min_tiles` of them where a row
+/// has that many; one split when the rows alone fill the places.
+fn key_splits(slots: usize, blocks: usize, n_max: usize, tile: usize, min_tiles: usize) -> (usize, usize) {
     let want = slots / blocks.max(1);
-    let splits = want.clamp(1, n_max.div_ceil(tile).max(1));
+    let splits = want.clamp(1, (n_max.div_ceil(tile) / min_tiles.max(1)).max(1));
     let per = n_max.div_ceil(splits).div_ceil(tile) * tile;
     (n_max.div_ceil(per.max(1)).max(1), per.max(tile))
 }
@@ -414,15 +432,15 @@ pub(crate) fn attention(
     // Block places: the tensor-core kernels hold one block an SM (`attention_mma` 198
     // registers a thread; `attention_wg` 255 and ~225 KiB of shared memory), the SIMT
     // kernel aims for two.
-    let (hpb, slots, tile) = if wg {
-        (WG_HEADS, g.sms, WG_KEYS)
+    let (hpb, slots, tile, min_tiles) = if wg {
+        (WG_HEADS, g.sms, WG_KEYS, wg_split_tiles())
     } else if mma {
-        (MMA_HEADS_PER_BLOCK, g.sms, MMA_KEYS)
+        (MMA_HEADS_PER_BLOCK, g.sms, MMA_KEYS, 1)
     } else {
-        (ATT_HEADS_PER_BLOCK.min(heads), 2 * g.sms, ATT_T)
+        (ATT_HEADS_PER_BLOCK.min(heads), 2 * g.sms, ATT_T, 1)
     };
     let hgroups = heads.div_ceil(hpb);
-    let (splits, per) = key_splits(slots, rows * hgroups, n_max, tile);
+    let (splits, per) = key_splits(slots, rows * hgroups, n_max, tile, min_tiles);
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     // bf16 rows rotated back straight from `attention_wg` where one split holds each row;
     // otherwise f32 rows first (merged), then the `rope` launch and the rounding.
@@ -495,6 +513,27 @@ pub(crate) fn attention(
         g, function, launch_cfg, q, new_at, rings, pages, dp_pages, sel, sinks_at, pos, row_seq, seqs, out_at, part_at,
         geom, rope
     );
+    // A split output rotated back in bf16: the merge, the inverse RoPE and the rounding in
+    // one launch where a thread holds one value (`SLUICE_CUDA_ATT_MERGE_ROPE=0` runs three).
+    if let (Some(part), Some((_, at, rope))) = (&part, &rotated)
+        && merges_rotated(hd)
+    {
+        assert!(rope.dims() <= hd && rope.dims() % 2 == 0, "RoPE over {} of {hd} dims", rope.dims());
+        launch!(
+            g,
+            "attention_merge_rope_bf16",
+            cfg(((rows * heads) as u32, 1, 1), hd as u32, (4 * splits) as u32),
+            g.ptr(&part.mem),
+            g.ptr(&sinks.mem),
+            *at,
+            pos,
+            heads as i32,
+            hd as i32,
+            splits as i32,
+            RopeParams::new(rope)
+        );
+        return;
+    }
     if let Some(part) = &part {
         launch!(
             g,
@@ -514,6 +553,16 @@ pub(crate) fn attention(
         super::rows::rope(b, &mut f32_rows, heads, hd, &plan.positions, rope, true);
         super::cublas_bf16::round_rows(g, at, out_at, rows, heads * hd, heads * hd);
     }
+}
+
+/// Whether `attention_merge_rope_bf16` takes a split output rotated back in bf16: a
+/// thread a value (head_dim a multiple of 64, at most a block's 1,024 threads), so each
+/// rotated pair sits in neighbouring lanes. `SLUICE_CUDA_ATT_MERGE_ROPE=0` (read once)
+/// keeps `attention_merge`, `rope` and the rounding as three launches, to compare.
+fn merges_rotated(hd: usize) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("SLUICE_CUDA_ATT_MERGE_ROPE").map_or(true, |v| v != "0"));
+    on && hd.is_multiple_of(64) && hd <= 1024
 }
 
 /// Whether this layer's attention runs on the tensor cores: any batch (decode rows with
@@ -577,6 +626,15 @@ pub(crate) fn attention_kernel(
 fn wg_from_rows() -> usize {
     static ROWS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ROWS.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_FROM").unwrap_or(16))
+}
+
+/// Fewest key tiles an `attention_wg` split takes (`SLUICE_CUDA_ATT_WG_SPLIT_TILES`, read
+/// once; default 1). A block's row start (its q staged and normed) and end cost about what
+/// two to three tiles do, and a key split adds `attention_merge`, the `rope` launch and the
+/// output's rounding where one split writes the rotated bf16 rows itself.
+fn wg_split_tiles() -> usize {
+    static TILES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TILES.get_or_init(|| env_rows("SLUICE_CUDA_ATT_WG_SPLIT_TILES").unwrap_or(1).max(1))
 }
 
 /// Whether `attention_wg`'s two warpgroups split each key tile for q · Kᵀ and exchange the
@@ -650,7 +708,24 @@ pub(crate) fn store_window(
 
 #[cfg(test)]
 mod tests {
-    use super::{key_splits, scored_candidates};
+    use super::{key_splits, keys_per_block, scored_candidates};
+
+    #[test]
+    fn indexer_blocks_fit_one_wave() {
+        // 264 places (132 SMs, two blocks each), 2,304 candidates a row (an 8K context).
+        assert_eq!(keys_per_block(1, 2304, 264), 16);
+        assert_eq!(keys_per_block(8, 2304, 264), 128);
+        assert_eq!(keys_per_block(32, 2304, 264), 384);
+        assert_eq!(keys_per_block(64, 2304, 264), 640);
+        assert_eq!(keys_per_block(4096, 2304, 264), 512);
+        for rows in 1..200 {
+            for n in [64, 1000, 2304, 16384] {
+                let kpb = keys_per_block(rows, n, 264);
+                assert!(kpb == 512 || rows * n.div_ceil(kpb) <= 264, "{rows} rows of {n}: {kpb}");
+                assert!(kpb.is_multiple_of(16) && kpb <= 1024);
+            }
+        }
+    }
 
     #[test]
     fn scored_candidates_cover_every_entry_in_few_granules() {
@@ -672,26 +747,35 @@ mod tests {
     fn key_splits_fill_the_block_places_and_cover_every_key() {
         // Batch 1 with 2 blocks a row and 132 places, tiles of 16 keys: a CSA row of 128
         // window + 512 selected keys takes one tile a split, a window row 8 splits.
-        assert_eq!(key_splits(132, 2, 640, 16), (40, 16));
-        assert_eq!(key_splits(132, 2, 128, 16), (8, 16));
+        assert_eq!(key_splits(132, 2, 640, 16, 1), (40, 16));
+        assert_eq!(key_splits(132, 2, 128, 16, 1), (8, 16));
         // The tensor-core kernel's tiles of 32: half the splits, each one tile.
-        assert_eq!(key_splits(132, 2, 640, 32), (20, 32));
-        assert_eq!(key_splits(132, 2, 192, 32), (6, 32));
+        assert_eq!(key_splits(132, 2, 640, 32, 1), (20, 32));
+        assert_eq!(key_splits(132, 2, 192, 32, 1), (6, 32));
         // Batch 8: 16 blocks, so 8 splits; an HCA row of 192 keys in 6 of 32.
-        assert_eq!(key_splits(132, 16, 640, 16), (8, 80));
-        assert_eq!(key_splits(132, 16, 192, 16), (6, 32));
+        assert_eq!(key_splits(132, 16, 640, 16, 1), (8, 80));
+        assert_eq!(key_splits(132, 16, 192, 16, 1), (6, 32));
         // Rows that fill the places alone: one split over every key.
-        assert_eq!(key_splits(132, 2 * 64, 640, 16), (1, 640));
-        for (slots, tile) in [(132, 16), (264, 16), (132, 32)] {
+        assert_eq!(key_splits(132, 2 * 64, 640, 16, 1), (1, 640));
+        // Batch 32 of the warpgroup kernel (a block a row, tiles of 64): a CSA row of 640
+        // keys in 4 splits of 3 tiles, an HCA row of 192 in 3 of one tile; at least 2
+        // tiles a split, the HCA row whole; at least 3, the CSA row in 3 splits of 4.
+        assert_eq!(key_splits(132, 32, 640, 64, 1), (4, 192));
+        assert_eq!(key_splits(132, 32, 192, 64, 1), (3, 64));
+        assert_eq!(key_splits(132, 32, 640, 64, 2), (4, 192));
+        assert_eq!(key_splits(132, 32, 192, 64, 2), (1, 192));
+        assert_eq!(key_splits(132, 32, 640, 64, 3), (3, 256));
+        for (slots, tile) in [(132, 16), (264, 16), (132, 32), (132, 64)] {
             for blocks in [1, 2, 3, 16, 32, 131, 132, 500] {
                 for n in (1..3000).step_by(7) {
-                    let (splits, per) = key_splits(slots, blocks, n, tile);
-                    assert_eq!(per % tile, 0, "whole tiles ({slots}, {blocks}, {n})");
-                    assert!(
-                        splits * per >= n && (splits - 1) * per < n,
-                        "every split holds keys ({slots}, {blocks}, {n})"
-                    );
-                    assert!(splits == 1 || splits * blocks <= slots, "one round of places ({slots}, {blocks}, {n})");
+                    for min_tiles in [1, 2, 3, 5] {
+                        let (splits, per) = key_splits(slots, blocks, n, tile, min_tiles);
+                        let at = format!("({slots}, {blocks}, {n}, {min_tiles})");
+                        assert_eq!(per % tile, 0, "whole tiles {at}");
+                        assert!(splits * per >= n && (splits - 1) * per < n, "every split holds keys {at}");
+                        assert!(splits == 1 || splits * blocks <= slots, "one round of places {at}");
+                        assert!(splits == 1 || per >= min_tiles * tile, "at least {min_tiles} tiles a split {at}");
+                    }
                 }
             }
         }

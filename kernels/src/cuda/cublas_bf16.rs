@@ -292,7 +292,10 @@ pub(crate) fn swiglu_expert(
         return false;
     };
     let (inter, d) = (w1.rows, w1.cols);
-    let fits = (w3.rows, w3.cols) == (inter, d) && w2.cols == inter && rows <= STACKED_MAX_ROWS;
+    let fits = (w3.rows, w3.cols) == (inter, d)
+        && w2.cols == inter
+        && rows <= STACKED_MAX_ROWS
+        && inter.is_multiple_of(super::moe_cublas::SLOT_VEC);
     if !(fits && takes(rows, w1) && swiglu_expert_enabled() && gpu.activations == Activations::Split) {
         return false;
     }
@@ -319,14 +322,15 @@ pub(crate) fn swiglu_expert(
     launch!(
         gpu,
         "moe_slots_swiglu",
-        cfg_elems(rows * inter),
+        cfg_elems(rows * inter / super::moe_cublas::SLOT_VEC),
         gpu.ptr(&hs.buf),
         gate,
         gpu.ptr(&count),
         1i32,
         rows as i32,
         inter as i32,
-        limit
+        limit,
+        2i32
     );
     let down = Operand { x: 0, x_stride: inter, out: y, out_stride: w2.rows, rows, groups: 1 };
     product_of_split(gpu, &hs, down, w2);

@@ -488,7 +488,7 @@ pub(crate) fn hc_post_pre(
         launch!(
             g,
             name,
-            cfg((parts as u32, rows.div_ceil(per_block) as u32, 1), POST_MIX_THREADS, 0),
+            cfg((parts as u32, rows.div_ceil(per_block) as u32, 1), (POST_MIX_COLS * per_block) as u32, 0),
             g.ptr(&streams.mem),
             g.ptr(&out.mem),
             g.ptr(&post.mem),
@@ -633,20 +633,24 @@ const POST_MIX_HC: usize = 4;
 /// Columns of a row a `hc_post_mix` block takes (`HC_POST_MIX_COLS` in hc.cu), a thread
 /// each: V4's 4,096 make 64 blocks a row, each copying 24 KB of the f32 mixing weight.
 const POST_MIX_COLS: usize = 64;
-const POST_MIX_THREADS: u32 = POST_MIX_COLS as u32;
+/// Most rows a `hc_post_mix` block takes side by side (`HC_POST_MIX_ROWS_MAX`): 512 threads.
+const POST_MIX_ROWS_MAX: usize = 8;
 
 fn post_mix_parts(d: usize) -> usize {
     d / POST_MIX_COLS
 }
 
-/// Rows a `hc_post_mix` block takes from one copy of its weight slice: one up to 8 rows
-/// (every row its own block, as latency wants), past that enough for at most 8 groups of
-/// rows, so a batch of 32 copies the slices 8 times instead of 32.
+/// Rows a `hc_post_mix` block takes from one copy of its weight slice, side by side (64
+/// threads each): one up to 8 rows (every row its own block, as latency wants), past that
+/// enough for at most 8 groups of rows, so a batch of 32 copies the slices 8 times instead
+/// of 32.
 /// `SLUICE_CUDA_HC_POST_MIX_GROUP=1` (read once): one row a block always, to compare.
 fn post_mix_rows_per_block(rows: usize) -> usize {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let one = *ONE.get_or_init(|| std::env::var("SLUICE_CUDA_HC_POST_MIX_GROUP").is_ok_and(|v| v == "1"));
-    if one || rows <= 8 { 1 } else { rows.div_ceil(8) }
+    let per_block = if one || rows <= 8 { 1 } else { rows.div_ceil(8) };
+    assert!(per_block <= POST_MIX_ROWS_MAX, "hc_post_mix takes at most {} rows", 8 * POST_MIX_ROWS_MAX);
+    per_block
 }
 
 /// Most rows that take `hc_post_mix` (`SLUICE_CUDA_HC_POST_MIX_ROWS`, read once; 0 = never):
@@ -654,10 +658,11 @@ fn post_mix_rows_per_block(rows: usize) -> usize {
 /// (L2-resident) once a group of rows ([`post_mix_rows_per_block`]), so it is for
 /// decode-sized batches; there it still beat the three kernels it replaces (flash-bench on
 /// the H200, batch 16 / 32 / 64 1.45–1.49 → 1.41–1.44, 1.69–1.70 → 1.67–1.68, 2.15–2.18 →
-/// 2.08–2.11 ms a step; it was 8 before, docs/perf.md).
+/// 2.08–2.11 ms a step; it was 8 before, docs/perf.md). At most 64: 8 groups of
+/// [`POST_MIX_ROWS_MAX`] rows.
 fn post_mix_max_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(64))
+    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(64).min(8 * POST_MIX_ROWS_MAX))
 }
 
 pub(crate) fn hc_post(

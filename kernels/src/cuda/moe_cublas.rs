@@ -3,14 +3,15 @@
 //! The tensor-core gemv launches (`tcmoe_*`) take an expert's rows 8 at a time and stream
 //! every active expert again for each 8; on `flash-bench` (8 BF16 experts, top 2) they
 //! were 25% of a batch-32 step's kernel time at ~1 TB/s. Here each expert gets a slot of
-//! R rows (R: the most rows any expert can receive), its routed rows gathered there as
-//! split bf16 activations (hi rows over lo rows, the same ~16 bits as the other paths),
-//! and one `cublasGemmBatchedEx` over all experts does a projection, each expert's
-//! weight streamed once: gate and up in one call (2·n_exp products), the SwiGLU and the
-//! split of h in one kernel, the down products in a second call, then the halves summed
-//! into the list order the combine kernels read. Experts nobody chose are multiplied too
-//! (their slots are zero), so this path is for batches whose top-k choices can cover
-//! every expert ([`slot_rows`]).
+//! R rows (R: the most rows any expert can receive), its routed rows gathered there in
+//! bf16 — rounded once with bf16 activations (the reference's), as split activations
+//! (hi rows over lo rows, the same ~16 bits as the other paths) otherwise — and one
+//! `cublasGemmBatchedEx` over all experts does a projection, each expert's weight
+//! streamed once: gate and up in one call (2·n_exp products), the SwiGLU and the
+//! rounding (or split) of h in one kernel, the down products in a second call, then the
+//! rows (or the halves summed) into the list order the combine kernels read. Experts
+//! nobody chose are multiplied too (their slots are zero), so this path is for batches
+//! whose top-k choices can cover every expert ([`slot_rows`]).
 //!
 //! `SLUICE_CUDA_CUBLAS_EXPERTS=0` (read once) keeps the tensor-core gemv launches (and,
 //! for prefill-sized batches, the grouped `gemm_bf16` tiles instead of one cuBLAS product
@@ -20,11 +21,16 @@ use super::CudaBackend;
 use super::blas_op::BlasOp;
 use super::memory::{CudaBuf, WeightData};
 use super::runtime::{Gpu, cfg_elems, launch};
+use crate::Activations;
 use crate::backend::MoeWeights;
 
 /// Most slot rows over all experts (n_exp · R): bounds the slots' memory and the work
 /// spent on padding.
 const MAX_SLOT_ROWS: usize = 8192;
+
+/// Columns a thread of the slot kernels takes (`SLOT_VEC` in moe_slots.cu): the experts'
+/// widths must be multiples of it.
+pub(crate) const SLOT_VEC: usize = 4;
 
 pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -39,12 +45,14 @@ pub(crate) fn enabled() -> bool {
 const MIN_ROWS: usize = 9;
 
 /// The slot height R when a decode batch of `rows` rows whose experts receive at most
-/// `most` rows each takes this path: BF16 experts, at least [`MIN_ROWS`] rows, top-k
-/// choices that can reach every expert (`rows · k ≥ n_exp`, so streaming all of them is
-/// no waste on average) and at most [`MAX_SLOT_ROWS`] slot rows.
+/// `most` rows each takes this path: BF16 experts (widths multiples of [`SLOT_VEC`]), at
+/// least [`MIN_ROWS`] rows, top-k choices that can reach every expert (`rows · k ≥
+/// n_exp`, so streaming all of them is no waste on average) and at most
+/// [`MAX_SLOT_ROWS`] slot rows.
 pub(crate) fn slot_rows(rows: usize, most: usize, w: &MoeWeights<CudaBackend>) -> Option<usize> {
     let n_exp = w.experts.len();
-    let fits = rows >= MIN_ROWS && rows * w.top_k >= n_exp && n_exp * most <= MAX_SLOT_ROWS && most > 0;
+    let widths = w.experts.first().is_some_and(|e| e.w1.cols % SLOT_VEC == 0 && e.w1.rows % SLOT_VEC == 0);
+    let fits = rows >= MIN_ROWS && rows * w.top_k >= n_exp && n_exp * most <= MAX_SLOT_ROWS && most > 0 && widths;
     (enabled() && bf16_experts(w) && fits).then_some(most)
 }
 
@@ -80,12 +88,15 @@ pub(crate) fn experts(
         WeightData::Bf16(s) => g.ptr(s),
         _ => unreachable!("slot_rows admits BF16 experts only"),
     };
-    let xs = g.alloc::<u16>(n_exp * 2 * r * d);
-    let (xs_at, slot_x) = (g.ptr(&xs), (2 * r * d * 2) as u64);
+    // Slot rows of an expert: its R rows in bf16, or their hi rows over their lo rows.
+    let halves = if g.activations == Activations::Bf16 { 1 } else { 2 };
+    let hr = halves * r;
+    let xs = g.alloc::<u16>(n_exp * hr * d);
+    let (xs_at, slot_x) = (g.ptr(&xs), (hr * d * 2) as u64);
     launch!(
         g,
         "moe_slots_split",
-        cfg_elems(n_exp * r * d),
+        cfg_elems(n_exp * r * d / SLOT_VEC),
         xs_at,
         g.ptr(&x.mem),
         lists.counts,
@@ -93,50 +104,53 @@ pub(crate) fn experts(
         lists.rows,
         n_exp as i32,
         r as i32,
-        d as i32
+        d as i32,
+        halves as i32
     );
-    // Gate products, then up products: [2][n_exp, 2R, inter] f32.
-    let gu = g.alloc::<f32>(2 * n_exp * 2 * r * inter);
-    let (gu_at, slot_gu) = (g.ptr(&gu), (2 * r * inter * 4) as u64);
+    // Gate products, then up products: [2][n_exp, halves·R, inter] f32.
+    let gu = g.alloc::<f32>(2 * n_exp * hr * inter);
+    let (gu_at, slot_gu) = (g.ptr(&gu), (hr * inter * 4) as u64);
     let mut table: Vec<u64> = Vec::with_capacity(9 * n_exp);
     table.extend(w.experts.iter().map(|e| ptr(&e.w1)).chain(w.experts.iter().map(|e| ptr(&e.w3))));
     table.extend((0..2 * n_exp).map(|i| xs_at + (i % n_exp) as u64 * slot_x));
     table.extend((0..2 * n_exp).map(|i| gu_at + i as u64 * slot_gu));
-    let hs = g.alloc::<u16>(n_exp * 2 * r * inter);
-    let ys = g.alloc::<f32>(n_exp * 2 * r * d);
-    let (hs_at, slot_h) = (g.ptr(&hs), (2 * r * inter * 2) as u64);
-    let (ys_at, slot_y) = (g.ptr(&ys), (2 * r * d * 4) as u64);
+    let hs = g.alloc::<u16>(n_exp * hr * inter);
+    let ys = g.alloc::<f32>(n_exp * hr * d);
+    let (hs_at, slot_h) = (g.ptr(&hs), (hr * inter * 2) as u64);
+    let (ys_at, slot_y) = (g.ptr(&ys), (hr * d * 4) as u64);
     table.extend(w.experts.iter().map(|e| ptr(&e.w2)));
     table.extend((0..n_exp).map(|i| hs_at + i as u64 * slot_h));
     table.extend((0..n_exp).map(|i| ys_at + i as u64 * slot_y));
     let (t, _upload) = super::chunked_products::address_table(g, &table);
     let at = |i: usize| t + 8 * i as u64;
-    batched(g, [at(0), at(2 * n_exp), at(4 * n_exp)], (inter, 2 * r, d), 2 * n_exp);
+    batched(g, [at(0), at(2 * n_exp), at(4 * n_exp)], (inter, hr, d), 2 * n_exp);
     launch!(
         g,
         "moe_slots_swiglu",
-        cfg_elems(n_exp * r * inter),
+        cfg_elems(n_exp * r * inter / SLOT_VEC),
         hs_at,
         gu_at,
         lists.counts,
         n_exp as i32,
         r as i32,
         inter as i32,
-        w.swiglu_limit
+        w.swiglu_limit,
+        halves as i32
     );
-    batched(g, [at(6 * n_exp), at(7 * n_exp), at(8 * n_exp)], (d, 2 * r, inter), n_exp);
+    batched(g, [at(6 * n_exp), at(7 * n_exp), at(8 * n_exp)], (d, hr, inter), n_exp);
     let y = b.alloc_buf(n * d);
     launch!(
         g,
         "moe_slots_out",
-        cfg_elems(n_exp * r * d),
+        cfg_elems(n_exp * r * d / SLOT_VEC),
         g.ptr(&y.mem),
         ys_at,
         lists.counts,
         lists.offsets,
         n_exp as i32,
         r as i32,
-        d as i32
+        d as i32,
+        halves as i32
     );
     y
 }

@@ -186,6 +186,7 @@ const KERNELS: &[&str] = &[
     "topk_gather",
     "attention",
     "attention_merge",
+    "attention_merge_rope_bf16",
     "attention_mma",
     "attention_wg",
     "attention_wg_whole",

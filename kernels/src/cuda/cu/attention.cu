@@ -206,18 +206,17 @@ extern "C" __global__ void __launch_bounds__(512)
 }
 
 // One block per (row, head): merge the splits' partials with the sink. The first warp
-// takes the maximum and the denominator over the splits (lane-strided, then a warp
-// reduction: a fixed order) and leaves each split's factor in shared memory
-// (`splits` floats of dynamic shared memory), so the outputs' loops load partials only;
-// every thread walking the splits for the maximum, the denominator and again per output
-// with an exp each was ~25 µs at 40 splits.
-extern "C" __global__ void attention_merge(const float* part, const float* sinks, float* out, int heads, int hd,
-                                           int splits) {
-    pdl_begin();
-    extern __shared__ float factor[];
+// takes the maximum and the denominator over the splits and leaves each split's factor in
+// shared memory (`splits` floats of dynamic shared memory), so the outputs' loops load
+// partials only; every thread walking the splits for the maximum, the denominator and
+// again per output with an exp each was ~25 µs at 40 splits.
+//
+// The splits' factors (the first warp: the maximum and the denominator over the splits,
+// lane-strided, then a warp reduction — a fixed order) into `factor`, the denominator
+// returned to every thread.
+__device__ __forceinline__ float merge_factors(const float* pp, const float* sinks, int h, int hd, int splits,
+                                               float* factor) {
     __shared__ float den_s;
-    const int rh = blockIdx.x, h = rh % heads;
-    const float* pp = part + (long long)rh * splits * (hd + 2);
     if (threadIdx.x < WARP) {
         const float sink = sinks[h];
         float mx = sink;
@@ -233,13 +232,50 @@ extern "C" __global__ void attention_merge(const float* part, const float* sinks
         if (threadIdx.x == 0) den_s = den + expf(sink - mx);
     }
     __syncthreads();
-    const float den = den_s;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        float v = 0.0f;
+    return den_s;
+}
+
+// Output value d of a (row, head) from its splits' partials.
+__device__ __forceinline__ float merge_value(const float* pp, const float* factor, int hd, int splits, int d,
+                                            float den) {
+    float v = 0.0f;
 #pragma unroll 8
-        for (int sp = 0; sp < splits; sp++) v += pp[sp * (hd + 2) + d] * factor[sp];
-        out[(long long)rh * hd + d] = v / den;
+    for (int sp = 0; sp < splits; sp++) v += pp[sp * (hd + 2) + d] * factor[sp];
+    return v / den;
+}
+
+extern "C" __global__ void attention_merge(const float* part, const float* sinks, float* out, int heads, int hd,
+                                           int splits) {
+    pdl_begin();
+    extern __shared__ float factor[];
+    const int rh = blockIdx.x, h = rh % heads;
+    const float* pp = part + (long long)rh * splits * (hd + 2);
+    const float den = merge_factors(pp, sinks, h, hd, splits, factor);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) out[(long long)rh * hd + d] = merge_value(pp, factor, hd, splits, d, den);
+}
+
+// attention_merge, then the output's RoPE undone on the head's last 2·pairs values (the
+// `rope` kernel's rotation, inverse) and the values rounded to bf16 (`round_rows`): the
+// three launches a key-split `attention_wg` output took, in one, with the same bits. A
+// thread a value (blockDim = hd, a multiple of 64), so a pair's two values are neighbouring
+// lanes of one warp.
+extern "C" __global__ void attention_merge_rope_bf16(const float* part, const float* sinks, u16* out,
+                                                     const u32* positions, int heads, int hd, int splits,
+                                                     RopeParams p) {
+    pdl_begin();
+    extern __shared__ float factor[];
+    const int rh = blockIdx.x, h = rh % heads, d = threadIdx.x;
+    const float* pp = part + (long long)rh * splits * (hd + 2);
+    const float den = merge_factors(pp, sinks, h, hd, splits, factor);
+    float v = merge_value(pp, factor, hd, splits, d, den);
+    const float other = __shfl_xor_sync(0xffffffffu, v, 1);
+    const int j = (d - (hd - 2 * p.pairs)) >> 1;
+    if (j >= 0) {
+        float a = d & 1 ? other : v, b = d & 1 ? v : other;
+        rope_pair(&a, &b, (float)positions[rh / heads], p.inv_freq[j], p.attention_factor, true);
+        v = d & 1 ? b : a;
     }
+    out[(long long)rh * hd + d] = f2bf(v);
 }
 
 // Window ring update: each sequence's last `window` rows of new_kv go to slot p % window.

@@ -427,9 +427,14 @@ extern "C" __global__ void __launch_bounds__(256) mix_rows_bf16(float* out, cons
 // over the row where hc_post, the mixing product and hc_pre_finish's sum of squares took
 // three (docs/cuda.md "What runs where").
 #define HC_POST_MIX_COLS 64
-// Block (part, g) takes rows g·per_block .. of `rows`, one after another, from the one
-// copy of its weight slice: at one row a block a batch of 32 rows copied the 24 KB slices
-// 32 times (48 MB from L2, ~11 µs a launch on the H200); each row's sums are the same.
+// Most rows a block takes (hc.rs: `post_mix_rows_per_block`): 512 threads.
+#define HC_POST_MIX_ROWS_MAX 8
+// Block (part, g) takes rows g·per_block .. of `rows` side by side, 64 threads (two warps)
+// a row, from the one copy of its weight slice: at one row a block a batch of 32 rows
+// copied the 24 KB slices 32 times (48 MB from L2, ~11 µs a launch on the H200), and a
+// block walking its rows one after another paid each row's load-to-store chain and two
+// block barriers in turn (~10 µs a launch at 4 rows a block). Each row's sums are the same
+// either way.
 template <int WT, int HC>
 __device__ void hc_post_mix_body(float* __restrict__ streams, const float* __restrict__ out,
                                  const float* __restrict__ post, const float* __restrict__ comb, int d,
@@ -441,73 +446,74 @@ __device__ void hc_post_mix_body(float* __restrict__ streams, const float* __res
     constexpr int PIECES = HC_POST_MIX_COLS * ELEM / 16;  // 16-byte copies a (logit, stream) row
     __shared__ __align__(16) unsigned char wsm[N * HC * HC_POST_MIX_COLS * ELEM];
     const int part = blockIdx.x, parts = gridDim.x;
-    const int x0 = part * HC_POST_MIX_COLS, tx = threadIdx.x;
+    const int x0 = part * HC_POST_MIX_COLS, tx = threadIdx.x % HC_POST_MIX_COLS;
     const long long K = (long long)HC * d;
     const unsigned char* wb = (const unsigned char*)w;
-    for (int c = tx; c < N * HC * PIECES; c += blockDim.x) {
+    for (int c = threadIdx.x; c < N * HC * PIECES; c += blockDim.x) {
         const int nk = c / PIECES, piece = c % PIECES, n = nk / HC, k = nk % HC;
         const long long col = n * K + (long long)k * d + x0;
         cp_async<16>(smem_addr(wsm + (nk * HC_POST_MIX_COLS * ELEM + piece * 16)), wb + col * ELEM + piece * 16);
     }
     cp_async_commit();
-    __shared__ float red[32][HC_MIX_SLOTS];
-    const int r_end = min(rows, (blockIdx.y + 1) * per_block);
-    for (int r = blockIdx.y * per_block; r < r_end; r++) {
-        float acc[HC_MIX_SLOTS];
+    __shared__ float red[HC_POST_MIX_ROWS_MAX * HC_POST_MIX_COLS / 32][HC_MIX_SLOTS];
+    const int r = blockIdx.y * per_block + threadIdx.x / HC_POST_MIX_COLS;
+    const bool live = r < rows;
+    float acc[HC_MIX_SLOTS];
 #pragma unroll
-        for (int n = 0; n < HC_MIX_SLOTS; n++) acc[n] = 0.0f;
-        float* s = streams + (long long)r * HC * d;
-        const int x = x0 + tx;
-        float v[HC];
-        if (tx < HC_POST_MIX_COLS) {
-            float old[HC];
+    for (int n = 0; n < HC_MIX_SLOTS; n++) acc[n] = 0.0f;
+    float* s = streams + (long long)r * HC * d;
+    const int x = x0 + tx;
+    float v[HC];
+    if (live) {
+        float old[HC];
 #pragma unroll
-            for (int j = 0; j < HC; j++) old[j] = s[j * d + x];
-            const float o = out[(long long)r * d + x];
-            const float* pr = post + r * HC;
-            const float* cr = comb + r * HC * HC;
+        for (int j = 0; j < HC; j++) old[j] = s[j * d + x];
+        const float o = out[(long long)r * d + x];
+        const float* pr = post + r * HC;
+        const float* cr = comb + r * HC * HC;
+#pragma unroll
+        for (int k = 0; k < HC; k++) {
+            v[k] = hc_post_value(pr[k], o, cr + k, HC, old, HC);
+            acc[HC_SUMSQ_SLOT] += v[k] * v[k];
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    if (live) {
+#pragma unroll
+        for (int n = 0; n < N; n++)
 #pragma unroll
             for (int k = 0; k < HC; k++) {
-                v[k] = hc_post_value(pr[k], o, cr + k, HC, old, HC);
-                acc[HC_SUMSQ_SLOT] += v[k] * v[k];
+                const int at = (n * HC + k) * HC_POST_MIX_COLS + tx;
+                const float wv = WT == 0 ? ((const float*)wsm)[at] : bf2f(((const u16*)wsm)[at]);
+                acc[n] += wv * v[k];
             }
-        }
-        cp_async_wait<0>();
-        __syncthreads();
-        if (tx < HC_POST_MIX_COLS) {
 #pragma unroll
-            for (int n = 0; n < N; n++)
+        for (int k = 0; k < HC; k++) s[k * d + x] = v[k];
+    }
+    // The warp's 32 sums: lane L ends with slot L's (the base of 32 values is the lane).
+    const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
+    warp_fold_sums<HC_MIX_SLOTS>(acc, lane);
+    red[wp][lane] = acc[0];
+    __syncthreads();
+    // The row's first warp adds its warps' sums in warp order.
+    constexpr int ROW_WARPS = HC_POST_MIX_COLS / 32;
+    if (live && tx < HC_MIX_SLOTS) {
+        float sum = 0.0f;
 #pragma unroll
-                for (int k = 0; k < HC; k++) {
-                    const int at = (n * HC + k) * HC_POST_MIX_COLS + tx;
-                    const float wv = WT == 0 ? ((const float*)wsm)[at] : bf2f(((const u16*)wsm)[at]);
-                    acc[n] += wv * v[k];
-                }
-#pragma unroll
-            for (int k = 0; k < HC; k++) s[k * d + x] = v[k];
-        }
-        // The warp's 32 sums: lane L ends with slot L's (the base of 32 values is the lane).
-        const int lane = threadIdx.x & 31, wp = threadIdx.x >> 5;
-        warp_fold_sums<HC_MIX_SLOTS>(acc, lane);
-        red[wp][lane] = acc[0];
-        __syncthreads();
-        if (threadIdx.x < HC_MIX_SLOTS) {
-            float sum = 0.0f;
-            for (int q = 0; q < (int)(blockDim.x >> 5); q++) sum += red[q][threadIdx.x];
-            partials[((long long)r * parts + part) * HC_MIX_SLOTS + threadIdx.x] = sum;
-        }
-        __syncthreads();  // red is read before the next row writes it
+        for (int q = 0; q < ROW_WARPS; q++) sum += red[wp + q][tx];
+        partials[((long long)r * parts + part) * HC_MIX_SLOTS + tx] = sum;
     }
 }
 
 // V4's four streams (24 logits); other hc take hc_post and hc_pre apart.
-extern "C" __global__ void __launch_bounds__(64) hc_post_mix_f32(float* streams, const float* out, const float* post,
+extern "C" __global__ void __launch_bounds__(HC_POST_MIX_ROWS_MAX * HC_POST_MIX_COLS) hc_post_mix_f32(float* streams, const float* out, const float* post,
                                                                   const float* comb, int d, const void* w,
                                                                   float* partials, int rows, int per_block) {
     pdl_begin();
     hc_post_mix_body<0, 4>(streams, out, post, comb, d, w, partials, rows, per_block);
 }
-extern "C" __global__ void __launch_bounds__(64) hc_post_mix_bf16(float* streams, const float* out, const float* post,
+extern "C" __global__ void __launch_bounds__(HC_POST_MIX_ROWS_MAX * HC_POST_MIX_COLS) hc_post_mix_bf16(float* streams, const float* out, const float* post,
                                                                    const float* comb, int d, const void* w,
                                                                    float* partials, int rows, int per_block) {
     pdl_begin();
