@@ -538,9 +538,8 @@ pub(crate) fn experts_routed_on_device(
     // list positions, for the combine.)
     let segs = seg_rows.map(|_| g.alloc::<i32>(4 * n + 1));
     let lists = segs.as_ref().map(|s| SegmentLists::new(list_rows, list_widx, g.ptr(s), n));
-    // Without segments, batches past the one-kernel combine still want each row's list
-    // positions: the lists kernel writes them as it fills the lists (a `moe_positions`
-    // launch fewer on the chain, ~4 µs a layer at batch 32).
+    // Without segments, batches past the one-kernel combine take each row's list positions
+    // from the lists kernel too (no `moe_positions` launch: ~4 µs a layer at batch 32).
     let row_positions = (seg_rows.is_none() && rows > GEMV_MAX_ROWS).then(|| g.alloc::<i32>(n));
     let (segs_ptr, seg_rows, pos_ptr) = match (&lists, seg_rows) {
         (Some(l), Some(r)) => (l.segs, r as i32, l.pos),
@@ -705,8 +704,7 @@ fn most_rows_per_expert(rows: usize, tokens: &[u32], w: &MoeWeights<CudaBackend>
 }
 
 /// out[r] = Σ of row r's routed outputs (`y[n, d]` in list order) times their weights, in
-/// list order: one kernel up to 8 rows, through each row's positions above (`pos`, the
-/// lists kernel's, or 0: `moe_positions` finds them).
+/// list order: one kernel up to 8 rows, else through each row's positions (`pos`; 0: `moe_positions`).
 fn combine(
     b: &CudaBackend,
     y: &CudaBuf,
@@ -738,13 +736,12 @@ fn combine(
         );
         return;
     }
-    if pos != 0 {
-        combine_in_list_order(b, y, (rows, k, d), (pos, list_widx), weights, out, shared);
-        return;
+    let found = (pos == 0).then(|| g.alloc::<i32>(n));
+    if let Some(f) = &found {
+        launch!(g, "moe_positions", cfg_elems(rows), g.ptr(f), list_rows, n as i32, rows as i32, k as i32);
     }
-    let found = g.alloc::<i32>(n);
-    launch!(g, "moe_positions", cfg_elems(rows), g.ptr(&found), list_rows, n as i32, rows as i32, k as i32);
-    combine_in_list_order(b, y, (rows, k, d), (g.ptr(&found), list_widx), weights, out, shared);
+    let pos = found.as_ref().map_or(pos, |f| g.ptr(f));
+    combine_in_list_order(b, y, (rows, k, d), (pos, list_widx), weights, out, shared);
 }
 
 /// Whether a batch's router product and shared expert share one bf16 rounding of the
