@@ -444,12 +444,15 @@ pub(crate) fn attention(
     let part = if splits > 1 { Some(b.alloc_buf(rows * heads * splits * (hd + 2))) } else { None };
     // bf16 rows rotated back straight from `attention_wg` where one split holds each row;
     // otherwise f32 rows first (merged), then the `rope` launch and the rounding.
-    let (out_at, out_rope, rotated) = match out {
-        AttnOut::F32(o) => (g.ptr(&o.mem), None, None),
-        AttnOut::Bf16Rotated { at, rope } if wg && splits == 1 => (at, Some(rope), None),
+    // Split keys leave the kernel's output in `part` alone, so where the merge also rotates
+    // and rounds (`merged`) no f32 rows are made and the kernel gets no output address.
+    let (out_at, out_rope, rotated, merged) = match out {
+        AttnOut::F32(o) => (g.ptr(&o.mem), None, None, None),
+        AttnOut::Bf16Rotated { at, rope } if wg && splits == 1 => (at, Some(rope), None, None),
+        AttnOut::Bf16Rotated { at, rope } if splits > 1 && merges_rotated(hd) => (0, None, None, Some((at, rope))),
         AttnOut::Bf16Rotated { at, rope } => {
             let f32_rows = b.alloc_buf(rows * heads * hd);
-            (g.ptr(&f32_rows.mem), None, Some((f32_rows, at, rope)))
+            (g.ptr(&f32_rows.mem), None, Some((f32_rows, at, rope)), None)
         }
     };
     let new_bf16 = new_bf16.then(|| {
@@ -515,9 +518,7 @@ pub(crate) fn attention(
     );
     // A split output rotated back in bf16: the merge, the inverse RoPE and the rounding in
     // one launch where a thread holds one value (`SLUICE_CUDA_ATT_MERGE_ROPE=0` runs three).
-    if let (Some(part), Some((_, at, rope))) = (&part, &rotated)
-        && merges_rotated(hd)
-    {
+    if let (Some(part), Some((at, rope))) = (&part, merged) {
         assert!(rope.dims() <= hd && rope.dims() % 2 == 0, "RoPE over {} of {hd} dims", rope.dims());
         launch!(
             g,
@@ -525,7 +526,7 @@ pub(crate) fn attention(
             cfg(((rows * heads) as u32, 1, 1), hd as u32, (4 * splits) as u32),
             g.ptr(&part.mem),
             g.ptr(&sinks.mem),
-            *at,
+            at,
             pos,
             heads as i32,
             hd as i32,

@@ -635,6 +635,8 @@ const POST_MIX_HC: usize = 4;
 const POST_MIX_COLS: usize = 64;
 /// Most rows a `hc_post_mix` block takes side by side (`HC_POST_MIX_ROWS_MAX`): 512 threads.
 const POST_MIX_ROWS_MAX: usize = 8;
+/// Groups of rows past one row a block: each copies the weight slices once.
+const POST_MIX_GROUPS: usize = 8;
 
 fn post_mix_parts(d: usize) -> usize {
     d / POST_MIX_COLS
@@ -648,8 +650,8 @@ fn post_mix_parts(d: usize) -> usize {
 fn post_mix_rows_per_block(rows: usize) -> usize {
     static ONE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let one = *ONE.get_or_init(|| std::env::var("SLUICE_CUDA_HC_POST_MIX_GROUP").is_ok_and(|v| v == "1"));
-    let per_block = if one || rows <= 8 { 1 } else { rows.div_ceil(8) };
-    assert!(per_block <= POST_MIX_ROWS_MAX, "hc_post_mix takes at most {} rows", 8 * POST_MIX_ROWS_MAX);
+    let per_block = if one || rows <= POST_MIX_GROUPS { 1 } else { rows.div_ceil(POST_MIX_GROUPS) };
+    assert!(per_block <= POST_MIX_ROWS_MAX, "hc_post_mix takes at most {} rows", POST_MIX_GROUPS * POST_MIX_ROWS_MAX);
     per_block
 }
 
@@ -658,11 +660,12 @@ fn post_mix_rows_per_block(rows: usize) -> usize {
 /// (L2-resident) once a group of rows ([`post_mix_rows_per_block`]), so it is for
 /// decode-sized batches; there it still beat the three kernels it replaces (flash-bench on
 /// the H200, batch 16 / 32 / 64 1.45–1.49 → 1.41–1.44, 1.69–1.70 → 1.67–1.68, 2.15–2.18 →
-/// 2.08–2.11 ms a step; it was 8 before, docs/perf.md). At most 64: 8 groups of
-/// [`POST_MIX_ROWS_MAX`] rows.
+/// 2.08–2.11 ms a step; it was 8 before, docs/perf.md). At most 64: [`POST_MIX_GROUPS`]
+/// groups of [`POST_MIX_ROWS_MAX`] rows.
 fn post_mix_max_rows() -> usize {
     static ONCE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ONCE.get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(64).min(8 * POST_MIX_ROWS_MAX))
+    *ONCE
+        .get_or_init(|| env_rows("SLUICE_CUDA_HC_POST_MIX_ROWS").unwrap_or(64).min(POST_MIX_GROUPS * POST_MIX_ROWS_MAX))
 }
 
 pub(crate) fn hc_post(
